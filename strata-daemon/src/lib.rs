@@ -1,1 +1,15 @@
+//! Strata: an inference engine for Mixture-of-Experts language models whose
+//! experts do not all fit in VRAM (see `DESIGN.md`).
+//!
+//! Modules: [`gguf`] (file format), [`quant`] (GGML block formats and CPU
+//! kernels), [`model`] (architectures, tokenizer, chat template),
+//! [`compute`] (backends), [`engine`] (decode loop, sampler, requests),
+//! [`service`] (gRPC control plane).
+#![warn(missing_docs)]
 
+pub mod compute;
+pub mod engine;
+pub mod gguf;
+pub mod model;
+pub mod quant;
+pub mod service;

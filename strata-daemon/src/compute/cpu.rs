@@ -1,0 +1,124 @@
+//! CPU backend: matrix products over a worker pool.
+//!
+//! A weight matrix is `rows` rows of `cols` elements in one GGML format (GGML
+//! order: each row contiguous). Activations ([`Act`]) are `t` token rows of
+//! `cols` f32 values, quantized once to [`BlockQ8`] for the 8-bit-dot formats.
+//! Work is split over output rows; each task walks its rows for all tokens so
+//! a block of weights stays in cache across the tokens of a prefill chunk.
+
+use rayon::prelude::*;
+
+use crate::quant::{dot_q8, quantize_q8, vec_dot_f32_row, BlockQ8, GgmlType};
+
+/// A weight matrix view: `rows` × `cols` elements of `ty` in `data`
+/// (`data.len() == rows * ty.row_bytes(cols)`).
+#[derive(Clone, Copy)]
+pub struct MatRef<'a> {
+    /// Raw bytes.
+    pub data: &'a [u8],
+    /// Format.
+    pub ty: GgmlType,
+    /// Output rows.
+    pub rows: usize,
+    /// Input columns (elements per row).
+    pub cols: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.cols)
+    }
+    /// Row `r`'s bytes.
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let rb = self.row_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+}
+
+/// Activations: `t` rows of `n` f32 values and their 8-bit quantization.
+#[derive(Default, Clone)]
+pub struct Act {
+    /// Tokens (rows).
+    pub t: usize,
+    /// Values per row.
+    pub n: usize,
+    /// `t * n` values, row-major.
+    pub f: Vec<f32>,
+    /// `t * n / 32` blocks (valid after [`Act::quantize`]).
+    pub q: Vec<BlockQ8>,
+}
+
+impl Act {
+    /// Sets the shape (contents unspecified until written).
+    pub fn resize(&mut self, t: usize, n: usize) {
+        self.t = t;
+        self.n = n;
+        self.f.resize(t * n, 0.0);
+    }
+    /// Row `i` of the f32 values.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.f[i * self.n..(i + 1) * self.n]
+    }
+    /// Quantizes every row to 8-bit blocks (`n` must be a multiple of 32).
+    pub fn quantize(&mut self) {
+        let nb = self.n / 32;
+        self.q.resize(self.t * nb, BlockQ8::default());
+        if self.n % 32 != 0 {
+            return;
+        }
+        quantize_q8(&self.f, &mut self.q);
+    }
+    /// Row `i` of the quantized blocks.
+    pub fn qrow(&self, i: usize) -> &[BlockQ8] {
+        let nb = self.n / 32;
+        &self.q[i * nb..(i + 1) * nb]
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: tasks write disjoint index sets (distinct output rows) through this pointer.
+unsafe impl Send for SyncPtr {}
+// SAFETY: as above; no two tasks touch the same element.
+unsafe impl Sync for SyncPtr {}
+
+/// `out[t * w.rows + r] = Σ_c w[r, c] * x[t, c]` for every token `t` and row `r`.
+///
+/// `x` must have `x.n == w.cols` and, for Q8_0/Q4_0/Q4_1 weights, be quantized.
+/// Runs on the current rayon pool.
+pub fn matmul(w: MatRef<'_>, x: &Act, out: &mut [f32]) {
+    assert_eq!(x.n, w.cols, "matmul: activation width {} != matrix cols {}", x.n, w.cols);
+    assert!(out.len() >= x.t * w.rows);
+    let rows = w.rows;
+    let t = x.t;
+    let q8 = w.ty.uses_q8_activations();
+    if q8 {
+        assert_eq!(x.q.len(), x.t * x.n / 32, "matmul: activations not quantized");
+    }
+    let threads = rayon::current_num_threads().max(1);
+    // Enough chunks to balance, each big enough to amortize task overhead.
+    let min_rows = (4096 / w.cols.max(1)).clamp(4, 256);
+    let chunk = rows.div_ceil(threads * 4).max(min_rows).min(rows.max(1));
+    let n_chunks = rows.div_ceil(chunk);
+    let ptr = SyncPtr(out.as_mut_ptr());
+    let body = |ci: usize| {
+        let p = ptr;
+        let r0 = ci * chunk;
+        let r1 = (r0 + chunk).min(rows);
+        for ti in 0..t {
+            for r in r0..r1 {
+                let row = w.row(r);
+                let v = if q8 { dot_q8(w.ty, row, x.qrow(ti)) } else { vec_dot_f32_row(w.ty, row, x.row(ti)) };
+                // SAFETY: ti < t and r < rows, so the index is inside `out` (asserted above);
+                // each (ti, r) is written by exactly one task (r ranges are disjoint).
+                unsafe { *p.0.add(ti * rows + r) = v };
+            }
+        }
+    };
+    if n_chunks <= 1 || threads == 1 {
+        (0..n_chunks).for_each(body);
+    } else {
+        (0..n_chunks).into_par_iter().for_each(body);
+    }
+}

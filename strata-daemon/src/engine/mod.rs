@@ -1,0 +1,1 @@
+//! Decode loop, sampler, request queue and counters.

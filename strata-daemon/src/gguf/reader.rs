@@ -1,0 +1,316 @@
+//! GGUF reader over memmap2. Every offset and size is checked against the file
+//! length before it is used; errors name the key or tensor.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use super::value::{Value, ValueType};
+use super::{GgufError, DEFAULT_ALIGNMENT};
+use crate::quant::GgmlType;
+
+/// One tensor's description from the GGUF tensor-info section.
+#[derive(Debug, Clone)]
+pub struct TensorInfo {
+    /// Tensor name as in GGUF (e.g. `blk.0.attn_q.weight`).
+    pub name: String,
+    /// Dimensions in GGML order: `dims[0]` is the contiguous (row) length.
+    pub dims: Vec<u64>,
+    /// Element / block format.
+    pub ggml_type: GgmlType,
+    /// Offset of the data from the start of the file, in bytes.
+    pub file_offset: u64,
+    /// Size of the data in bytes.
+    pub size_bytes: u64,
+}
+
+impl TensorInfo {
+    /// Number of elements (product of the dimensions).
+    pub fn n_elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+    /// Row length (`dims[0]`), in elements.
+    pub fn row_len(&self) -> usize {
+        self.dims[0] as usize
+    }
+    /// Number of rows (product of `dims[1..]`).
+    pub fn n_rows(&self) -> usize {
+        self.dims[1..].iter().product::<u64>() as usize
+    }
+}
+
+/// A GGUF file mapped in memory with its metadata and tensor infos decoded.
+pub struct GgufFile {
+    path: PathBuf,
+    mmap: Mmap,
+    /// GGUF version (2 or 3).
+    pub version: u32,
+    /// Metadata in file order.
+    pub metadata: Vec<(String, Value)>,
+    meta_index: HashMap<String, usize>,
+    /// Tensor infos in file order.
+    pub tensors: Vec<TensorInfo>,
+    tensor_index: HashMap<String, usize>,
+    /// Alignment of the data section in bytes (`general.alignment`, default 32).
+    pub alignment: u64,
+    /// Offset of the tensor data section from the start of the file, in bytes.
+    pub data_offset: u64,
+}
+
+struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: u64,
+}
+
+impl<'a> Cursor<'a> {
+    fn len(&self) -> u64 {
+        self.buf.len() as u64
+    }
+    fn take(&mut self, n: u64, what: &dyn Fn() -> String) -> Result<&'a [u8], GgufError> {
+        let end = self.pos.checked_add(n).ok_or_else(|| GgufError::BadSize { what: what(), value: n })?;
+        if end > self.len() {
+            return Err(GgufError::Truncated { what: what(), offset: self.pos, end, len: self.len() });
+        }
+        let s = &self.buf[self.pos as usize..end as usize];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u32(&mut self, what: &dyn Fn() -> String) -> Result<u32, GgufError> {
+        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().unwrap()))
+    }
+    fn u64(&mut self, what: &dyn Fn() -> String) -> Result<u64, GgufError> {
+        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().unwrap()))
+    }
+    fn string(&mut self, what: &dyn Fn() -> String) -> Result<String, GgufError> {
+        let n = self.u64(what)?;
+        let bytes = self.take(n, what)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| GgufError::BadString { what: what() })
+    }
+    fn value(&mut self, t: ValueType, key: &str, depth: u32) -> Result<Value, GgufError> {
+        let w = || format!("metadata key {key:?}");
+        Ok(match t {
+            ValueType::U8 => Value::U8(self.take(1, &w)?[0]),
+            ValueType::I8 => Value::I8(self.take(1, &w)?[0] as i8),
+            ValueType::U16 => Value::U16(u16::from_le_bytes(self.take(2, &w)?.try_into().unwrap())),
+            ValueType::I16 => Value::I16(i16::from_le_bytes(self.take(2, &w)?.try_into().unwrap())),
+            ValueType::U32 => Value::U32(self.u32(&w)?),
+            ValueType::I32 => Value::I32(self.u32(&w)? as i32),
+            ValueType::F32 => Value::F32(f32::from_bits(self.u32(&w)?)),
+            ValueType::Bool => Value::Bool(self.take(1, &w)?[0] != 0),
+            ValueType::String => Value::String(self.string(&w)?),
+            ValueType::U64 => Value::U64(self.u64(&w)?),
+            ValueType::I64 => Value::I64(self.u64(&w)? as i64),
+            ValueType::F64 => Value::F64(f64::from_bits(self.u64(&w)?)),
+            ValueType::Array => {
+                if depth > 4 {
+                    return Err(GgufError::BadSize { what: format!("metadata key {key:?}: array nesting"), value: depth as u64 });
+                }
+                let et_raw = self.u32(&w)?;
+                let et = ValueType::from_u32(et_raw)
+                    .ok_or_else(|| GgufError::UnknownValueType { key: key.to_string(), type_id: et_raw })?;
+                let n = self.u64(&w)?;
+                // Every element takes at least one byte: a count past the rest of the file is corrupt.
+                if n > self.len() - self.pos {
+                    return Err(GgufError::BadSize { what: format!("metadata key {key:?}: array length"), value: n });
+                }
+                let mut v = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    v.push(self.value(et, key, depth + 1)?);
+                }
+                Value::Array(et, v)
+            }
+        })
+    }
+}
+
+impl GgufFile {
+    /// Opens and maps `path`, decoding the header, metadata and tensor infos.
+    ///
+    /// Errors: [`GgufError`] for I/O failures, a bad magic or version, a
+    /// truncated file, unknown value or tensor types, or tensors whose data
+    /// lies outside the file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
+        let path = path.as_ref().to_path_buf();
+        let io = |source| GgufError::Io { path: path.display().to_string(), source };
+        let file = File::open(&path).map_err(io)?;
+        // SAFETY: the file is mapped read-only; strata never writes model files while
+        // they are mapped. A concurrent external truncation could fault, as with any mmap reader.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
+        Self::parse(path, mmap)
+    }
+
+    fn parse(path: PathBuf, mmap: Mmap) -> Result<Self, GgufError> {
+        let mut c = Cursor { buf: &mmap[..], pos: 0 };
+        let magic: [u8; 4] = c.take(4, &|| "magic".into())?.try_into().unwrap();
+        if &magic != b"GGUF" {
+            return Err(GgufError::BadMagic(magic));
+        }
+        let version = c.u32(&|| "version".into())?;
+        if !(2..=3).contains(&version) {
+            return Err(GgufError::UnsupportedVersion(version));
+        }
+        let n_tensors = c.u64(&|| "tensor count".into())?;
+        let n_kv = c.u64(&|| "metadata count".into())?;
+        // A tensor info or key/value takes at least 8 bytes.
+        for (what, n) in [("tensor count", n_tensors), ("metadata count", n_kv)] {
+            if n > c.len() / 8 {
+                return Err(GgufError::BadSize { what: what.into(), value: n });
+            }
+        }
+        let mut metadata = Vec::with_capacity(n_kv as usize);
+        let mut meta_index = HashMap::new();
+        for i in 0..n_kv {
+            let key = c.string(&|| format!("metadata key #{i}"))?;
+            let t_raw = c.u32(&|| format!("metadata key {key:?} type"))?;
+            let t = ValueType::from_u32(t_raw)
+                .ok_or_else(|| GgufError::UnknownValueType { key: key.clone(), type_id: t_raw })?;
+            let v = c.value(t, &key, 0)?;
+            meta_index.insert(key.clone(), metadata.len());
+            metadata.push((key, v));
+        }
+        let alignment = match meta_index.get("general.alignment").map(|&i| &metadata[i].1) {
+            None => DEFAULT_ALIGNMENT,
+            Some(v) => match v.as_u64() {
+                Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
+                _ => return Err(GgufError::BadSize { what: "general.alignment".into(), value: v.as_u64().unwrap_or(0) }),
+            },
+        };
+        let mut raw = Vec::with_capacity(n_tensors as usize);
+        for i in 0..n_tensors {
+            let name = c.string(&|| format!("tensor info #{i}"))?;
+            let w = || format!("tensor {name:?} info");
+            let n_dims = c.u32(&w)?;
+            if n_dims == 0 || n_dims > 4 {
+                return Err(GgufError::BadTensor { tensor: name, reason: format!("{n_dims} dimensions (expected 1..=4)") });
+            }
+            let mut dims = Vec::with_capacity(n_dims as usize);
+            for _ in 0..n_dims {
+                dims.push(c.u64(&w)?);
+            }
+            let type_id = c.u32(&w)?;
+            let offset = c.u64(&w)?;
+            raw.push((name, dims, type_id, offset));
+        }
+        let data_offset = c.pos.div_ceil(alignment) * alignment;
+        let file_len = c.len();
+        if data_offset > file_len && n_tensors > 0 {
+            return Err(GgufError::Truncated { what: "tensor data section".into(), offset: c.pos, end: data_offset, len: file_len });
+        }
+        let mut tensors = Vec::with_capacity(raw.len());
+        let mut tensor_index = HashMap::new();
+        for (name, dims, type_id, offset) in raw {
+            let ggml_type = GgmlType::from_u32(type_id)
+                .ok_or_else(|| GgufError::UnsupportedTensorType { tensor: name.clone(), type_id })?;
+            let n_el = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+            let n_el = n_el.ok_or_else(|| GgufError::BadTensor { tensor: name.clone(), reason: format!("dimensions {dims:?} overflow") })?;
+            let bs = ggml_type.block_size() as u64;
+            if dims[0] % bs != 0 {
+                return Err(GgufError::BadTensor {
+                    tensor: name,
+                    reason: format!("row length {} is not a multiple of the {:?} block size {}", dims[0], ggml_type, bs),
+                });
+            }
+            let size_bytes = n_el / bs * ggml_type.type_size() as u64;
+            if offset % alignment != 0 {
+                return Err(GgufError::BadTensor { tensor: name, reason: format!("offset {offset} is not aligned to {alignment}") });
+            }
+            let start = data_offset.checked_add(offset);
+            let end = start.and_then(|s| s.checked_add(size_bytes));
+            match (start, end) {
+                (Some(s), Some(e)) if e <= file_len => {
+                    tensor_index.insert(name.clone(), tensors.len());
+                    tensors.push(TensorInfo { name, dims, ggml_type, file_offset: s, size_bytes });
+                }
+                _ => {
+                    return Err(GgufError::Truncated {
+                        what: format!("tensor {name:?} data"),
+                        offset: data_offset.saturating_add(offset),
+                        end: data_offset.saturating_add(offset).saturating_add(size_bytes),
+                        len: file_len,
+                    })
+                }
+            }
+        }
+        Ok(GgufFile { path, mmap, version, metadata, meta_index, tensors, tensor_index, alignment, data_offset })
+    }
+
+    /// Path the file was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// File length in bytes.
+    pub fn file_len(&self) -> u64 {
+        self.mmap.len() as u64
+    }
+
+    /// The whole mapped file.
+    pub fn bytes(&self) -> &[u8] {
+        &self.mmap[..]
+    }
+
+    /// A metadata value, if present.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.meta_index.get(key).map(|&i| &self.metadata[i].1)
+    }
+
+    fn req(&self, key: &str) -> Result<&Value, GgufError> {
+        self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))
+    }
+
+    fn wrong(key: &str, expected: &'static str, v: &Value) -> GgufError {
+        GgufError::WrongType { key: key.to_string(), expected, found: v.type_name() }
+    }
+
+    /// A required non-negative integer key. Errors: missing key or wrong type.
+    pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
+        let v = self.req(key)?;
+        v.as_u64().ok_or_else(|| Self::wrong(key, "unsigned integer", v))
+    }
+
+    /// A required integer key that must fit in u32.
+    pub fn get_u32(&self, key: &str) -> Result<u32, GgufError> {
+        let v = self.get_u64(key)?;
+        u32::try_from(v).map_err(|_| GgufError::BadSize { what: key.to_string(), value: v })
+    }
+
+    /// A required float (or integer) key.
+    pub fn get_f64(&self, key: &str) -> Result<f64, GgufError> {
+        let v = self.req(key)?;
+        v.as_f64().ok_or_else(|| Self::wrong(key, "number", v))
+    }
+
+    /// A required string key.
+    pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
+        let v = self.req(key)?;
+        v.as_str().ok_or_else(|| Self::wrong(key, "string", v))
+    }
+
+    /// A required array key.
+    pub fn get_array(&self, key: &str) -> Result<&[Value], GgufError> {
+        let v = self.req(key)?;
+        v.as_array().ok_or_else(|| Self::wrong(key, "array", v))
+    }
+
+    /// The architecture name (`general.architecture`).
+    pub fn architecture(&self) -> Result<&str, GgufError> {
+        self.get_str("general.architecture")
+    }
+
+    /// A tensor's info, if present.
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensor_index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// A required tensor's info.
+    pub fn require_tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
+        self.tensor(name).ok_or_else(|| GgufError::MissingTensor(name.to_string()))
+    }
+
+    /// A tensor's bytes (bounds were checked at open).
+    pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
+        &self.mmap[t.file_offset as usize..(t.file_offset + t.size_bytes) as usize]
+    }
+}

@@ -1,0 +1,164 @@
+//! Hyper-parameters read from GGUF metadata (`{arch}.*` keys, as written by
+//! llama.cpp's `convert_hf_to_gguf.py`). Nothing is hard-coded for one model.
+
+use crate::gguf::{GgufError, GgufFile};
+use crate::quant::{GgmlType, QuantError};
+
+/// Architectures this build can run.
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
+
+/// Errors from loading a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The GGUF container is bad.
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    /// `general.architecture` names an architecture this build cannot run.
+    #[error("unsupported architecture {0:?} (supported: {list})", list = SUPPORTED_ARCHITECTURES.join(", "))]
+    UnsupportedArchitecture(String),
+    /// A tensor has a format this build cannot compute with.
+    #[error("tensor {tensor:?}: unsupported tensor type {ty:?} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
+    UnsupportedTensorType {
+        /// Tensor name.
+        tensor: String,
+        /// Its format.
+        ty: GgmlType,
+    },
+    /// A tensor's shape disagrees with the hyper-parameters.
+    #[error("tensor {tensor:?}: shape {found:?}, expected {expected:?}")]
+    BadShape {
+        /// Tensor name.
+        tensor: String,
+        /// Shape in the file (GGML order).
+        found: Vec<u64>,
+        /// Shape expected from the metadata.
+        expected: Vec<u64>,
+    },
+    /// A hyper-parameter is inconsistent.
+    #[error("bad hyper-parameter: {0}")]
+    BadHyperParameter(String),
+    /// Tokenizer metadata is missing or inconsistent.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// Quant kernel error.
+    #[error(transparent)]
+    Quant(#[from] QuantError),
+}
+
+/// Hyper-parameters of a llama-family model (dense or Mixtral-style MoE).
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    /// `general.architecture`.
+    pub arch: String,
+    /// `general.name` (empty if absent).
+    pub name: String,
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Hidden size (`embedding_length`).
+    pub n_embd: usize,
+    /// Dense FFN width (`feed_forward_length`).
+    pub n_ff: usize,
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads (grouped-query attention; `n_head % n_head_kv == 0`).
+    pub n_head_kv: usize,
+    /// Per-head dimension (`attention.key_length`, default `n_embd / n_head`).
+    pub head_dim: usize,
+    /// Rotated dimensions per head (`rope.dimension_count`, default `head_dim`).
+    pub n_rot: usize,
+    /// RoPE base frequency (`rope.freq_base`, default 10000).
+    pub rope_freq_base: f32,
+    /// RoPE position scale (1 / `rope.scaling.factor` for linear scaling, else 1).
+    pub rope_freq_scale: f32,
+    /// RMSNorm epsilon (`attention.layer_norm_rms_epsilon`).
+    pub rms_eps: f32,
+    /// Training context length in tokens (`context_length`).
+    pub n_ctx_train: usize,
+    /// Vocabulary size (length of `tokenizer.ggml.tokens`).
+    pub n_vocab: usize,
+    /// Routed experts per layer (`expert_count`; 0 = dense).
+    pub n_expert: usize,
+    /// Experts selected per token (`expert_used_count`, the top-k).
+    pub n_expert_used: usize,
+    /// Expert FFN width (`expert_feed_forward_length`, default `n_ff`).
+    pub n_ff_exp: usize,
+}
+
+impl ModelConfig {
+    /// Reads the hyper-parameters. Errors: unsupported architecture, missing
+    /// keys, inconsistent values.
+    pub fn from_gguf(f: &GgufFile) -> Result<Self, ModelError> {
+        let arch = f.architecture()?.to_string();
+        if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
+            return Err(ModelError::UnsupportedArchitecture(arch));
+        }
+        let k = |s: &str| format!("{arch}.{s}");
+        let opt_u = |s: &str| -> Result<Option<usize>, GgufError> {
+            match f.get(&k(s)) {
+                None => Ok(None),
+                Some(_) => Ok(Some(f.get_u32(&k(s))? as usize)),
+            }
+        };
+        let opt_f = |s: &str| -> Result<Option<f32>, GgufError> {
+            match f.get(&k(s)) {
+                None => Ok(None),
+                Some(_) => Ok(Some(f.get_f64(&k(s))? as f32)),
+            }
+        };
+        let n_layer = f.get_u32(&k("block_count"))? as usize;
+        let n_embd = f.get_u32(&k("embedding_length"))? as usize;
+        let n_head = f.get_u32(&k("attention.head_count"))? as usize;
+        let n_head_kv = opt_u("attention.head_count_kv")?.unwrap_or(n_head);
+        let n_ff = opt_u("feed_forward_length")?.unwrap_or(0);
+        let n_expert = opt_u("expert_count")?.unwrap_or(0);
+        let n_expert_used = opt_u("expert_used_count")?.unwrap_or(0);
+        let n_ff_exp = opt_u("expert_feed_forward_length")?.unwrap_or(n_ff);
+        let bad = |m: String| Err(ModelError::BadHyperParameter(m));
+        if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 {
+            return bad(format!("block_count {n_layer}, embedding_length {n_embd}, head_count {n_head}, head_count_kv {n_head_kv} must be > 0"));
+        }
+        if n_head % n_head_kv != 0 {
+            return bad(format!("head_count {n_head} is not a multiple of head_count_kv {n_head_kv}"));
+        }
+        let head_dim = opt_u("attention.key_length")?.unwrap_or(n_embd / n_head);
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return bad(format!("head dimension {head_dim} must be even and > 0"));
+        }
+        let n_rot = opt_u("rope.dimension_count")?.unwrap_or(head_dim);
+        if n_rot > head_dim || n_rot % 2 != 0 {
+            return bad(format!("rope.dimension_count {n_rot} must be even and <= head dimension {head_dim}"));
+        }
+        if n_expert > 0 && (n_expert_used == 0 || n_expert_used > n_expert) {
+            return bad(format!("expert_used_count {n_expert_used} must be in 1..={n_expert}"));
+        }
+        if n_expert == 0 && n_ff == 0 {
+            return bad("feed_forward_length is missing for a dense model".into());
+        }
+        let rope_freq_scale = match (f.get(&k("rope.scaling.type")).and_then(|v| v.as_str()), opt_f("rope.scaling.factor")?) {
+            (Some("linear"), Some(fac)) if fac > 0.0 => 1.0 / fac,
+            (Some("none") | None, _) => 1.0,
+            (Some(t), _) if t != "linear" => return bad(format!("rope.scaling.type {t:?} is not supported (supported: none, linear)")),
+            _ => 1.0,
+        };
+        let n_vocab = f.get_array("tokenizer.ggml.tokens")?.len();
+        Ok(ModelConfig {
+            name: f.get("general.name").and_then(|v| v.as_str()).unwrap_or("").to_string(),
+            n_layer,
+            n_embd,
+            n_ff,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_rot,
+            rope_freq_base: opt_f("rope.freq_base")?.unwrap_or(10000.0),
+            rope_freq_scale,
+            rms_eps: opt_f("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5),
+            n_ctx_train: opt_u("context_length")?.unwrap_or(2048),
+            n_vocab,
+            n_expert,
+            n_expert_used,
+            n_ff_exp,
+            arch,
+        })
+    }
+}

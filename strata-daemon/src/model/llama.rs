@@ -1,0 +1,479 @@
+//! The `llama` architecture, dense or with Mixtral-style experts.
+//!
+//! Per block (names as in GGUF): `attn_norm` (RMSNorm) → `attn_q/k/v` →
+//! RoPE (adjacent-pair "normal" mode, as llama.cpp uses for `llama`) →
+//! grouped-query causal attention over the KV cache → `attn_output` →
+//! residual; `ffn_norm` → FFN → residual. Dense FFN: `down(silu(gate x) * up x)`.
+//! MoE FFN: router `ffn_gate_inp` logits → softmax → top-k → weights
+//! renormalised to sum 1 → Σ_k w_k · expert_k(x), expert e's matrices being
+//! slice e of `ffn_{gate,up,down}_exps` (`[n_embd, n_ff_exp, n_expert]` for
+//! gate/up, `[n_ff_exp, n_embd, n_expert]` for down). Then `output_norm` and
+//! `output` (or `token_embd` when the output is tied).
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::config::{ModelConfig, ModelError};
+use super::kv::KvCache;
+use crate::compute::cpu::{matmul, Act, MatRef};
+use crate::gguf::{GgufFile, TensorInfo};
+use crate::quant::{dequantize_row, GgmlType};
+
+/// A weight tensor located in the mapped file: byte range, format and 2-D shape.
+#[derive(Debug, Clone)]
+pub struct Weight {
+    /// GGUF tensor name.
+    pub name: String,
+    /// Format.
+    pub ty: GgmlType,
+    /// Byte offset in the file.
+    pub offset: usize,
+    /// Rows (`dims[1] * dims[2]...`).
+    pub rows: usize,
+    /// Columns (`dims[0]`).
+    pub cols: usize,
+}
+
+impl Weight {
+    fn bytes(&self) -> usize {
+        self.rows * self.ty.row_bytes(self.cols)
+    }
+}
+
+/// Experts of one MoE layer.
+#[derive(Debug, Clone)]
+pub struct ExpertWeights {
+    /// Router `ffn_gate_inp`: `n_expert` rows of `n_embd`.
+    pub router: Weight,
+    /// `ffn_gate_exps`: `n_expert * n_ff_exp` rows of `n_embd`.
+    pub gate: Weight,
+    /// `ffn_up_exps`: `n_expert * n_ff_exp` rows of `n_embd`.
+    pub up: Weight,
+    /// `ffn_down_exps`: `n_expert * n_embd` rows of `n_ff_exp`.
+    pub down: Weight,
+}
+
+/// The FFN of a block.
+#[derive(Debug, Clone)]
+pub enum Ffn {
+    /// `ffn_gate`, `ffn_up` (`n_ff` rows of `n_embd`), `ffn_down` (`n_embd` rows of `n_ff`).
+    Dense {
+        /// gate
+        gate: Weight,
+        /// up
+        up: Weight,
+        /// down
+        down: Weight,
+    },
+    /// Routed experts.
+    Moe(ExpertWeights),
+}
+
+/// One transformer block's weights.
+#[derive(Debug, Clone)]
+pub struct Block {
+    attn_norm: Vec<f32>,
+    q: Weight,
+    k: Weight,
+    v: Weight,
+    o: Weight,
+    ffn_norm: Vec<f32>,
+    /// The block's FFN.
+    pub ffn: Ffn,
+}
+
+/// Which logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only for the last token of the chunk.
+    Last,
+    /// For every token of the chunk.
+    All,
+}
+
+/// A loaded llama-family model over a mapped GGUF file.
+pub struct LlamaModel {
+    /// The file (tensor data is read in place from the mapping).
+    pub file: Arc<GgufFile>,
+    /// Hyper-parameters.
+    pub cfg: ModelConfig,
+    tok_embd: Weight,
+    /// Transformer blocks.
+    pub blocks: Vec<Block>,
+    out_norm: Vec<f32>,
+    output: Weight,
+}
+
+/// Scratch buffers of one forward pass, reused across calls.
+#[derive(Default)]
+pub struct Scratch {
+    x: Vec<f32>,
+    xn: Act,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Act,
+    tmp: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    h: Act,
+    rope: Vec<(f32, f32)>,
+}
+
+fn weight(f: &GgufFile, name: &str, cfg_check: Option<&[u64]>) -> Result<Weight, ModelError> {
+    let t: &TensorInfo = f.require_tensor(name)?;
+    if !t.ggml_type.is_supported() {
+        return Err(ModelError::UnsupportedTensorType { tensor: name.to_string(), ty: t.ggml_type });
+    }
+    if let Some(exp) = cfg_check {
+        if t.dims != exp {
+            return Err(ModelError::BadShape { tensor: name.to_string(), found: t.dims.clone(), expected: exp.to_vec() });
+        }
+    }
+    Ok(Weight { name: name.to_string(), ty: t.ggml_type, offset: t.file_offset as usize, rows: t.n_rows(), cols: t.row_len() })
+}
+
+fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
+    let w = weight(f, name, Some(&[n as u64]))?;
+    let mut out = vec![0f32; n];
+    dequantize_row(w.ty, &f.bytes()[w.offset..w.offset + w.bytes()], &mut out)?;
+    Ok(out)
+}
+
+impl LlamaModel {
+    /// Loads the model from an opened GGUF file. Errors: unsupported
+    /// architecture or tensor type, missing tensors, shapes that disagree
+    /// with the metadata.
+    pub fn load(file: Arc<GgufFile>) -> Result<Self, ModelError> {
+        let cfg = ModelConfig::from_gguf(&file)?;
+        let f = &*file;
+        let (e, kvd) = (cfg.n_embd as u64, (cfg.n_head_kv * cfg.head_dim) as u64);
+        let qd = (cfg.n_head * cfg.head_dim) as u64;
+        let nv = cfg.n_vocab as u64;
+        let tok_embd = weight(f, "token_embd.weight", Some(&[e, nv]))?;
+        let output = match f.tensor("output.weight") {
+            Some(_) => weight(f, "output.weight", Some(&[e, nv]))?,
+            None => tok_embd.clone(),
+        };
+        let mut blocks = Vec::with_capacity(cfg.n_layer);
+        for l in 0..cfg.n_layer {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let ffn = if cfg.n_expert > 0 {
+                let (ne, ff) = (cfg.n_expert as u64, cfg.n_ff_exp as u64);
+                Ffn::Moe(ExpertWeights {
+                    router: weight(f, &n("ffn_gate_inp"), Some(&[e, ne]))?,
+                    gate: weight(f, &n("ffn_gate_exps"), Some(&[e, ff, ne]))?,
+                    up: weight(f, &n("ffn_up_exps"), Some(&[e, ff, ne]))?,
+                    down: weight(f, &n("ffn_down_exps"), Some(&[ff, e, ne]))?,
+                })
+            } else {
+                let ff = cfg.n_ff as u64;
+                Ffn::Dense {
+                    gate: weight(f, &n("ffn_gate"), Some(&[e, ff]))?,
+                    up: weight(f, &n("ffn_up"), Some(&[e, ff]))?,
+                    down: weight(f, &n("ffn_down"), Some(&[ff, e]))?,
+                }
+            };
+            blocks.push(Block {
+                attn_norm: vector(f, &n("attn_norm"), cfg.n_embd)?,
+                q: weight(f, &n("attn_q"), Some(&[e, qd]))?,
+                k: weight(f, &n("attn_k"), Some(&[e, kvd]))?,
+                v: weight(f, &n("attn_v"), Some(&[e, kvd]))?,
+                o: weight(f, &n("attn_output"), Some(&[qd, e]))?,
+                ffn_norm: vector(f, &n("ffn_norm"), cfg.n_embd)?,
+                ffn,
+            });
+        }
+        let out_norm = vector(f, "output_norm.weight", cfg.n_embd)?;
+        if cfg.n_embd % 32 != 0 || cfg.n_ff % 32 != 0 || cfg.n_ff_exp % 32 != 0 || qd % 32 != 0 {
+            return Err(ModelError::BadHyperParameter("embedding and FFN widths must be multiples of 32".into()));
+        }
+        Ok(LlamaModel { file, cfg, tok_embd, blocks, out_norm, output })
+    }
+
+    /// Number of parameters (elements of every tensor).
+    pub fn n_params(&self) -> u64 {
+        self.file.tensors.iter().map(|t| t.n_elements()).sum()
+    }
+
+    /// The most common tensor format among matrices (e.g. Q4_1).
+    pub fn file_type(&self) -> GgmlType {
+        let mut counts = std::collections::HashMap::new();
+        for t in &self.file.tensors {
+            if t.dims.len() >= 2 {
+                *counts.entry(t.ggml_type).or_insert(0u64) += t.size_bytes;
+            }
+        }
+        counts.into_iter().max_by_key(|(_, n)| *n).map(|(t, _)| t).unwrap_or(GgmlType::F32)
+    }
+
+    /// A new KV cache for `n_ctx` positions.
+    pub fn new_kv(&self, n_ctx: usize) -> KvCache {
+        KvCache::new(self.cfg.n_layer, n_ctx, self.cfg.n_head_kv * self.cfg.head_dim)
+    }
+
+    fn mat(&self, w: &Weight) -> MatRef<'_> {
+        MatRef { data: &self.file.bytes()[w.offset..w.offset + w.bytes()], ty: w.ty, rows: w.rows, cols: w.cols }
+    }
+
+    /// Runs `tokens` (a prefill chunk or one decode token) at positions
+    /// `kv.len ..`, appending their K/V to `kv`, and returns logits
+    /// (`n_vocab` per returned token, row-major). Must run inside the rayon
+    /// pool that should do the work. Panics if the chunk overflows the cache
+    /// (callers check `kv.len + tokens.len() <= kv.n_ctx`).
+    pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, which: Logits, s: &mut Scratch) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let t = tokens.len();
+        let pos0 = kv.len;
+        assert!(pos0 + t <= kv.n_ctx, "KV cache overflow");
+        let e = cfg.n_embd;
+        // Embeddings.
+        s.x.resize(t * e, 0.0);
+        let emb = self.mat(&self.tok_embd);
+        for (i, &tok) in tokens.iter().enumerate() {
+            let tok = (tok as usize).min(cfg.n_vocab - 1);
+            dequantize_row(emb.ty, emb.row(tok), &mut s.x[i * e..(i + 1) * e]).expect("embedding row");
+        }
+        self.rope_table(pos0, t, &mut s.rope);
+        for (l, b) in self.blocks.iter().enumerate() {
+            self.attention(l, b, t, pos0, kv, s);
+            self.ffn(b, t, s);
+        }
+        kv.len = pos0 + t;
+        // Output.
+        let rows: Vec<usize> = match which {
+            Logits::Last => vec![t - 1],
+            Logits::All => (0..t).collect(),
+        };
+        s.xn.resize(rows.len(), e);
+        for (j, &i) in rows.iter().enumerate() {
+            rms_norm(&s.x[i * e..(i + 1) * e], &self.out_norm, cfg.rms_eps, &mut s.xn.f[j * e..(j + 1) * e]);
+        }
+        s.xn.quantize();
+        let mut logits = vec![0f32; rows.len() * cfg.n_vocab];
+        matmul(self.mat(&self.output), &s.xn, &mut logits);
+        logits
+    }
+
+    fn rope_table(&self, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
+        let half = self.cfg.n_rot / 2;
+        out.clear();
+        let theta_scale = self.cfg.rope_freq_base.powf(-2.0 / self.cfg.n_rot as f32);
+        for p in pos0..pos0 + t {
+            let mut theta = p as f32 * self.cfg.rope_freq_scale;
+            for _ in 0..half {
+                out.push((theta.cos(), theta.sin()));
+                theta *= theta_scale;
+            }
+        }
+    }
+
+    fn attention(&self, l: usize, b: &Block, t: usize, pos0: usize, kv: &mut KvCache, s: &mut Scratch) {
+        let cfg = &self.cfg;
+        let (e, hd) = (cfg.n_embd, cfg.head_dim);
+        let (nh, nkv) = (cfg.n_head, cfg.n_head_kv);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        s.xn.resize(t, e);
+        for i in 0..t {
+            rms_norm(&s.x[i * e..(i + 1) * e], &b.attn_norm, cfg.rms_eps, &mut s.xn.f[i * e..(i + 1) * e]);
+        }
+        s.xn.quantize();
+        s.q.resize(t * qd, 0.0);
+        s.k.resize(t * kvd, 0.0);
+        s.v.resize(t * kvd, 0.0);
+        matmul(self.mat(&b.q), &s.xn, &mut s.q);
+        matmul(self.mat(&b.k), &s.xn, &mut s.k);
+        matmul(self.mat(&b.v), &s.xn, &mut s.v);
+        let half = cfg.n_rot / 2;
+        for i in 0..t {
+            let cs = &s.rope[i * half..(i + 1) * half];
+            for h in 0..nh {
+                rope(&mut s.q[i * qd + h * hd..i * qd + (h + 1) * hd], cs);
+            }
+            for h in 0..nkv {
+                rope(&mut s.k[i * kvd + h * hd..i * kvd + (h + 1) * hd], cs);
+            }
+            kv.store(l, pos0 + i, &s.k[i * kvd..(i + 1) * kvd], &s.v[i * kvd..(i + 1) * kvd]);
+        }
+        // Queries are rounded to f16 as llama.cpp does for its F16 K cache.
+        for v in s.q.iter_mut() {
+            *v = half::f16::from_f32(*v).to_f32();
+        }
+        let n_all = pos0 + t;
+        let keys = kv.keys(l, n_all);
+        let vals = kv.values(l, n_all);
+        s.attn.resize(t, qd);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let group = nh / nkv;
+        let q = &s.q;
+        s.attn.f.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
+            let (i, h) = (idx / nh, idx % nh);
+            let kh = h / group;
+            let qv = &q[i * qd + h * hd..i * qd + (h + 1) * hd];
+            let n = pos0 + i + 1; // causal: positions 0..=pos0+i
+            let mut scores = Vec::with_capacity(n);
+            let mut mx = f32::NEG_INFINITY;
+            for p in 0..n {
+                let kvec = &keys[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
+                let d: f32 = qv.iter().zip(kvec).map(|(a, b)| a * b).sum::<f32>() * scale;
+                mx = mx.max(d);
+                scores.push(d);
+            }
+            let mut sum = 0f32;
+            for sc in scores.iter_mut() {
+                *sc = (*sc - mx).exp();
+                sum += *sc;
+            }
+            let inv = 1.0 / sum;
+            out.fill(0.0);
+            for (p, &w) in scores.iter().enumerate() {
+                let vv = &vals[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
+                let w = w * inv;
+                for (o, x) in out.iter_mut().zip(vv) {
+                    *o += w * x;
+                }
+            }
+        });
+        s.attn.quantize();
+        s.tmp.resize(t * e, 0.0);
+        matmul(self.mat(&b.o), &s.attn, &mut s.tmp);
+        for (x, d) in s.x.iter_mut().zip(&s.tmp) {
+            *x += d;
+        }
+    }
+
+    fn ffn(&self, b: &Block, t: usize, s: &mut Scratch) {
+        let cfg = &self.cfg;
+        let e = cfg.n_embd;
+        s.xn.resize(t, e);
+        for i in 0..t {
+            rms_norm(&s.x[i * e..(i + 1) * e], &b.ffn_norm, cfg.rms_eps, &mut s.xn.f[i * e..(i + 1) * e]);
+        }
+        s.xn.quantize();
+        match &b.ffn {
+            Ffn::Dense { gate, up, down } => {
+                let ff = gate.rows;
+                s.gate.resize(t * ff, 0.0);
+                s.up.resize(t * ff, 0.0);
+                matmul(self.mat(gate), &s.xn, &mut s.gate);
+                matmul(self.mat(up), &s.xn, &mut s.up);
+                s.h.resize(t, ff);
+                for ((h, g), u) in s.h.f.iter_mut().zip(&s.gate).zip(&s.up) {
+                    *h = silu(*g) * u;
+                }
+                s.h.quantize();
+                s.tmp.resize(t * e, 0.0);
+                matmul(self.mat(down), &s.h, &mut s.tmp);
+                for (x, d) in s.x.iter_mut().zip(&s.tmp) {
+                    *x += d;
+                }
+            }
+            Ffn::Moe(ex) => self.moe(ex, t, s),
+        }
+    }
+
+    /// Router: softmax over experts, top-k, renormalised. Returns per token
+    /// `k` pairs `(expert, weight)` in rank order.
+    pub fn route(&self, router_logits: &[f32], t: usize) -> Vec<Vec<(usize, f32)>> {
+        let ne = self.cfg.n_expert;
+        let k = self.cfg.n_expert_used;
+        (0..t)
+            .map(|i| {
+                let lg = &router_logits[i * ne..(i + 1) * ne];
+                let mx = lg.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let mut p: Vec<(usize, f32)> = lg.iter().enumerate().map(|(j, &v)| (j, (v - mx).exp())).collect();
+                let sum: f32 = p.iter().map(|x| x.1).sum();
+                for x in p.iter_mut() {
+                    x.1 /= sum;
+                }
+                p.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0)));
+                p.truncate(k);
+                let s: f32 = p.iter().map(|x| x.1).sum();
+                for x in p.iter_mut() {
+                    x.1 /= s;
+                }
+                p
+            })
+            .collect()
+    }
+
+    fn moe(&self, ex: &ExpertWeights, t: usize, s: &mut Scratch) {
+        let cfg = &self.cfg;
+        let (e, ne, ff) = (cfg.n_embd, cfg.n_expert, cfg.n_ff_exp);
+        let mut rl = vec![0f32; t * ne];
+        matmul(self.mat(&ex.router), &s.xn, &mut rl);
+        let routes = self.route(&rl, t);
+        // Group tokens by expert: each selected expert runs once for all its tokens.
+        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ne];
+        for (i, r) in routes.iter().enumerate() {
+            for &(x, w) in r {
+                by_expert[x].push((i, w));
+            }
+        }
+        let (gate_all, up_all, down_all) = (self.mat(&ex.gate), self.mat(&ex.up), self.mat(&ex.down));
+        let gb = ff * gate_all.row_bytes();
+        let db = e * down_all.row_bytes();
+        let mut acc = vec![0f32; t * e];
+        let mut sub = Act::default();
+        for (x, toks) in by_expert.iter().enumerate() {
+            if toks.is_empty() {
+                continue;
+            }
+            let n = toks.len();
+            sub.t = n;
+            sub.n = e;
+            sub.f.clear();
+            sub.q.clear();
+            for &(i, _) in toks {
+                sub.f.extend_from_slice(s.xn.row(i));
+                sub.q.extend_from_slice(s.xn.qrow(i));
+            }
+            let g = MatRef { data: &gate_all.data[x * gb..(x + 1) * gb], ty: gate_all.ty, rows: ff, cols: e };
+            let u = MatRef { data: &up_all.data[x * gb..(x + 1) * gb], ty: up_all.ty, rows: ff, cols: e };
+            let d = MatRef { data: &down_all.data[x * db..(x + 1) * db], ty: down_all.ty, rows: e, cols: ff };
+            s.gate.resize(n * ff, 0.0);
+            s.up.resize(n * ff, 0.0);
+            matmul(g, &sub, &mut s.gate);
+            matmul(u, &sub, &mut s.up);
+            s.h.resize(n, ff);
+            for ((h, gv), uv) in s.h.f.iter_mut().zip(&s.gate).zip(&s.up) {
+                *h = silu(*gv) * uv;
+            }
+            s.h.quantize();
+            s.tmp.resize(n * e, 0.0);
+            matmul(d, &s.h, &mut s.tmp);
+            for (j, &(i, w)) in toks.iter().enumerate() {
+                for (a, v) in acc[i * e..(i + 1) * e].iter_mut().zip(&s.tmp[j * e..(j + 1) * e]) {
+                    *a += w * v;
+                }
+            }
+        }
+        for (xv, a) in s.x.iter_mut().zip(&acc) {
+            *xv += a;
+        }
+    }
+}
+
+/// RMSNorm: `out = x / sqrt(mean(x²) + eps) * w` (sum of squares in f64).
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let scale = (1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt()) as f32;
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+        *o = v * scale * g;
+    }
+}
+
+/// Rotates adjacent pairs `(x[2i], x[2i+1])` by the angles in `cs` (cos, sin).
+fn rope(x: &mut [f32], cs: &[(f32, f32)]) {
+    for (i, &(c, s)) in cs.iter().enumerate() {
+        let (a, b) = (x[2 * i], x[2 * i + 1]);
+        x[2 * i] = a * c - b * s;
+        x[2 * i + 1] = a * s + b * c;
+    }
+}
+
+#[inline]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}

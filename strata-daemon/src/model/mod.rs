@@ -1,0 +1,13 @@
+//! Model architectures (hyper-parameters from GGUF metadata), the tokenizer
+//! built from GGUF metadata, the chat template, and the forward pass.
+
+pub mod chat;
+pub mod config;
+pub mod kv;
+pub mod llama;
+pub mod tokenizer;
+
+pub use config::{ModelConfig, ModelError};
+pub use kv::KvCache;
+pub use llama::{LlamaModel, Logits};
+pub use tokenizer::Tokenizer;

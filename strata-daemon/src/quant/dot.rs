@@ -1,0 +1,282 @@
+//! Activation quantization to 8-bit blocks and dot products of a weight row
+//! with quantized activations: scalar reference and AVX2/FMA/F16C, chosen once
+//! at run time.
+//!
+//! As in ggml, activations multiplied by Q8_0/Q4_0 rows are quantized to Q8_0
+//! (scale `d = amax/127` stored as f16) and by Q4_1 rows to Q8_1 (Q8_0 plus
+//! `s = d * Σq` as f16); [`BlockQ8`] carries both so one quantization per
+//! token serves every format.
+
+use std::sync::OnceLock;
+
+use super::dequant::{bf16_to_f32, f16_to_f32, rd16};
+use super::GgmlType;
+
+/// 32 activations quantized to i8: `x[j] ≈ d * qs[j]`; `s = d * Σ qs` (both
+/// rounded through f16 as ggml stores them).
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C)]
+pub struct BlockQ8 {
+    /// Scale.
+    pub d: f32,
+    /// `d` times the sum of `qs` (used by Q4_1's offset term).
+    pub s: f32,
+    /// Quantized values.
+    pub qs: [i8; 32],
+}
+
+/// The SIMD level chosen at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SimdLevel {
+    /// Portable scalar code (the reference path).
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+}
+
+static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+
+/// The SIMD level in use: AVX2 when the CPU has AVX2, FMA and F16C, unless
+/// `STRATA_SIMD=scalar` forces the scalar path.
+pub fn simd_level() -> SimdLevel {
+    *LEVEL.get_or_init(|| {
+        if std::env::var("STRATA_SIMD").map(|v| v == "scalar").unwrap_or(false) {
+            return SimdLevel::Scalar;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                return SimdLevel::Avx2;
+            }
+        }
+        SimdLevel::Scalar
+    })
+}
+
+#[inline]
+fn f16_round(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+
+/// Quantizes `x` (length a multiple of 32) into `out` (`x.len()/32` blocks).
+pub fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+    debug_assert_eq!(x.len(), out.len() * 32);
+    for (xb, ob) in x.chunks_exact(32).zip(out.iter_mut()) {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in ob.qs.iter_mut().zip(xb) {
+            let r = (v * id).round_ties_even() as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        ob.d = f16_round(d);
+        ob.s = f16_round(d * sum as f32);
+    }
+}
+
+/// Dot product of one weight row (`ty` blocks, `x.len()*32` elements) with
+/// quantized activations. `ty` must be Q8_0, Q4_0 or Q4_1.
+#[inline]
+pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
+    debug_assert_eq!(row.len(), ty.row_bytes(x.len() * 32));
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 {
+        // SAFETY: simd_level() returned Avx2 only after detecting avx2, fma and f16c;
+        // the kernels read `x.len()` whole blocks from `row`, whose length was checked above
+        // (debug) and is guaranteed by the callers that slice rows with `row_bytes`.
+        return unsafe {
+            match ty {
+                GgmlType::Q4_1 => avx2::dot_q4_1(row, x),
+                GgmlType::Q4_0 => avx2::dot_q4_0(row, x),
+                GgmlType::Q8_0 => avx2::dot_q8_0(row, x),
+                _ => panic!("dot_q8: {ty:?} has no q8 kernel"),
+            }
+        };
+    }
+    dot_q8_scalar(ty, row, x)
+}
+
+/// Scalar reference of [`dot_q8`].
+pub fn dot_q8_scalar(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
+    let mut acc = 0f32;
+    match ty {
+        GgmlType::Q8_0 => {
+            for (b, xb) in row.chunks_exact(34).zip(x) {
+                let d = f16_to_f32(rd16(b, 0));
+                let s: i32 = (0..32).map(|j| (b[2 + j] as i8) as i32 * xb.qs[j] as i32).sum();
+                acc += d * xb.d * s as f32;
+            }
+        }
+        GgmlType::Q4_0 => {
+            for (b, xb) in row.chunks_exact(18).zip(x) {
+                let d = f16_to_f32(rd16(b, 0));
+                let mut s = 0i32;
+                for j in 0..16 {
+                    s += ((b[2 + j] & 0x0f) as i32 - 8) * xb.qs[j] as i32;
+                    s += ((b[2 + j] >> 4) as i32 - 8) * xb.qs[j + 16] as i32;
+                }
+                acc += d * xb.d * s as f32;
+            }
+        }
+        GgmlType::Q4_1 => {
+            for (b, xb) in row.chunks_exact(20).zip(x) {
+                let d = f16_to_f32(rd16(b, 0));
+                let m = f16_to_f32(rd16(b, 2));
+                let mut s = 0i32;
+                for j in 0..16 {
+                    s += (b[4 + j] & 0x0f) as i32 * xb.qs[j] as i32;
+                    s += (b[4 + j] >> 4) as i32 * xb.qs[j + 16] as i32;
+                }
+                acc += d * xb.d * s as f32 + m * xb.s;
+            }
+        }
+        _ => panic!("dot_q8: {ty:?} has no q8 kernel"),
+    }
+    acc
+}
+
+/// Dot product of a float-format row (F32, F16, BF16) with f32 activations.
+pub fn vec_dot_f32_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+    match ty {
+        GgmlType::F32 => row.chunks_exact(4).zip(x).map(|(b, v)| f32::from_le_bytes(b.try_into().unwrap()) * v).sum(),
+        GgmlType::F16 => row.chunks_exact(2).zip(x).map(|(b, v)| f16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum(),
+        GgmlType::BF16 => row.chunks_exact(2).zip(x).map(|(b, v)| bf16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum(),
+        _ => panic!("vec_dot_f32_row: {ty:?} is not a float format"),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::BlockQ8;
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn h2f(p: *const u8) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([*p, *p.add(1)]) as i32)))
+    }
+
+    /// 16 bytes of nibbles -> 32 bytes (low nibbles first, then high), values 0..15.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        let q = _mm_loadu_si128(p as *const __m128i);
+        let v = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
+        _mm256_and_si256(v, _mm256_set1_epi8(0x0f))
+    }
+
+    /// Σ w[j]*x[j] of signed bytes via the sign trick, as 8 f32 partial sums.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mul_sum_i8(w: __m256i, x: __m256i) -> __m256 {
+        let ax = _mm256_sign_epi8(w, w);
+        let sy = _mm256_sign_epi8(x, w);
+        let d16 = _mm256_maddubs_epi16(ax, sy);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(d16, _mm256_set1_epi16(1)))
+    }
+
+    /// SAFETY (callers): the CPU has avx2, fma and f16c; `row` holds `x.len()` Q4_1 blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut summs = 0f32;
+        let ones = _mm256_set1_epi16(1);
+        let p = row.as_ptr();
+        for (i, xb) in x.iter().enumerate() {
+            let b = p.add(i * 20);
+            let d = h2f(b);
+            let m = h2f(b.add(2));
+            summs += m * xb.s;
+            let qw = nibbles(b.add(4));
+            let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+            let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), s, acc);
+        }
+        hsum(acc) + summs
+    }
+
+    /// SAFETY (callers): the CPU has avx2, fma and f16c; `row` holds `x.len()` Q4_0 blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_0(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let eight = _mm256_set1_epi8(8);
+        let p = row.as_ptr();
+        for (i, xb) in x.iter().enumerate() {
+            let b = p.add(i * 18);
+            let d = h2f(b);
+            let qw = _mm256_sub_epi8(nibbles(b.add(2)), eight);
+            let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), mul_sum_i8(qw, qx), acc);
+        }
+        hsum(acc)
+    }
+
+    /// SAFETY (callers): the CPU has avx2, fma and f16c; `row` holds `x.len()` Q8_0 blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let p = row.as_ptr();
+        for (i, xb) in x.iter().enumerate() {
+            let b = p.add(i * 34);
+            let d = h2f(b);
+            let qw = _mm256_loadu_si256(b.add(2) as *const __m256i);
+            let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), mul_sum_i8(qw, qx), acc);
+        }
+        hsum(acc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn simd_matches_scalar() {
+        let mut seed = 7u64;
+        let n = 576;
+        let x: Vec<f32> = (0..n).map(|_| lcg(&mut seed) * 3.0).collect();
+        let mut xq = vec![BlockQ8::default(); n / 32];
+        quantize_q8(&x, &mut xq);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let mut row = vec![0u8; ty.row_bytes(n)];
+            for b in row.iter_mut() {
+                *b = (lcg(&mut seed) * 127.0) as i8 as u8;
+            }
+            // keep the f16 scales finite and small
+            let bs = ty.type_size();
+            for blk in row.chunks_exact_mut(bs) {
+                blk[0..2].copy_from_slice(&half::f16::from_f32(0.01 * (1.0 + lcg(&mut seed))).to_bits().to_le_bytes());
+                if ty == GgmlType::Q4_1 {
+                    blk[2..4].copy_from_slice(&half::f16::from_f32(-0.05 * lcg(&mut seed)).to_bits().to_le_bytes());
+                }
+            }
+            let s = dot_q8_scalar(ty, &row, &xq);
+            let v = dot_q8(ty, &row, &xq);
+            assert!((s - v).abs() <= 1e-4 * s.abs().max(1.0), "{ty:?}: scalar {s} simd {v}");
+            // and both close to the float dot product of the dequantized row
+            let mut w = vec![0f32; n];
+            super::super::dequantize_row(ty, &row, &mut w).unwrap();
+            let exact: f32 = w.iter().zip(&x).map(|(a, b)| a * b).sum();
+            assert!((exact - s).abs() < 0.02 * exact.abs().max(1.0), "{ty:?}: exact {exact} q8 {s}");
+        }
+    }
+}

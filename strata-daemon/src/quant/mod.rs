@@ -1,0 +1,24 @@
+//! GGML tensor formats: type table, dequantization, activation quantization
+//! and dot products (scalar reference + AVX2/FMA chosen at run time).
+//!
+//! Block layouts follow ggml (`ggml-common.h` in the ggml/llama.cpp
+//! repositories): e.g. Q4_0 = f16 scale + 16 bytes of nibbles per 32 values.
+
+mod dequant;
+mod dot;
+mod types;
+
+pub use dequant::{dequantize_row, f16_to_f32, bf16_to_f32};
+pub use dot::{dot_q8, quantize_q8, simd_level, vec_dot_f32_row, BlockQ8, SimdLevel};
+pub use types::GgmlType;
+
+/// Errors from quant operations.
+#[derive(Debug, thiserror::Error)]
+pub enum QuantError {
+    /// The format has no kernel in this build.
+    #[error("tensor type {0:?} is not supported for computation (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
+    Unsupported(GgmlType),
+    /// A buffer length does not match the element count.
+    #[error("{0}")]
+    Length(String),
+}

@@ -1,0 +1,1 @@
+//! gRPC control plane.
