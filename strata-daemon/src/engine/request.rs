@@ -1,0 +1,151 @@
+//! A generation request: validation and preparation (chat template,
+//! tokenization) before it is queued.
+
+use super::sampler::SamplingParams;
+use crate::model::chat::{self, Message};
+use crate::model::Tokenizer;
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token was produced.
+    Eos,
+    /// A stop string was produced.
+    StopString,
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// The KV cache (context) is full.
+    Context,
+    /// The client went away or the daemon is shutting down.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// Lower-case name ("eos", "stop", "length", "context", "cancelled").
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Eos => "eos",
+            FinishReason::StopString => "stop",
+            FinishReason::MaxTokens => "length",
+            FinishReason::Context => "context",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// A request that failed validation; the message says which field and why.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("{0}")]
+pub struct RequestError(pub String);
+
+/// Raw request fields as received (before validation).
+#[derive(Debug, Clone, Default)]
+pub struct RawRequest {
+    /// Prompt text (used when `messages` is empty).
+    pub prompt: String,
+    /// Chat messages (role, content).
+    pub messages: Vec<(String, String)>,
+    /// Tokens to generate at most.
+    pub max_tokens: u32,
+    /// Temperature (0 = greedy).
+    pub temperature: f32,
+    /// Top-k (0 = off).
+    pub top_k: u32,
+    /// Top-p (None = 1).
+    pub top_p: Option<f32>,
+    /// Min-p.
+    pub min_p: f32,
+    /// Repetition penalty (None = 1).
+    pub repeat_penalty: Option<f32>,
+    /// Penalty window (None = 64).
+    pub repeat_last_n: Option<u32>,
+    /// Seed (None = fixed default).
+    pub seed: Option<u64>,
+    /// Stop strings.
+    pub stop: Vec<String>,
+}
+
+/// A validated, tokenized request.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    /// Prompt token ids (BOS included when the model wants it).
+    pub prompt_ids: Vec<u32>,
+    /// Tokens to generate at most (≥ 1).
+    pub max_tokens: usize,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+}
+
+/// Validates `raw` and tokenizes its prompt (rendering chat messages with
+/// the model's template). `n_ctx` is the context length in tokens.
+///
+/// Errors ([`RequestError`]): empty prompt, unknown role, no chat template,
+/// `max_tokens` 0 or larger than the context, a prompt that leaves no room
+/// in the context, temperature < 0, top_p outside (0, 1], min_p outside
+/// [0, 1), repeat_penalty ≤ 0, non-finite numbers.
+pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<GenerateParams, RequestError> {
+    let err = |m: String| Err(RequestError(m));
+    if raw.max_tokens == 0 {
+        return err("max_tokens must be at least 1".into());
+    }
+    if raw.max_tokens as usize > n_ctx {
+        return err(format!("max_tokens {} is larger than the context of {n_ctx} tokens", raw.max_tokens));
+    }
+    if !raw.temperature.is_finite() || raw.temperature < 0.0 {
+        return err(format!("temperature must be >= 0 (got {})", raw.temperature));
+    }
+    let top_p = raw.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return err(format!("top_p must be in (0, 1] (got {top_p})"));
+    }
+    if !(raw.min_p >= 0.0 && raw.min_p < 1.0) {
+        return err(format!("min_p must be in [0, 1) (got {})", raw.min_p));
+    }
+    let rp = raw.repeat_penalty.unwrap_or(1.0);
+    if !(rp.is_finite() && rp > 0.0) {
+        return err(format!("repeat_penalty must be > 0 (got {rp})"));
+    }
+    let text = if raw.messages.is_empty() {
+        if raw.prompt.is_empty() {
+            return err("prompt is empty (give a prompt or chat messages)".into());
+        }
+        raw.prompt.clone()
+    } else {
+        let mut msgs = Vec::with_capacity(raw.messages.len());
+        for (role, content) in &raw.messages {
+            if !matches!(role.as_str(), "system" | "user" | "assistant" | "tool") {
+                return err(format!("unknown chat role {role:?} (system, user, assistant, tool)"));
+            }
+            msgs.push(Message { role: role.clone(), content: content.clone() });
+        }
+        let tpl = tok.chat_template.as_deref().ok_or_else(|| RequestError(chat::ChatError::NoTemplate.to_string()))?;
+        let bos = tok.bos.map(|b| tok.token_str(b).to_string()).unwrap_or_default();
+        let eos = tok.eos.map(|b| tok.token_str(b).to_string()).unwrap_or_default();
+        chat::render(tpl, &msgs, true, &bos, &eos).map_err(|e| RequestError(e.to_string()))?
+    };
+    // A template that prints BOS itself must not get a second one.
+    let add_bos = !(tok.bos.is_some() && raw.messages.len() > 0 && text.starts_with(tok.token_str(tok.bos.unwrap())));
+    let prompt_ids = tok.encode(&text, true, add_bos).map_err(|e| RequestError(e.to_string()))?;
+    if prompt_ids.is_empty() {
+        return err("prompt tokenizes to nothing".into());
+    }
+    if prompt_ids.len() >= n_ctx {
+        return err(format!("prompt of {} tokens leaves no room in the context of {n_ctx} tokens", prompt_ids.len()));
+    }
+    Ok(GenerateParams {
+        prompt_ids,
+        max_tokens: raw.max_tokens as usize,
+        sampling: SamplingParams {
+            temperature: raw.temperature,
+            top_k: raw.top_k as usize,
+            top_p,
+            min_p: raw.min_p,
+            repeat_penalty: rp,
+            repeat_last_n: raw.repeat_last_n.unwrap_or(64) as usize,
+            seed: raw.seed.unwrap_or(SamplingParams::default().seed),
+        },
+        stop: raw.stop.clone(),
+    })
+}

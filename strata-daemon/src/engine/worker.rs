@@ -1,0 +1,325 @@
+//! The engine thread: owns the model, the KV cache and the CPU worker pool,
+//! and runs queued requests one at a time.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use super::request::{FinishReason, GenerateParams};
+use super::sampler::Sampler;
+use super::stats::{Counters, Stats};
+use super::stream_text::{Push, TextStream};
+use crate::model::llama::Scratch;
+use crate::model::{KvCache, LlamaModel, Logits, Tokenizer};
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Context length (KV cache positions), tokens.
+    pub n_ctx: usize,
+    /// CPU worker threads.
+    pub threads: usize,
+    /// Prefill chunk size, tokens.
+    pub batch: usize,
+}
+
+/// What the engine sends back for a request.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// One generated token and the text it completes (possibly empty).
+    Token {
+        /// Token id.
+        id: u32,
+        /// Text to show now.
+        text: String,
+    },
+    /// The request finished; its counters and whole text.
+    Done {
+        /// Counters.
+        counters: Counters,
+        /// Generated text (up to a stop string).
+        text: String,
+        /// Text held back from the token events (a possible stop-string
+        /// prefix or an incomplete character at the end), not sent before.
+        tail: String,
+    },
+    /// The request was aborted (e.g. the daemon is shutting down).
+    Error(String),
+}
+
+/// A queued request.
+pub struct Job {
+    /// Request id.
+    pub id: u64,
+    /// Validated parameters.
+    pub params: GenerateParams,
+    /// Where events go; a closed receiver cancels the request.
+    pub events: UnboundedSender<Event>,
+    /// When it was queued.
+    pub enqueued: Instant,
+}
+
+/// Handle to the engine thread.
+pub struct Engine {
+    tx: Mutex<Option<Sender<Job>>>,
+    /// Shared statistics.
+    pub stats: Arc<Stats>,
+    queued: Arc<AtomicUsize>,
+    busy: Arc<AtomicBool>,
+    shutdown: Arc<AtomicBool>,
+    next_id: AtomicU64,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// Settings in use.
+    pub cfg: EngineConfig,
+}
+
+impl Engine {
+    /// Starts the engine thread with its own pool of `cfg.threads` workers.
+    /// Errors: the pool or thread could not be created.
+    pub fn start(model: Arc<LlamaModel>, tok: Arc<Tokenizer>, cfg: EngineConfig) -> std::io::Result<Engine> {
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let stats = Arc::new(Stats::default());
+        let queued = Arc::new(AtomicUsize::new(0));
+        let busy = Arc::new(AtomicBool::new(false));
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.threads.max(1))
+            .thread_name(|i| format!("strata-cpu-{i}"))
+            .build()
+            .map_err(std::io::Error::other)?;
+        let mut w = Worker {
+            kv: model.new_kv(cfg.n_ctx),
+            model,
+            tok,
+            cached: Vec::new(),
+            scratch: Scratch::default(),
+            stats: stats.clone(),
+            queued: queued.clone(),
+            busy: busy.clone(),
+            shutdown: shutdown.clone(),
+            batch: cfg.batch.max(1),
+        };
+        let thread = std::thread::Builder::new().name("strata-engine".into()).spawn(move || pool.install(|| w.run(rx)))?;
+        Ok(Engine {
+            tx: Mutex::new(Some(tx)),
+            stats,
+            queued,
+            busy,
+            shutdown,
+            next_id: AtomicU64::new(1),
+            thread: Mutex::new(Some(thread)),
+            cfg,
+        })
+    }
+
+    /// Queues a request; events arrive on the returned receiver. Dropping
+    /// the receiver cancels the request.
+    pub fn submit(&self, params: GenerateParams) -> UnboundedReceiver<Event> {
+        let (etx, erx) = unbounded_channel();
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        let job = Job { id, params, events: etx, enqueued: Instant::now() };
+        let guard = self.tx.lock().unwrap();
+        match guard.as_ref() {
+            Some(tx) if !self.shutdown.load(Ordering::SeqCst) => {
+                self.queued.fetch_add(1, Ordering::SeqCst);
+                if let Err(e) = tx.send(job) {
+                    self.queued.fetch_sub(1, Ordering::SeqCst);
+                    let _ = e.0.events.send(Event::Error("engine stopped".into()));
+                }
+            }
+            _ => {
+                let _ = job.events.send(Event::Error("daemon is shutting down".into()));
+            }
+        }
+        erx
+    }
+
+    /// Requests waiting in the queue.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::SeqCst)
+    }
+
+    /// Whether a request is running.
+    pub fn busy(&self) -> bool {
+        self.busy.load(Ordering::SeqCst)
+    }
+
+    /// Stops the engine: the running request ends after its current token
+    /// with an error event, queued ones get an error, the thread is joined.
+    pub fn shutdown(&self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        self.tx.lock().unwrap().take();
+        if let Some(t) = self.thread.lock().unwrap().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Worker {
+    model: Arc<LlamaModel>,
+    tok: Arc<Tokenizer>,
+    kv: KvCache,
+    /// Tokens whose K/V are in `kv` (for prefix reuse across requests).
+    cached: Vec<u32>,
+    scratch: Scratch,
+    stats: Arc<Stats>,
+    queued: Arc<AtomicUsize>,
+    busy: Arc<AtomicBool>,
+    shutdown: Arc<AtomicBool>,
+    batch: usize,
+}
+
+impl Worker {
+    fn run(&mut self, rx: Receiver<Job>) {
+        loop {
+            let job = match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(j) => j,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    if self.shutdown.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    continue;
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+            };
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            if self.shutdown.load(Ordering::SeqCst) {
+                let _ = job.events.send(Event::Error("daemon is shutting down".into()));
+                continue;
+            }
+            self.busy.store(true, Ordering::SeqCst);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.generate(&job)));
+            if r.is_err() {
+                tracing::error!(request = job.id, "request panicked; KV cache reset");
+                self.kv.clear();
+                self.cached.clear();
+                let _ = job.events.send(Event::Error("internal error while generating".into()));
+            }
+            self.busy.store(false, Ordering::SeqCst);
+        }
+        // Answer whatever is still queued.
+        while let Ok(job) = rx.try_recv() {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            let _ = job.events.send(Event::Error("daemon is shutting down".into()));
+        }
+    }
+
+    fn stopped(&self, job: &Job) -> Option<bool> {
+        if self.shutdown.load(Ordering::SeqCst) {
+            Some(true)
+        } else if job.events.is_closed() {
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    fn generate(&mut self, job: &Job) {
+        let start = Instant::now();
+        let p = &job.params;
+        let ids = &p.prompt_ids;
+        let mut c = Counters {
+            request_id: job.id,
+            prompt_tokens: ids.len(),
+            prompt_reused: 0,
+            generated_tokens: 0,
+            queue_ms: ms(start - job.enqueued),
+            prompt_ms: 0.0,
+            decode_ms: 0.0,
+            windows: 0,
+            expert_lookups: 0,
+            finish: FinishReason::Cancelled,
+        };
+        let mut text = TextStream::new(&p.stop);
+        let finish = |w: &mut Worker, c: &mut Counters, text: &mut TextStream, reason: FinishReason, shutting: bool| {
+            c.finish = reason;
+            let tail = text.finish();
+            w.stats.record(c);
+            if shutting {
+                let _ = job.events.send(Event::Error("daemon is shutting down".into()));
+            } else {
+                let _ = job.events.send(Event::Done { counters: c.clone(), text: text.text().to_string(), tail });
+            }
+            tracing::info!(
+                request = c.request_id,
+                prompt = c.prompt_tokens,
+                reused = c.prompt_reused,
+                generated = c.generated_tokens,
+                prompt_tok_s = format!("{:.1}", c.prompt_tok_s()),
+                decode_tok_s = format!("{:.1}", c.decode_tok_s()),
+                finish = reason.as_str(),
+                "request done"
+            );
+        };
+        if let Some(sh) = self.stopped(job) {
+            return finish(self, &mut c, &mut text, FinishReason::Cancelled, sh);
+        }
+        // Reuse the KV of the longest common prefix with the previous request.
+        let mut common = self.cached.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        if common == ids.len() {
+            common -= 1; // at least one token must run to get logits
+        }
+        self.kv.truncate(common);
+        self.cached.truncate(common);
+        c.prompt_reused = common;
+        let mut logits = Vec::new();
+        let mut pos = common;
+        while pos < ids.len() {
+            let end = (pos + self.batch).min(ids.len());
+            logits = self.model.forward(&ids[pos..end], &mut self.kv, Logits::Last, &mut self.scratch);
+            self.cached.extend_from_slice(&ids[pos..end]);
+            pos = end;
+            if let Some(sh) = self.stopped(job) {
+                c.prompt_ms = ms(start.elapsed());
+                return finish(self, &mut c, &mut text, FinishReason::Cancelled, sh);
+            }
+        }
+        let t_dec = Instant::now();
+        c.prompt_ms = ms(t_dec - start);
+        let mut sampler = Sampler::new(p.sampling.clone());
+        let mut history: Vec<u32> = ids.clone();
+        let n_ctx = self.kv.n_ctx;
+        let reason = loop {
+            let next = sampler.sample(&mut logits, &history);
+            if self.tok.is_eog(next) {
+                break FinishReason::Eos;
+            }
+            c.generated_tokens += 1;
+            history.push(next);
+            let push = text.push(self.tok.piece(next));
+            let (piece, stop) = match push {
+                Push::Text(s) => (s, false),
+                Push::Stopped(s) => (s, true),
+            };
+            if job.events.send(Event::Token { id: next, text: piece }).is_err() {
+                break FinishReason::Cancelled;
+            }
+            if stop {
+                break FinishReason::StopString;
+            }
+            if c.generated_tokens >= p.max_tokens {
+                break FinishReason::MaxTokens;
+            }
+            if self.kv.len >= n_ctx {
+                break FinishReason::Context;
+            }
+            if self.stopped(job).is_some() {
+                break FinishReason::Cancelled;
+            }
+            logits = self.model.forward(&[next], &mut self.kv, Logits::Last, &mut self.scratch);
+            self.cached.push(next);
+            c.windows += 1;
+        };
+        c.decode_ms = ms(t_dec.elapsed());
+        let sh = self.shutdown.load(Ordering::SeqCst) && reason == FinishReason::Cancelled;
+        finish(self, &mut c, &mut text, reason, sh)
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
