@@ -18,7 +18,7 @@ use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 #[derive(Parser, Debug)]
-#[command(name = "strata-ctl", version, about = "Control strata-daemon over its Unix socket")]
+#[command(name = "strata-ctl", version, about = "Control strata-daemon over its Unix socket", allow_negative_numbers = true)]
 struct Cli {
     /// Daemon socket [default: $XDG_RUNTIME_DIR/strata.sock, else /tmp/strata-<uid>.sock]
     #[arg(long, global = true, env = "STRATA_SOCKET")]
@@ -33,6 +33,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Generate text; prints it as it streams, then the request's counters.
+    #[command(allow_negative_numbers = true)]
     Generate {
         /// Prompt text (with --chat: the user's message).
         prompt: String,

@@ -154,9 +154,10 @@ impl GgufFile {
         let n_tensors = c.u64(&|| "tensor count".into())?;
         let n_kv = c.u64(&|| "metadata count".into())?;
         // A tensor info or key/value takes at least 8 bytes.
-        for (what, n) in [("tensor count", n_tensors), ("metadata count", n_kv)] {
-            if n > c.len() / 8 {
-                return Err(GgufError::BadSize { what: what.into(), value: n });
+        for (what, n) in [("tensor infos", n_tensors), ("metadata", n_kv)] {
+            let need = n.saturating_mul(8);
+            if need > c.len() - c.pos {
+                return Err(GgufError::Truncated { what: format!("{what} ({n} entries)"), offset: c.pos, end: c.pos.saturating_add(need), len: c.len() });
             }
         }
         let mut metadata = Vec::with_capacity(n_kv as usize);
