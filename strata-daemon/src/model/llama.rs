@@ -329,7 +329,9 @@ impl LlamaModel {
             out.fill(0.0);
             for (p, &w) in scores.iter().enumerate() {
                 let vv = &vals[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
-                let w = w * inv;
+                // Probabilities are rounded to f16 as llama.cpp does before its KQ·V product
+                // over the F16 cache.
+                let w = half::f16::from_f32(w * inv).to_f32();
                 for (o, x) in out.iter_mut().zip(vv) {
                     *o += w * x;
                 }
