@@ -83,16 +83,32 @@ unsafe impl Send for SyncPtr {}
 // SAFETY: as above; no two tasks touch the same element.
 unsafe impl Sync for SyncPtr {}
 
+/// Arithmetic of the matrix products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// Activations quantized to 8-bit blocks for Q8_0/Q4_0/Q4_1 weights, as
+    /// llama.cpp's CPU backend does (fast; the default).
+    #[default]
+    Q8Activations,
+    /// f32 activations against dequantized weights (the exact reference; slow).
+    F32,
+}
+
 /// `out[t * w.rows + r] = Σ_c w[r, c] * x[t, c]` for every token `t` and row `r`.
 ///
-/// `x` must have `x.n == w.cols` and, for Q8_0/Q4_0/Q4_1 weights, be quantized.
-/// Runs on the current rayon pool.
+/// `x` must have `x.n == w.cols` and, for Q8_0/Q4_0/Q4_1 weights with
+/// [`Precision::Q8Activations`], be quantized. Runs on the current rayon pool.
 pub fn matmul(w: MatRef<'_>, x: &Act, out: &mut [f32]) {
+    matmul_with(w, x, out, Precision::Q8Activations)
+}
+
+/// [`matmul`] with an explicit [`Precision`].
+pub fn matmul_with(w: MatRef<'_>, x: &Act, out: &mut [f32], precision: Precision) {
     assert_eq!(x.n, w.cols, "matmul: activation width {} != matrix cols {}", x.n, w.cols);
     assert!(out.len() >= x.t * w.rows);
     let rows = w.rows;
     let t = x.t;
-    let q8 = w.ty.uses_q8_activations();
+    let q8 = w.ty.uses_q8_activations() && precision == Precision::Q8Activations;
     if q8 {
         assert_eq!(x.q.len(), x.t * x.n / 32, "matmul: activations not quantized");
     }

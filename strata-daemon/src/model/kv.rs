@@ -13,6 +13,9 @@ pub struct KvCache {
     pub kv_dim: usize,
     /// Positions filled so far (`0..len` are valid).
     pub len: usize,
+    /// Round stored values to f16 precision (true unless the model runs in
+    /// the exact f32 reference precision).
+    pub round_f16: bool,
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
 }
@@ -24,6 +27,7 @@ impl KvCache {
             n_ctx,
             kv_dim,
             len: 0,
+            round_f16: true,
             k: (0..n_layer).map(|_| vec![0.0; n_ctx * kv_dim]).collect(),
             v: (0..n_layer).map(|_| vec![0.0; n_ctx * kv_dim]).collect(),
         }
@@ -47,7 +51,8 @@ impl KvCache {
     /// Stores K and V of position `pos` in `layer` (each `kv_dim` values).
     pub fn store(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
         let d = self.kv_dim;
-        let round = |x: f32| half::f16::from_f32(x).to_f32();
+        let r16 = self.round_f16;
+        let round = |x: f32| if r16 { half::f16::from_f32(x).to_f32() } else { x };
         for (dst, s) in self.k[layer][pos * d..(pos + 1) * d].iter_mut().zip(k) {
             *dst = round(*s);
         }

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use super::config::{ModelConfig, ModelError};
 use super::kv::KvCache;
-use crate::compute::cpu::{matmul, Act, MatRef};
+use crate::compute::cpu::{matmul_with, Act, MatRef, Precision};
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::quant::{dequantize_row, GgmlType};
 
@@ -103,6 +103,8 @@ pub struct LlamaModel {
     pub blocks: Vec<Block>,
     out_norm: Vec<f32>,
     output: Weight,
+    /// Arithmetic of the matrix products (default: 8-bit activations as llama.cpp).
+    pub precision: Precision,
 }
 
 /// Scratch buffers of one forward pass, reused across calls.
@@ -189,7 +191,7 @@ impl LlamaModel {
         if cfg.n_embd % 32 != 0 || cfg.n_ff % 32 != 0 || cfg.n_ff_exp % 32 != 0 || qd % 32 != 0 {
             return Err(ModelError::BadHyperParameter("embedding and FFN widths must be multiples of 32".into()));
         }
-        Ok(LlamaModel { file, cfg, tok_embd, blocks, out_norm, output })
+        Ok(LlamaModel { file, cfg, tok_embd, blocks, out_norm, output, precision: Precision::default() })
     }
 
     /// Number of parameters (elements of every tensor).
@@ -210,7 +212,9 @@ impl LlamaModel {
 
     /// A new KV cache for `n_ctx` positions.
     pub fn new_kv(&self, n_ctx: usize) -> KvCache {
-        KvCache::new(self.cfg.n_layer, n_ctx, self.cfg.n_head_kv * self.cfg.head_dim)
+        let mut kv = KvCache::new(self.cfg.n_layer, n_ctx, self.cfg.n_head_kv * self.cfg.head_dim);
+        kv.round_f16 = self.precision != Precision::F32;
+        kv
     }
 
     fn mat(&self, w: &Weight) -> MatRef<'_> {
@@ -252,8 +256,12 @@ impl LlamaModel {
         }
         s.xn.quantize();
         let mut logits = vec![0f32; rows.len() * cfg.n_vocab];
-        matmul(self.mat(&self.output), &s.xn, &mut logits);
+        self.mm(self.mat(&self.output), &s.xn, &mut logits);
         logits
+    }
+
+    fn mm(&self, w: MatRef<'_>, x: &Act, out: &mut [f32]) {
+        matmul_with(w, x, out, self.precision)
     }
 
     fn rope_table(&self, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
@@ -282,9 +290,9 @@ impl LlamaModel {
         s.q.resize(t * qd, 0.0);
         s.k.resize(t * kvd, 0.0);
         s.v.resize(t * kvd, 0.0);
-        matmul(self.mat(&b.q), &s.xn, &mut s.q);
-        matmul(self.mat(&b.k), &s.xn, &mut s.k);
-        matmul(self.mat(&b.v), &s.xn, &mut s.v);
+        self.mm(self.mat(&b.q), &s.xn, &mut s.q);
+        self.mm(self.mat(&b.k), &s.xn, &mut s.k);
+        self.mm(self.mat(&b.v), &s.xn, &mut s.v);
         let half = cfg.n_rot / 2;
         for i in 0..t {
             let cs = &s.rope[i * half..(i + 1) * half];
@@ -296,9 +304,13 @@ impl LlamaModel {
             }
             kv.store(l, pos0 + i, &s.k[i * kvd..(i + 1) * kvd], &s.v[i * kvd..(i + 1) * kvd]);
         }
-        // Queries are rounded to f16 as llama.cpp does for its F16 K cache.
-        for v in s.q.iter_mut() {
-            *v = half::f16::from_f32(*v).to_f32();
+        // Queries (and below, attention probabilities) are rounded to f16 as
+        // llama.cpp does for its F16 KV cache; the F32 reference skips it.
+        let r16 = self.precision != Precision::F32;
+        if r16 {
+            for v in s.q.iter_mut() {
+                *v = half::f16::from_f32(*v).to_f32();
+            }
         }
         let n_all = pos0 + t;
         let keys = kv.keys(l, n_all);
@@ -331,7 +343,7 @@ impl LlamaModel {
                 let vv = &vals[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
                 // Probabilities are rounded to f16 as llama.cpp does before its KQ·V product
                 // over the F16 cache.
-                let w = half::f16::from_f32(w * inv).to_f32();
+                let w = if r16 { half::f16::from_f32(w * inv).to_f32() } else { w * inv };
                 for (o, x) in out.iter_mut().zip(vv) {
                     *o += w * x;
                 }
@@ -339,7 +351,7 @@ impl LlamaModel {
         });
         s.attn.quantize();
         s.tmp.resize(t * e, 0.0);
-        matmul(self.mat(&b.o), &s.attn, &mut s.tmp);
+        self.mm(self.mat(&b.o), &s.attn, &mut s.tmp);
         for (x, d) in s.x.iter_mut().zip(&s.tmp) {
             *x += d;
         }
@@ -358,15 +370,15 @@ impl LlamaModel {
                 let ff = gate.rows;
                 s.gate.resize(t * ff, 0.0);
                 s.up.resize(t * ff, 0.0);
-                matmul(self.mat(gate), &s.xn, &mut s.gate);
-                matmul(self.mat(up), &s.xn, &mut s.up);
+                self.mm(self.mat(gate), &s.xn, &mut s.gate);
+                self.mm(self.mat(up), &s.xn, &mut s.up);
                 s.h.resize(t, ff);
                 for ((h, g), u) in s.h.f.iter_mut().zip(&s.gate).zip(&s.up) {
                     *h = silu(*g) * u;
                 }
                 s.h.quantize();
                 s.tmp.resize(t * e, 0.0);
-                matmul(self.mat(down), &s.h, &mut s.tmp);
+                self.mm(self.mat(down), &s.h, &mut s.tmp);
                 for (x, d) in s.x.iter_mut().zip(&s.tmp) {
                     *x += d;
                 }
@@ -404,7 +416,7 @@ impl LlamaModel {
         let cfg = &self.cfg;
         let (e, ne, ff) = (cfg.n_embd, cfg.n_expert, cfg.n_ff_exp);
         let mut rl = vec![0f32; t * ne];
-        matmul(self.mat(&ex.router), &s.xn, &mut rl);
+        self.mm(self.mat(&ex.router), &s.xn, &mut rl);
         let routes = self.route(&rl, t);
         // Group tokens by expert: each selected expert runs once for all its tokens.
         let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ne];
@@ -436,15 +448,15 @@ impl LlamaModel {
             let d = MatRef { data: &down_all.data[x * db..(x + 1) * db], ty: down_all.ty, rows: e, cols: ff };
             s.gate.resize(n * ff, 0.0);
             s.up.resize(n * ff, 0.0);
-            matmul(g, &sub, &mut s.gate);
-            matmul(u, &sub, &mut s.up);
+            self.mm(g, &sub, &mut s.gate);
+            self.mm(u, &sub, &mut s.up);
             s.h.resize(n, ff);
             for ((h, gv), uv) in s.h.f.iter_mut().zip(&s.gate).zip(&s.up) {
                 *h = silu(*gv) * uv;
             }
             s.h.quantize();
             s.tmp.resize(n * e, 0.0);
-            matmul(d, &s.h, &mut s.tmp);
+            self.mm(d, &s.h, &mut s.tmp);
             for (j, &(i, w)) in toks.iter().enumerate() {
                 for (a, v) in acc[i * e..(i + 1) * e].iter_mut().zip(&s.tmp[j * e..(j + 1) * e]) {
                     *a += w * v;

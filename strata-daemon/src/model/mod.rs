@@ -5,6 +5,7 @@ pub mod chat;
 pub mod config;
 pub mod kv;
 pub mod llama;
+pub mod moe_copy;
 pub mod tokenizer;
 
 pub use config::{ModelConfig, ModelError};

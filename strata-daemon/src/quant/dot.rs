@@ -137,9 +137,16 @@ pub fn dot_q8_scalar(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     acc
 }
 
-/// Dot product of a float-format row (F32, F16, BF16) with f32 activations.
+/// Dot product of a weight row with f32 activations: float formats directly,
+/// block formats by dequantizing the row first (the exact reference path, in
+/// f64 accumulation; slow).
 pub fn vec_dot_f32_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
     match ty {
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            let mut w = vec![0f32; x.len()];
+            super::dequantize_row(ty, row, &mut w).expect("row length");
+            w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32
+        }
         GgmlType::F32 => row.chunks_exact(4).zip(x).map(|(b, v)| f32::from_le_bytes(b.try_into().unwrap()) * v).sum(),
         GgmlType::F16 => row.chunks_exact(2).zip(x).map(|(b, v)| f16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum(),
         GgmlType::BF16 => row.chunks_exact(2).zip(x).map(|(b, v)| bf16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum(),
