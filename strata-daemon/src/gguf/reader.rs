@@ -113,7 +113,12 @@ impl<'a> Cursor<'a> {
                 let n = self.u64(&w)?;
                 // Every element takes at least one byte: a count past the rest of the file is corrupt.
                 if n > self.len() - self.pos {
-                    return Err(GgufError::BadSize { what: format!("metadata key {key:?}: array length"), value: n });
+                    return Err(GgufError::Truncated {
+                        what: format!("metadata key {key:?}: array of {n}"),
+                        offset: self.pos,
+                        end: self.pos.saturating_add(n),
+                        len: self.len(),
+                    });
                 }
                 let mut v = Vec::with_capacity(n as usize);
                 for _ in 0..n {

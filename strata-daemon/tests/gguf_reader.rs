@@ -1,0 +1,134 @@
+//! GGUF reader: every metadata value type, tensor infos, alignment, and
+//! typed errors (never a panic) for truncated or corrupt files.
+
+use strata::gguf::writer::{string_array, GgufWriter};
+use strata::gguf::{GgufError, GgufFile, Value, ValueType};
+use strata::quant::GgmlType;
+
+fn write_tmp(bytes: &[u8]) -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let p = std::env::temp_dir().join(format!("strata-gguf-{}-{}.gguf", std::process::id(), N.fetch_add(1, Ordering::SeqCst)));
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+fn open_bytes(bytes: &[u8]) -> Result<GgufFile, GgufError> {
+    let p = write_tmp(bytes);
+    let r = GgufFile::open(&p);
+    std::fs::remove_file(&p).unwrap();
+    r
+}
+
+fn sample() -> GgufWriter {
+    let mut w = GgufWriter::default();
+    w.set("general.architecture", Value::String("llama".into()));
+    w.set("t.u8", Value::U8(200));
+    w.set("t.i8", Value::I8(-5));
+    w.set("t.u16", Value::U16(60000));
+    w.set("t.i16", Value::I16(-30000));
+    w.set("t.u32", Value::U32(4_000_000_000));
+    w.set("t.i32", Value::I32(-2_000_000_000));
+    w.set("t.f32", Value::F32(1.5));
+    w.set("t.bool", Value::Bool(true));
+    w.set("t.string", Value::String("héllo ✓".into()));
+    w.set("t.u64", Value::U64(1 << 40));
+    w.set("t.i64", Value::I64(-(1 << 40)));
+    w.set("t.f64", Value::F64(-2.25));
+    w.set("t.arr", string_array(["a", "b", "c"]));
+    w.set("t.arr_i32", Value::Array(ValueType::I32, vec![Value::I32(1), Value::I32(-2)]));
+    w.set("t.nested", Value::Array(ValueType::Array, vec![Value::Array(ValueType::U8, vec![Value::U8(1)])]));
+    w.set("t.empty", Value::Array(ValueType::F32, vec![]));
+    w.add_tensor("tensor_a", vec![4], GgmlType::F32, vec![1u8; 16]);
+    w.add_tensor("b", vec![64, 3], GgmlType::Q4_1, vec![2u8; GgmlType::Q4_1.row_bytes(64) * 3]);
+    w.add_tensor("c", vec![32, 2, 2], GgmlType::Q8_0, vec![3u8; GgmlType::Q8_0.row_bytes(32) * 4]);
+    w
+}
+
+#[test]
+fn reads_every_value_type_and_tensor() {
+    let w = sample();
+    let f = open_bytes(&w.to_bytes()).unwrap();
+    assert_eq!(f.version, 3);
+    assert_eq!(f.metadata.len(), w.metadata.len());
+    for (k, v) in &w.metadata {
+        assert_eq!(f.get(k), Some(v), "{k}");
+    }
+    assert_eq!(f.get_u32("t.u32").unwrap(), 4_000_000_000);
+    assert_eq!(f.get_f64("t.f32").unwrap(), 1.5);
+    assert_eq!(f.get_str("t.string").unwrap(), "héllo ✓");
+    assert!(matches!(f.get_u64("t.string"), Err(GgufError::WrongType { .. })));
+    assert!(matches!(f.get_u64("t.missing"), Err(GgufError::MissingKey(_))));
+    assert_eq!(f.alignment, 32);
+    assert_eq!(f.data_offset % 32, 0);
+    for t in &w.tensors {
+        let info = f.require_tensor(&t.name).unwrap();
+        assert_eq!(info.dims, t.dims);
+        assert_eq!(info.ggml_type, t.ggml_type);
+        assert_eq!(info.file_offset % 32, 0);
+        assert_eq!(f.tensor_data(info), &t.data[..], "{}", t.name);
+    }
+    assert_eq!(f.require_tensor("c").unwrap().n_rows(), 4);
+}
+
+#[test]
+fn every_truncation_is_a_typed_error() {
+    let bytes = sample().to_bytes();
+    for n in 0..bytes.len() {
+        match open_bytes(&bytes[..n]) {
+            Err(GgufError::Truncated { .. }) | Err(GgufError::BadMagic(_)) => {}
+            Err(e) => panic!("cut at {n}: unexpected error {e}"),
+            Ok(_) => panic!("cut at {n} of {} accepted", bytes.len()),
+        }
+    }
+}
+
+#[test]
+fn corrupt_headers_are_typed_errors() {
+    let good = sample().to_bytes();
+    // Bad version.
+    let mut b = good.clone();
+    b[4..8].copy_from_slice(&7u32.to_le_bytes());
+    assert!(matches!(open_bytes(&b), Err(GgufError::UnsupportedVersion(7))));
+    // Huge tensor count.
+    let mut b = good.clone();
+    b[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+    assert!(matches!(open_bytes(&b), Err(GgufError::Truncated { .. })));
+    // Unknown value type of the first key: header 24 bytes + u64 len + key bytes.
+    let mut b = good.clone();
+    let klen = u64::from_le_bytes(b[24..32].try_into().unwrap()) as usize;
+    let at = 32 + klen;
+    b[at..at + 4].copy_from_slice(&99u32.to_le_bytes());
+    match open_bytes(&b) {
+        Err(GgufError::UnknownValueType { key, type_id: 99 }) => assert_eq!(key, "general.architecture"),
+        other => panic!("{:?}", other.err()),
+    }
+    // Unknown tensor type and a tensor past the end of the file.
+    let mut w = sample();
+    w.tensors[0].ggml_type = GgmlType::F32;
+    let mut b = w.to_bytes();
+    let pos = find(&b, b"\x08\x00\x00\x00\x00\x00\x00\x00tensor_a").expect("tensor_a info") + 16;
+    // n_dims(4) + dim(8) then type
+    b[pos + 12..pos + 16].copy_from_slice(&77u32.to_le_bytes());
+    match open_bytes(&b) {
+        Err(GgufError::UnsupportedTensorType { tensor, type_id: 77 }) => assert_eq!(tensor, "tensor_a"),
+        other => panic!("{:?}", other.err()),
+    }
+    let mut b = w.to_bytes();
+    b[pos + 16..pos + 24].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    assert!(matches!(open_bytes(&b), Err(GgufError::Truncated { .. })));
+    // Garbage after the magic never panics.
+    let mut x = 99u64;
+    for len in [8usize, 64, 1000, 5000] {
+        let mut g = b"GGUF\x03\x00\x00\x00".to_vec();
+        while g.len() < len {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            g.push((x >> 56) as u8);
+        }
+        assert!(open_bytes(&g).is_err());
+    }
+}
+
+fn find(h: &[u8], n: &[u8]) -> Option<usize> {
+    h.windows(n.len()).position(|w| w == n)
+}
