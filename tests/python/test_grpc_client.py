@@ -22,6 +22,7 @@ Environment:
 
 import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,6 +170,7 @@ def daemon(pb):
     output = Path(log_path).read_text(errors="replace")
     assert proc.returncode == 0, f"strata-daemon exited with {proc.returncode}:\n{output[-4000:]}"
     assert not os.path.exists(sock), "strata-daemon left its socket file behind"
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
