@@ -12,8 +12,7 @@ fn main() -> anyhow::Result<()> {
     let n: usize = args.get(3).map(|s| s.parse().unwrap()).unwrap_or(32);
     let ids = tok.encode(&args[2], true, true)?;
     println!("prompt ids {:?}", ids);
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(num_cpus::get_physical()).build()?;
-    pool.install(|| {
+    (|| {
         let mut kv = m.new_kv(2048);
         let mut s = Scratch::default();
         let t0 = Instant::now();
@@ -30,7 +29,7 @@ fn main() -> anyhow::Result<()> {
         let dt = t1.elapsed();
         println!("{:?}\n{}", out, tok.decode(&out, true));
         println!("prompt {} tok in {:?} ({:.1} tok/s); decode {} tok in {:?} ({:.1} tok/s)", ids.len(), pt, ids.len() as f64 / pt.as_secs_f64(), n - 1, dt, (n - 1) as f64 / dt.as_secs_f64());
-    });
+    })();
     Ok(())
 }
 fn argmax(v: &[f32]) -> u32 {

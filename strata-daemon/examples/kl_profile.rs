@@ -8,8 +8,7 @@ fn main() {
     let m = LlamaModel::load(Arc::new(GgufFile::open(&args[1]).unwrap())).unwrap();
     let chunk: usize = args.get(2).map(|s| s.parse().unwrap()).unwrap_or(512);
     let nv = m.cfg.n_vocab;
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-    pool.install(|| {
+    (|| {
     for p in d["prompts"].as_array().unwrap() {
         let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         let mut kv = m.new_kv(512);
@@ -35,5 +34,5 @@ fn main() {
         }
         println!("mean {:.2e} | {}", tot / ids.len() as f64, line);
     }
-    });
+    })();
 }

@@ -66,7 +66,9 @@ fn main() -> Result<()> {
     let threads = args.threads.unwrap_or_else(num_cpus::get_physical).max(1);
     let t0 = std::time::Instant::now();
     let file = Arc::new(GgufFile::open(&model_path).with_context(|| format!("loading model {}", model_path.display()))?);
-    let model = Arc::new(LlamaModel::load(file.clone()).with_context(|| format!("loading model {}", model_path.display()))?);
+    let mut model = LlamaModel::load(file.clone()).with_context(|| format!("loading model {}", model_path.display()))?;
+    model.set_threads(threads)?;
+    let model = Arc::new(model);
     let tok = Arc::new(Tokenizer::from_gguf(&file).with_context(|| format!("tokenizer of {}", model_path.display()))?);
     let n_ctx = args.ctx.min(model.cfg.n_ctx_train.max(2));
     tracing::info!(

@@ -43,7 +43,7 @@ fn moe_copy_matches_dense_logits() {
         .map(|v| v.as_u64().unwrap() as u32)
         .collect();
     let nv = dense.cfg.n_vocab;
-    let (a, b) = pool().install(|| {
+    let (a, b) = {
         let run = |m: &LlamaModel| {
             let mut kv = m.new_kv(128);
             let mut s = Scratch::default();
@@ -55,7 +55,7 @@ fn moe_copy_matches_dense_logits() {
             out
         };
         (run(&dense), run(&moe))
-    });
+    };
     assert_eq!(a.len(), ids.len() * nv);
     let max_diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     println!("max |dense - moe| over {} logits: {max_diff:.2e}", a.len());
@@ -72,25 +72,25 @@ fn moe_copy_matches_dense_logits() {
     let moe0 = LlamaModel::load(Arc::new(GgufFile::open(&path).unwrap())).unwrap();
     std::fs::remove_file(&path).unwrap();
     dense.precision = Precision::Q8Activations;
-    let (a, b) = pool().install(|| {
+    let (a, b) = {
         let run = |m: &LlamaModel| {
             let mut kv = m.new_kv(128);
             m.forward(&ids, &mut kv, Logits::All, &mut Scratch::default())
         };
         (run(&dense), run(&moe0))
-    });
+    };
     let max_diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     println!("fast path, uniform router: max |dense - moe| {max_diff:.2e}");
     assert!(max_diff <= 1e-3, "fast path max abs difference {max_diff}");
 
     // The router is not degenerate: tokens pick different expert sets.
-    let routes = pool().install(|| {
+    let routes = {
         let mut rl = vec![0f32; 3 * 4];
         for (i, lg) in rl.chunks_mut(4).enumerate() {
             lg.copy_from_slice(&[i as f32, 0.5, -(i as f32), 0.1]);
         }
         moe.route(&rl, 3)
-    });
+    };
     assert_ne!(routes[0].iter().map(|r| r.0).collect::<Vec<_>>(), routes[2].iter().map(|r| r.0).collect::<Vec<_>>());
     for r in &routes {
         let s: f32 = r.iter().map(|x| x.1).sum();

@@ -127,7 +127,7 @@ fn logits_match_llama_cpp() {
     let nv = model.cfg.n_vocab;
     let (mut kl_dec, mut kl_bat, mut self_kl, mut n, mut agree_dec, mut agree_bat) = (0f64, 0f64, 0f64, 0usize, 0usize, 0usize);
     let mut worst = 0f64;
-    pool().install(|| {
+    {
         for p in d["prompts"].as_array().unwrap() {
             let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
             let mut kv = model.new_kv(512);
@@ -147,7 +147,7 @@ fn logits_match_llama_cpp() {
             self_kl += p["kl_batch_vs_decode"].as_f64().unwrap() * ids.len() as f64;
             n += ids.len();
         }
-    });
+    };
     let nf = n as f64;
     let (kl_dec, kl_bat, self_kl) = (kl_dec / nf, kl_bat / nf, self_kl / nf);
     let (ag_dec, ag_bat) = (agree_dec as f64 / nf, agree_bat as f64 / nf);
@@ -174,7 +174,7 @@ fn greedy_continuation_matches_llama_cpp() {
     assert_eq!(tok.encode(g["prompt"].as_str().unwrap(), true, true).unwrap(), prompt_ids);
     let want: Vec<u32> = g["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
     let margins: Vec<f64> = g["top2_margin"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
-    let got = pool().install(|| {
+    let got = {
         let mut kv = model.new_kv(128);
         let mut s = Scratch::default();
         let mut lg = model.forward(&prompt_ids, &mut kv, Logits::Last, &mut s);
@@ -185,7 +185,7 @@ fn greedy_continuation_matches_llama_cpp() {
             lg = model.forward(&[t], &mut kv, Logits::Last, &mut s);
         }
         out
-    });
+    };
     // Tokens must agree up to the first step where llama.cpp's top two are within 0.3 logits
     // (a near-tie that rounding differences may flip).
     for (i, (&a, &b)) in got.iter().zip(&want).enumerate() {

@@ -6,7 +6,7 @@
 //! Work is split over output rows; each task walks its rows for all tokens so
 //! a block of weights stays in cache across the tokens of a prefill chunk.
 
-use rayon::prelude::*;
+use super::pool::WorkerPool;
 
 use crate::quant::{dot_q8, quantize_q8, vec_dot_f32_row, BlockQ8, GgmlType};
 
@@ -76,9 +76,10 @@ impl Act {
     }
 }
 
+/// A raw output pointer shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: tasks write disjoint index sets (distinct output rows) through this pointer.
+pub struct SyncPtr(pub *mut f32);
+// SAFETY: users write disjoint index sets through this pointer (each element by one task).
 unsafe impl Send for SyncPtr {}
 // SAFETY: as above; no two tasks touch the same element.
 unsafe impl Sync for SyncPtr {}
@@ -97,13 +98,13 @@ pub enum Precision {
 /// `out[t * w.rows + r] = Σ_c w[r, c] * x[t, c]` for every token `t` and row `r`.
 ///
 /// `x` must have `x.n == w.cols` and, for Q8_0/Q4_0/Q4_1 weights with
-/// [`Precision::Q8Activations`], be quantized. Runs on the current rayon pool.
-pub fn matmul(w: MatRef<'_>, x: &Act, out: &mut [f32]) {
-    matmul_with(w, x, out, Precision::Q8Activations)
+/// [`Precision::Q8Activations`], be quantized. Runs on `pool`.
+pub fn matmul(pool: &WorkerPool, w: MatRef<'_>, x: &Act, out: &mut [f32]) {
+    matmul_with(pool, w, x, out, Precision::Q8Activations)
 }
 
 /// [`matmul`] with an explicit [`Precision`].
-pub fn matmul_with(w: MatRef<'_>, x: &Act, out: &mut [f32], precision: Precision) {
+pub fn matmul_with(pool: &WorkerPool, w: MatRef<'_>, x: &Act, out: &mut [f32], precision: Precision) {
     assert_eq!(x.n, w.cols, "matmul: activation width {} != matrix cols {}", x.n, w.cols);
     assert!(out.len() >= x.t * w.rows);
     let rows = w.rows;
@@ -112,7 +113,7 @@ pub fn matmul_with(w: MatRef<'_>, x: &Act, out: &mut [f32], precision: Precision
     if q8 {
         assert_eq!(x.q.len(), x.t * x.n / 32, "matmul: activations not quantized");
     }
-    let threads = rayon::current_num_threads().max(1);
+    let threads = pool.threads();
     // Enough chunks to balance, each big enough to amortize task overhead.
     let min_rows = (4096 / w.cols.max(1)).clamp(4, 256);
     let chunk = rows.div_ceil(threads * 4).max(min_rows).min(rows.max(1));
@@ -132,9 +133,5 @@ pub fn matmul_with(w: MatRef<'_>, x: &Act, out: &mut [f32], precision: Precision
             }
         }
     };
-    if n_chunks <= 1 || threads == 1 {
-        (0..n_chunks).for_each(body);
-    } else {
-        (0..n_chunks).into_par_iter().for_each(body);
-    }
+    pool.run(n_chunks, body);
 }

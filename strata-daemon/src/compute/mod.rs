@@ -1,4 +1,5 @@
-//! Compute backends. `cpu` is always built: a rayon worker pool running the
+//! Compute backends. `cpu` is always built: a spinning fork-join worker pool running the
 //! quantized kernels of [`crate::quant`].
 
 pub mod cpu;
+pub mod pool;

@@ -78,19 +78,14 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts the engine thread with its own pool of `cfg.threads` workers.
-    /// Errors: the pool or thread could not be created.
+    /// Starts the engine thread; the model's worker pool does the compute
+    /// (size it with `LlamaModel::set_threads`). Errors: the thread could not be created.
     pub fn start(model: Arc<LlamaModel>, tok: Arc<Tokenizer>, cfg: EngineConfig) -> std::io::Result<Engine> {
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let stats = Arc::new(Stats::default());
         let queued = Arc::new(AtomicUsize::new(0));
         let busy = Arc::new(AtomicBool::new(false));
         let shutdown = Arc::new(AtomicBool::new(false));
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(cfg.threads.max(1))
-            .thread_name(|i| format!("strata-cpu-{i}"))
-            .build()
-            .map_err(std::io::Error::other)?;
         let mut w = Worker {
             kv: model.new_kv(cfg.n_ctx),
             model,
@@ -103,7 +98,7 @@ impl Engine {
             shutdown: shutdown.clone(),
             batch: cfg.batch.max(1),
         };
-        let thread = std::thread::Builder::new().name("strata-engine".into()).spawn(move || pool.install(|| w.run(rx)))?;
+        let thread = std::thread::Builder::new().name("strata-engine".into()).spawn(move || w.run(rx))?;
         Ok(Engine {
             tx: Mutex::new(Some(tx)),
             stats,

@@ -12,11 +12,10 @@
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
 use super::config::{ModelConfig, ModelError};
 use super::kv::KvCache;
-use crate::compute::cpu::{matmul_with, Act, MatRef, Precision};
+use crate::compute::cpu::{matmul_with, Act, MatRef, Precision, SyncPtr};
+use crate::compute::pool::WorkerPool;
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::quant::{dequantize_row, GgmlType};
 
@@ -105,6 +104,8 @@ pub struct LlamaModel {
     output: Weight,
     /// Arithmetic of the matrix products (default: 8-bit activations as llama.cpp).
     pub precision: Precision,
+    /// CPU worker pool of the forward pass (default: one thread per physical core).
+    pub pool: Arc<WorkerPool>,
 }
 
 /// Scratch buffers of one forward pass, reused across calls.
@@ -191,7 +192,15 @@ impl LlamaModel {
         if cfg.n_embd % 32 != 0 || cfg.n_ff % 32 != 0 || cfg.n_ff_exp % 32 != 0 || qd % 32 != 0 {
             return Err(ModelError::BadHyperParameter("embedding and FFN widths must be multiples of 32".into()));
         }
-        Ok(LlamaModel { file, cfg, tok_embd, blocks, out_norm, output, precision: Precision::default() })
+        let pool = Arc::new(WorkerPool::new(num_cpus::get_physical()).map_err(|e| ModelError::BadHyperParameter(format!("worker pool: {e}")))?);
+        Ok(LlamaModel { file, cfg, tok_embd, blocks, out_norm, output, precision: Precision::default(), pool })
+    }
+
+    /// Replaces the worker pool with one of `threads` threads (≥ 1).
+    /// Errors: a thread could not be spawned.
+    pub fn set_threads(&mut self, threads: usize) -> std::io::Result<()> {
+        self.pool = Arc::new(WorkerPool::new(threads)?);
+        Ok(())
     }
 
     /// Number of parameters (elements of every tensor).
@@ -223,8 +232,8 @@ impl LlamaModel {
 
     /// Runs `tokens` (a prefill chunk or one decode token) at positions
     /// `kv.len ..`, appending their K/V to `kv`, and returns logits
-    /// (`n_vocab` per returned token, row-major). Must run inside the rayon
-    /// pool that should do the work. Panics if the chunk overflows the cache
+    /// (`n_vocab` per returned token, row-major), computed on the model's
+    /// worker pool. Panics if the chunk overflows the cache
     /// (callers check `kv.len + tokens.len() <= kv.n_ctx`).
     pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, which: Logits, s: &mut Scratch) -> Vec<f32> {
         let cfg = &self.cfg;
@@ -261,7 +270,7 @@ impl LlamaModel {
     }
 
     fn mm(&self, w: MatRef<'_>, x: &Act, out: &mut [f32]) {
-        matmul_with(w, x, out, self.precision)
+        matmul_with(&self.pool, w, x, out, self.precision)
     }
 
     fn rope_table(&self, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
@@ -319,8 +328,13 @@ impl LlamaModel {
         let scale = 1.0 / (hd as f32).sqrt();
         let group = nh / nkv;
         let q = &s.q;
-        s.attn.f.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
+        let out_ptr = SyncPtr(s.attn.f.as_mut_ptr());
+        let r16_ = r16;
+        let head = |idx: usize| {
             let (i, h) = (idx / nh, idx % nh);
+            // SAFETY: task `idx` writes only attn[idx*hd .. (idx+1)*hd], inside the t*qd buffer
+            // (idx < t*nh); tasks are disjoint and the buffer outlives `run`.
+            let out = unsafe { std::slice::from_raw_parts_mut({ out_ptr }.0.add(idx * hd), hd) };
             let kh = h / group;
             let qv = &q[i * qd + h * hd..i * qd + (h + 1) * hd];
             let n = pos0 + i + 1; // causal: positions 0..=pos0+i
@@ -343,12 +357,13 @@ impl LlamaModel {
                 let vv = &vals[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
                 // Probabilities are rounded to f16 as llama.cpp does before its KQ·V product
                 // over the F16 cache.
-                let w = if r16 { half::f16::from_f32(w * inv).to_f32() } else { w * inv };
+                let w = if r16_ { half::f16::from_f32(w * inv).to_f32() } else { w * inv };
                 for (o, x) in out.iter_mut().zip(vv) {
                     *o += w * x;
                 }
             }
-        });
+        };
+        self.pool.run(t * nh, head);
         s.attn.quantize();
         s.tmp.resize(t * e, 0.0);
         self.mm(self.mat(&b.o), &s.attn, &mut s.tmp);

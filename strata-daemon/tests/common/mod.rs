@@ -36,7 +36,3 @@ pub fn json(name: &str) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
 }
 
-/// A rayon pool of 2 threads (the CI machine's size).
-pub fn pool() -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap()
-}
