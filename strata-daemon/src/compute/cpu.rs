@@ -8,7 +8,7 @@
 
 use super::pool::WorkerPool;
 
-use crate::quant::{dot_q8, quantize_q8, vec_dot_f32_row, BlockQ8, GgmlType};
+use crate::quant::{dot_q8, dot_q8_x4, quantize_q8, vec_dot_f32_row, BlockQ8, GgmlType};
 
 /// A weight matrix view: `rows` × `cols` elements of `ty` in `data`
 /// (`data.len() == rows * ty.row_bytes(cols)`).
@@ -124,11 +124,23 @@ pub fn matmul_with(pool: &WorkerPool, w: MatRef<'_>, x: &Act, out: &mut [f32], p
         let r0 = ci * chunk;
         let r1 = (r0 + chunk).min(rows);
         for ti in 0..t {
-            for r in r0..r1 {
+            let mut r = r0;
+            if q8 {
+                let xq = x.qrow(ti);
+                while r + 4 <= r1 {
+                    let v = dot_q8_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], xq);
+                    for (j, vj) in v.into_iter().enumerate() {
+                        // SAFETY: ti < t and r + j < rows: inside `out` (asserted above); each
+                        // (ti, row) is written by exactly one task (row ranges are disjoint).
+                        unsafe { *p.0.add(ti * rows + r + j) = vj };
+                    }
+                    r += 4;
+                }
+            }
+            for r in r..r1 {
                 let row = w.row(r);
                 let v = if q8 { dot_q8(w.ty, row, x.qrow(ti)) } else { vec_dot_f32_row(w.ty, row, x.row(ti)) };
-                // SAFETY: ti < t and r < rows, so the index is inside `out` (asserted above);
-                // each (ti, r) is written by exactly one task (r ranges are disjoint).
+                // SAFETY: as above.
                 unsafe { *p.0.add(ti * rows + r) = v };
             }
         }

@@ -60,7 +60,18 @@ fn f16_round(x: f32) -> f32 {
 
 /// Quantizes `x` (length a multiple of 32) into `out` (`x.len()/32` blocks).
 pub fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
-    debug_assert_eq!(x.len(), out.len() * 32);
+    assert_eq!(x.len(), out.len() * 32);
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 {
+        // SAFETY: AVX2/FMA/F16C detected; lengths asserted above.
+        unsafe { avx2::quantize_q8(x, out) };
+        return;
+    }
+    quantize_q8_scalar(x, out)
+}
+
+/// Scalar reference of [`quantize_q8`].
+pub fn quantize_q8_scalar(x: &[f32], out: &mut [BlockQ8]) {
     for (xb, ob) in x.chunks_exact(32).zip(out.iter_mut()) {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
@@ -96,6 +107,28 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
         };
     }
     dot_q8_scalar(ty, row, x)
+}
+
+/// Dot products of four weight rows with the same quantized activations
+/// (`out[j] = dot_q8(ty, rows[j], x)`, bit-identical to four single calls;
+/// the SIMD path shares the activation loads and runs four accumulation
+/// chains side by side).
+#[inline]
+pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 {
+        let rb = ty.row_bytes(x.len() * 32);
+        assert!(rows.iter().all(|r| r.len() == rb), "dot_q8_x4: row length");
+        // SAFETY: AVX2/FMA/F16C detected; each row holds x.len() blocks (asserted above).
+        unsafe {
+            match ty {
+                GgmlType::Q4_1 => return avx2::dot_q4_1_x4(rows, x),
+                GgmlType::Q8_0 => return avx2::dot_q8_0_x4(rows, x),
+                _ => {}
+            }
+        }
+    }
+    [dot_q8(ty, rows[0], x), dot_q8(ty, rows[1], x), dot_q8(ty, rows[2], x), dot_q8(ty, rows[3], x)]
 }
 
 /// Scalar reference of [`dot_q8`].
@@ -215,6 +248,88 @@ mod avx2 {
         hsum(acc) + summs
     }
 
+    /// Four Q4_1 rows at once; same per-row operation order as [`dot_q4_1`].
+    /// SAFETY (callers): the CPU has avx2, fma and f16c; each row holds `x.len()` Q4_1 blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1_x4(rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut summs = [0f32; 4];
+        let ones = _mm256_set1_epi16(1);
+        let p = [rows[0].as_ptr(), rows[1].as_ptr(), rows[2].as_ptr(), rows[3].as_ptr()];
+        for (i, xb) in x.iter().enumerate() {
+            let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+            for j in 0..4 {
+                let b = p[j].add(i * 20);
+                let d = h2f(b);
+                let m = h2f(b.add(2));
+                summs[j] += m * xb.s;
+                let qw = nibbles(b.add(4));
+                let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones));
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), s, acc[j]);
+            }
+        }
+        [hsum(acc[0]) + summs[0], hsum(acc[1]) + summs[1], hsum(acc[2]) + summs[2], hsum(acc[3]) + summs[3]]
+    }
+
+    /// Four Q8_0 rows at once; same per-row operation order as [`dot_q8_0`].
+    /// SAFETY (callers): the CPU has avx2, fma and f16c; each row holds `x.len()` Q8_0 blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0_x4(rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let p = [rows[0].as_ptr(), rows[1].as_ptr(), rows[2].as_ptr(), rows[3].as_ptr()];
+        for (i, xb) in x.iter().enumerate() {
+            let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+            for j in 0..4 {
+                let b = p[j].add(i * 34);
+                let d = h2f(b);
+                let qw = _mm256_loadu_si256(b.add(2) as *const __m256i);
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), mul_sum_i8(qw, qx), acc[j]);
+            }
+        }
+        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+    }
+
+    /// Quantizes 32-value blocks like [`super::quantize_q8`] (same rounding: ties to even).
+    /// SAFETY (callers): the CPU has avx2, fma and f16c; `x.len() == out.len() * 32`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+        let sign = _mm256_set1_ps(-0.0);
+        for (bi, ob) in out.iter_mut().enumerate() {
+            let p = x.as_ptr().add(bi * 32);
+            let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+            let mut m = _mm256_andnot_ps(sign, v[0]);
+            for vv in &v[1..] {
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *vv));
+            }
+            let m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            let amax = _mm_cvtss_f32(m4);
+            let d = amax / 127.0;
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let mul = _mm256_set1_ps(id);
+            let mut sum = _mm256_setzero_si256();
+            let mut q = [_mm256_setzero_si256(); 4];
+            for k in 0..4 {
+                let r = _mm256_round_ps(_mm256_mul_ps(v[k], mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[k] = _mm256_cvtps_epi32(r);
+                sum = _mm256_add_epi32(sum, q[k]);
+            }
+            // pack i32 -> i16 -> i8 and fix the lane order of the packs
+            let a = _mm256_packs_epi32(q[0], q[1]);
+            let b = _mm256_packs_epi32(q[2], q[3]);
+            let c = _mm256_packs_epi16(a, b);
+            let c = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(ob.qs.as_mut_ptr() as *mut __m256i, c);
+            let s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
+            let s4 = _mm_hadd_epi32(s4, s4);
+            let s4 = _mm_hadd_epi32(s4, s4);
+            let isum = _mm_cvtsi128_si32(s4);
+            ob.d = super::f16_round(d);
+            ob.s = super::f16_round(d * isum as f32);
+        }
+    }
+
     /// SAFETY (callers): the CPU has avx2, fma and f16c; `row` holds `x.len()` Q4_0 blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_0(row: &[u8], x: &[BlockQ8]) -> f32 {
@@ -257,6 +372,23 @@ mod tests {
     }
 
     #[test]
+    fn simd_quantize_matches_scalar() {
+        let mut seed = 3u64;
+        let mut x: Vec<f32> = (0..32 * 40).map(|_| lcg(&mut seed) * 10.0).collect();
+        x[0..32].iter_mut().for_each(|v| *v = 0.0); // an all-zero block
+        for (i, v) in x[32..64].iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) * 0.5; // ties at .5 steps
+        }
+        let mut a = vec![BlockQ8::default(); 40];
+        let mut b = vec![BlockQ8::default(); 40];
+        quantize_q8(&x, &mut a);
+        quantize_q8_scalar(&x, &mut b);
+        for (p, q) in a.iter().zip(&b) {
+            assert_eq!((p.d, p.s, p.qs), (q.d, q.s, q.qs));
+        }
+    }
+
+    #[test]
     fn simd_matches_scalar() {
         let mut seed = 7u64;
         let n = 576;
@@ -278,6 +410,8 @@ mod tests {
             }
             let s = dot_q8_scalar(ty, &row, &xq);
             let v = dot_q8(ty, &row, &xq);
+            let v4 = dot_q8_x4(ty, [&row, &row, &row, &row], &xq);
+            assert!(v4.iter().all(|&y| y == v), "{ty:?}: x4 {v4:?} vs single {v}");
             assert!((s - v).abs() <= 1e-4 * s.abs().max(1.0), "{ty:?}: scalar {s} simd {v}");
             // and both close to the float dot product of the dequantized row
             let mut w = vec![0f32; n];
