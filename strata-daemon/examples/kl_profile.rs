@@ -15,6 +15,11 @@ fn main() {
         let mut s = Scratch::default();
         let mut all = Vec::new();
         for ch in ids.chunks(chunk) { all.extend(m.forward(ch, &mut kv, Logits::All, &mut s)); }
+        if let Ok(path) = std::env::var("KL_DUMP") {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
+            for v in &all { f.write_all(&v.to_le_bytes()).unwrap(); }
+        }
         let mut line = String::new();
         let mut tot = 0.0;
         for (i, pos) in p["positions"].as_array().unwrap().iter().enumerate() {

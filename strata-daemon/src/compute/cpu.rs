@@ -8,7 +8,7 @@
 
 use super::pool::WorkerPool;
 
-use crate::quant::{dot_q8, dot_q8_x4, quantize_q8, vec_dot_f32_row, BlockQ8, GgmlType};
+use crate::quant::{dot_q8, dot_q8_scalar, dot_q8_x4, quantize_q8, vec_dot_f32_row, BlockQ8, GgmlType};
 
 /// A weight matrix view: `rows` × `cols` elements of `ty` in `data`
 /// (`data.len() == rows * ty.row_bytes(cols)`).
@@ -91,6 +91,9 @@ pub enum Precision {
     /// llama.cpp's CPU backend does (fast; the default).
     #[default]
     Q8Activations,
+    /// The same 8-bit activations through the scalar reference kernels
+    /// (checks the SIMD kernels over a whole model; slow).
+    Q8Scalar,
     /// f32 activations against dequantized weights (the exact reference; slow).
     F32,
 }
@@ -109,7 +112,8 @@ pub fn matmul_with(pool: &WorkerPool, w: MatRef<'_>, x: &Act, out: &mut [f32], p
     assert!(out.len() >= x.t * w.rows);
     let rows = w.rows;
     let t = x.t;
-    let q8 = w.ty.uses_q8_activations() && precision == Precision::Q8Activations;
+    let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
+    let simd = precision == Precision::Q8Activations;
     if q8 {
         assert_eq!(x.q.len(), x.t * x.n / 32, "matmul: activations not quantized");
     }
@@ -125,7 +129,7 @@ pub fn matmul_with(pool: &WorkerPool, w: MatRef<'_>, x: &Act, out: &mut [f32], p
         let r1 = (r0 + chunk).min(rows);
         for ti in 0..t {
             let mut r = r0;
-            if q8 {
+            if q8 && simd {
                 let xq = x.qrow(ti);
                 while r + 4 <= r1 {
                     let v = dot_q8_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], xq);
@@ -139,7 +143,11 @@ pub fn matmul_with(pool: &WorkerPool, w: MatRef<'_>, x: &Act, out: &mut [f32], p
             }
             for r in r..r1 {
                 let row = w.row(r);
-                let v = if q8 { dot_q8(w.ty, row, x.qrow(ti)) } else { vec_dot_f32_row(w.ty, row, x.row(ti)) };
+                let v = match (q8, simd) {
+                    (true, true) => dot_q8(w.ty, row, x.qrow(ti)),
+                    (true, false) => dot_q8_scalar(w.ty, row, x.qrow(ti)),
+                    _ => vec_dot_f32_row(w.ty, row, x.row(ti)),
+                };
                 // SAFETY: as above.
                 unsafe { *p.0.add(ti * rows + r) = v };
             }
