@@ -5,7 +5,10 @@ use strata::model::{llama::Scratch, LlamaModel, Logits};
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let d: serde_json::Value = serde_json::from_slice(&std::fs::read("tests/data/parity_logits.json").unwrap()).unwrap();
-    let m = LlamaModel::load(Arc::new(GgufFile::open(&args[1]).unwrap())).unwrap();
+    let mut m = LlamaModel::load(Arc::new(GgufFile::open(&args[1]).unwrap())).unwrap();
+    if std::env::var("KL_F32").is_ok() {
+        m.precision = strata::compute::cpu::Precision::F32;
+    }
     let chunk: usize = args.get(2).map(|s| s.parse().unwrap()).unwrap_or(512);
     let nv = m.cfg.n_vocab;
     (|| {

@@ -96,6 +96,9 @@ pub struct Tokenizer {
     tokens: Vec<String>,
     types: Vec<i64>,
     kind: VocabKind,
+    /// SentencePiece with `tokenizer.ggml.add_space_prefix`: encoding
+    /// prepends a space, so decoding drops one leading space.
+    space_prefix: bool,
     /// Beginning-of-sequence id, if the model has one.
     pub bos: Option<u32>,
     /// End-of-sequence id (`tokenizer.ggml.eos_token_id`).
@@ -190,6 +193,8 @@ impl Tokenizer {
             other => return Err(terr(format!("unsupported tokenizer.ggml.model {other:?} (supported: gpt2, llama)"))),
         };
         bpe_builder = bpe_builder.ignore_merges(false);
+        let space_prefix = kind == VocabKind::SentencePiece
+            && f.get("tokenizer.ggml.add_space_prefix").and_then(|v| v.as_bool()).unwrap_or(true);
         let bpe = bpe_builder.build().map_err(terr)?;
         let mut base = tokenizers::Tokenizer::new(bpe);
         match kind {
@@ -209,9 +214,8 @@ impl Tokenizer {
                 base.with_decoder(Some(ByteLevelDecoder::default()));
             }
             VocabKind::SentencePiece => {
-                let add_space = f.get("tokenizer.ggml.add_space_prefix").and_then(|v| v.as_bool()).unwrap_or(true);
                 let mut norms: Vec<NormalizerWrapper> = Vec::new();
-                if add_space {
+                if space_prefix {
                     norms.push(Prepend::new("▁".into()).into());
                 }
                 norms.push(Replace::new(" ", "▁").map_err(terr)?.into());
@@ -268,7 +272,7 @@ impl Tokenizer {
             .unwrap_or(kind == VocabKind::SentencePiece)
             && bos.is_some();
         let chat_template = f.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(str::to_string);
-        Ok(Tokenizer { with_special, plain, pieces, tokens, types, kind, bos, eos, add_bos, eog, chat_template })
+        Ok(Tokenizer { with_special, plain, pieces, tokens, types, kind, space_prefix, bos, eos, add_bos, eog, chat_template })
     }
 
     /// Vocabulary size.
@@ -320,19 +324,19 @@ impl Tokenizer {
 
     /// Detokenizes: the concatenated bytes of the pieces, as UTF-8 (invalid
     /// sequences replaced). With `render_special`, control tokens are written
-    /// as their text. SentencePiece: the leading space added by
-    /// `add_space_prefix` is removed.
+    /// as their text. SentencePiece with `add_space_prefix` (as llama.cpp):
+    /// one leading space of the first token's piece is dropped, the one the
+    /// encoder prepended; without it (e.g. Gemma) spaces are kept.
     pub fn decode(&self, ids: &[u32], render_special: bool) -> String {
         let mut out = Vec::new();
-        for &id in ids {
+        for (i, &id) in ids.iter().enumerate() {
             if render_special && self.is_control(id) {
                 out.extend_from_slice(self.token_str(id).as_bytes());
             } else {
-                out.extend_from_slice(self.piece(id));
+                let p = self.piece(id);
+                let strip = i == 0 && self.space_prefix && p.first() == Some(&b' ');
+                out.extend_from_slice(&p[strip as usize..]);
             }
-        }
-        if self.kind == VocabKind::SentencePiece && out.first() == Some(&b' ') {
-            out.remove(0);
         }
         String::from_utf8_lossy(&out).into_owned()
     }
