@@ -13,8 +13,6 @@ pub mod writer;
 pub use reader::{GgufFile, TensorInfo};
 pub use value::{Value, ValueType};
 
-use crate::quant::GgmlType;
-
 /// Default alignment of the tensor data section and of each tensor, in bytes.
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 
@@ -101,9 +99,4 @@ pub enum GgufError {
     /// A tensor the model needs is missing.
     #[error("tensor {0:?} is missing")]
     MissingTensor(String),
-}
-
-/// Convenience: the [`GgmlType`] of a tensor or an error naming it.
-pub fn tensor_type(t: &TensorInfo) -> GgmlType {
-    t.ggml_type
 }
