@@ -108,8 +108,15 @@ impl WorkerPool {
             }
             f(i);
         }
+        let mut spins = 0u32;
         while s.active.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            // When the machine is oversubscribed a worker may be descheduled: let it run.
+            if spins % 4096 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
     }
 }
@@ -139,7 +146,11 @@ fn worker(s: Arc<Shared>) {
                 drop(m);
                 continue;
             }
-            std::hint::spin_loop();
+            if spins % 4096 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
         // SAFETY: read after observing the generation bump (SeqCst), which the caller
         // did after writing `job`; the closure lives until we decrement `active`.
