@@ -61,6 +61,9 @@ enum Cmd {
         /// Repetition penalty (1 = off).
         #[arg(long)]
         repeat_penalty: Option<f32>,
+        /// Tokens the repetition penalty looks back over (default 64).
+        #[arg(long)]
+        repeat_last_n: Option<u32>,
         /// RNG seed.
         #[arg(long)]
         seed: Option<u64>,
@@ -139,7 +142,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
     let socket = cli.socket.clone().unwrap_or_else(strata_proto::default_socket_path);
     let mut client = connect(socket).await.map_err(|m| (2, m))?;
     match cli.cmd {
-        Cmd::Generate { prompt, chat, system, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop } => {
+        Cmd::Generate { prompt, chat, system, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, stop } => {
             let mut messages = Vec::new();
             if chat {
                 if let Some(s) = system {
@@ -151,17 +154,29 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 prompt: if chat { String::new() } else { prompt },
                 messages,
                 max_tokens,
-                sampling: Some(pb::SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n: None, seed }),
+                sampling: Some(pb::SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed }),
                 stop,
             };
             let mut stream = client.generate(req).await.map_err(status_err)?.into_inner();
             let mut out = std::io::stdout();
-            while let Some(ev) = stream.message().await.map_err(status_err)? {
+            let mut printed = false;
+            loop {
+                let ev = match stream.message().await {
+                    Ok(Some(ev)) => ev,
+                    Ok(None) => break,
+                    Err(e) => {
+                        if printed {
+                            println!(); // keep the error off the streamed text's line
+                        }
+                        return Err(status_err(e));
+                    }
+                };
                 match ev.event {
                     Some(pb::generate_event::Event::Token(t)) => {
                         if !cli.json {
                             let _ = out.write_all(t.text.as_bytes());
                             let _ = out.flush();
+                            printed |= !t.text.is_empty();
                         }
                     }
                     Some(pb::generate_event::Event::Done(d)) => {
@@ -216,7 +231,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 println!("model        {} ({})", m.name, m.path);
                 println!("             {} {}, {} layers, n_embd {}, heads {}/{} kv, vocab {}, {:.1} M params, {} ({:.1} MiB)", m.architecture, experts, m.n_layers, m.n_embd, m.n_head, m.n_head_kv, m.n_vocab, m.n_params as f64 / 1e6, m.file_type, m.file_bytes as f64 / 1048576.0);
                 println!("context      {} tokens (trained {}), {} CPU threads", m.n_ctx, m.n_ctx_train, m.threads);
-                println!("requests     {} done, {} cancelled, {} rejected", t.requests, t.cancelled, t.rejected);
+                println!("requests     {} finished (of which {} cancelled), {} rejected", t.requests, t.cancelled, t.rejected);
                 println!("prompt       {} tokens in {:.1} ms ({:.1} tok/s)", t.prompt_tokens, t.prompt_ms, rate(t.prompt_tokens, t.prompt_ms));
                 println!("decode       {} tokens in {:.1} ms ({:.1} tok/s), {} windows", t.generated_tokens, t.decode_ms, rate(t.generated_tokens, t.decode_ms), t.windows);
                 if let Some(c) = &s.last_request {

@@ -45,9 +45,13 @@ fn models_dir() -> PathBuf {
 }
 
 fn main() -> Result<()> {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        // A closed stderr (e.g. the reader of a pipe exited first) must not bring the daemon down.
+        .log_internal_errors(false)
         .init();
     let args = Args::parse();
     let model_path = match &args.model {
@@ -63,7 +67,16 @@ fn main() -> Result<()> {
     if args.ctx < 2 {
         bail!("--ctx must be at least 2");
     }
-    let threads = args.threads.unwrap_or_else(num_cpus::get_physical).max(1);
+    if args.threads == Some(0) {
+        bail!("--threads must be at least 1");
+    }
+    if args.batch == 0 {
+        bail!("--batch must be at least 1");
+    }
+    let threads = args.threads.unwrap_or_else(num_cpus::get_physical);
+    let socket_path = args.socket.clone().unwrap_or_else(strata_proto::default_socket_path);
+    // Refuse a live or non-socket path before spending time on loading the model.
+    socket::preflight(&socket_path)?;
     let t0 = std::time::Instant::now();
     let file = Arc::new(GgufFile::open(&model_path).with_context(|| format!("loading model {}", model_path.display()))?);
     let mut model = LlamaModel::load(file.clone()).with_context(|| format!("loading model {}", model_path.display()))?;
@@ -83,7 +96,6 @@ fn main() -> Result<()> {
         "model loaded"
     );
     let engine = Arc::new(Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx, threads, batch: args.batch })?);
-    let socket_path = args.socket.clone().unwrap_or_else(strata_proto::default_socket_path);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(serve(engine, model, tok, socket_path))
 }

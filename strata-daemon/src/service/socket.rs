@@ -23,22 +23,31 @@ pub enum SocketError {
     },
 }
 
-/// Binds a listener at `path` (creating the parent directory), replacing a
-/// stale socket file, and sets its mode to 0660.
-pub fn bind(path: &Path) -> Result<tokio::net::UnixListener, SocketError> {
+/// Checks that `path` can be taken: absent, or a stale socket. Errors:
+/// [`SocketError::InUse`] when a daemon answers there,
+/// [`SocketError::NotASocket`] when something else is at the path.
+pub fn preflight(path: &Path) -> Result<(), SocketError> {
     let p = path.display().to_string();
-    let io = |source| SocketError::Io { path: p.clone(), source };
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_socket() {
             return Err(SocketError::NotASocket(p));
         }
-        match std::os::unix::net::UnixStream::connect(path) {
-            Ok(_) => return Err(SocketError::InUse(p)),
-            Err(_) => {
-                tracing::info!(socket = %p, "replacing stale socket file");
-                std::fs::remove_file(path).map_err(io)?;
-            }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(SocketError::InUse(p));
         }
+    }
+    Ok(())
+}
+
+/// Binds a listener at `path` (creating the parent directory), replacing a
+/// stale socket file, and sets its mode to 0660. Errors as [`preflight`], or I/O.
+pub fn bind(path: &Path) -> Result<tokio::net::UnixListener, SocketError> {
+    let p = path.display().to_string();
+    let io = |source| SocketError::Io { path: p.clone(), source };
+    preflight(path)?;
+    if std::fs::symlink_metadata(path).is_ok() {
+        tracing::info!(socket = %p, "replacing stale socket file");
+        std::fs::remove_file(path).map_err(io)?;
     }
     if let Some(dir) = path.parent() {
         if !dir.as_os_str().is_empty() {
