@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use strata::engine::routing_dump::RoutingDump;
 use strata::engine::{Engine, EngineConfig};
 use strata::gguf::GgufFile;
 use strata::model::{LlamaModel, Tokenizer};
@@ -34,6 +35,9 @@ struct Args {
     /// Prefill chunk size in tokens.
     #[arg(long, default_value_t = 256)]
     batch: usize,
+    /// Write every routing decision (MoE models) as JSON Lines to FILE (docs/FORMATS.md).
+    #[arg(long, value_name = "FILE")]
+    dump_routing: Option<PathBuf>,
 }
 
 fn models_dir() -> PathBuf {
@@ -77,6 +81,10 @@ fn main() -> Result<()> {
     let socket_path = args.socket.clone().unwrap_or_else(strata_proto::default_socket_path);
     // Refuse a live or non-socket path before spending time on loading the model.
     socket::preflight(&socket_path)?;
+    let dump = match &args.dump_routing {
+        Some(p) => Some(RoutingDump::create(p).with_context(|| format!("--dump-routing {}", p.display()))?),
+        None => None,
+    };
     let t0 = std::time::Instant::now();
     let file = Arc::new(GgufFile::open(&model_path).with_context(|| format!("loading model {}", model_path.display()))?);
     let mut model = LlamaModel::load(file.clone()).with_context(|| format!("loading model {}", model_path.display()))?;
@@ -95,7 +103,7 @@ fn main() -> Result<()> {
         load_ms = t0.elapsed().as_millis() as u64,
         "model loaded"
     );
-    let engine = Arc::new(Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx, threads, batch: args.batch })?);
+    let engine = Arc::new(Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx, threads, batch: args.batch }, dump)?);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(serve(engine, model, tok, socket_path))
 }

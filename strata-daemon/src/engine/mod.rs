@@ -4,6 +4,7 @@
 //! a time from a FIFO queue; the service talks to it over channels.
 
 pub mod request;
+pub mod routing_dump;
 pub mod sampler;
 pub mod stats;
 pub mod stream_text;

@@ -10,6 +10,7 @@ use crossbeam_channel::{Receiver, Sender};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::request::{FinishReason, GenerateParams};
+use super::routing_dump::{Phase, RoutingDump};
 use super::sampler::Sampler;
 use super::stats::{Counters, Stats};
 use super::stream_text::{Push, TextStream};
@@ -80,7 +81,7 @@ pub struct Engine {
 impl Engine {
     /// Starts the engine thread; the model's worker pool does the compute
     /// (size it with `LlamaModel::set_threads`). Errors: the thread could not be created.
-    pub fn start(model: Arc<LlamaModel>, tok: Arc<Tokenizer>, cfg: EngineConfig) -> std::io::Result<Engine> {
+    pub fn start(model: Arc<LlamaModel>, tok: Arc<Tokenizer>, cfg: EngineConfig, dump: Option<RoutingDump>) -> std::io::Result<Engine> {
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let stats = Arc::new(Stats::default());
         let queued = Arc::new(AtomicUsize::new(0));
@@ -91,7 +92,12 @@ impl Engine {
             model,
             tok,
             cached: Vec::new(),
-            scratch: Scratch::default(),
+            scratch: {
+                let mut s = Scratch::default();
+                s.routes = dump.as_ref().map(|_| Vec::new());
+                s
+            },
+            dump,
             stats: stats.clone(),
             queued: queued.clone(),
             busy: busy.clone(),
@@ -161,6 +167,7 @@ struct Worker {
     /// Tokens whose K/V are in `kv` (for prefix reuse across requests).
     cached: Vec<u32>,
     scratch: Scratch,
+    dump: Option<RoutingDump>,
     stats: Arc<Stats>,
     queued: Arc<AtomicUsize>,
     busy: Arc<AtomicBool>,
@@ -200,6 +207,16 @@ impl Worker {
         while let Ok(job) = rx.try_recv() {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             let _ = job.events.send(Event::Error("daemon is shutting down".into()));
+        }
+    }
+
+    fn dump_routes(&mut self, seq: u64, phase: Phase) {
+        if let (Some(d), Some(recs)) = (self.dump.as_mut(), self.scratch.routes.as_mut()) {
+            if let Err(e) = d.write(seq, phase, recs) {
+                tracing::error!("routing dump: {e}; dumping stops");
+                self.dump = None;
+                self.scratch.routes = None;
+            }
         }
     }
 
@@ -266,6 +283,7 @@ impl Worker {
         while pos < ids.len() {
             let end = (pos + self.batch).min(ids.len());
             logits = self.model.forward(&ids[pos..end], &mut self.kv, Logits::Last, &mut self.scratch);
+            self.dump_routes(job.id, Phase::Prefill);
             self.cached.extend_from_slice(&ids[pos..end]);
             pos = end;
             if let Some(sh) = self.stopped(job) {
@@ -306,10 +324,14 @@ impl Worker {
                 break FinishReason::Cancelled;
             }
             logits = self.model.forward(&[next], &mut self.kv, Logits::Last, &mut self.scratch);
+            self.dump_routes(job.id, Phase::Decode);
             self.cached.push(next);
             c.windows += 1;
         };
         c.decode_ms = ms(t_dec.elapsed());
+        if let Some(d) = self.dump.as_mut() {
+            let _ = d.flush();
+        }
         let sh = self.shutdown.load(Ordering::SeqCst) && reason == FinishReason::Cancelled;
         finish(self, &mut c, &mut text, reason, sh)
     }

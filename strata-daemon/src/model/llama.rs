@@ -122,6 +122,21 @@ pub struct Scratch {
     up: Vec<f32>,
     h: Act,
     rope: Vec<(f32, f32)>,
+    /// When `Some`, every routing decision of the forward passes is appended
+    /// here (the caller drains it, e.g. for `--dump-routing`).
+    pub routes: Option<Vec<RouteRecord>>,
+}
+
+/// One routing decision: token position, layer, and the selected experts
+/// with their renormalised weights in rank order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteRecord {
+    /// Token position in the sequence (KV cache index).
+    pub pos: usize,
+    /// Layer index.
+    pub layer: usize,
+    /// `(expert, weight)` by rank; weights sum to 1.
+    pub experts: Vec<(usize, f32)>,
 }
 
 fn weight(f: &GgufFile, name: &str, cfg_check: Option<&[u64]>) -> Result<Weight, ModelError> {
@@ -251,7 +266,7 @@ impl LlamaModel {
         self.rope_table(pos0, t, &mut s.rope);
         for (l, b) in self.blocks.iter().enumerate() {
             self.attention(l, b, t, pos0, kv, s);
-            self.ffn(b, t, s);
+            self.ffn(l, b, t, pos0, s);
         }
         kv.len = pos0 + t;
         // Output.
@@ -372,7 +387,7 @@ impl LlamaModel {
         }
     }
 
-    fn ffn(&self, b: &Block, t: usize, s: &mut Scratch) {
+    fn ffn(&self, l: usize, b: &Block, t: usize, pos0: usize, s: &mut Scratch) {
         let cfg = &self.cfg;
         let e = cfg.n_embd;
         s.xn.resize(t, e);
@@ -398,7 +413,7 @@ impl LlamaModel {
                     *x += d;
                 }
             }
-            Ffn::Moe(ex) => self.moe(ex, t, s),
+            Ffn::Moe(ex) => self.moe(l, ex, t, pos0, s),
         }
     }
 
@@ -427,12 +442,17 @@ impl LlamaModel {
             .collect()
     }
 
-    fn moe(&self, ex: &ExpertWeights, t: usize, s: &mut Scratch) {
+    fn moe(&self, layer: usize, ex: &ExpertWeights, t: usize, pos0: usize, s: &mut Scratch) {
         let cfg = &self.cfg;
         let (e, ne, ff) = (cfg.n_embd, cfg.n_expert, cfg.n_ff_exp);
         let mut rl = vec![0f32; t * ne];
         self.mm(self.mat(&ex.router), &s.xn, &mut rl);
         let routes = self.route(&rl, t);
+        if let Some(rec) = s.routes.as_mut() {
+            for (i, r) in routes.iter().enumerate() {
+                rec.push(RouteRecord { pos: pos0 + i, layer, experts: r.clone() });
+            }
+        }
         // Group tokens by expert: each selected expert runs once for all its tokens.
         let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ne];
         for (i, r) in routes.iter().enumerate() {
