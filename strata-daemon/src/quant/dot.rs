@@ -124,6 +124,7 @@ pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
             match ty {
                 GgmlType::Q4_1 => return avx2::dot_q4_1_x4(rows, x),
                 GgmlType::Q8_0 => return avx2::dot_q8_0_x4(rows, x),
+                GgmlType::Q4_0 => return avx2::dot_q4_0_x4(rows, x),
                 _ => {}
             }
         }
@@ -284,6 +285,24 @@ mod avx2 {
                 let d = h2f(b);
                 let qw = _mm256_loadu_si256(b.add(2) as *const __m256i);
                 acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), mul_sum_i8(qw, qx), acc[j]);
+            }
+        }
+        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+    }
+
+    /// Four Q4_0 rows at once; same per-row operation order as [`dot_q4_0`].
+    /// SAFETY (callers): the CPU has avx2, fma and f16c; each row holds `x.len()` Q4_0 blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_0_x4(rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let eight = _mm256_set1_epi8(8);
+        let p = [rows[0].as_ptr(), rows[1].as_ptr(), rows[2].as_ptr(), rows[3].as_ptr()];
+        for (i, xb) in x.iter().enumerate() {
+            let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+            for j in 0..4 {
+                let b = p[j].add(i * 18);
+                let qw = _mm256_sub_epi8(nibbles(b.add(2)), eight);
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b) * xb.d), mul_sum_i8(qw, qx), acc[j]);
             }
         }
         [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
