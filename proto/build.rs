@@ -9,9 +9,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile([&proto], [&proto_dir])?;
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out.join("strata_descriptor.bin"), prost::Message::encode_to_vec(&fds))?;
-    tonic_prost_build::configure()
-        .build_client(true)
-        .build_server(true)
-        .compile_fds(fds)?;
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
     Ok(())
 }

@@ -18,7 +18,12 @@ use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 #[derive(Parser, Debug)]
-#[command(name = "strata-ctl", version, about = "Control strata-daemon over its Unix socket", allow_negative_numbers = true)]
+#[command(
+    name = "strata-ctl",
+    version,
+    about = "Control strata-daemon over its Unix socket",
+    allow_negative_numbers = true
+)]
 struct Cli {
     /// Daemon socket [default: $XDG_RUNTIME_DIR/strata.sock, else /tmp/strata-<uid>.sock]
     #[arg(long, global = true, env = "STRATA_SOCKET")]
@@ -142,7 +147,20 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
     let socket = cli.socket.clone().unwrap_or_else(strata_proto::default_socket_path);
     let mut client = connect(socket).await.map_err(|m| (2, m))?;
     match cli.cmd {
-        Cmd::Generate { prompt, chat, system, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, stop } => {
+        Cmd::Generate {
+            prompt,
+            chat,
+            system,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty,
+            repeat_last_n,
+            seed,
+            stop,
+        } => {
             let mut messages = Vec::new();
             if chat {
                 if let Some(s) = system {
@@ -154,7 +172,15 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 prompt: if chat { String::new() } else { prompt },
                 messages,
                 max_tokens,
-                sampling: Some(pb::SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed }),
+                sampling: Some(pb::SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    repeat_penalty,
+                    repeat_last_n,
+                    seed,
+                }),
                 stop,
             };
             let mut stream = client.generate(req).await.map_err(status_err)?.into_inner();
@@ -226,14 +252,39 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 );
             } else {
                 let rate = |n: u64, ms: f64| if ms > 0.0 { n as f64 * 1000.0 / ms } else { 0.0 };
-                let experts = if m.n_expert > 0 { format!("{} experts, top-{}", m.n_expert, m.n_expert_used) } else { "dense".into() };
-                println!("strata-daemon {}   up {:.0} s   {}   queued {}   RSS {:.1} MiB", s.version, s.uptime_s, if s.busy { "busy" } else { "idle" }, s.queued, s.rss_bytes as f64 / 1048576.0);
+                let experts = if m.n_expert > 0 {
+                    format!("{} experts, top-{}", m.n_expert, m.n_expert_used)
+                } else {
+                    "dense".into()
+                };
+                println!(
+                    "strata-daemon {}   up {:.0} s   {}   queued {}   RSS {:.1} MiB",
+                    s.version,
+                    s.uptime_s,
+                    if s.busy { "busy" } else { "idle" },
+                    s.queued,
+                    s.rss_bytes as f64 / 1048576.0
+                );
                 println!("model        {} ({})", m.name, m.path);
                 println!("             {} {}, {} layers, n_embd {}, heads {}/{} kv, vocab {}, {:.1} M params, {} ({:.1} MiB)", m.architecture, experts, m.n_layers, m.n_embd, m.n_head, m.n_head_kv, m.n_vocab, m.n_params as f64 / 1e6, m.file_type, m.file_bytes as f64 / 1048576.0);
                 println!("context      {} tokens (trained {}), {} CPU threads", m.n_ctx, m.n_ctx_train, m.threads);
-                println!("requests     {} finished (of which {} cancelled), {} rejected", t.requests, t.cancelled, t.rejected);
-                println!("prompt       {} tokens in {:.1} ms ({:.1} tok/s)", t.prompt_tokens, t.prompt_ms, rate(t.prompt_tokens, t.prompt_ms));
-                println!("decode       {} tokens in {:.1} ms ({:.1} tok/s), {} windows", t.generated_tokens, t.decode_ms, rate(t.generated_tokens, t.decode_ms), t.windows);
+                println!(
+                    "requests     {} finished (of which {} cancelled), {} rejected",
+                    t.requests, t.cancelled, t.rejected
+                );
+                println!(
+                    "prompt       {} tokens in {:.1} ms ({:.1} tok/s)",
+                    t.prompt_tokens,
+                    t.prompt_ms,
+                    rate(t.prompt_tokens, t.prompt_ms)
+                );
+                println!(
+                    "decode       {} tokens in {:.1} ms ({:.1} tok/s), {} windows",
+                    t.generated_tokens,
+                    t.decode_ms,
+                    rate(t.generated_tokens, t.decode_ms),
+                    t.windows
+                );
                 if let Some(c) = &s.last_request {
                     println!("last request #{}: {}", c.request_id, counters_line(c));
                 }

@@ -28,12 +28,24 @@ fn main() -> anyhow::Result<()> {
         }
         let dt = t1.elapsed();
         println!("{:?}\n{}", out, tok.decode(&out, true));
-        println!("prompt {} tok in {:?} ({:.1} tok/s); decode {} tok in {:?} ({:.1} tok/s)", ids.len(), pt, ids.len() as f64 / pt.as_secs_f64(), n - 1, dt, (n - 1) as f64 / dt.as_secs_f64());
+        println!(
+            "prompt {} tok in {:?} ({:.1} tok/s); decode {} tok in {:?} ({:.1} tok/s)",
+            ids.len(),
+            pt,
+            ids.len() as f64 / pt.as_secs_f64(),
+            n - 1,
+            dt,
+            (n - 1) as f64 / dt.as_secs_f64()
+        );
     })();
     Ok(())
 }
 fn argmax(v: &[f32]) -> u32 {
     let mut b = 0;
-    for i in 0..v.len() { if v[i] > v[b] { b = i; } }
+    for i in 0..v.len() {
+        if v[i] > v[b] {
+            b = i;
+        }
+    }
     b as u32
 }

@@ -18,7 +18,11 @@ use tokio_stream::wrappers::UnixListenerStream;
 const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 #[derive(Parser, Debug)]
-#[command(name = "strata-daemon", version, about = "Strata inference daemon: serves a GGUF model over gRPC on a Unix socket")]
+#[command(
+    name = "strata-daemon",
+    version,
+    about = "Strata inference daemon: serves a GGUF model over gRPC on a Unix socket"
+)]
 struct Args {
     /// GGUF model file [default: $STRATA_MODELS/SmolLM2-135M-Instruct.Q4_1.gguf, $STRATA_MODELS defaulting to ~/.cache/strata/models]
     #[arg(long)]
@@ -63,7 +67,10 @@ fn main() -> Result<()> {
         None => {
             let p = models_dir().join(DEFAULT_MODEL);
             if !p.exists() {
-                bail!("default model {} not found; fetch it with `tools/fetch-model` (or pass --model PATH)", p.display());
+                bail!(
+                    "default model {} not found; fetch it with `tools/fetch-model` (or pass --model PATH)",
+                    p.display()
+                );
             }
             p
         }
@@ -86,8 +93,10 @@ fn main() -> Result<()> {
         None => None,
     };
     let t0 = std::time::Instant::now();
-    let file = Arc::new(GgufFile::open(&model_path).with_context(|| format!("loading model {}", model_path.display()))?);
-    let mut model = LlamaModel::load(file.clone()).with_context(|| format!("loading model {}", model_path.display()))?;
+    let file =
+        Arc::new(GgufFile::open(&model_path).with_context(|| format!("loading model {}", model_path.display()))?);
+    let mut model =
+        LlamaModel::load(file.clone()).with_context(|| format!("loading model {}", model_path.display()))?;
     model.set_threads(threads)?;
     let model = Arc::new(model);
     let tok = Arc::new(Tokenizer::from_gguf(&file).with_context(|| format!("tokenizer of {}", model_path.display()))?);
@@ -103,7 +112,8 @@ fn main() -> Result<()> {
         load_ms = t0.elapsed().as_millis() as u64,
         "model loaded"
     );
-    let engine = Arc::new(Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx, threads, batch: args.batch }, dump)?);
+    let engine =
+        Arc::new(Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx, threads, batch: args.batch }, dump)?);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(serve(engine, model, tok, socket_path))
 }
@@ -120,8 +130,10 @@ async fn serve(engine: Arc<Engine>, model: Arc<LlamaModel>, tok: Arc<Tokenizer>,
     tracing::info!(socket = %socket_path.display(), "listening");
     let eng = engine.clone();
     let shutdown = async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-        let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).expect("SIGINT handler");
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut int =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).expect("SIGINT handler");
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
             _ = int.recv() => tracing::info!("SIGINT: shutting down"),

@@ -8,7 +8,11 @@ use strata::quant::GgmlType;
 fn write_tmp(bytes: &[u8]) -> std::path::PathBuf {
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(0);
-    let p = std::env::temp_dir().join(format!("strata-gguf-{}-{}.gguf", std::process::id(), N.fetch_add(1, Ordering::SeqCst)));
+    let p = std::env::temp_dir().join(format!(
+        "strata-gguf-{}-{}.gguf",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
     std::fs::write(&p, bytes).unwrap();
     p
 }

@@ -15,9 +15,9 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
+use strata::compute::cpu::Precision;
 use strata::gguf::GgufFile;
 use strata::model::llama::{Ffn, Scratch};
-use strata::compute::cpu::Precision;
 use strata::model::{LlamaModel, Logits};
 
 #[test]

@@ -32,7 +32,11 @@ fn dequantization_matches_gguf_python() {
             let t = file.require_tensor(c["source_tensor"].as_str().unwrap()).unwrap();
             assert_eq!(t.ggml_type, ty, "{name}");
             let off = c["byte_offset"].as_u64().unwrap() as usize;
-            assert_eq!(&file.tensor_data(t)[off..off + bytes.len()], &bytes[..], "{name}: bytes differ from the model file");
+            assert_eq!(
+                &file.tensor_data(t)[off..off + bytes.len()],
+                &bytes[..],
+                "{name}: bytes differ from the model file"
+            );
         }
         let mut got = vec![0f32; n];
         dequantize_row(ty, &bytes, &mut got).unwrap();
@@ -87,8 +91,12 @@ fn compare(all: &[f32], nv: usize, positions: &[serde_json::Value]) -> (f64, usi
     let mut agree = 0;
     for (i, pos) in positions.iter().enumerate() {
         let ours = &all[i * nv..(i + 1) * nv];
-        let top: Vec<(usize, f64)> =
-            pos["top"].as_array().unwrap().iter().map(|e| (e[0].as_u64().unwrap() as usize, e[1].as_f64().unwrap())).collect();
+        let top: Vec<(usize, f64)> = pos["top"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e[0].as_u64().unwrap() as usize, e[1].as_f64().unwrap()))
+            .collect();
         let lse = pos["lse"].as_f64().unwrap();
         let idx: Vec<usize> = top.iter().map(|t| t.0).collect();
         let (lq, _) = log_softmax_at(ours, &idx);
@@ -125,7 +133,8 @@ fn logits_match_llama_cpp() {
     let d = json("parity_logits.json");
     let model = LlamaModel::load(model_file()).unwrap();
     let nv = model.cfg.n_vocab;
-    let (mut kl_dec, mut kl_bat, mut self_kl, mut n, mut agree_dec, mut agree_bat) = (0f64, 0f64, 0f64, 0usize, 0usize, 0usize);
+    let (mut kl_dec, mut kl_bat, mut self_kl, mut n, mut agree_dec, mut agree_bat) =
+        (0f64, 0f64, 0f64, 0usize, 0usize, 0usize);
     let mut worst = 0f64;
     {
         for p in d["prompts"].as_array().unwrap() {
@@ -159,8 +168,14 @@ fn logits_match_llama_cpp() {
     );
     assert!(n >= 200, "need at least 200 positions, have {n}");
     let bound = self_kl + 1e-3;
-    assert!(kl_dec <= bound, "mean KL vs llama.cpp decode {kl_dec:.3e} > llama.cpp's batch-vs-decode {self_kl:.3e} + 1e-3");
-    assert!(kl_bat <= bound, "mean KL vs llama.cpp batch {kl_bat:.3e} > llama.cpp's batch-vs-decode {self_kl:.3e} + 1e-3");
+    assert!(
+        kl_dec <= bound,
+        "mean KL vs llama.cpp decode {kl_dec:.3e} > llama.cpp's batch-vs-decode {self_kl:.3e} + 1e-3"
+    );
+    assert!(
+        kl_bat <= bound,
+        "mean KL vs llama.cpp batch {kl_bat:.3e} > llama.cpp's batch-vs-decode {self_kl:.3e} + 1e-3"
+    );
     assert!(ag_dec >= 0.98 && ag_bat >= 0.98, "argmax agreement {ag_dec:.4} / {ag_bat:.4} < 0.98");
 }
 

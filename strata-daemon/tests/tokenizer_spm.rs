@@ -49,7 +49,8 @@ fn spm_tokenization_matches_llama_cpp() {
         let want = ids_of(&c["ids"]);
         let got = tok.encode(text, special, false).unwrap();
         if got != want {
-            let show = |ids: &[u32]| ids.iter().map(|&i| format!("{i}:{:?}", tok.token_str(i))).collect::<Vec<_>>().join(" ");
+            let show =
+                |ids: &[u32]| ids.iter().map(|&i| format!("{i}:{:?}", tok.token_str(i))).collect::<Vec<_>>().join(" ");
             bad.push(format!(
                 "encode {text:?} (special {special}):\n    strata    {}\n    llama.cpp {}",
                 show(&got),

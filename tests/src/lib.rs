@@ -38,9 +38,9 @@ pub fn model_path() -> PathBuf {
     if let Some(p) = std::env::var_os("STRATA_MODEL") {
         return PathBuf::from(p);
     }
-    let dir = std::env::var_os("STRATA_MODELS").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/strata/models")
-    });
+    let dir = std::env::var_os("STRATA_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/strata/models"));
     let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(p.exists(), "{} not found: run tools/fetch-model", p.display());
     p

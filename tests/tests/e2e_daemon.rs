@@ -31,7 +31,15 @@ fn ctl_generate_stats_and_bad_requests() {
     assert!(stdout(&o).starts_with(" Paris"), "got {:?}", stdout(&o));
     assert!(stderr(&o).contains("prompt 5 tokens"), "counters missing: {}", stderr(&o));
 
-    let o = d.ctl(&["generate", "--chat", "--system", "Answer in one short sentence.", "--max-tokens", "40", "What is the capital of France?"]);
+    let o = d.ctl(&[
+        "generate",
+        "--chat",
+        "--system",
+        "Answer in one short sentence.",
+        "--max-tokens",
+        "40",
+        "What is the capital of France?",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("Paris"), "got {:?}", stdout(&o));
 
@@ -129,7 +137,10 @@ fn two_clients_at_once_and_finish_reasons() {
     });
 }
 
-async fn collect(c: &mut pb::strata_client::StrataClient<tonic::transport::Channel>, req: pb::GenerateRequest) -> pb::Done {
+async fn collect(
+    c: &mut pb::strata_client::StrataClient<tonic::transport::Channel>,
+    req: pb::GenerateRequest,
+) -> pb::Done {
     let mut s = c.generate(req).await.expect("generate").into_inner();
     let mut text = String::new();
     while let Some(ev) = s.message().await.expect("stream") {
@@ -184,7 +195,9 @@ fn sigterm_ends_stream_with_error_and_exits_0() {
         d.signal(Signal::SIGTERM);
         loop {
             match s.message().await {
-                Ok(Some(ev)) => assert!(!matches!(ev.event, Some(pb::generate_event::Event::Done(_))), "request must not complete"),
+                Ok(Some(ev)) => {
+                    assert!(!matches!(ev.event, Some(pb::generate_event::Event::Done(_))), "request must not complete")
+                }
                 Ok(None) => break None,
                 Err(e) => break Some(e),
             }

@@ -47,7 +47,14 @@ fn dump_routing_records_every_token_and_layer() {
     std::fs::remove_file(&moe).unwrap();
     std::fs::remove_file(&dump).unwrap();
 
-    let o = run_daemon(&["--model", model_path().to_str().unwrap(), "--socket", temp_path(".sock").to_str().unwrap(), "--dump-routing", "/nonexistent/dir/r.jsonl"]);
+    let o = run_daemon(&[
+        "--model",
+        model_path().to_str().unwrap(),
+        "--socket",
+        temp_path(".sock").to_str().unwrap(),
+        "--dump-routing",
+        "/nonexistent/dir/r.jsonl",
+    ]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--dump-routing /nonexistent/dir/r.jsonl"), "{}", stderr(&o));
 }

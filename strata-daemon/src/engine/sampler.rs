@@ -27,7 +27,15 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0x5eed }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0x5eed,
+        }
     }
 }
 
@@ -65,7 +73,8 @@ impl Sampler {
         }
         self.cand.clear();
         self.cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)));
-        self.cand.sort_unstable_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0)));
+        self.cand
+            .sort_unstable_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0)));
         if p.top_k > 0 && p.top_k < self.cand.len() {
             self.cand.truncate(p.top_k);
         }

@@ -22,7 +22,12 @@ pub enum Push {
 impl TextStream {
     /// New stream with the request's stop strings (empty ones are ignored).
     pub fn new(stops: &[String]) -> Self {
-        TextStream { pending: Vec::new(), text: String::new(), emitted: 0, stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect() }
+        TextStream {
+            pending: Vec::new(),
+            text: String::new(),
+            emitted: 0,
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+        }
     }
 
     /// Appends a token's bytes.
@@ -63,7 +68,10 @@ impl TextStream {
         let mut hold = 0;
         for st in &self.stops {
             for k in (1..st.len()).rev() {
-                if k <= self.text.len() - self.emitted && self.text.ends_with(&st[..k.min(st.len())]) && st.is_char_boundary(k) {
+                if k <= self.text.len() - self.emitted
+                    && self.text.ends_with(&st[..k.min(st.len())])
+                    && st.is_char_boundary(k)
+                {
                     hold = hold.max(k);
                     break;
                 }

@@ -81,7 +81,12 @@ pub struct Engine {
 impl Engine {
     /// Starts the engine thread; the model's worker pool does the compute
     /// (size it with `LlamaModel::set_threads`). Errors: the thread could not be created.
-    pub fn start(model: Arc<LlamaModel>, tok: Arc<Tokenizer>, cfg: EngineConfig, dump: Option<RoutingDump>) -> std::io::Result<Engine> {
+    pub fn start(
+        model: Arc<LlamaModel>,
+        tok: Arc<Tokenizer>,
+        cfg: EngineConfig,
+        dump: Option<RoutingDump>,
+    ) -> std::io::Result<Engine> {
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let stats = Arc::new(Stats::default());
         let queued = Arc::new(AtomicUsize::new(0));

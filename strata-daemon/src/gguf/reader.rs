@@ -105,7 +105,10 @@ impl<'a> Cursor<'a> {
             ValueType::F64 => Value::F64(f64::from_bits(self.u64(&w)?)),
             ValueType::Array => {
                 if depth > 4 {
-                    return Err(GgufError::BadSize { what: format!("metadata key {key:?}: array nesting"), value: depth as u64 });
+                    return Err(GgufError::BadSize {
+                        what: format!("metadata key {key:?}: array nesting"),
+                        value: depth as u64,
+                    });
                 }
                 let et_raw = self.u32(&w)?;
                 let et = ValueType::from_u32(et_raw)
@@ -162,7 +165,12 @@ impl GgufFile {
         for (what, n) in [("tensor infos", n_tensors), ("metadata", n_kv)] {
             let need = n.saturating_mul(8);
             if need > c.len() - c.pos {
-                return Err(GgufError::Truncated { what: format!("{what} ({n} entries)"), offset: c.pos, end: c.pos.saturating_add(need), len: c.len() });
+                return Err(GgufError::Truncated {
+                    what: format!("{what} ({n} entries)"),
+                    offset: c.pos,
+                    end: c.pos.saturating_add(need),
+                    len: c.len(),
+                });
             }
         }
         let mut metadata = Vec::with_capacity(n_kv as usize);
@@ -180,7 +188,9 @@ impl GgufFile {
             None => DEFAULT_ALIGNMENT,
             Some(v) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
-                _ => return Err(GgufError::BadSize { what: "general.alignment".into(), value: v.as_u64().unwrap_or(0) }),
+                _ => {
+                    return Err(GgufError::BadSize { what: "general.alignment".into(), value: v.as_u64().unwrap_or(0) })
+                }
             },
         };
         let mut raw = Vec::with_capacity(n_tensors as usize);
@@ -189,7 +199,10 @@ impl GgufFile {
             let w = || format!("tensor {name:?} info");
             let n_dims = c.u32(&w)?;
             if n_dims == 0 || n_dims > 4 {
-                return Err(GgufError::BadTensor { tensor: name, reason: format!("{n_dims} dimensions (expected 1..=4)") });
+                return Err(GgufError::BadTensor {
+                    tensor: name,
+                    reason: format!("{n_dims} dimensions (expected 1..=4)"),
+                });
             }
             let mut dims = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
@@ -202,7 +215,12 @@ impl GgufFile {
         let data_offset = c.pos.div_ceil(alignment) * alignment;
         let file_len = c.len();
         if data_offset > file_len && n_tensors > 0 {
-            return Err(GgufError::Truncated { what: "tensor data section".into(), offset: c.pos, end: data_offset, len: file_len });
+            return Err(GgufError::Truncated {
+                what: "tensor data section".into(),
+                offset: c.pos,
+                end: data_offset,
+                len: file_len,
+            });
         }
         let mut tensors = Vec::with_capacity(raw.len());
         let mut tensor_index = HashMap::new();
@@ -210,17 +228,26 @@ impl GgufFile {
             let ggml_type = GgmlType::from_u32(type_id)
                 .ok_or_else(|| GgufError::UnsupportedTensorType { tensor: name.clone(), type_id })?;
             let n_el = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-            let n_el = n_el.ok_or_else(|| GgufError::BadTensor { tensor: name.clone(), reason: format!("dimensions {dims:?} overflow") })?;
+            let n_el = n_el.ok_or_else(|| GgufError::BadTensor {
+                tensor: name.clone(),
+                reason: format!("dimensions {dims:?} overflow"),
+            })?;
             let bs = ggml_type.block_size() as u64;
             if dims[0] % bs != 0 {
                 return Err(GgufError::BadTensor {
                     tensor: name,
-                    reason: format!("row length {} is not a multiple of the {:?} block size {}", dims[0], ggml_type, bs),
+                    reason: format!(
+                        "row length {} is not a multiple of the {:?} block size {}",
+                        dims[0], ggml_type, bs
+                    ),
                 });
             }
             let size_bytes = n_el / bs * ggml_type.type_size() as u64;
             if offset % alignment != 0 {
-                return Err(GgufError::BadTensor { tensor: name, reason: format!("offset {offset} is not aligned to {alignment}") });
+                return Err(GgufError::BadTensor {
+                    tensor: name,
+                    reason: format!("offset {offset} is not aligned to {alignment}"),
+                });
             }
             let start = data_offset.checked_add(offset);
             let end = start.and_then(|s| s.checked_add(size_bytes));

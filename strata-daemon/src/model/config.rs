@@ -134,12 +134,15 @@ impl ModelConfig {
         if n_expert == 0 && n_ff == 0 {
             return bad("feed_forward_length is missing for a dense model".into());
         }
-        let rope_freq_scale = match (f.get(&k("rope.scaling.type")).and_then(|v| v.as_str()), opt_f("rope.scaling.factor")?) {
-            (Some("linear"), Some(fac)) if fac > 0.0 => 1.0 / fac,
-            (Some("none") | None, _) => 1.0,
-            (Some(t), _) if t != "linear" => return bad(format!("rope.scaling.type {t:?} is not supported (supported: none, linear)")),
-            _ => 1.0,
-        };
+        let rope_freq_scale =
+            match (f.get(&k("rope.scaling.type")).and_then(|v| v.as_str()), opt_f("rope.scaling.factor")?) {
+                (Some("linear"), Some(fac)) if fac > 0.0 => 1.0 / fac,
+                (Some("none") | None, _) => 1.0,
+                (Some(t), _) if t != "linear" => {
+                    return bad(format!("rope.scaling.type {t:?} is not supported (supported: none, linear)"))
+                }
+                _ => 1.0,
+            };
         let n_vocab = f.get_array("tokenizer.ggml.tokens")?.len();
         Ok(ModelConfig {
             name: f.get("general.name").and_then(|v| v.as_str()).unwrap_or("").to_string(),

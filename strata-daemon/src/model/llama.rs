@@ -146,10 +146,20 @@ fn weight(f: &GgufFile, name: &str, cfg_check: Option<&[u64]>) -> Result<Weight,
     }
     if let Some(exp) = cfg_check {
         if t.dims != exp {
-            return Err(ModelError::BadShape { tensor: name.to_string(), found: t.dims.clone(), expected: exp.to_vec() });
+            return Err(ModelError::BadShape {
+                tensor: name.to_string(),
+                found: t.dims.clone(),
+                expected: exp.to_vec(),
+            });
         }
     }
-    Ok(Weight { name: name.to_string(), ty: t.ggml_type, offset: t.file_offset as usize, rows: t.n_rows(), cols: t.row_len() })
+    Ok(Weight {
+        name: name.to_string(),
+        ty: t.ggml_type,
+        offset: t.file_offset as usize,
+        rows: t.n_rows(),
+        cols: t.row_len(),
+    })
 }
 
 fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
@@ -207,7 +217,10 @@ impl LlamaModel {
         if cfg.n_embd % 32 != 0 || cfg.n_ff % 32 != 0 || cfg.n_ff_exp % 32 != 0 || qd % 32 != 0 {
             return Err(ModelError::BadHyperParameter("embedding and FFN widths must be multiples of 32".into()));
         }
-        let pool = Arc::new(WorkerPool::new(num_cpus::get_physical()).map_err(|e| ModelError::BadHyperParameter(format!("worker pool: {e}")))?);
+        let pool = Arc::new(
+            WorkerPool::new(num_cpus::get_physical())
+                .map_err(|e| ModelError::BadHyperParameter(format!("worker pool: {e}")))?,
+        );
         Ok(LlamaModel { file, cfg, tok_embd, blocks, out_norm, output, precision: Precision::default(), pool })
     }
 

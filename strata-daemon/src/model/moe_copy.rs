@@ -65,7 +65,12 @@ pub fn moe_copy(dense: &GgufFile, n_expert: usize, n_used: usize, seed: u64) -> 
                 if *r == "ffn_gate" {
                     let router: Vec<u8> =
                         (0..n_embd as usize * n_expert).flat_map(|_| (0.05 * rnd()).to_le_bytes()).collect();
-                    w.add_tensor(&format!("{layer}.ffn_gate_inp.weight"), vec![n_embd, n_expert as u64], GgmlType::F32, router);
+                    w.add_tensor(
+                        &format!("{layer}.ffn_gate_inp.weight"),
+                        vec![n_embd, n_expert as u64],
+                        GgmlType::F32,
+                        router,
+                    );
                 }
             }
             None => w.add_tensor(name, t.dims.clone(), t.ggml_type, data.to_vec()),

@@ -65,7 +65,8 @@ fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable = (b'!' as u32..=b'~' as u32).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let printable =
+            (b'!' as u32..=b'~' as u32).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
         table[b as usize] = if printable {
             char::from_u32(b).unwrap()
         } else {
@@ -166,7 +167,8 @@ impl Tokenizer {
                         Ok((a.to_string(), b.to_string()))
                     })
                     .collect::<Result<_, ModelError>>()?;
-                let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+                let vocab: tokenizers::models::bpe::Vocab =
+                    tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
                 (VocabKind::Gpt2Bpe, BPE::builder().vocab_and_merges(vocab, merges))
             }
             "llama" => {
@@ -183,7 +185,8 @@ impl Tokenizer {
                     return Err(terr(format!("scores has {} entries for {n} tokens", scores.len())));
                 }
                 let merges = spm_merges(&tokens, &types, &scores);
-                let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+                let vocab: tokenizers::models::bpe::Vocab =
+                    tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
                 let mut b = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true);
                 if let Some(u) = id_key("tokenizer.ggml.unknown_token_id")? {
                     b = b.unk_token(tokens[u as usize].clone());
@@ -200,12 +203,15 @@ impl Tokenizer {
         match kind {
             VocabKind::Gpt2Bpe => {
                 let pre = f.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
-                let res = pre_regexes(pre).ok_or_else(|| terr(format!("unknown pre-tokenizer tokenizer.ggml.pre = {pre:?}")))?;
+                let res = pre_regexes(pre)
+                    .ok_or_else(|| terr(format!("unknown pre-tokenizer tokenizer.ggml.pre = {pre:?}")))?;
                 let mut seq: Vec<PreTokenizerWrapper> = Vec::new();
                 let last_is_gpt2 = *res.last().unwrap() == GPT2_RE;
                 let n_split = if last_is_gpt2 { res.len() - 1 } else { res.len() };
                 for re in &res[..n_split] {
-                    let split = Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false).map_err(terr)?;
+                    let split =
+                        Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false)
+                            .map_err(terr)?;
                     seq.push(split.into());
                 }
                 // ByteLevel's own regex is GPT-2's; use it only when that is the last expression.
@@ -260,19 +266,40 @@ impl Tokenizer {
         let mut eog: Vec<u32> = [eos, eot, eom].into_iter().flatten().collect();
         for (i, t) in tokens.iter().enumerate() {
             if types[i] == token_type::CONTROL
-                && matches!(t.as_str(), "<|endoftext|>" | "<|im_end|>" | "<|eot_id|>" | "<|eom_id|>" | "<|end|>" | "<end_of_turn>" | "</s>" | "<|return|>")
+                && matches!(
+                    t.as_str(),
+                    "<|endoftext|>"
+                        | "<|im_end|>"
+                        | "<|eot_id|>"
+                        | "<|eom_id|>"
+                        | "<|end|>"
+                        | "<end_of_turn>"
+                        | "</s>"
+                        | "<|return|>"
+                )
                 && !eog.contains(&(i as u32))
             {
                 eog.push(i as u32);
             }
         }
-        let add_bos = f
-            .get("tokenizer.ggml.add_bos_token")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(kind == VocabKind::SentencePiece)
-            && bos.is_some();
+        let add_bos =
+            f.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(kind == VocabKind::SentencePiece)
+                && bos.is_some();
         let chat_template = f.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(str::to_string);
-        Ok(Tokenizer { with_special, plain, pieces, tokens, types, kind, space_prefix, bos, eos, add_bos, eog, chat_template })
+        Ok(Tokenizer {
+            with_special,
+            plain,
+            pieces,
+            tokens,
+            types,
+            kind,
+            space_prefix,
+            bos,
+            eos,
+            add_bos,
+            eog,
+            chat_template,
+        })
     }
 
     /// Vocabulary size.
@@ -360,6 +387,8 @@ fn spm_merges(tokens: &[String], types: &[i64], scores: &[f32]) -> Vec<(String, 
             }
         }
     }
-    merges.sort_by(|x, y| y.0.partial_cmp(&x.0).unwrap_or(std::cmp::Ordering::Equal).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
+    merges.sort_by(|x, y| {
+        y.0.partial_cmp(&x.0).unwrap_or(std::cmp::Ordering::Equal).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2))
+    });
     merges.into_iter().map(|m| (m.3, m.4)).collect()
 }

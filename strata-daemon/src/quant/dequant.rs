@@ -30,10 +30,7 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Q
     }
     let n = dst.len();
     if n % ty.block_size() != 0 || src.len() != ty.row_bytes(n) {
-        return Err(QuantError::Length(format!(
-            "{ty:?}: {} bytes do not hold {n} elements",
-            src.len()
-        )));
+        return Err(QuantError::Length(format!("{ty:?}: {} bytes do not hold {n} elements", src.len())));
     }
     match ty {
         GgmlType::F32 => {

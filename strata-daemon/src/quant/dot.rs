@@ -182,8 +182,12 @@ pub fn vec_dot_f32_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
             w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32
         }
         GgmlType::F32 => row.chunks_exact(4).zip(x).map(|(b, v)| f32::from_le_bytes(b.try_into().unwrap()) * v).sum(),
-        GgmlType::F16 => row.chunks_exact(2).zip(x).map(|(b, v)| f16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum(),
-        GgmlType::BF16 => row.chunks_exact(2).zip(x).map(|(b, v)| bf16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum(),
+        GgmlType::F16 => {
+            row.chunks_exact(2).zip(x).map(|(b, v)| f16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum()
+        }
+        GgmlType::BF16 => {
+            row.chunks_exact(2).zip(x).map(|(b, v)| bf16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum()
+        }
         _ => panic!("vec_dot_f32_row: {ty:?} is not a float format"),
     }
 }
@@ -315,7 +319,8 @@ mod avx2 {
         let sign = _mm256_set1_ps(-0.0);
         for (bi, ob) in out.iter_mut().enumerate() {
             let p = x.as_ptr().add(bi * 32);
-            let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+            let v =
+                [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
             let mut m = _mm256_andnot_ps(sign, v[0]);
             for vv in &v[1..] {
                 m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *vv));

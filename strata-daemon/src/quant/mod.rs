@@ -8,7 +8,7 @@ mod dequant;
 mod dot;
 mod types;
 
-pub use dequant::{dequantize_row, f16_to_f32, bf16_to_f32};
+pub use dequant::{bf16_to_f32, dequantize_row, f16_to_f32};
 pub use dot::{dot_q8, dot_q8_scalar, dot_q8_x4, quantize_q8, simd_level, vec_dot_f32_row, BlockQ8, SimdLevel};
 pub use types::GgmlType;
 

@@ -123,11 +123,15 @@ impl Strata for StrataService {
         };
         let rx = self.engine.submit(params);
         let stream = UnboundedReceiverStream::new(rx).map(|ev| match ev {
-            Event::Token { id, text } => {
-                Ok(pb::GenerateEvent { event: Some(pb::generate_event::Event::Token(pb::TokenEvent { token_id: id, text })) })
-            }
+            Event::Token { id, text } => Ok(pb::GenerateEvent {
+                event: Some(pb::generate_event::Event::Token(pb::TokenEvent { token_id: id, text })),
+            }),
             Event::Done { counters, text, tail } => Ok(pb::GenerateEvent {
-                event: Some(pb::generate_event::Event::Done(pb::Done { counters: Some(counters_pb(&counters)), text, tail })),
+                event: Some(pb::generate_event::Event::Done(pb::Done {
+                    counters: Some(counters_pb(&counters)),
+                    text,
+                    tail,
+                })),
             }),
             Event::Error(m) => Err(Status::unavailable(m)),
         });

@@ -35,4 +35,3 @@ pub fn json(name: &str) -> serde_json::Value {
     let p = data_dir().join(name);
     serde_json::from_slice(&std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
 }
-
