@@ -51,33 +51,54 @@ enum Cmd {
         /// Maximum tokens to generate.
         #[arg(long, default_value_t = 128)]
         max_tokens: u32,
-        /// Sampling temperature (0 = greedy).
-        #[arg(long, default_value_t = 0.0)]
-        temperature: f32,
-        /// Top-k (0 = off).
-        #[arg(long, default_value_t = 0)]
-        top_k: u32,
-        /// Top-p in (0, 1].
-        #[arg(long)]
-        top_p: Option<f32>,
-        /// Min-p in [0, 1).
-        #[arg(long, default_value_t = 0.0)]
-        min_p: f32,
-        /// Repetition penalty (1 = off).
-        #[arg(long)]
-        repeat_penalty: Option<f32>,
-        /// Tokens the repetition penalty looks back over (default 64).
-        #[arg(long)]
-        repeat_last_n: Option<u32>,
-        /// RNG seed.
-        #[arg(long)]
-        seed: Option<u64>,
+        #[command(flatten)]
+        sampling: SamplingArgs,
         /// Stop string (repeatable).
         #[arg(long)]
         stop: Vec<String>,
     },
     /// Model summary, uptime, totals and the last request's counters.
     Stats,
+}
+
+/// Sampling options of `generate` (the `SamplingParams` of the request).
+#[derive(clap::Args, Debug)]
+struct SamplingArgs {
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Top-k (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    /// Top-p in (0, 1].
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Min-p in [0, 1).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Repetition penalty (1 = off).
+    #[arg(long)]
+    repeat_penalty: Option<f32>,
+    /// Tokens the repetition penalty looks back over (default 64).
+    #[arg(long)]
+    repeat_last_n: Option<u32>,
+    /// RNG seed.
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl From<SamplingArgs> for pb::SamplingParams {
+    fn from(a: SamplingArgs) -> Self {
+        pb::SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repeat_penalty: a.repeat_penalty,
+            repeat_last_n: a.repeat_last_n,
+            seed: a.seed,
+        }
+    }
 }
 
 async fn connect(path: PathBuf) -> Result<StrataClient<Channel>, String> {
@@ -147,20 +168,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
     let socket = cli.socket.clone().unwrap_or_else(strata_proto::default_socket_path);
     let mut client = connect(socket).await.map_err(|m| (2, m))?;
     match cli.cmd {
-        Cmd::Generate {
-            prompt,
-            chat,
-            system,
-            max_tokens,
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            repeat_penalty,
-            repeat_last_n,
-            seed,
-            stop,
-        } => {
+        Cmd::Generate { prompt, chat, system, max_tokens, sampling, stop } => {
             let mut messages = Vec::new();
             if chat {
                 if let Some(s) = system {
@@ -172,15 +180,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 prompt: if chat { String::new() } else { prompt },
                 messages,
                 max_tokens,
-                sampling: Some(pb::SamplingParams {
-                    temperature,
-                    top_k,
-                    top_p,
-                    min_p,
-                    repeat_penalty,
-                    repeat_last_n,
-                    seed,
-                }),
+                sampling: Some(sampling.into()),
                 stop,
             };
             let mut stream = client.generate(req).await.map_err(status_err)?.into_inner();
