@@ -122,6 +122,9 @@ pub struct Scratch {
     up: Vec<f32>,
     h: Act,
     rope: Vec<(f32, f32)>,
+    router: Vec<f32>,
+    moe_acc: Vec<f32>,
+    sub: Act,
     /// When `Some`, every routing decision of the forward passes is appended
     /// here (the caller drains it, e.g. for `--dump-routing`).
     pub routes: Option<Vec<RouteRecord>>,
@@ -458,9 +461,11 @@ impl LlamaModel {
     fn moe(&self, layer: usize, ex: &ExpertWeights, t: usize, pos0: usize, s: &mut Scratch) {
         let cfg = &self.cfg;
         let (e, ne, ff) = (cfg.n_embd, cfg.n_expert, cfg.n_ff_exp);
-        let mut rl = vec![0f32; t * ne];
+        let mut rl = std::mem::take(&mut s.router);
+        rl.resize(t * ne, 0.0);
         self.mm(self.mat(&ex.router), &s.xn, &mut rl);
         let routes = self.route(&rl, t);
+        s.router = rl;
         if let Some(rec) = s.routes.as_mut() {
             for (i, r) in routes.iter().enumerate() {
                 rec.push(RouteRecord { pos: pos0 + i, layer, experts: r.clone() });
@@ -476,8 +481,10 @@ impl LlamaModel {
         let (gate_all, up_all, down_all) = (self.mat(&ex.gate), self.mat(&ex.up), self.mat(&ex.down));
         let gb = ff * gate_all.row_bytes();
         let db = e * down_all.row_bytes();
-        let mut acc = vec![0f32; t * e];
-        let mut sub = Act::default();
+        let mut acc = std::mem::take(&mut s.moe_acc);
+        acc.clear();
+        acc.resize(t * e, 0.0);
+        let mut sub = std::mem::take(&mut s.sub);
         for (x, toks) in by_expert.iter().enumerate() {
             if toks.is_empty() {
                 continue;
@@ -514,6 +521,8 @@ impl LlamaModel {
         for (xv, a) in s.x.iter_mut().zip(&acc) {
             *xv += a;
         }
+        s.moe_acc = acc;
+        s.sub = sub;
     }
 }
 
