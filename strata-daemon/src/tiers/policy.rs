@@ -1,0 +1,233 @@
+//! Placement policy, pure and shared by the engine and `strata-daemon replay`:
+//! per-expert usage with decay and heat, and the adaptive tier's swap rule.
+//!
+//! Rule (DESIGN.md §5; REFERENCE.md §4, the C++ engine's serve loop): every
+//! `adapt_every` decode windows, per layer, candidates = experts outside the
+//! cache with usage ≥ [`CANDIDATE_MIN_USAGE`], hottest first; victims = cached
+//! experts, coldest first (an empty slot is the coldest victim, usage 0);
+//! the i-th candidate pairs with the i-th victim while
+//! `cand ≥ vict + SWAP_MARGIN`; all layers' pairs are sorted by gain
+//! (`cand − vict`, largest first) and cut to `adapt_swaps`; then every usage
+//! is multiplied by `adapt_decay` (heat first accumulates the usage).
+
+/// Smallest usage an expert needs to be swapped in (REFERENCE.md §4).
+pub const CANDIDATE_MIN_USAGE: f32 = 2.0;
+/// A candidate replaces a victim only when its usage exceeds the victim's by this much (REFERENCE.md §4).
+pub const SWAP_MARGIN: f32 = 1.5;
+
+/// Errors from knob validation.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PolicyError {
+    /// A knob value outside its range; the message names the knob and the range.
+    #[error("{0}")]
+    BadKnob(String),
+}
+
+/// The adaptive tier's knobs (DESIGN.md §4 flags `--adapt-every`, `--adapt-swaps`, `--adapt-decay`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdaptKnobs {
+    /// Decode windows per round; 0 = static placement (no rounds). Default 4.
+    pub every: u32,
+    /// Most swaps per round, all layers together; 0 = static. Default 96.
+    pub swaps: u32,
+    /// Factor applied to every usage after a round, in (0, 1]. Default 0.7.
+    pub decay: f32,
+}
+
+impl Default for AdaptKnobs {
+    fn default() -> Self {
+        AdaptKnobs { every: 4, swaps: 96, decay: 0.7 }
+    }
+}
+
+impl AdaptKnobs {
+    /// Checks the ranges: `decay` in (0, 1] and finite. Errors: [`PolicyError::BadKnob`].
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        validate_decay(self.decay)
+    }
+
+    /// Whether rounds run at all (`every > 0` and `swaps > 0`).
+    pub fn active(&self) -> bool {
+        self.every > 0 && self.swaps > 0
+    }
+}
+
+/// Checks an `adapt_decay` value: finite and in (0, 1]. Errors: [`PolicyError::BadKnob`].
+pub fn validate_decay(decay: f32) -> Result<(), PolicyError> {
+    if decay.is_finite() && decay > 0.0 && decay <= 1.0 {
+        Ok(())
+    } else {
+        Err(PolicyError::BadKnob(format!("adapt_decay must be in (0, 1], got {decay}")))
+    }
+}
+
+/// Decayed routing counts per expert (`usage`) and their running sum before each decay (`heat`), for
+/// `n_layer × n_expert` experts indexed `layer * n_expert + expert`.
+#[derive(Debug, Clone)]
+pub struct Usage {
+    n_layer: usize,
+    n_expert: usize,
+    usage: Vec<f32>,
+    heat: Vec<f64>,
+}
+
+impl Usage {
+    /// All zero.
+    pub fn new(n_layer: usize, n_expert: usize) -> Self {
+        Usage { n_layer, n_expert, usage: vec![0.0; n_layer * n_expert], heat: vec![0.0; n_layer * n_expert] }
+    }
+
+    /// Layers.
+    pub fn n_layer(&self) -> usize {
+        self.n_layer
+    }
+
+    /// Experts per layer.
+    pub fn n_expert(&self) -> usize {
+        self.n_expert
+    }
+
+    /// Counts one routing entry (one token routed to `expert` at `layer`). Panics on an index out of range.
+    pub fn record(&mut self, layer: usize, expert: usize) {
+        assert!(layer < self.n_layer && expert < self.n_expert, "expert ({layer}, {expert}) out of range");
+        self.usage[layer * self.n_expert + expert] += 1.0;
+    }
+
+    /// Current decayed usage of `(layer, expert)`.
+    pub fn usage(&self, layer: usize, expert: usize) -> f32 {
+        self.usage[layer * self.n_expert + expert]
+    }
+
+    /// Heat of `(layer, expert)`: the sum of its usage before each decay, plus its current usage.
+    pub fn heat(&self, layer: usize, expert: usize) -> f64 {
+        let i = layer * self.n_expert + expert;
+        self.heat[i] + self.usage[i] as f64
+    }
+
+    /// One layer's usage, indexed by expert.
+    pub fn layer(&self, layer: usize) -> &[f32] {
+        &self.usage[layer * self.n_expert..(layer + 1) * self.n_expert]
+    }
+
+    /// Adds every usage to its heat, then multiplies every usage by `decay`.
+    pub fn decay(&mut self, decay: f32) {
+        for (u, h) in self.usage.iter_mut().zip(self.heat.iter_mut()) {
+            *h += *u as f64;
+            *u *= decay;
+        }
+    }
+}
+
+/// One planned move of the adaptive tier: `incoming` takes the place of `outgoing` (or of a free slot) in
+/// `layer`'s cache.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Swap {
+    /// Layer of both experts.
+    pub layer: usize,
+    /// Expert leaving the cache; `None` = an empty slot is filled.
+    pub outgoing: Option<usize>,
+    /// Expert entering the cache.
+    pub incoming: usize,
+    /// `usage(incoming) − usage(outgoing)` (outgoing usage 0 for an empty slot).
+    pub gain: f32,
+}
+
+/// Plans one adaptive round. `cached(layer)` lists the experts the cache holds for `layer`;
+/// `free(layer)` is the number of empty slots that layer may fill. Returns at most `max_swaps` swaps,
+/// largest gain first (ties: lower layer, then higher-ranked pair first). Does not decay: call
+/// [`Usage::decay`] after applying.
+pub fn plan_adaptive_round(
+    usage: &Usage,
+    cached: impl Fn(usize) -> Vec<usize>,
+    free: impl Fn(usize) -> usize,
+    max_swaps: usize,
+) -> Vec<Swap> {
+    let mut pairs: Vec<(Swap, usize)> = Vec::new();
+    for layer in 0..usage.n_layer() {
+        let u = usage.layer(layer);
+        let held = cached(layer);
+        let mut in_cache = vec![false; u.len()];
+        for &e in &held {
+            in_cache[e] = true;
+        }
+        let mut cand: Vec<usize> = (0..u.len()).filter(|&e| !in_cache[e] && u[e] >= CANDIDATE_MIN_USAGE).collect();
+        if cand.is_empty() {
+            continue;
+        }
+        // hottest first; ties: lower expert id first (deterministic)
+        cand.sort_by(|&a, &b| u[b].total_cmp(&u[a]).then(a.cmp(&b)));
+        let mut vict: Vec<(Option<usize>, f32)> = vec![(None, 0.0); free(layer)];
+        let mut held_sorted = held.clone();
+        held_sorted.sort_by(|&a, &b| u[a].total_cmp(&u[b]).then(a.cmp(&b)));
+        vict.extend(held_sorted.into_iter().map(|e| (Some(e), u[e])));
+        for (rank, (&c, &(v, vu))) in cand.iter().zip(vict.iter()).enumerate() {
+            if u[c] < vu + SWAP_MARGIN {
+                break;
+            }
+            pairs.push((Swap { layer, outgoing: v, incoming: c, gain: u[c] - vu }, rank));
+        }
+    }
+    pairs.sort_by(|(a, ra), (b, rb)| b.gain.total_cmp(&a.gain).then(a.layer.cmp(&b.layer)).then(ra.cmp(rb)));
+    pairs.truncate(max_swaps);
+    pairs.into_iter().map(|(s, _)| s).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn usage_of(rows: &[&[f32]]) -> Usage {
+        let mut u = Usage::new(rows.len(), rows[0].len());
+        for (l, r) in rows.iter().enumerate() {
+            for (e, &v) in r.iter().enumerate() {
+                u.usage[l * u.n_expert + e] = v;
+            }
+        }
+        u
+    }
+
+    #[test]
+    fn pairs_hottest_candidate_with_coldest_victim_and_stops_at_margin() {
+        // layer 0: cached {0, 1} with usage 0.5, 3.0; candidates 2 (5.0), 3 (4.0), 4 (2.5)
+        let u = usage_of(&[&[0.5, 3.0, 5.0, 4.0, 2.5]]);
+        let s = plan_adaptive_round(&u, |_| vec![0, 1], |_| 0, 10);
+        // 5.0 vs 0.5 -> swap (gain 4.5); 4.0 vs 3.0 -> 4.0 < 4.5 -> stop
+        assert_eq!(s, vec![Swap { layer: 0, outgoing: Some(0), incoming: 2, gain: 4.5 }]);
+    }
+
+    #[test]
+    fn candidates_need_usage_two() {
+        let u = usage_of(&[&[0.0, 1.99, 0.0]]);
+        assert!(plan_adaptive_round(&u, |_| vec![0], |_| 0, 10).is_empty());
+        let u = usage_of(&[&[0.0, 2.0, 0.0]]);
+        assert_eq!(plan_adaptive_round(&u, |_| vec![0], |_| 0, 10).len(), 1);
+    }
+
+    #[test]
+    fn empty_slots_are_filled_first_and_swaps_are_capped_by_gain() {
+        let u = usage_of(&[&[9.0, 3.0, 0.0, 0.0], &[0.0, 0.0, 7.0, 4.0]]);
+        // layer 0: one free slot, nothing cached; layer 1: expert 0 cached (usage 0), no free slot
+        let cached = |l: usize| if l == 1 { vec![0] } else { vec![] };
+        let free = |l: usize| if l == 0 { 1 } else { 0 };
+        let s = plan_adaptive_round(&u, cached, free, 2);
+        assert_eq!(
+            s,
+            vec![
+                Swap { layer: 0, outgoing: None, incoming: 0, gain: 9.0 },
+                Swap { layer: 1, outgoing: Some(0), incoming: 2, gain: 7.0 },
+            ]
+        );
+        assert_eq!(plan_adaptive_round(&u, cached, free, 1).len(), 1);
+    }
+
+    #[test]
+    fn decay_accumulates_heat() {
+        let mut u = Usage::new(1, 2);
+        u.record(0, 1);
+        u.record(0, 1);
+        u.decay(0.5);
+        assert_eq!(u.usage(0, 1), 1.0);
+        assert_eq!(u.heat(0, 1), 3.0);
+        assert!(validate_decay(2.0).is_err() && validate_decay(0.0).is_err() && validate_decay(1.0).is_ok());
+    }
+}
