@@ -40,11 +40,16 @@ enum Cmd {
     /// Generate text; prints it as it streams, then the request's counters.
     #[command(allow_negative_numbers = true)]
     Generate {
-        /// Prompt text (with --chat: the user's message).
-        prompt: String,
+        /// Prompt text (with --chat or --messages: the user's message, added after the history).
+        #[arg(required_unless_present = "messages")]
+        prompt: Option<String>,
         /// Wrap the prompt as a user message in the model's chat template.
         #[arg(long)]
         chat: bool,
+        /// A conversation so far: JSON array of {"role": ..., "content": ...} ("-" reads stdin); rendered with
+        /// the model's chat template (implies --chat).
+        #[arg(long, value_name = "FILE")]
+        messages: Option<std::path::PathBuf>,
         /// System message (with --chat).
         #[arg(long)]
         system: Option<String>,
@@ -57,8 +62,51 @@ enum Cmd {
         #[arg(long)]
         stop: Vec<String>,
     },
-    /// Model summary, uptime, totals and the last request's counters.
+    /// Model summary, uptime, totals (with the expert tiers) and the last request's counters.
     Stats,
+    /// Set a live knob (dashes or underscores): `strata-ctl set ram-adapt 8`. Takes effect at the next window.
+    #[command(allow_negative_numbers = true)]
+    Set {
+        /// Knob name (see `strata-ctl get`).
+        knob: String,
+        /// New value.
+        value: String,
+    },
+    /// Show every knob, or one.
+    Get {
+        /// Knob name.
+        knob: Option<String>,
+    },
+    /// Where the experts are: per layer experts and bytes per tier, and the hottest experts.
+    Residency {
+        /// Only this layer.
+        #[arg(long)]
+        layer: Option<u32>,
+        /// Show the N experts with the highest usage.
+        #[arg(long, default_value_t = 10)]
+        top: u32,
+    },
+    /// Expert profile commands.
+    Profile {
+        #[command(subcommand)]
+        cmd: ProfileCmd,
+    },
+    /// Live table of the running request's counters (tok/s, blob reads per token, promotions, hit rate) and
+    /// each finished request's; runs until interrupted (`--count N` stops after N finished requests).
+    Watch {
+        /// Stop after this many finished requests (0 = never).
+        #[arg(long, default_value_t = 0)]
+        count: u32,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ProfileCmd {
+    /// Save the learned expert profile (to PATH, or the daemon's --expert-profile-save path).
+    Save {
+        /// Where to write it (a path on the daemon's machine).
+        path: Option<String>,
+    },
 }
 
 /// Sampling options of `generate` (the `SamplingParams` of the request).
@@ -141,8 +189,34 @@ fn counters_json(c: &pb::RequestCounters) -> serde_json::Value {
         "decode_tok_s": c.decode_tok_s,
         "windows": c.windows,
         "expert_lookups": c.expert_lookups,
+        "vram_hits": c.vram_hits,
+        "hit_rate": c.hit_rate,
+        "ram_reads": c.ram_reads,
+        "file_blob_reads": c.file_blob_reads,
+        "blob_reads_per_token": c.blob_reads_per_token,
+        "file_bytes_read": c.file_bytes_read,
+        "prefill_file_blob_reads": c.prefill_file_blob_reads,
+        "ram_promotions": c.ram_promotions,
+        "promotion_bytes": c.promotion_bytes,
+        "promotions_per_token": c.promotions_per_token,
+        "rss_bytes": c.rss_bytes,
         "finish_reason": finish_name(c.finish_reason),
     })
+}
+
+fn tiers_line(c: &pb::RequestCounters) -> String {
+    format!(
+        "experts: {} lookups, {} VRAM hits ({:.1}%), {} RAM reads, {} file blob reads ({:.2} per token, {:.1} MiB), {} RAM promotions ({:.2} per token)",
+        c.expert_lookups,
+        c.vram_hits,
+        c.hit_rate * 100.0,
+        c.ram_reads,
+        c.file_blob_reads,
+        c.blob_reads_per_token,
+        c.file_bytes_read as f64 / 1048576.0,
+        c.ram_promotions,
+        c.promotions_per_token
+    )
 }
 
 fn counters_line(c: &pb::RequestCounters) -> String {
@@ -164,20 +238,43 @@ fn status_err(s: tonic::Status) -> (u8, String) {
     (code, format!("{:?}: {}", s.code(), s.message()))
 }
 
+/// Reads a conversation: a JSON array of `{"role": ..., "content": ...}` objects from `path` (`-` = stdin).
+fn read_messages(path: &std::path::Path) -> Result<Vec<pb::ChatMessage>, String> {
+    #[derive(serde::Deserialize)]
+    struct Msg {
+        role: String,
+        content: String,
+    }
+    let text = if path.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin()).map_err(|e| format!("--messages -: {e}"))?
+    } else {
+        std::fs::read_to_string(path).map_err(|e| format!("--messages {}: {e}", path.display()))?
+    };
+    let msgs: Vec<Msg> = serde_json::from_str(&text)
+        .map_err(|e| format!("--messages {}: expected a JSON array of {{role, content}}: {e}", path.display()))?;
+    Ok(msgs.into_iter().map(|m| pb::ChatMessage { role: m.role, content: m.content }).collect())
+}
+
 async fn run(cli: Cli) -> Result<(), (u8, String)> {
     let socket = cli.socket.clone().unwrap_or_else(strata_proto::default_socket_path);
     let mut client = connect(socket).await.map_err(|m| (2, m))?;
     match cli.cmd {
-        Cmd::Generate { prompt, chat, system, max_tokens, sampling, stop } => {
+        Cmd::Generate { prompt, chat, messages: history, system, max_tokens, sampling, stop } => {
+            let chat = chat || history.is_some();
             let mut messages = Vec::new();
             if chat {
                 if let Some(s) = system {
                     messages.push(pb::ChatMessage { role: "system".into(), content: s });
                 }
-                messages.push(pb::ChatMessage { role: "user".into(), content: prompt.clone() });
+                if let Some(path) = &history {
+                    messages.extend(read_messages(path).map_err(|m| (1, m))?);
+                }
+                if let Some(p) = &prompt {
+                    messages.push(pb::ChatMessage { role: "user".into(), content: p.clone() });
+                }
             }
             let req = pb::GenerateRequest {
-                prompt: if chat { String::new() } else { prompt },
+                prompt: if chat { String::new() } else { prompt.unwrap_or_default() },
                 messages,
                 max_tokens,
                 sampling: Some(sampling.into()),
@@ -213,6 +310,9 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                             let _ = out.write_all(d.tail.as_bytes());
                             println!();
                             eprintln!("{}", counters_line(&c));
+                            if c.expert_lookups > 0 || c.prefill_file_blob_reads > 0 {
+                                eprintln!("{}", tiers_line(&c));
+                            }
                         }
                         return Ok(());
                     }
@@ -245,6 +345,10 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                             "requests": t.requests, "prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens,
                             "prompt_ms": t.prompt_ms, "decode_ms": t.decode_ms, "cancelled": t.cancelled,
                             "rejected": t.rejected, "windows": t.windows, "expert_lookups": t.expert_lookups,
+                            "vram_hits": t.vram_hits, "ram_reads": t.ram_reads, "file_blob_reads": t.file_blob_reads,
+                            "file_bytes_read": t.file_bytes_read, "prefill_file_blob_reads": t.prefill_file_blob_reads,
+                            "ram_promotions": t.ram_promotions, "promotion_bytes": t.promotion_bytes,
+                            "promotions_refused": t.promotions_refused,
                         },
                         "last_request": s.last_request.as_ref().map(counters_json),
                     }))
@@ -285,8 +389,152 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                     rate(t.generated_tokens, t.decode_ms),
                     t.windows
                 );
+                if m.n_expert > 0 {
+                    let per = |a: u64| if t.generated_tokens > 0 { a as f64 / t.generated_tokens as f64 } else { 0.0 };
+                    println!(
+                        "experts      {} lookups, {} VRAM hits, {} RAM reads, {} file blob reads ({:.2} per token), {:.1} MiB read",
+                        t.expert_lookups, t.vram_hits, t.ram_reads, t.file_blob_reads, per(t.file_blob_reads),
+                        t.file_bytes_read as f64 / 1048576.0
+                    );
+                    println!(
+                        "             {} prefill blob reads, {} RAM promotions ({:.1} MiB, {} refused)",
+                        t.prefill_file_blob_reads,
+                        t.ram_promotions,
+                        t.promotion_bytes as f64 / 1048576.0,
+                        t.promotions_refused
+                    );
+                }
                 if let Some(c) = &s.last_request {
                     println!("last request #{}: {}", c.request_id, counters_line(c));
+                    if m.n_expert > 0 {
+                        println!("             {}", tiers_line(c));
+                    }
+                }
+            }
+            Ok(())
+        }
+        Cmd::Set { knob, value } => {
+            let r = client.set_knob(pb::SetKnobRequest { name: knob, value }).await.map_err(status_err)?.into_inner();
+            if cli.json {
+                println!(
+                    "{}",
+                    json!({"name": r.name, "old_value": r.old_value, "new_value": r.new_value, "active": r.active})
+                );
+            } else {
+                let note = if r.active { "" } else { " (inactive: this build or model has no such tier)" };
+                println!("{}: {} -> {}{note}", r.name, r.old_value, r.new_value);
+            }
+            Ok(())
+        }
+        Cmd::Get { knob } => {
+            let all = client.get_knobs(pb::GetKnobsRequest {}).await.map_err(status_err)?.into_inner().knobs;
+            let want = knob.map(|k| k.trim().replace('-', "_"));
+            let list: Vec<&pb::Knob> = all.iter().filter(|k| want.as_ref().is_none_or(|w| &k.name == w)).collect();
+            if list.is_empty() {
+                let names: Vec<&str> = all.iter().map(|k| k.name.as_str()).collect();
+                return Err((1, format!("unknown knob (known: {})", names.join(", "))));
+            }
+            if cli.json {
+                let v: Vec<_> = list
+                    .iter()
+                    .map(|k| json!({"name": k.name, "value": k.value, "default": k.default_value, "range": k.range, "active": k.active, "doc": k.doc}))
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&v).unwrap());
+            } else {
+                for k in list {
+                    let act = if k.active { "" } else { "  (inactive)" };
+                    println!("{:<26} {:>8}   {:<16} {}{act}", k.name.replace('_', "-"), k.value, k.range, k.doc);
+                }
+            }
+            Ok(())
+        }
+        Cmd::Residency { layer, top } => {
+            let r = client.get_residency(pb::ResidencyRequest { layer, top }).await.map_err(status_err)?.into_inner();
+            let tier = |t: i32| match pb::Tier::try_from(t).unwrap_or(pb::Tier::Unspecified) {
+                pb::Tier::Vram => "vram",
+                pb::Tier::Ram => "ram",
+                pb::Tier::File => "file",
+                pb::Tier::Unspecified => "?",
+            };
+            if cli.json {
+                let layers: Vec<_> = r.layers.iter().map(|l| json!({"layer": l.layer, "vram_experts": l.vram_experts, "ram_experts": l.ram_experts, "file_experts": l.file_experts, "vram_bytes": l.vram_bytes, "ram_bytes": l.ram_bytes, "file_bytes": l.file_bytes})).collect();
+                let experts: Vec<_> = r.experts.iter().map(|e| json!({"layer": e.layer, "expert": e.expert, "tier": tier(e.tier), "usage": e.usage, "heat": e.heat})).collect();
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(
+                        &json!({"mode": r.mode, "ram_locked": r.ram_locked, "layers": layers, "experts": experts})
+                    )
+                    .unwrap()
+                );
+                return Ok(());
+            }
+            let mib = |b: u64| b as f64 / 1048576.0;
+            println!("RAM copy: mode {}, {}", r.mode, if r.ram_locked { "locked (mlock)" } else { "pageable" });
+            println!("layer   vram    ram   file   vram MiB    ram MiB   file MiB");
+            for l in &r.layers {
+                println!(
+                    "{:>5} {:>6} {:>6} {:>6} {:>10.1} {:>10.1} {:>10.1}",
+                    l.layer,
+                    l.vram_experts,
+                    l.ram_experts,
+                    l.file_experts,
+                    mib(l.vram_bytes),
+                    mib(l.ram_bytes),
+                    mib(l.file_bytes)
+                );
+            }
+            if !r.experts.is_empty() {
+                println!("\nhottest experts\nlayer expert  tier     usage       heat");
+                for e in &r.experts {
+                    println!("{:>5} {:>6}  {:<5} {:>8.2} {:>10.1}", e.layer, e.expert, tier(e.tier), e.usage, e.heat);
+                }
+            }
+            Ok(())
+        }
+        Cmd::Profile { cmd: ProfileCmd::Save { path } } => {
+            let r = client
+                .save_profile(pb::SaveProfileRequest { path: path.unwrap_or_default() })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            if cli.json {
+                println!("{}", json!({"path": r.path, "ranked": r.ranked}));
+            } else {
+                println!("saved {} ranked experts to {}", r.ranked, r.path);
+            }
+            Ok(())
+        }
+        Cmd::Watch { count } => {
+            let mut stream = client.watch_counters(pb::WatchRequest {}).await.map_err(status_err)?.into_inner();
+            if !cli.json {
+                println!(
+                    "{:>8} {:>7} {:>8} {:>9} {:>10} {:>11} {:>9}",
+                    "request", "state", "tokens", "tok/s", "hit rate", "blobs/tok", "promoted"
+                );
+            }
+            let mut finished = 0u32;
+            while let Some(u) = stream.message().await.map_err(status_err)? {
+                let Some(c) = u.counters else { continue };
+                if cli.json {
+                    println!("{}", json!({"running": u.running, "counters": counters_json(&c)}));
+                } else {
+                    println!(
+                        "{:>8} {:>7} {:>8} {:>9.1} {:>9.1}% {:>11.2} {:>9}",
+                        c.request_id,
+                        if u.running { "running" } else { "done" },
+                        c.generated_tokens,
+                        c.decode_tok_s,
+                        c.hit_rate * 100.0,
+                        c.blob_reads_per_token,
+                        c.ram_promotions
+                    );
+                }
+                let _ = std::io::stdout().flush();
+                if !u.running {
+                    finished += 1;
+                    if count > 0 && finished >= count {
+                        break;
+                    }
                 }
             }
             Ok(())
@@ -295,6 +543,12 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
 }
 
 fn main() -> ExitCode {
+    // Writing to a closed pipe (`strata-ctl generate ... | head`) ends the process quietly, as other CLI tools do,
+    // instead of panicking in println!.
+    // SAFETY: restoring the default disposition of SIGPIPE at start, before any thread exists.
+    unsafe {
+        let _ = nix::sys::signal::signal(nix::sys::signal::Signal::SIGPIPE, nix::sys::signal::SigHandler::SigDfl);
+    }
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,

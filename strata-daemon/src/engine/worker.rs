@@ -12,10 +12,13 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use super::request::{FinishReason, GenerateParams};
 use super::routing_dump::{Phase, RoutingDump};
 use super::sampler::Sampler;
-use super::stats::{Counters, Stats};
+use super::stats::{rss_bytes, Counters, Stats};
 use super::stream_text::{Push, TextStream};
 use crate::model::llama::Scratch;
 use crate::model::{KvCache, LlamaModel, Logits, Tokenizer};
+
+/// How often the running request's counters are published while it decodes.
+const LIVE_EVERY: Duration = Duration::from_millis(100);
 
 /// Engine settings.
 #[derive(Debug, Clone)]
@@ -249,11 +252,23 @@ impl Worker {
             decode_ms: 0.0,
             windows: 0,
             expert_lookups: 0,
+            tiers: Default::default(),
+            rss_bytes: 0,
             finish: FinishReason::Cancelled,
+        };
+        let store = self.model.experts.clone();
+        let tier0 = store.as_ref().map(|s| s.counters.totals()).unwrap_or_default();
+        let tiers_now = |c: &mut Counters| {
+            if let Some(s) = &store {
+                c.tiers = s.counters.totals().since(&tier0);
+                c.expert_lookups = c.tiers.lookups;
+            }
+            c.rss_bytes = rss_bytes();
         };
         let mut text = TextStream::new(&p.stop);
         let finish = |w: &mut Worker, c: &mut Counters, text: &mut TextStream, reason: FinishReason, shutting: bool| {
             c.finish = reason;
+            tiers_now(c);
             let tail = text.finish();
             w.stats.record(c);
             if shutting {
@@ -269,6 +284,8 @@ impl Worker {
                 prompt_tok_s = format!("{:.1}", c.prompt_tok_s()),
                 decode_tok_s = format!("{:.1}", c.decode_tok_s()),
                 finish = reason.as_str(),
+                blob_reads_per_token = format!("{:.2}", c.blob_reads_per_token()),
+                promotions = c.tiers.promotions,
                 "request done"
             );
         };
@@ -285,6 +302,7 @@ impl Worker {
         c.prompt_reused = common;
         let mut logits = Vec::new();
         let mut pos = common;
+        self.scratch.decode = false;
         while pos < ids.len() {
             let end = (pos + self.batch).min(ids.len());
             logits = self.model.forward(&ids[pos..end], &mut self.kv, Logits::Last, &mut self.scratch);
@@ -301,6 +319,9 @@ impl Worker {
         let mut sampler = Sampler::new(p.sampling.clone());
         let mut history: Vec<u32> = ids.clone();
         let n_ctx = self.kv.n_ctx;
+        let mut last_live = Instant::now();
+        tiers_now(&mut c);
+        self.stats.set_live(&c);
         let reason = loop {
             let next = sampler.sample(&mut logits, &history);
             if self.tok.is_eog(next) {
@@ -328,10 +349,25 @@ impl Worker {
             if self.stopped(job).is_some() {
                 break FinishReason::Cancelled;
             }
+            if let Some(st) = &store {
+                // RAM adapt moves experts between windows, never in a request's first window
+                st.ram_adapt(c.windows == 0);
+            }
+            self.scratch.decode = true;
             logits = self.model.forward(&[next], &mut self.kv, Logits::Last, &mut self.scratch);
+            self.scratch.decode = false;
+            if let Some(st) = &store {
+                st.end_decode_window();
+            }
             self.dump_routes(job.id, Phase::Decode);
             self.cached.push(next);
             c.windows += 1;
+            if last_live.elapsed() >= LIVE_EVERY {
+                c.decode_ms = ms(t_dec.elapsed());
+                tiers_now(&mut c);
+                self.stats.set_live(&c);
+                last_live = Instant::now();
+            }
         };
         c.decode_ms = ms(t_dec.elapsed());
         if let Some(d) = self.dump.as_mut() {

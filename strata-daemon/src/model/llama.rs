@@ -18,6 +18,8 @@ use crate::compute::cpu::{matmul_with, Act, MatRef, Precision, SyncPtr};
 use crate::compute::pool::WorkerPool;
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::quant::{dequantize_row, GgmlType};
+use crate::tiers::fileio::AlignedBuf;
+use crate::tiers::store::{ExpertStore, Source};
 
 /// A weight tensor located in the mapped file: byte range, format and 2-D shape.
 #[derive(Debug, Clone)]
@@ -35,7 +37,8 @@ pub struct Weight {
 }
 
 impl Weight {
-    fn bytes(&self) -> usize {
+    /// Size of the tensor's data in bytes.
+    pub fn bytes(&self) -> usize {
         self.rows * self.ty.row_bytes(self.cols)
     }
 }
@@ -106,6 +109,8 @@ pub struct LlamaModel {
     pub precision: Precision,
     /// CPU worker pool of the forward pass (default: one thread per physical core).
     pub pool: Arc<WorkerPool>,
+    /// Expert store (RAM copy and file tier) of an MoE model; `None` computes experts from the file mapping.
+    pub experts: Option<Arc<ExpertStore>>,
 }
 
 /// Scratch buffers of one forward pass, reused across calls.
@@ -128,6 +133,12 @@ pub struct Scratch {
     /// When `Some`, every routing decision of the forward passes is appended
     /// here (the caller drains it, e.g. for `--dump-routing`).
     pub routes: Option<Vec<RouteRecord>>,
+    /// The pass is a decode window: expert lookups count in the tier counters and usage.
+    pub decode: bool,
+    /// Blobs of one layer's file-tier experts, back to back.
+    blobs: Vec<u8>,
+    blob_tmp: Vec<u8>,
+    aligned: AlignedBuf,
 }
 
 /// One routing decision: token position, layer, and the selected experts
@@ -224,7 +235,17 @@ impl LlamaModel {
             WorkerPool::new(num_cpus::get_physical())
                 .map_err(|e| ModelError::BadHyperParameter(format!("worker pool: {e}")))?,
         );
-        Ok(LlamaModel { file, cfg, tok_embd, blocks, out_norm, output, precision: Precision::default(), pool })
+        Ok(LlamaModel {
+            file,
+            cfg,
+            tok_embd,
+            blocks,
+            out_norm,
+            output,
+            precision: Precision::default(),
+            pool,
+            experts: None,
+        })
     }
 
     /// Replaces the worker pool with one of `threads` threads (≥ 1).
@@ -481,10 +502,38 @@ impl LlamaModel {
         let (gate_all, up_all, down_all) = (self.mat(&ex.gate), self.mat(&ex.up), self.mat(&ex.down));
         let gb = ff * gate_all.row_bytes();
         let db = e * down_all.row_bytes();
+        // Where each routed expert's bytes are: the RAM copy, a blob read from the file (all of this layer's
+        // reads are done before computing), or the mapping.
+        let distinct: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty()).collect();
+        let mut src = vec![Source::Mapped; ne];
+        let mut blob_at = vec![0usize; ne];
+        let arena = self.experts.as_ref().map(|st| {
+            let entries: Vec<u32> = distinct.iter().map(|&x| by_expert[x].len() as u32).collect();
+            for (&x, so) in distinct.iter().zip(st.plan_layer(layer, &distinct, &entries, s.decode)) {
+                src[x] = so;
+            }
+            s.blobs.clear();
+            for &x in &distinct {
+                if src[x] == Source::File {
+                    match st.read_blob(layer, x, &mut s.blob_tmp, &mut s.aligned) {
+                        Ok(()) => {
+                            blob_at[x] = s.blobs.len();
+                            s.blobs.extend_from_slice(&s.blob_tmp);
+                        }
+                        Err(err) => {
+                            tracing::warn!("blob read of expert ({layer}, {x}) failed ({err}); using the mapping");
+                            src[x] = Source::Mapped;
+                        }
+                    }
+                }
+            }
+            st.arena()
+        });
         let mut acc = std::mem::take(&mut s.moe_acc);
         acc.clear();
         acc.resize(t * e, 0.0);
         let mut sub = std::mem::take(&mut s.sub);
+        let blobs = std::mem::take(&mut s.blobs);
         for (x, toks) in by_expert.iter().enumerate() {
             if toks.is_empty() {
                 continue;
@@ -498,9 +547,24 @@ impl LlamaModel {
                 sub.f.extend_from_slice(s.xn.row(i));
                 sub.q.extend_from_slice(s.xn.qrow(i));
             }
-            let g = MatRef { data: &gate_all.data[x * gb..(x + 1) * gb], ty: gate_all.ty, rows: ff, cols: e };
-            let u = MatRef { data: &up_all.data[x * gb..(x + 1) * gb], ty: up_all.ty, rows: ff, cols: e };
-            let d = MatRef { data: &down_all.data[x * db..(x + 1) * db], ty: down_all.ty, rows: e, cols: ff };
+            let (gd, ud, dd): (&[u8], &[u8], &[u8]) = match (src[x], &arena) {
+                (Source::Ram(off), Some(a)) => {
+                    let b = a.slice(off, 2 * gb + db);
+                    (&b[..gb], &b[gb..2 * gb], &b[2 * gb..])
+                }
+                (Source::File, _) => {
+                    let b = &blobs[blob_at[x]..blob_at[x] + 2 * gb + db];
+                    (&b[..gb], &b[gb..2 * gb], &b[2 * gb..])
+                }
+                _ => (
+                    &gate_all.data[x * gb..(x + 1) * gb],
+                    &up_all.data[x * gb..(x + 1) * gb],
+                    &down_all.data[x * db..(x + 1) * db],
+                ),
+            };
+            let g = MatRef { data: gd, ty: gate_all.ty, rows: ff, cols: e };
+            let u = MatRef { data: ud, ty: up_all.ty, rows: ff, cols: e };
+            let d = MatRef { data: dd, ty: down_all.ty, rows: e, cols: ff };
             s.gate.resize(n * ff, 0.0);
             s.up.resize(n * ff, 0.0);
             self.mm(g, &sub, &mut s.gate);
@@ -521,6 +585,8 @@ impl LlamaModel {
         for (xv, a) in s.x.iter_mut().zip(&acc) {
             *xv += a;
         }
+        drop(arena);
+        s.blobs = blobs;
         s.moe_acc = acc;
         s.sub = sub;
     }

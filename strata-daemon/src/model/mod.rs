@@ -6,6 +6,7 @@ pub mod config;
 pub mod kv;
 pub mod llama;
 pub mod moe_copy;
+pub mod perplexity;
 pub mod tokenizer;
 
 pub use config::{ModelConfig, ModelError};

@@ -172,6 +172,61 @@ pub fn plan_adaptive_round(
     pairs.into_iter().map(|(s, _)| s).collect()
 }
 
+/// Usage a RAM expert must stay under to be moved out by RAM adapt (seed 000: "below 0.5").
+pub const RAM_ADAPT_OUT_MAX_USAGE: f32 = 0.5;
+
+/// One planned RAM promotion: file-tier expert `incoming` is read into the RAM place of `outgoing`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Promotion {
+    /// Layer of both experts.
+    pub layer: usize,
+    /// File-tier expert moving into RAM.
+    pub incoming: usize,
+    /// RAM expert giving its place back (it returns to the file tier).
+    pub outgoing: usize,
+    /// `usage(incoming) − usage(outgoing)`.
+    pub gain: f32,
+}
+
+/// Plans RAM adapt for one decode window (DESIGN.md §5, seed 000): per layer, the file-tier expert with the
+/// highest usage (≥ [`CANDIDATE_MIN_USAGE`]) and the RAM expert with the lowest (< [`RAM_ADAPT_OUT_MAX_USAGE`])
+/// form a pair; pairs are taken largest difference first, at most `n`. `in_ram(layer, expert)` says whether an
+/// expert has a RAM place; `eligible(layer, expert)` excludes experts another tier holds (e.g. a VRAM slot) from
+/// both roles. Ties: lower expert id, then lower layer.
+pub fn plan_ram_adapt(
+    usage: &Usage,
+    in_ram: impl Fn(usize, usize) -> bool,
+    eligible: impl Fn(usize, usize) -> bool,
+    n: usize,
+) -> Vec<Promotion> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut pairs = Vec::new();
+    for layer in 0..usage.n_layer() {
+        let u = usage.layer(layer);
+        let (mut best_in, mut best_out): (Option<usize>, Option<usize>) = (None, None);
+        for (e, &v) in u.iter().enumerate() {
+            if !eligible(layer, e) {
+                continue;
+            }
+            if in_ram(layer, e) {
+                if v < RAM_ADAPT_OUT_MAX_USAGE && best_out.is_none_or(|o| v < u[o]) {
+                    best_out = Some(e);
+                }
+            } else if v >= CANDIDATE_MIN_USAGE && best_in.is_none_or(|i| v > u[i]) {
+                best_in = Some(e);
+            }
+        }
+        if let (Some(i), Some(o)) = (best_in, best_out) {
+            pairs.push(Promotion { layer, incoming: i, outgoing: o, gain: u[i] - u[o] });
+        }
+    }
+    pairs.sort_by(|a, b| b.gain.total_cmp(&a.gain).then(a.layer.cmp(&b.layer)));
+    pairs.truncate(n);
+    pairs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -218,6 +273,32 @@ mod tests {
             ]
         );
         assert_eq!(plan_adaptive_round(&u, cached, free, 1).len(), 1);
+    }
+
+    #[test]
+    fn ram_adapt_pairs_hottest_file_expert_with_coldest_ram_expert() {
+        // layer 0: RAM {0, 1} usage 0.4, 0.1; file {2: 5.0, 3: 2.5}
+        // layer 1: RAM {0: 0.6 (not cold enough), 1: 3.0}; file {2: 9.0}
+        // layer 2: RAM {0: 0.0}; file {1: 1.9 (under the floor)}
+        let u = usage_of(&[&[0.4, 0.1, 5.0, 2.5], &[0.6, 3.0, 9.0, 0.0], &[0.0, 1.9, 0.0, 0.0]]);
+        let ram = |l: usize, e: usize| if l == 2 { e == 0 } else { e < 2 };
+        let key = |p: &[Promotion]| p.iter().map(|p| (p.layer, p.incoming, p.outgoing)).collect::<Vec<_>>();
+        let p = plan_ram_adapt(&u, ram, |_, _| true, 8);
+        assert_eq!(key(&p), vec![(0, 2, 1)]);
+        assert!((p[0].gain - 4.9).abs() < 1e-6);
+        // n = 0: nothing
+        assert!(plan_ram_adapt(&u, ram, |_, _| true, 0).is_empty());
+        // excluded experts take no part
+        let p = plan_ram_adapt(&u, ram, |l, e| !(l == 0 && e == 2), 8);
+        assert_eq!(key(&p), vec![(0, 3, 1)]);
+    }
+
+    #[test]
+    fn ram_adapt_takes_largest_differences_first_up_to_n() {
+        let u = usage_of(&[&[0.0, 3.0], &[0.0, 7.0], &[0.2, 5.0]]);
+        let ram = |_: usize, e: usize| e == 0;
+        let p = plan_ram_adapt(&u, ram, |_, _| true, 2);
+        assert_eq!(p.iter().map(|p| p.layer).collect::<Vec<_>>(), vec![1, 2]);
     }
 
     #[test]

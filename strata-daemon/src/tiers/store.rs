@@ -1,0 +1,624 @@
+//! The host expert store: where every expert's blob is (a place in the resident RAM copy, or the file), the
+//! per-expert usage and heat, RAM adapt, and the tier counters (DESIGN.md §3-6).
+//!
+//! Threads: the engine thread computes (reading RAM places under the arena's read lock) and moves experts
+//! (under its write lock); service threads only take snapshots of the state under its mutex.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
+
+use super::arena::{HostArena, Lock};
+use super::fileio::{AlignedBuf, BlobReader, FileIo};
+use super::knobs::Knobs;
+use super::layout::ExpertLayout;
+use super::policy::{plan_ram_adapt, Promotion, Usage};
+use super::profile::{rank_by_heat, Geometry, Profile};
+use crate::gguf::GgufFile;
+
+/// Errors building the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The model file cannot be opened for blob reads.
+    #[error("opening {path} for blob reads: {source}")]
+    Open {
+        /// Model file.
+        path: String,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// The RAM copy could not be allocated.
+    #[error("allocating the resident RAM copy ({bytes} bytes): {source}")]
+    Alloc {
+        /// Requested bytes.
+        bytes: u64,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// Copying experts into RAM failed.
+    #[error("reading expert ({layer}, {expert}) into RAM: {source}")]
+    Load {
+        /// Layer.
+        layer: usize,
+        /// Expert.
+        expert: usize,
+        /// OS error.
+        source: std::io::Error,
+    },
+}
+
+/// How the RAM copy is chosen (DESIGN.md §4).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ResidentMode {
+    /// Every expert in RAM (default).
+    All,
+    /// The hottest `bytes` of experts (by profile) in RAM, the rest read from the file (`--resident-budget-gib`).
+    Budget(u64),
+    /// No copy: experts are read through the file mapping (`--mmap-experts`).
+    Mmap,
+}
+
+/// Store settings.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// RAM copy mode.
+    pub mode: ResidentMode,
+    /// Blob read mode.
+    pub file_io: FileIo,
+    /// Try to `mlock` the RAM copy.
+    pub lock: bool,
+    /// Memory kept free when sizing the RAM copy (bytes; default 4 GiB, REFERENCE.md §1).
+    pub headroom: u64,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig { mode: ResidentMode::All, file_io: FileIo::Buffered, lock: true, headroom: 4 << 30 }
+    }
+}
+
+/// Tier of an expert now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// A VRAM slot (not in this build's host store).
+    Vram,
+    /// A place in the resident RAM copy.
+    Ram,
+    /// Read from the file (or through the mapping with `--mmap-experts`).
+    File,
+}
+
+/// Running totals of the tiers (decode windows unless named otherwise).
+#[derive(Debug, Default)]
+pub struct TierCounters {
+    /// Decode windows.
+    pub windows: AtomicU64,
+    /// Distinct (layer, expert) lookups of decode windows.
+    pub lookups: AtomicU64,
+    /// VRAM hits (0 without a GPU tier).
+    pub vram_hits: AtomicU64,
+    /// Decode lookups computed from the RAM copy.
+    pub ram_reads: AtomicU64,
+    /// Decode lookups whose blob was read from the file (the "blob reads" of blob reads per token).
+    pub file_blob_reads: AtomicU64,
+    /// Prefill expert computations whose blob was read from the file.
+    pub prefill_file_blob_reads: AtomicU64,
+    /// Bytes read from the file for computations (decode and prefill; promotions not included).
+    pub file_bytes_read: AtomicU64,
+    /// RAM promotions (RAM adapt moves).
+    pub promotions: AtomicU64,
+    /// Bytes read from the file by promotions.
+    pub promotion_bytes: AtomicU64,
+    /// Promotions refused (nothing changed).
+    pub promotions_refused: AtomicU64,
+}
+
+/// A copy of [`TierCounters`] at one moment.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TierTotals {
+    /// Decode windows.
+    pub windows: u64,
+    /// Decode lookups.
+    pub lookups: u64,
+    /// VRAM hits.
+    pub vram_hits: u64,
+    /// Decode lookups served from RAM.
+    pub ram_reads: u64,
+    /// Decode lookups read from the file.
+    pub file_blob_reads: u64,
+    /// Prefill computations read from the file.
+    pub prefill_file_blob_reads: u64,
+    /// Bytes read from the file for computations.
+    pub file_bytes_read: u64,
+    /// RAM promotions.
+    pub promotions: u64,
+    /// Bytes read by promotions.
+    pub promotion_bytes: u64,
+    /// Refused promotions.
+    pub promotions_refused: u64,
+}
+
+impl TierTotals {
+    /// `self − earlier`, field by field (saturating).
+    pub fn since(&self, earlier: &TierTotals) -> TierTotals {
+        TierTotals {
+            windows: self.windows.saturating_sub(earlier.windows),
+            lookups: self.lookups.saturating_sub(earlier.lookups),
+            vram_hits: self.vram_hits.saturating_sub(earlier.vram_hits),
+            ram_reads: self.ram_reads.saturating_sub(earlier.ram_reads),
+            file_blob_reads: self.file_blob_reads.saturating_sub(earlier.file_blob_reads),
+            prefill_file_blob_reads: self.prefill_file_blob_reads.saturating_sub(earlier.prefill_file_blob_reads),
+            file_bytes_read: self.file_bytes_read.saturating_sub(earlier.file_bytes_read),
+            promotions: self.promotions.saturating_sub(earlier.promotions),
+            promotion_bytes: self.promotion_bytes.saturating_sub(earlier.promotion_bytes),
+            promotions_refused: self.promotions_refused.saturating_sub(earlier.promotions_refused),
+        }
+    }
+}
+
+impl TierCounters {
+    /// A consistent-enough copy (each field read atomically).
+    pub fn totals(&self) -> TierTotals {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        TierTotals {
+            windows: g(&self.windows),
+            lookups: g(&self.lookups),
+            vram_hits: g(&self.vram_hits),
+            ram_reads: g(&self.ram_reads),
+            file_blob_reads: g(&self.file_blob_reads),
+            prefill_file_blob_reads: g(&self.prefill_file_blob_reads),
+            file_bytes_read: g(&self.file_bytes_read),
+            promotions: g(&self.promotions),
+            promotion_bytes: g(&self.promotion_bytes),
+            promotions_refused: g(&self.promotions_refused),
+        }
+    }
+}
+
+/// Why a promotion changed nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// The outgoing expert has no RAM place.
+    #[error("expert ({0}, {1}) is not in the RAM copy")]
+    OutNotInRam(usize, usize),
+    /// The incoming expert already has one.
+    #[error("expert ({0}, {1}) is already in the RAM copy")]
+    InAlreadyInRam(usize, usize),
+    /// An exchange with the VRAM tier is staged.
+    #[error("an exchange with the VRAM tier is staged")]
+    ExchangeStaged,
+    /// The file read failed; the copy is unchanged.
+    #[error("reading expert ({0}, {1}) from the file failed: {2}")]
+    ReadFailed(usize, usize, String),
+    /// Layer or expert out of range.
+    #[error("expert ({0}, {1}) does not exist")]
+    OutOfRange(usize, usize),
+}
+
+/// Where one expert's bytes come from for a computation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// RAM copy at this arena offset.
+    Ram(usize),
+    /// The file: read the blob (buffered or direct).
+    File,
+    /// The file mapping (`--mmap-experts`).
+    Mapped,
+}
+
+struct State {
+    /// Arena offset of each expert's place, `layer × n_expert + expert`; `None` = file tier.
+    place: Vec<Option<usize>>,
+    usage: Usage,
+    /// The profile's ranks at start (ties of a save).
+    prior: Option<Vec<Option<u32>>>,
+    /// An exchange with a VRAM tier is staged (always false without one).
+    exchange_staged: bool,
+    /// Windows since start, for the decay rounds.
+    windows: u64,
+}
+
+/// Per-layer residency (for `GetResidency`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerResidency {
+    /// Experts in VRAM / RAM / file.
+    pub experts: [u32; 3],
+    /// Bytes in VRAM / RAM / file.
+    pub bytes: [u64; 3],
+}
+
+/// One expert's residency (for `GetResidency`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertResidency {
+    /// Layer.
+    pub layer: u32,
+    /// Expert.
+    pub expert: u32,
+    /// Tier now.
+    pub tier: Tier,
+    /// Decayed usage.
+    pub usage: f32,
+    /// Heat.
+    pub heat: f64,
+}
+
+/// The expert store of one MoE model.
+pub struct ExpertStore {
+    layout: ExpertLayout,
+    file: Arc<GgufFile>,
+    reader: Option<BlobReader>,
+    arena: RwLock<HostArena>,
+    state: Mutex<State>,
+    mode: ResidentMode,
+    geometry: Geometry,
+    /// Running totals.
+    pub counters: TierCounters,
+    /// Live knobs (RAM adapt, adaptive-tier rounds, ...).
+    pub knobs: Arc<Knobs>,
+}
+
+/// MemAvailable from /proc/meminfo in bytes, if readable.
+pub fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+impl ExpertStore {
+    /// Builds the store for `layout` of the model in `file` (opened at `path`): chooses the RAM copy (profile
+    /// order, else expert-major across layers), allocates, locks and fills it. Errors: [`StoreError`].
+    pub fn new(
+        layout: ExpertLayout,
+        file: Arc<GgufFile>,
+        path: &Path,
+        geometry: Geometry,
+        profile: Option<&Profile>,
+        cfg: &StoreConfig,
+        knobs: Arc<Knobs>,
+    ) -> Result<ExpertStore, StoreError> {
+        let n_layer = layout.n_layer();
+        let ne = layout.n_expert;
+        let total = layout.total_bytes();
+        // placement order: profile rank, then expert-major across layers
+        let ranks = profile.map(|p| p.ranks());
+        let mut order: Vec<usize> = (0..n_layer * ne).collect();
+        let key = |i: usize| (i % ne, i / ne);
+        order.sort_by_key(|&i| (ranks.as_ref().and_then(|r| r[i]).unwrap_or(u32::MAX), key(i)));
+        let budget = match cfg.mode {
+            ResidentMode::Mmap => 0,
+            ResidentMode::All => total,
+            ResidentMode::Budget(b) => {
+                if b > total {
+                    tracing::info!(
+                        "--resident-budget-gib {:.2} is more than all experts ({:.2} GiB): clamped",
+                        gib(b),
+                        gib(total)
+                    );
+                }
+                b.min(total)
+            }
+        };
+        let budget = match mem_available() {
+            Some(avail) if budget > avail.saturating_sub(cfg.headroom) => {
+                let c = avail.saturating_sub(cfg.headroom);
+                tracing::warn!(
+                    "resident RAM copy of {:.2} GiB does not fit in available memory ({:.2} GiB) minus {:.2} GiB \
+                     headroom: clamped to {:.2} GiB, the rest is read from the file",
+                    gib(budget),
+                    gib(avail),
+                    gib(cfg.headroom),
+                    gib(c)
+                );
+                c
+            }
+            _ => budget,
+        };
+        let mut place = vec![None; n_layer * ne];
+        let mut used = 0u64;
+        let mut chosen = Vec::new();
+        for &i in &order {
+            let b = layout.layers[i / ne].blob_bytes() as u64;
+            if used + b > budget {
+                if cfg.mode == ResidentMode::All {
+                    break; // clamped: the hottest that fit
+                }
+                continue;
+            }
+            place[i] = Some(used as usize);
+            chosen.push(i);
+            used += b;
+        }
+        let need_reader = chosen.len() < n_layer * ne && cfg.mode != ResidentMode::Mmap || !chosen.is_empty();
+        let reader = if need_reader {
+            Some(
+                BlobReader::open(path, cfg.file_io)
+                    .map_err(|source| StoreError::Open { path: path.display().to_string(), source })?,
+            )
+        } else {
+            None
+        };
+        let mut arena =
+            HostArena::new(used as usize, cfg.lock).map_err(|source| StoreError::Alloc { bytes: used, source })?;
+        // fill the copy from the mapping (sequential, through the page cache)
+        let bytes = file.bytes();
+        for &i in &chosen {
+            let (l, e) = (i / ne, i % ne);
+            let off = place[i].expect("chosen");
+            let ll = &layout.layers[l];
+            let dst = arena.slice_mut(off, ll.blob_bytes());
+            let mut o = 0;
+            for (fo, len) in ll.file_slices(e) {
+                let src = bytes.get(fo as usize..fo as usize + len).ok_or_else(|| StoreError::Load {
+                    layer: l,
+                    expert: e,
+                    source: std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+                })?;
+                dst[o..o + len].copy_from_slice(src);
+                o += len;
+            }
+        }
+        let in_ram = chosen.len();
+        tracing::info!(
+            mode = ?cfg.mode,
+            experts_in_ram = in_ram,
+            experts_total = n_layer * ne,
+            ram_gib = format!("{:.2}", gib(used)),
+            locked = arena.lock() == Lock::Locked,
+            file_io = ?cfg.file_io,
+            "expert store ready"
+        );
+        Ok(ExpertStore {
+            layout,
+            file,
+            reader,
+            arena: RwLock::new(arena),
+            state: Mutex::new(State {
+                place,
+                usage: Usage::new(n_layer, ne),
+                prior: ranks,
+                exchange_staged: false,
+                windows: 0,
+            }),
+            mode: cfg.mode,
+            geometry,
+            counters: TierCounters::default(),
+            knobs,
+        })
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The RAM copy mode.
+    pub fn mode(&self) -> ResidentMode {
+        self.mode
+    }
+
+    /// The blob geometry.
+    pub fn layout(&self) -> &ExpertLayout {
+        &self.layout
+    }
+
+    /// The profile geometry of this model.
+    pub fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    /// The RAM copy's lock state.
+    pub fn ram_lock(&self) -> Lock {
+        self.arena.read().unwrap_or_else(|e| e.into_inner()).lock()
+    }
+
+    /// Where each of `experts` (distinct) of `layer` comes from now; counts decode lookups and RAM/file reads
+    /// and, for decode windows, adds `entries[j]` routing entries to expert j's usage.
+    pub fn plan_layer(&self, layer: usize, experts: &[usize], entries: &[u32], decode: bool) -> Vec<Source> {
+        let ne = self.layout.n_expert;
+        let mut st = self.state();
+        let blob = self.layout.layers[layer].blob_bytes() as u64;
+        let mut out = Vec::with_capacity(experts.len());
+        let (mut ram, mut file) = (0u64, 0u64);
+        for (j, &e) in experts.iter().enumerate() {
+            let src = match (self.mode, st.place[layer * ne + e]) {
+                (_, Some(off)) => Source::Ram(off),
+                (ResidentMode::Mmap, None) => Source::Mapped,
+                (_, None) => Source::File,
+            };
+            match src {
+                Source::Ram(_) => ram += 1,
+                _ => file += 1,
+            }
+            if decode {
+                for _ in 0..entries.get(j).copied().unwrap_or(1) {
+                    st.usage.record(layer, e);
+                }
+            }
+            out.push(src);
+        }
+        drop(st);
+        let c = &self.counters;
+        if decode {
+            c.lookups.fetch_add(experts.len() as u64, Ordering::Relaxed);
+            c.ram_reads.fetch_add(ram, Ordering::Relaxed);
+            c.file_blob_reads.fetch_add(file, Ordering::Relaxed);
+        } else {
+            c.prefill_file_blob_reads.fetch_add(file, Ordering::Relaxed);
+        }
+        c.file_bytes_read.fetch_add(file * blob, Ordering::Relaxed);
+        out
+    }
+
+    /// Read access to the RAM copy for the duration of a layer's computation.
+    pub fn arena(&self) -> RwLockReadGuard<'_, HostArena> {
+        self.arena.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The mapped bytes of expert `e`'s three slices (gate, up, down) in the file.
+    pub fn mapped_slices(&self, layer: usize, e: usize) -> [&[u8]; 3] {
+        let b = self.file.bytes();
+        self.layout.layers[layer].file_slices(e).map(|(o, n)| &b[o as usize..o as usize + n])
+    }
+
+    /// Reads expert `e`'s blob (gate | up | down) of `layer` from the file into `out` (resized to the blob).
+    /// Errors: the read failed.
+    pub fn read_blob(
+        &self,
+        layer: usize,
+        e: usize,
+        out: &mut Vec<u8>,
+        scratch: &mut AlignedBuf,
+    ) -> std::io::Result<()> {
+        let ll = &self.layout.layers[layer];
+        out.resize(ll.blob_bytes(), 0);
+        let mut o = 0;
+        for (fo, len) in ll.file_slices(e) {
+            match &self.reader {
+                Some(r) => r.read_at(fo, &mut out[o..o + len], scratch)?,
+                None => out[o..o + len].copy_from_slice(&self.file.bytes()[fo as usize..fo as usize + len]),
+            }
+            o += len;
+        }
+        Ok(())
+    }
+
+    /// Ends a decode window: counts it and, every `adapt_every` windows, decays usage by `adapt_decay` (the
+    /// adaptive round's decay; heat accumulates).
+    pub fn end_decode_window(&self) {
+        self.counters.windows.fetch_add(1, Ordering::Relaxed);
+        let k = self.knobs.adapt();
+        let mut st = self.state();
+        st.windows += 1;
+        if k.every > 0 && st.windows.is_multiple_of(k.every as u64) {
+            st.usage.decay(k.decay);
+        }
+    }
+
+    /// RAM adapt before a decode window (DESIGN.md §5, seed 000): plans at most `ram_adapt` promotions and
+    /// carries them out. Does nothing in a request's first window (`first_window`) or when the knob is 0.
+    /// Returns the promotions made.
+    pub fn ram_adapt(&self, first_window: bool) -> Vec<Promotion> {
+        let n = self.knobs.ram_adapt();
+        if n == 0 || first_window || self.mode == ResidentMode::Mmap {
+            return Vec::new();
+        }
+        let plan = {
+            let st = self.state();
+            if st.exchange_staged {
+                return Vec::new();
+            }
+            let ne = self.layout.n_expert;
+            plan_ram_adapt(&st.usage, |l, e| st.place[l * ne + e].is_some(), |_, _| true, n)
+        };
+        let mut done = Vec::new();
+        for p in plan {
+            match self.promote(p.layer, p.incoming, p.outgoing) {
+                Ok(()) => done.push(p),
+                Err(r) => tracing::debug!("RAM adapt refused: {r}"),
+            }
+        }
+        done
+    }
+
+    /// Moves file-tier expert `incoming` of `layer` into the RAM place of `outgoing`: reads the blob from the
+    /// file beside the copy, then writes it into the place. Refused (nothing changes): `outgoing` not in RAM,
+    /// `incoming` already in RAM, an exchange staged, or the read failed.
+    pub fn promote(&self, layer: usize, incoming: usize, outgoing: usize) -> Result<(), Refusal> {
+        let r = self.promote_inner(layer, incoming, outgoing);
+        if r.is_err() {
+            self.counters.promotions_refused.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn promote_inner(&self, layer: usize, incoming: usize, outgoing: usize) -> Result<(), Refusal> {
+        let ne = self.layout.n_expert;
+        if layer >= self.layout.n_layer() || incoming >= ne || outgoing >= ne {
+            return Err(Refusal::OutOfRange(layer, incoming.max(outgoing)));
+        }
+        let off = {
+            let st = self.state();
+            if st.exchange_staged {
+                return Err(Refusal::ExchangeStaged);
+            }
+            if st.place[layer * ne + incoming].is_some() {
+                return Err(Refusal::InAlreadyInRam(layer, incoming));
+            }
+            st.place[layer * ne + outgoing].ok_or(Refusal::OutNotInRam(layer, outgoing))?
+        };
+        let mut buf = Vec::new();
+        self.read_blob(layer, incoming, &mut buf, &mut AlignedBuf::default())
+            .map_err(|e| Refusal::ReadFailed(layer, incoming, e.to_string()))?;
+        {
+            let mut a = self.arena.write().unwrap_or_else(|e| e.into_inner());
+            a.slice_mut(off, buf.len()).copy_from_slice(&buf);
+        }
+        let mut st = self.state();
+        st.place[layer * ne + outgoing] = None;
+        st.place[layer * ne + incoming] = Some(off);
+        drop(st);
+        self.counters.promotions.fetch_add(1, Ordering::Relaxed);
+        self.counters.promotion_bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Marks an exchange with the VRAM tier as staged (promotions are refused meanwhile). The GPU tier sets it;
+    /// without one it stays false.
+    pub fn set_exchange_staged(&self, staged: bool) {
+        self.state().exchange_staged = staged;
+    }
+
+    /// Tier of `(layer, expert)`.
+    pub fn tier(&self, layer: usize, expert: usize) -> Tier {
+        if self.state().place[layer * self.layout.n_expert + expert].is_some() {
+            Tier::Ram
+        } else {
+            Tier::File
+        }
+    }
+
+    /// The RAM copy's bytes of `(layer, expert)`, if it has a place (a copy).
+    pub fn ram_blob(&self, layer: usize, expert: usize) -> Option<Vec<u8>> {
+        let off = self.state().place[layer * self.layout.n_expert + expert]?;
+        Some(self.arena().slice(off, self.layout.layers[layer].blob_bytes()).to_vec())
+    }
+
+    /// Per-layer totals and per-expert tier, usage and heat.
+    pub fn residency(&self) -> (Vec<LayerResidency>, Vec<ExpertResidency>) {
+        let st = self.state();
+        let ne = self.layout.n_expert;
+        let mut layers = Vec::new();
+        let mut experts = Vec::new();
+        for (l, ll) in self.layout.layers.iter().enumerate() {
+            let blob = ll.blob_bytes() as u64;
+            let mut lr = LayerResidency { experts: [0; 3], bytes: [0; 3] };
+            for e in 0..ne {
+                let tier = if st.place[l * ne + e].is_some() { Tier::Ram } else { Tier::File };
+                let t = tier as usize;
+                lr.experts[t] += 1;
+                lr.bytes[t] += blob;
+                experts.push(ExpertResidency {
+                    layer: l as u32,
+                    expert: e as u32,
+                    tier,
+                    usage: st.usage.usage(l, e),
+                    heat: st.usage.heat(l, e),
+                });
+            }
+            layers.push(lr);
+        }
+        (layers, experts)
+    }
+
+    /// The profile to save now: every expert ranked by heat, then the start profile's order, then index.
+    pub fn profile_now(&self) -> Profile {
+        let st = self.state();
+        let ne = self.layout.n_expert;
+        let heat: Vec<f64> = (0..self.layout.n_layer() * ne).map(|i| st.usage.heat(i / ne, i % ne)).collect();
+        Profile { geometry: self.geometry, ranked: rank_by_heat(&heat, ne, st.prior.as_deref()) }
+    }
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
