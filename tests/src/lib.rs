@@ -169,3 +169,25 @@ pub fn stdout(o: &Output) -> String {
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
+
+/// An MoE fixture built by `tools/fetch-model --model smollm2-moe-{kind}` (docs/FIXTURES.md), next to the
+/// SmolLM2 model; panics with the command when missing.
+pub fn fixture_path(kind: &str) -> PathBuf {
+    let p = model_path().with_file_name(format!("smollm2-moe-{kind}.gguf"));
+    assert!(p.exists(), "{} not found: run tools/fetch-model --model smollm2-moe-{kind}", p.display());
+    p
+}
+
+/// The fixed multi-turn chats of tools/data/conversations.json: (system message, chats of user turns).
+pub fn conversations() -> (String, Vec<Vec<String>>) {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tools/data/conversations.json");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).expect("conversations.json")).unwrap();
+    let sys = v["system"].as_str().unwrap().to_string();
+    let chats = v["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["turns"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect())
+        .collect();
+    (sys, chats)
+}

@@ -1,0 +1,200 @@
+//! Expert tiers end to end on the MoE fixtures: knobs through strata-ctl while a request decodes, refused values,
+//! the watch stream, residency and profile save; a replayed multi-turn conversation with a RAM budget of about
+//! half the experts, with and without RAM adapt.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use strata_proto::v1 as pb;
+use strata_tests::*;
+
+/// Half of the split fixture's experts: 480 blobs of 127,872 bytes = 58.5 MiB.
+const SPLIT_HALF_GIB: &str = "0.0286";
+
+fn json(o: &std::process::Output) -> serde_json::Value {
+    assert!(o.status.success(), "strata-ctl failed: {}", stderr(o));
+    serde_json::from_str(stdout(o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
+}
+
+#[test]
+fn knobs_watch_residency_and_profile_through_strata_ctl() {
+    let d = Daemon::start_with(
+        &fixture_path("split"),
+        &temp_path(".sock"),
+        &["--resident-budget-gib", SPLIT_HALF_GIB, "--adapt-every", "1"],
+    );
+    // a watcher, started before the request
+    let mut watch = Command::new(bin("strata-ctl"))
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["--json", "watch", "--count", "1"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = BufReader::new(watch.stdout.take().unwrap()).lines();
+    let sock = d.socket.clone();
+    let gen = std::thread::spawn(move || {
+        Command::new(bin("strata-ctl"))
+            .arg("--socket")
+            .arg(&sock)
+            .args(["--json", "generate", "--max-tokens", "200", "--chat", "Write a long story about a dragon."])
+            .output()
+            .unwrap()
+    });
+    // wait until the request decodes (the watch shows it running), then turn RAM adapt on
+    let mut updates: Vec<serde_json::Value> = Vec::new();
+    let mut set_at = None;
+    let t0 = Instant::now();
+    for line in lines {
+        let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+        let running = v["running"].as_bool().unwrap();
+        let gen_tokens = v["counters"]["generated_tokens"].as_u64().unwrap();
+        if running && gen_tokens >= 8 && set_at.is_none() {
+            assert_eq!(v["counters"]["ram_promotions"], 0, "RAM adapt is off at start");
+            let o = d.ctl(&["set", "ram-adapt", "8"]);
+            assert!(o.status.success(), "{}", stderr(&o));
+            assert!(stdout(&o).contains("ram_adapt: 0 -> 8"), "{}", stdout(&o));
+            set_at = Some(gen_tokens);
+            // bad values are refused and change nothing
+            for (k, v) in [("ram-adapt", "-1"), ("adapt-decay", "2"), ("ram-adapt", "x"), ("no-such-knob", "1")] {
+                let o = d.ctl(&["set", k, v]);
+                assert_eq!(o.status.code(), Some(1), "set {k} {v}: {}", stdout(&o));
+                assert!(stderr(&o).contains("InvalidArgument"), "{}", stderr(&o));
+            }
+        }
+        updates.push(v);
+        if !running {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(300));
+    }
+    let out = gen.join().unwrap();
+    let done = json(&out);
+    assert!(watch.wait().unwrap().success());
+    let set_at = set_at.expect("the watch never showed the request decoding");
+    let c = &done["counters"];
+    assert!(c["generated_tokens"].as_u64().unwrap() > set_at, "the request ended before the knob was set");
+    assert!(c["ram_promotions"].as_u64().unwrap() > 0, "ram-adapt 8 set mid-request took no effect: {c}");
+    // the watch showed the counters moving while the request ran, then the final counters
+    let running: Vec<u64> = updates
+        .iter()
+        .filter(|u| u["running"] == true)
+        .map(|u| u["counters"]["generated_tokens"].as_u64().unwrap())
+        .collect();
+    assert!(running.len() >= 3 && running.windows(2).all(|w| w[0] <= w[1]) && running.last() > running.first());
+    let last = updates.last().unwrap();
+    assert_eq!(last["running"], false);
+    assert_eq!(last["counters"]["generated_tokens"], c["generated_tokens"]);
+    // knobs keep their values
+    let k = json(&d.ctl(&["--json", "get"]));
+    let val = |n: &str| k.as_array().unwrap().iter().find(|x| x["name"] == n).unwrap()["value"].as_f64().unwrap();
+    assert_eq!((val("ram_adapt"), val("adapt_decay")), (8.0, 0.7));
+    assert!(k.as_array().unwrap().iter().any(|x| x["name"] == "adapt_swaps" && x["active"] == false));
+    // residency: 30 layers, every expert in exactly one tier, about half in RAM
+    let r = json(&d.ctl(&["--json", "residency", "--top", "5"]));
+    assert_eq!(r["mode"], "budget");
+    let layers = r["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 30);
+    let ram: u64 = layers.iter().map(|l| l["ram_experts"].as_u64().unwrap()).sum();
+    assert!(layers.iter().all(|l| l["ram_experts"].as_u64().unwrap() + l["file_experts"].as_u64().unwrap() == 16));
+    assert!((200..=280).contains(&ram), "{ram} experts in RAM");
+    assert_eq!(r["experts"].as_array().unwrap().len(), 5);
+    let o = d.ctl(&["residency", "--layer", "99"]);
+    assert_eq!(o.status.code(), Some(1));
+    // stats show the tier totals
+    let s = json(&d.ctl(&["--json", "stats"]));
+    assert_eq!(s["totals"]["ram_promotions"], c["ram_promotions"]);
+    assert!(s["totals"]["file_blob_reads"].as_u64().unwrap() > 0);
+    // profile save to a given path; without a path and no --expert-profile-save it is refused
+    let p = temp_path(".prof");
+    let o = json(&d.ctl(&["--json", "profile", "save", p.to_str().unwrap()]));
+    assert_eq!(o["ranked"], 480);
+    assert!(std::fs::metadata(&p).unwrap().len() > 480 * 8);
+    assert_eq!(d.ctl(&["profile", "save"]).status.code(), Some(1));
+    // the daemon restarted with that profile starts with the same RAM copy as the profile's top ranks
+    drop(d);
+    let d2 = Daemon::start_with(
+        &fixture_path("split"),
+        &temp_path(".sock"),
+        &["--resident-budget-gib", SPLIT_HALF_GIB, "--expert-profile", p.to_str().unwrap()],
+    );
+    let r2 = json(&d2.ctl(&["--json", "residency", "--top", "0"]));
+    let ram2: u64 = r2["layers"].as_array().unwrap().iter().map(|l| l["ram_experts"].as_u64().unwrap()).sum();
+    assert_eq!(ram2, ram);
+    drop(d2);
+    // a torn profile: warning, default placement, the daemon starts
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    let d3 =
+        Daemon::start_with(&fixture_path("split"), &temp_path(".sock"), &["--expert-profile", p.to_str().unwrap()]);
+    assert!(d3.ctl(&["stats"]).status.success());
+    d3.signal(nix::sys::signal::Signal::SIGTERM);
+    let (st, err) = d3.wait(Duration::from_secs(30));
+    assert!(st.success());
+    assert!(err.contains("not a valid expert profile") && err.contains("default placement"), "{err}");
+    std::fs::remove_file(&p).unwrap();
+}
+
+/// Runs the fixed chats (the first `turns` user turns, each with the conversation so far and the model's
+/// greedy answers) and returns (answers, summed counters).
+async fn replay(d: &Daemon, turns: usize, max_tokens: u32) -> (Vec<String>, Vec<pb::RequestCounters>) {
+    let (system, chats) = conversations();
+    let mut client = d.client().await;
+    let (mut answers, mut counters) = (Vec::new(), Vec::new());
+    'outer: for chat in chats {
+        let mut history = vec![pb::ChatMessage { role: "system".into(), content: system.clone() }];
+        for user in chat {
+            if answers.len() == turns {
+                break 'outer;
+            }
+            history.push(pb::ChatMessage { role: "user".into(), content: user });
+            let req = pb::GenerateRequest { messages: history.clone(), max_tokens, ..Default::default() };
+            let mut s = client.generate(req).await.unwrap().into_inner();
+            let mut text = String::new();
+            while let Some(ev) = s.message().await.unwrap() {
+                if let Some(pb::generate_event::Event::Done(done)) = ev.event {
+                    text = done.text;
+                    counters.push(done.counters.unwrap());
+                }
+            }
+            history.push(pb::ChatMessage { role: "assistant".into(), content: text.clone() });
+            answers.push(text);
+        }
+    }
+    (answers, counters)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ram_adapt_halves_blob_reads_on_a_replayed_conversation() {
+    let mut arms = Vec::new();
+    for ram_adapt in ["0", "8"] {
+        let d = Daemon::start_with(
+            &fixture_path("exact"),
+            &temp_path(".sock"),
+            &["--resident-budget-gib", "0.37", "--ram-adapt", ram_adapt],
+        );
+        let (answers, counters) = replay(&d, 22, 12).await;
+        let sum = |f: fn(&pb::RequestCounters) -> u64| counters.iter().map(f).sum::<u64>();
+        let generated = sum(|c| c.generated_tokens as u64);
+        let reads = sum(|c| c.file_blob_reads);
+        let promos = sum(|c| c.ram_promotions);
+        let bytes = sum(|c| c.promotion_bytes);
+        println!(
+            "ram-adapt {ram_adapt}: {} requests, {generated} tokens, {reads} blob reads ({:.2} per token), {promos} promotions",
+            counters.len(),
+            reads as f64 / generated as f64
+        );
+        arms.push((answers, generated, reads, promos, bytes));
+    }
+    let (off, on) = (&arms[0], &arms[1]);
+    assert!(off.0.len() >= 20);
+    // RAM adapt never changes the output: the CPU computes from the same bytes
+    assert_eq!(off.0, on.0);
+    assert_eq!(off.3, 0);
+    assert!(on.3 > 0);
+    // every promotion read one blob (1,658,880 bytes in the exact fixture)
+    assert_eq!(on.4, on.3 * 1_658_880);
+    let (per_off, per_on) = (off.2 as f64 / off.1 as f64, on.2 as f64 / on.1 as f64);
+    assert!(per_on <= per_off / 2.0, "blob reads per token {per_on:.2} with RAM adapt vs {per_off:.2} without");
+}
