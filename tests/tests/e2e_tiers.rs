@@ -198,3 +198,30 @@ async fn ram_adapt_halves_blob_reads_on_a_replayed_conversation() {
     let (per_off, per_on) = (off.2 as f64 / off.1 as f64, on.2 as f64 / on.1 as f64);
     assert!(per_on <= per_off / 2.0, "blob reads per token {per_on:.2} with RAM adapt vs {per_off:.2} without");
 }
+
+/// Off = baseline: the greedy answers have the SHA-256 they had before the expert store existed
+/// (tests/data/greedy_baseline_moe_exact.json, recorded with the binaries of commit 3945f69), with RAM adapt off,
+/// and also with RAM adapt on, a RAM budget, direct file reads, or no RAM copy at all.
+#[test]
+fn greedy_answers_match_the_pre_store_baseline_in_every_mode() {
+    use sha2::Digest;
+    let p = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/greedy_baseline_moe_exact.json");
+    let base: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+    let sys = base["system"].as_str().unwrap();
+    let max = base["max_tokens"].to_string();
+    let modes: [&[&str]; 3] = [
+        &["--ram-adapt", "0"],
+        &["--resident-budget-gib", "0.37", "--ram-adapt", "8", "--file-io", "direct"],
+        &["--mmap-experts"],
+    ];
+    for extra in modes {
+        let d = Daemon::start_with(&fixture_path("exact"), &temp_path(".sock"), extra);
+        for a in base["answers"].as_array().unwrap() {
+            let prompt = a["prompt"].as_str().unwrap();
+            let o = json(&d.ctl(&["--json", "generate", "--chat", "--system", sys, "--max-tokens", &max, prompt]));
+            let text = o["text"].as_str().unwrap();
+            let sha = format!("{:x}", sha2::Sha256::digest(text.as_bytes()));
+            assert_eq!(sha, a["sha256"].as_str().unwrap(), "{extra:?} {prompt:?}: {text:?}");
+        }
+    }
+}
