@@ -69,12 +69,13 @@ def test_counter_stream_residency_and_profile(pb, moe_daemon):  # noqa: F811
         t = threading.Thread(target=collect)
         t.start()
         time.sleep(0.3)
-        req = pb.pb2.GenerateRequest(messages=[pb.pb2.ChatMessage(role="user", content="Tell me a story.")],
-                                     max_tokens=64)
+        # a raw prompt (no chat template: no early end-of-turn), long enough to span several counter updates
+        req = pb.pb2.GenerateRequest(prompt="The history of the Roman Empire begins", max_tokens=96)
         done = [e.done for e in stub.Generate(req) if e.HasField("done")][0]
         t.join(timeout=60)
         watch.cancel()
         running = [u.counters.generated_tokens for u in updates if u.running]
+        assert done.counters.generated_tokens == 96
         assert len(running) >= 2 and running[-1] > running[0], running
         assert not updates[-1].running and updates[-1].counters.request_id == done.counters.request_id
         c = done.counters
