@@ -443,7 +443,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
             } else {
                 for k in list {
                     let act = if k.active { "" } else { "  (inactive)" };
-                    println!("{:<26} {:>8}   {:<16} {}{act}", k.name.replace('_', "-"), k.value, k.range, k.doc);
+                    println!("{:<26} {:>8}   {:<16} {}{act}", k.name, k.value, k.range, k.doc);
                 }
             }
             Ok(())
@@ -509,7 +509,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
             if !cli.json {
                 println!(
                     "{:>8} {:>7} {:>8} {:>9} {:>10} {:>11} {:>9}",
-                    "request", "state", "tokens", "tok/s", "hit rate", "blobs/tok", "promoted"
+                    "request", "state", "tokens", "tok/s", "VRAM hit", "blobs/tok", "promoted"
                 );
             }
             let mut finished = 0u32;

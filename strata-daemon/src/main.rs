@@ -39,7 +39,7 @@ struct Args {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Unix socket to listen on [default: $XDG_RUNTIME_DIR/strata.sock, else /tmp/strata-<uid>.sock]
-    #[arg(long)]
+    #[arg(long, env = "STRATA_SOCKET")]
     socket: Option<PathBuf>,
     /// Context length in tokens (KV cache positions); capped at the model's training context.
     #[arg(long, default_value_t = 4096)]

@@ -62,8 +62,8 @@ pub struct ReplayArgs {
 /// Runs the replay and prints the report to stdout.
 pub fn run(a: ReplayArgs) -> Result<()> {
     validate_decay(a.adapt_decay)?;
-    if a.slots_per_layer.is_empty() {
-        bail!("--slots-per-layer needs at least one size");
+    if a.slots_per_layer.is_empty() || a.slots_per_layer.contains(&0) {
+        bail!("--slots-per-layer needs one or more sizes of at least 1");
     }
     let f = std::fs::File::open(&a.trace).with_context(|| format!("--trace {}", a.trace.display()))?;
     let filter = if a.phase == PhaseArg::Decode { PhaseFilter::Decode } else { PhaseFilter::All };

@@ -225,3 +225,28 @@ fn greedy_answers_match_the_pre_store_baseline_in_every_mode() {
         }
     }
 }
+
+/// SIGTERM ends an open `watch` stream (UNAVAILABLE) instead of waiting for it: the daemon exits promptly and the
+/// watcher exits with an error.
+#[test]
+fn sigterm_ends_an_open_watch_stream() {
+    let d = Daemon::start(&[]);
+    let mut watch = Command::new(bin("strata-ctl"))
+        .arg("--socket")
+        .arg(&d.socket)
+        .arg("watch")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    d.signal(nix::sys::signal::Signal::SIGTERM);
+    let (st, _) = d.wait(Duration::from_secs(10));
+    assert!(st.success());
+    let t0 = Instant::now();
+    while watch.try_wait().unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "watch did not end");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!watch.wait().unwrap().success());
+}

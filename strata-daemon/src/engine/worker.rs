@@ -125,6 +125,11 @@ impl Engine {
         })
     }
 
+    /// Whether the engine is shutting down (or has stopped).
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutdown.load(Ordering::SeqCst)
+    }
+
     /// Queues a request; events arrive on the returned receiver. Dropping
     /// the receiver cancels the request.
     pub fn submit(&self, params: GenerateParams) -> UnboundedReceiver<Event> {

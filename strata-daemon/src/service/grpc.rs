@@ -299,6 +299,7 @@ impl Strata for StrataService {
 
     async fn watch_counters(&self, _req: Request<pb::WatchRequest>) -> Result<Response<WatchStream>, Status> {
         let stats = self.engine.stats.clone();
+        let engine = self.engine.clone();
         let mut rx = stats.updates.subscribe();
         let (tx, out) = tokio::sync::mpsc::channel::<Result<pb::CounterUpdate, Status>>(16);
         tokio::spawn(async move {
@@ -306,6 +307,11 @@ impl Strata for StrataService {
             loop {
                 // wake on an update, and at least every 250 ms while a request runs
                 let _ = tokio::time::timeout(std::time::Duration::from_millis(250), rx.changed()).await;
+                if engine.is_shutting_down() {
+                    // end the stream so the server can stop (graceful shutdown waits for open streams)
+                    let _ = tx.send(Err(Status::unavailable("daemon is shutting down"))).await;
+                    return;
+                }
                 let (_, done) = stats.snapshot();
                 let mut msgs = Vec::new();
                 if let Some(c) = done {
