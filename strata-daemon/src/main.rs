@@ -14,7 +14,7 @@ use strata::service::{socket, StrataService};
 use strata::tiers::fileio::FileIo;
 use strata::tiers::knobs::Knobs;
 use strata::tiers::layout::ExpertLayout;
-use strata::tiers::profile::{fingerprint, Geometry, Profile};
+use strata::tiers::profile::{geometry_of, Profile};
 use strata::tiers::store::{ExpertStore, ResidentMode, StoreConfig};
 use strata_proto::v1::strata_server::StrataServer;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -101,22 +101,6 @@ enum Command {
     Perplexity(perplexity_cmd::PerplexityArgs),
 }
 
-/// The profile geometry of an MoE model: its expert counts and a fingerprint of its expert tensors.
-fn expert_geometry(model: &LlamaModel, file: &GgufFile) -> Geometry {
-    let tensors: Vec<_> = file
-        .tensors
-        .iter()
-        .filter(|t| t.name.contains("_exps.") || t.name.contains("ffn_gate_inp"))
-        .map(|t| (t.name.as_str(), t.ggml_type as u32, t.dims.as_slice()))
-        .collect();
-    Geometry {
-        n_layer: model.cfg.n_layer as u32,
-        n_expert: model.cfg.n_expert as u32,
-        n_expert_used: model.cfg.n_expert_used as u32,
-        fingerprint: fingerprint(tensors),
-    }
-}
-
 fn models_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("STRATA_MODELS") {
         return PathBuf::from(d);
@@ -187,7 +171,7 @@ fn main() -> Result<()> {
         knobs.set(name, &v).map_err(|e| anyhow::anyhow!("--{}: {e}", name.replace('_', "-")))?;
     }
     if let Some(layout) = ExpertLayout::of(&model) {
-        let geometry = expert_geometry(&model, &file);
+        let geometry = geometry_of(&model);
         let profile = match &args.expert_profile {
             Some(p) => match Profile::load(p, &geometry) {
                 Ok(pr) => {

@@ -14,23 +14,11 @@ use strata::model::{LlamaModel, Logits};
 use strata::tiers::fileio::FileIo;
 use strata::tiers::knobs::Knobs;
 use strata::tiers::layout::ExpertLayout;
-use strata::tiers::profile::{fingerprint, Geometry, Profile, ProfileError};
+use strata::tiers::profile::{geometry_of, Geometry, Profile, ProfileError};
 use strata::tiers::store::{ExpertStore, Refusal, ResidentMode, StoreConfig, Tier};
 
 fn geometry(m: &LlamaModel) -> Geometry {
-    let t: Vec<_> = m
-        .file
-        .tensors
-        .iter()
-        .filter(|t| t.name.contains("_exps."))
-        .map(|t| (t.name.as_str(), t.ggml_type as u32, t.dims.as_slice()))
-        .collect();
-    Geometry {
-        n_layer: m.cfg.n_layer as u32,
-        n_expert: m.cfg.n_expert as u32,
-        n_expert_used: m.cfg.n_expert_used as u32,
-        fingerprint: fingerprint(t),
-    }
+    geometry_of(m)
 }
 
 fn model() -> LlamaModel {

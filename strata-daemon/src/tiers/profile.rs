@@ -93,6 +93,24 @@ pub fn fingerprint<'a>(tensors: impl IntoIterator<Item = (&'a str, u32, &'a [u64
     fnv1a64(&buf)
 }
 
+/// The profile geometry of an MoE model: its expert counts and the [`fingerprint`] of its `*_exps` and
+/// `ffn_gate_inp` tensors in file order.
+pub fn geometry_of(model: &crate::model::LlamaModel) -> Geometry {
+    let tensors: Vec<_> = model
+        .file
+        .tensors
+        .iter()
+        .filter(|t| t.name.contains("_exps.") || t.name.contains("ffn_gate_inp"))
+        .map(|t| (t.name.as_str(), t.ggml_type as u32, t.dims.as_slice()))
+        .collect();
+    Geometry {
+        n_layer: model.cfg.n_layer as u32,
+        n_expert: model.cfg.n_expert as u32,
+        n_expert_used: model.cfg.n_expert_used as u32,
+        fingerprint: fingerprint(tensors),
+    }
+}
+
 /// A profile: geometry and the ranked pairs with their heat.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Profile {
