@@ -18,7 +18,6 @@ use crate::compute::cpu::{matmul_with, Act, MatRef, Precision, SyncPtr};
 use crate::compute::pool::WorkerPool;
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::quant::{dequantize_row, GgmlType};
-use crate::tiers::fileio::AlignedBuf;
 use crate::tiers::store::{ExpertStore, Source};
 
 /// A weight tensor located in the mapped file: byte range, format and 2-D shape.
@@ -137,8 +136,6 @@ pub struct Scratch {
     pub decode: bool,
     /// Blobs of one layer's file-tier experts, back to back.
     blobs: Vec<u8>,
-    blob_tmp: Vec<u8>,
-    aligned: AlignedBuf,
 }
 
 /// One routing decision: token position, layer, and the selected experts
@@ -512,19 +509,14 @@ impl LlamaModel {
             for (&x, so) in distinct.iter().zip(st.plan_layer(layer, &distinct, &entries, s.decode)) {
                 src[x] = so;
             }
-            s.blobs.clear();
-            for &x in &distinct {
-                if src[x] == Source::File {
-                    match st.read_blob(layer, x, &mut s.blob_tmp, &mut s.aligned) {
-                        Ok(()) => {
-                            blob_at[x] = s.blobs.len();
-                            s.blobs.extend_from_slice(&s.blob_tmp);
-                        }
-                        Err(err) => {
-                            tracing::warn!("blob read of expert ({layer}, {x}) failed ({err}); using the mapping");
-                            src[x] = Source::Mapped;
-                        }
-                    }
+            // this layer's file-tier blobs, read together over the worker pool before any expert is computed
+            let files: Vec<usize> = distinct.iter().copied().filter(|&x| src[x] == Source::File).collect();
+            let blob = 2 * gb + db;
+            let ok = st.read_blobs(layer, &files, &mut s.blobs, &self.pool);
+            for (j, (&x, ok)) in files.iter().zip(ok).enumerate() {
+                blob_at[x] = j * blob;
+                if !ok {
+                    src[x] = Source::Mapped; // the mapping still has the bytes
                 }
             }
             st.arena()

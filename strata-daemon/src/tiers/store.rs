@@ -4,8 +4,9 @@
 //! Threads: the engine thread computes (reading RAM places under the arena's read lock) and moves experts
 //! (under its write lock); service threads only take snapshots of the state under its mutex.
 
+use std::cell::RefCell;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 
 use super::arena::{HostArena, Lock};
@@ -14,7 +15,18 @@ use super::knobs::Knobs;
 use super::layout::ExpertLayout;
 use super::policy::{plan_ram_adapt, Promotion, Usage};
 use super::profile::{rank_by_heat, Geometry, Profile};
+use crate::compute::pool::WorkerPool;
 use crate::gguf::GgufFile;
+
+/// A base pointer shared by the read tasks of [`ExpertStore::read_blobs`], each writing its own byte range.
+struct SyncBytes(*mut u8);
+// SAFETY: the tasks write disjoint ranges through it (see read_blobs).
+unsafe impl Sync for SyncBytes {}
+
+thread_local! {
+    /// Aligned bounce buffer of each reading thread (O_DIRECT reads).
+    static SCRATCH: RefCell<AlignedBuf> = RefCell::new(AlignedBuf::default());
+}
 
 /// Errors building the store.
 #[derive(Debug, thiserror::Error)]
@@ -473,6 +485,40 @@ impl ExpertStore {
         out.resize(ll.blob_bytes(), 0);
         let mut o = 0;
         for (fo, len) in ll.file_slices(e) {
+            match &self.reader {
+                Some(r) => r.read_at(fo, &mut out[o..o + len], scratch)?,
+                None => out[o..o + len].copy_from_slice(&self.file.bytes()[fo as usize..fo as usize + len]),
+            }
+            o += len;
+        }
+        Ok(())
+    }
+
+    /// Reads the blobs of `experts` (file-tier experts of `layer`) together, spread over `pool`'s threads, into
+    /// `out` (resized to `experts.len()` blobs back to back; blob j at `j × blob_bytes`). Returns, per expert,
+    /// whether its read succeeded.
+    pub fn read_blobs(&self, layer: usize, experts: &[usize], out: &mut Vec<u8>, pool: &WorkerPool) -> Vec<bool> {
+        let blob = self.layout.layers[layer].blob_bytes();
+        out.resize(experts.len() * blob, 0);
+        let ok: Vec<AtomicBool> = experts.iter().map(|_| AtomicBool::new(false)).collect();
+        let base = SyncBytes(out.as_mut_ptr());
+        let base = &base;
+        pool.run(experts.len(), |j| {
+            // SAFETY: task j writes only bytes [j × blob, (j + 1) × blob) of `out`, which holds
+            // experts.len() × blob bytes and outlives `pool.run`; no two tasks share a range.
+            let dst = unsafe { std::slice::from_raw_parts_mut(base.0.add(j * blob), blob) };
+            let r = SCRATCH.with(|sc| self.read_blob_into(layer, experts[j], dst, &mut sc.borrow_mut()));
+            match r {
+                Ok(()) => ok[j].store(true, Ordering::Relaxed),
+                Err(e) => tracing::warn!("blob read of expert ({layer}, {}) failed: {e}", experts[j]),
+            }
+        });
+        ok.into_iter().map(|b| b.into_inner()).collect()
+    }
+
+    fn read_blob_into(&self, layer: usize, e: usize, out: &mut [u8], scratch: &mut AlignedBuf) -> std::io::Result<()> {
+        let mut o = 0;
+        for (fo, len) in self.layout.layers[layer].file_slices(e) {
             match &self.reader {
                 Some(r) => r.read_at(fo, &mut out[o..o + len], scratch)?,
                 None => out[o..o + len].copy_from_slice(&self.file.bytes()[fo as usize..fo as usize + len]),
