@@ -14,6 +14,7 @@ use strata::service::{socket, StrataService};
 use strata::tiers::fileio::FileIo;
 use strata::tiers::knobs::Knobs;
 use strata::tiers::layout::ExpertLayout;
+use strata::tiers::policy::{DEFAULT_ADAPT_DECAY, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS};
 use strata::tiers::profile::{geometry_of, Profile};
 use strata::tiers::store::{ExpertStore, ResidentMode, StoreConfig};
 use strata_proto::v1::strata_server::StrataServer;
@@ -70,14 +71,14 @@ struct Args {
     #[arg(long, env = "STRATA_RAM_ADAPT", default_value_t = 0)]
     ram_adapt: u32,
     /// Decode windows per adaptive round (usage decay; 0 = static).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = DEFAULT_ADAPT_EVERY)]
     adapt_every: u32,
     /// Swaps per adaptive round (VRAM tier).
-    #[arg(long, default_value_t = 96)]
+    #[arg(long, default_value_t = DEFAULT_ADAPT_SWAPS)]
     adapt_swaps: u32,
     /// Usage decay per adaptive round, in (0, 1].
-    #[arg(long, default_value_t = 0.7)]
-    adapt_decay: f64,
+    #[arg(long, default_value_t = DEFAULT_ADAPT_DECAY)]
+    adapt_decay: f32,
     /// Expert profile that seeds placement (hottest first; docs/FORMATS.md). A foreign or corrupt profile is
     /// ignored with a warning.
     #[arg(long, value_name = "FILE")]

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use strata::tiers::policy::{validate_decay, AdaptKnobs};
+use strata::tiers::policy::{
+    validate_decay, AdaptKnobs, DEFAULT_ADAPT_DECAY, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS,
+};
 use strata::tiers::replay::{replay, PhaseFilter, Policy, Trace};
 use strata::tiers::stats::trace_stats;
 
@@ -43,13 +45,13 @@ pub struct ReplayArgs {
     #[arg(long, value_delimiter = ',', default_value = "adaptive,lru,belady")]
     policy: Vec<PolicyName>,
     /// Adaptive tier: decode windows per round (0 = static).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = DEFAULT_ADAPT_EVERY)]
     adapt_every: u32,
     /// Adaptive tier: most swaps per round, all layers together (0 = static).
-    #[arg(long, default_value_t = 96)]
+    #[arg(long, default_value_t = DEFAULT_ADAPT_SWAPS)]
     adapt_swaps: u32,
     /// Adaptive tier: usage decay per round, in (0, 1].
-    #[arg(long, default_value_t = 0.7)]
+    #[arg(long, default_value_t = DEFAULT_ADAPT_DECAY)]
     adapt_decay: f32,
     /// Which records form windows.
     #[arg(long, value_enum, default_value_t = PhaseArg::Decode)]

@@ -195,12 +195,12 @@ impl Strata for StrataService {
             .knobs
             .all()
             .into_iter()
-            .map(|(spec, value, active)| pb::Knob {
+            .map(|(spec, value, _)| pb::Knob {
                 name: spec.name.to_string(),
                 value,
                 default_value: spec.default,
                 range: range_text(spec.range),
-                active: active && (self.store.is_some() || spec.name == "expert_profile_save_every"),
+                active: Knobs::is_active(spec.name, self.store.is_some()),
                 doc: spec.doc.to_string(),
             })
             .collect();
@@ -211,7 +211,7 @@ impl Strata for StrataService {
         let r = req.into_inner();
         let (name, old, new) =
             self.knobs.set(&r.name, &r.value).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let active = self.knobs.all().iter().any(|(s, _, a)| s.name == name && *a) && self.store.is_some();
+        let active = Knobs::is_active(name, self.store.is_some());
         tracing::info!(knob = name, old, new, active, "knob set; takes effect at the next window");
         Ok(Response::new(pb::SetKnobReply { name: name.to_string(), old_value: old, new_value: new, active }))
     }

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::policy::AdaptKnobs;
+use super::policy::{AdaptKnobs, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS};
 
 /// Errors setting a knob.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -61,19 +61,19 @@ pub const SPECS: &[KnobSpec] = &[
     },
     KnobSpec {
         name: "adapt_every",
-        default: 4.0,
+        default: DEFAULT_ADAPT_EVERY as f64,
         range: Range::Int(0, 1 << 20),
         doc: "decode windows per adaptive round (0 = static)",
     },
     KnobSpec {
         name: "adapt_swaps",
-        default: 96.0,
+        default: DEFAULT_ADAPT_SWAPS as f64,
         range: Range::Int(0, 1 << 20),
         doc: "VRAM swaps per adaptive round",
     },
     KnobSpec {
         name: "adapt_decay",
-        default: 0.7,
+        default: 0.7, // policy::DEFAULT_ADAPT_DECAY, written in f64 (the f32 widened would read 0.699999988)
         range: Range::Real { min: 0.0, open_min: true, max: 1.0 },
         doc: "usage decay per round, in (0, 1]",
     },
@@ -180,6 +180,11 @@ impl Knobs {
     /// Value of knob `name`. Errors: unknown knob.
     pub fn get(&self, name: &str) -> Result<f64, KnobError> {
         Ok(f64::from_bits(self.values[self.index(name)?].load(Ordering::SeqCst)))
+    }
+
+    /// Whether knob `name` acts in this build (its tier exists; the expert knobs also need an MoE model).
+    pub fn is_active(name: &str, has_experts: bool) -> bool {
+        ACTIVE.contains(&name) && (has_experts || name == "expert_profile_save_every")
     }
 
     /// Every knob: spec, value, and whether its tier exists in this build.

@@ -15,6 +15,13 @@ pub const CANDIDATE_MIN_USAGE: f32 = 2.0;
 /// A candidate replaces a victim only when its usage exceeds the victim's by this much (REFERENCE.md §4).
 pub const SWAP_MARGIN: f32 = 1.5;
 
+/// Default decode windows per adaptive round (`--adapt-every`; REFERENCE.md §4).
+pub const DEFAULT_ADAPT_EVERY: u32 = 4;
+/// Default swaps per adaptive round (`--adapt-swaps`; REFERENCE.md §4).
+pub const DEFAULT_ADAPT_SWAPS: u32 = 96;
+/// Default usage decay per round (`--adapt-decay`; REFERENCE.md §4).
+pub const DEFAULT_ADAPT_DECAY: f32 = 0.7;
+
 /// Errors from knob validation.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PolicyError {
@@ -36,7 +43,7 @@ pub struct AdaptKnobs {
 
 impl Default for AdaptKnobs {
     fn default() -> Self {
-        AdaptKnobs { every: 4, swaps: 96, decay: 0.7 }
+        AdaptKnobs { every: DEFAULT_ADAPT_EVERY, swaps: DEFAULT_ADAPT_SWAPS, decay: DEFAULT_ADAPT_DECAY }
     }
 }
 
