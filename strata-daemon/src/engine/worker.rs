@@ -308,6 +308,13 @@ impl Worker {
         let mut logits = Vec::new();
         let mut pos = common;
         self.scratch.decode = false;
+        // a request starts with the asynchronous adaptive round drained
+        #[cfg(feature = "cuda")]
+        if let (Some(g), Some(st)) = (&self.model.gpu, &store) {
+            if let Err(e) = g.drain(st) {
+                tracing::error!("adaptive tier: {e}");
+            }
+        }
         while pos < ids.len() {
             let end = (pos + self.batch).min(ids.len());
             logits = self.model.forward(&ids[pos..end], &mut self.kv, Logits::Last, &mut self.scratch);
@@ -362,7 +369,15 @@ impl Worker {
             logits = self.model.forward(&[next], &mut self.kv, Logits::Last, &mut self.scratch);
             self.scratch.decode = false;
             if let Some(st) = &store {
-                st.end_decode_window();
+                let plan = st.end_decode_window();
+                #[cfg(feature = "cuda")]
+                if let Some(g) = &self.model.gpu {
+                    if let Err(e) = g.adapt(st, plan) {
+                        tracing::error!("adaptive tier: {e}");
+                    }
+                }
+                #[cfg(not(feature = "cuda"))]
+                drop(plan);
             }
             self.dump_routes(job.id, Phase::Decode);
             self.cached.push(next);

@@ -71,8 +71,10 @@ impl GgufWriter {
         self.tensors.push(WriteTensor { name: name.to_string(), dims, ggml_type, data });
     }
 
-    /// Serializes the file (GGUF v3, alignment 32).
-    pub fn to_bytes(&self) -> Vec<u8> {
+    /// The header of a file whose tensors (in `self.tensors`, data left empty) have `sizes` bytes: returns the
+    /// header padded to the data section and each tensor's offset from the data section's start. Used to
+    /// stream files too large to build in memory.
+    pub fn header_for(&self, sizes: &[u64]) -> (Vec<u8>, Vec<u64>) {
         let mut out = Vec::new();
         out.extend_from_slice(b"GGUF");
         out.extend_from_slice(&3u32.to_le_bytes());
@@ -86,7 +88,7 @@ impl GgufWriter {
         let a = DEFAULT_ALIGNMENT;
         let mut offset = 0u64;
         let mut offsets = Vec::new();
-        for t in &self.tensors {
+        for (t, &size) in self.tensors.iter().zip(sizes) {
             put_str(&mut out, &t.name);
             out.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
             for d in &t.dims {
@@ -95,10 +97,18 @@ impl GgufWriter {
             out.extend_from_slice(&(t.ggml_type as u32).to_le_bytes());
             out.extend_from_slice(&offset.to_le_bytes());
             offsets.push(offset);
-            offset = (offset + t.data.len() as u64).div_ceil(a) * a;
+            offset = (offset + size).div_ceil(a) * a;
         }
         let data_start = (out.len() as u64).div_ceil(a) * a;
         out.resize(data_start as usize, 0);
+        (out, offsets)
+    }
+
+    /// Serializes the file (GGUF v3, alignment 32).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let sizes: Vec<u64> = self.tensors.iter().map(|t| t.data.len() as u64).collect();
+        let (mut out, offsets) = self.header_for(&sizes);
+        let data_start = out.len() as u64;
         for (t, off) in self.tensors.iter().zip(offsets) {
             out.resize((data_start + off) as usize, 0);
             out.extend_from_slice(&t.data);

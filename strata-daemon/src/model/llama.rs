@@ -74,12 +74,18 @@ pub enum Ffn {
 /// One transformer block's weights.
 #[derive(Debug, Clone)]
 pub struct Block {
-    attn_norm: Vec<f32>,
-    q: Weight,
-    k: Weight,
-    v: Weight,
-    o: Weight,
-    ffn_norm: Vec<f32>,
+    /// `attn_norm` (n_embd).
+    pub attn_norm: Vec<f32>,
+    /// `attn_q` (n_head·head_dim rows of n_embd).
+    pub q: Weight,
+    /// `attn_k` (n_head_kv·head_dim rows).
+    pub k: Weight,
+    /// `attn_v` (n_head_kv·head_dim rows).
+    pub v: Weight,
+    /// `attn_output` (n_embd rows of n_head·head_dim).
+    pub o: Weight,
+    /// `ffn_norm` (n_embd).
+    pub ffn_norm: Vec<f32>,
     /// The block's FFN.
     pub ffn: Ffn,
 }
@@ -99,24 +105,30 @@ pub struct LlamaModel {
     pub file: Arc<GgufFile>,
     /// Hyper-parameters.
     pub cfg: ModelConfig,
-    tok_embd: Weight,
+    /// `token_embd` (n_vocab rows of n_embd).
+    pub tok_embd: Weight,
     /// Transformer blocks.
     pub blocks: Vec<Block>,
-    out_norm: Vec<f32>,
-    output: Weight,
+    /// `output_norm` weights (n_embd).
+    pub out_norm: Vec<f32>,
+    /// `output` (n_vocab rows of n_embd; `token_embd` when tied).
+    pub output: Weight,
     /// Arithmetic of the matrix products (default: 8-bit activations as llama.cpp).
     pub precision: Precision,
     /// CPU worker pool of the forward pass (default: one thread per physical core).
     pub pool: Arc<WorkerPool>,
     /// Expert store (RAM copy and file tier) of an MoE model; `None` computes experts from the file mapping.
     pub experts: Option<Arc<ExpertStore>>,
+    /// The GPU backend (dense weights, KV cache and VRAM expert cache on the card); `None` = CPU only.
+    #[cfg(feature = "cuda")]
+    pub gpu: Option<Box<crate::compute::cuda::GpuModel>>,
 }
 
 /// Scratch buffers of one forward pass, reused across calls.
 #[derive(Default)]
 pub struct Scratch {
     x: Vec<f32>,
-    xn: Act,
+    pub(crate) xn: Act,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -127,7 +139,7 @@ pub struct Scratch {
     h: Act,
     rope: Vec<(f32, f32)>,
     router: Vec<f32>,
-    moe_acc: Vec<f32>,
+    pub(crate) moe_acc: Vec<f32>,
     sub: Act,
     /// When `Some`, every routing decision of the forward passes is appended
     /// here (the caller drains it, e.g. for `--dump-routing`).
@@ -242,6 +254,8 @@ impl LlamaModel {
             precision: Precision::default(),
             pool,
             experts: None,
+            #[cfg(feature = "cuda")]
+            gpu: None,
         })
     }
 
@@ -270,12 +284,18 @@ impl LlamaModel {
 
     /// A new KV cache for `n_ctx` positions.
     pub fn new_kv(&self, n_ctx: usize) -> KvCache {
+        #[cfg(feature = "cuda")]
+        if self.gpu.is_some() {
+            // K/V live in VRAM; the host cache only tracks the length
+            return KvCache::new(0, n_ctx, self.cfg.n_head_kv * self.cfg.head_dim);
+        }
         let mut kv = KvCache::new(self.cfg.n_layer, n_ctx, self.cfg.n_head_kv * self.cfg.head_dim);
         kv.round_f16 = self.precision != Precision::F32;
         kv
     }
 
-    fn mat(&self, w: &Weight) -> MatRef<'_> {
+    /// The bytes of `w` in the mapped file as a matrix view.
+    pub fn mat(&self, w: &Weight) -> MatRef<'_> {
         MatRef { data: &self.file.bytes()[w.offset..w.offset + w.bytes()], ty: w.ty, rows: w.rows, cols: w.cols }
     }
 
@@ -285,6 +305,10 @@ impl LlamaModel {
     /// worker pool. Panics if the chunk overflows the cache
     /// (callers check `kv.len + tokens.len() <= kv.n_ctx`).
     pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, which: Logits, s: &mut Scratch) -> Vec<f32> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return g.forward(self, tokens, kv, which, s).unwrap_or_else(|e| panic!("GPU forward pass failed: {e}"));
+        }
         let cfg = &self.cfg;
         let t = tokens.len();
         let pos0 = kv.len;
@@ -322,7 +346,8 @@ impl LlamaModel {
         matmul_with(&self.pool, w, x, out, self.precision)
     }
 
-    fn rope_table(&self, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
+    /// RoPE angles of positions `pos0 .. pos0 + t`: `t × n_rot/2` (cos, sin) pairs.
+    pub fn rope_table(&self, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
         let half = self.cfg.n_rot / 2;
         out.clear();
         let theta_scale = self.cfg.rope_freq_base.powf(-2.0 / self.cfg.n_rot as f32);
@@ -477,40 +502,77 @@ impl LlamaModel {
     }
 
     fn moe(&self, layer: usize, ex: &ExpertWeights, t: usize, pos0: usize, s: &mut Scratch) {
-        let cfg = &self.cfg;
-        let (e, ne, ff) = (cfg.n_embd, cfg.n_expert, cfg.n_ff_exp);
+        let ne = self.cfg.n_expert;
         let mut rl = std::mem::take(&mut s.router);
         rl.resize(t * ne, 0.0);
         self.mm(self.mat(&ex.router), &s.xn, &mut rl);
         let routes = self.route(&rl, t);
         s.router = rl;
+        self.record_routes(layer, pos0, &routes, s);
+        let by_expert = self.by_expert(&routes);
+        let src = self.plan_sources(layer, &by_expert, s.decode);
+        self.experts_cpu(layer, ex, &by_expert, src, s);
+        for (xv, a) in s.x.iter_mut().zip(&s.moe_acc) {
+            *xv += a;
+        }
+    }
+
+    /// Appends the routing of a chunk to the scratch's record (when recording).
+    pub(crate) fn record_routes(&self, layer: usize, pos0: usize, routes: &[Vec<(usize, f32)>], s: &mut Scratch) {
         if let Some(rec) = s.routes.as_mut() {
             for (i, r) in routes.iter().enumerate() {
                 rec.push(RouteRecord { pos: pos0 + i, layer, experts: r.clone() });
             }
         }
-        // Group tokens by expert: each selected expert runs once for all its tokens.
-        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ne];
+    }
+
+    /// Groups routing entries by expert: `out[e]` = `(token, weight)` of every entry routed to `e`.
+    pub(crate) fn by_expert(&self, routes: &[Vec<(usize, f32)>]) -> Vec<Vec<(usize, f32)>> {
+        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.cfg.n_expert];
         for (i, r) in routes.iter().enumerate() {
             for &(x, w) in r {
                 by_expert[x].push((i, w));
             }
         }
+        by_expert
+    }
+
+    /// Where each routed expert's bytes are (per expert; unrouted ones `Mapped`): a VRAM slot, the RAM copy, a
+    /// blob read from the file, or the mapping. Counts the lookups in the store's counters.
+    pub(crate) fn plan_sources(&self, layer: usize, by_expert: &[Vec<(usize, f32)>], decode: bool) -> Vec<Source> {
+        let ne = self.cfg.n_expert;
+        let mut src = vec![Source::Mapped; ne];
+        if let Some(st) = self.experts.as_ref() {
+            let distinct: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty()).collect();
+            let entries: Vec<u32> = distinct.iter().map(|&x| by_expert[x].len() as u32).collect();
+            for (&x, so) in distinct.iter().zip(st.plan_layer(layer, &distinct, &entries, decode)) {
+                src[x] = so;
+            }
+        }
+        src
+    }
+
+    /// Computes on the CPU pool the experts in `by_expert` (skipping empty entries) from `src` into
+    /// `s.moe_acc` (`t × n_embd`, zeroed first): `acc[i] = Σ_e w · expert_e(xn_i)`. `s.xn` must hold the
+    /// normalized, quantized activations. File-tier blobs of the layer are read together first.
+    pub(crate) fn experts_cpu(
+        &self,
+        layer: usize,
+        ex: &ExpertWeights,
+        by_expert: &[Vec<(usize, f32)>],
+        mut src: Vec<Source>,
+        s: &mut Scratch,
+    ) {
+        let cfg = &self.cfg;
+        let (e, ne, ff) = (cfg.n_embd, cfg.n_expert, cfg.n_ff_exp);
+        let t = s.xn.t;
         let (gate_all, up_all, down_all) = (self.mat(&ex.gate), self.mat(&ex.up), self.mat(&ex.down));
         let gb = ff * gate_all.row_bytes();
         let db = e * down_all.row_bytes();
-        // Where each routed expert's bytes are: the RAM copy, a blob read from the file (all of this layer's
-        // reads are done before computing), or the mapping.
-        let distinct: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty()).collect();
-        let mut src = vec![Source::Mapped; ne];
         let mut blob_at = vec![0usize; ne];
         let arena = self.experts.as_ref().map(|st| {
-            let entries: Vec<u32> = distinct.iter().map(|&x| by_expert[x].len() as u32).collect();
-            for (&x, so) in distinct.iter().zip(st.plan_layer(layer, &distinct, &entries, s.decode)) {
-                src[x] = so;
-            }
             // this layer's file-tier blobs, read together over the worker pool before any expert is computed
-            let files: Vec<usize> = distinct.iter().copied().filter(|&x| src[x] == Source::File).collect();
+            let files: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty() && src[x] == Source::File).collect();
             let blob = 2 * gb + db;
             let ok = st.read_blobs(layer, &files, &mut s.blobs, &self.pool);
             for (j, (&x, ok)) in files.iter().zip(ok).enumerate() {
@@ -573,9 +635,6 @@ impl LlamaModel {
                     *a += w * v;
                 }
             }
-        }
-        for (xv, a) in s.x.iter_mut().zip(&acc) {
-            *xv += a;
         }
         drop(arena);
         s.blobs = blobs;

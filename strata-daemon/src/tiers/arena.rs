@@ -75,6 +75,11 @@ impl HostArena {
         }
     }
 
+    /// Start address (stable for the arena's life; for page-locking it with the GPU driver).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
     /// Bytes.
     pub fn len(&self) -> usize {
         self.len

@@ -118,6 +118,16 @@ pub const SPECS: &[KnobSpec] = &[
 /// Names of the knobs whose tier this build has (the others are accepted and reported inactive).
 pub const ACTIVE: &[&str] = &["ram_adapt", "adapt_every", "adapt_decay", "expert_profile_save_every"];
 
+/// Knobs that act only when a GPU expert cache runs ([`GPU_TIER`]).
+pub const GPU_ACTIVE: &[&str] = &["adapt_swaps", "adapt_async", "pcie_frac"];
+
+/// Set once a VRAM expert cache is attached (makes [`GPU_ACTIVE`] knobs active).
+pub static GPU_TIER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn gpu_active(name: &str) -> bool {
+    GPU_ACTIVE.contains(&name) && GPU_TIER.load(Ordering::SeqCst)
+}
+
 /// Current knob values (f64 bits in atomics, one per [`SPECS`] entry).
 #[derive(Debug)]
 pub struct Knobs {
@@ -184,7 +194,7 @@ impl Knobs {
 
     /// Whether knob `name` acts in this build (its tier exists; the expert knobs also need an MoE model).
     pub fn is_active(name: &str, has_experts: bool) -> bool {
-        ACTIVE.contains(&name) && (has_experts || name == "expert_profile_save_every")
+        (ACTIVE.contains(&name) && (has_experts || name == "expert_profile_save_every")) || gpu_active(name)
     }
 
     /// Every knob: spec, value, and whether its tier exists in this build.
@@ -192,7 +202,9 @@ impl Knobs {
         SPECS
             .iter()
             .zip(&self.values)
-            .map(|(s, v)| (*s, f64::from_bits(v.load(Ordering::SeqCst)), ACTIVE.contains(&s.name)))
+            .map(|(s, v)| {
+                (*s, f64::from_bits(v.load(Ordering::SeqCst)), ACTIVE.contains(&s.name) || gpu_active(s.name))
+            })
             .collect()
     }
 

@@ -11,3 +11,4 @@ pub mod profile;
 pub mod replay;
 pub mod stats;
 pub mod store;
+pub mod vram;

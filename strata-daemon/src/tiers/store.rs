@@ -13,7 +13,7 @@ use super::arena::{HostArena, Lock};
 use super::fileio::{AlignedBuf, BlobReader, FileIo};
 use super::knobs::Knobs;
 use super::layout::ExpertLayout;
-use super::policy::{plan_ram_adapt, Promotion, Usage};
+use super::policy::{plan_adaptive_round, plan_ram_adapt, Promotion, Swap, Usage};
 use super::profile::{rank_by_heat, Geometry, Profile};
 use crate::compute::pool::WorkerPool;
 use crate::gguf::GgufFile;
@@ -123,6 +123,12 @@ pub struct TierCounters {
     pub promotion_bytes: AtomicU64,
     /// Promotions refused (nothing changed).
     pub promotions_refused: AtomicU64,
+    /// Adaptive-tier swaps landed (an expert moved into a VRAM slot).
+    pub swaps: AtomicU64,
+    /// Bytes copied into VRAM slots by swaps.
+    pub swap_bytes: AtomicU64,
+    /// Decode routing entries of missed experts computed on the GPU after an upload over PCIe (`--pcie-frac`).
+    pub pcie_entries: AtomicU64,
 }
 
 /// A copy of [`TierCounters`] at one moment.
@@ -148,6 +154,12 @@ pub struct TierTotals {
     pub promotion_bytes: u64,
     /// Refused promotions.
     pub promotions_refused: u64,
+    /// Adaptive-tier swaps.
+    pub swaps: u64,
+    /// Bytes copied into VRAM by swaps.
+    pub swap_bytes: u64,
+    /// Entries served over PCIe.
+    pub pcie_entries: u64,
 }
 
 impl TierTotals {
@@ -164,6 +176,9 @@ impl TierTotals {
             promotions: self.promotions.saturating_sub(earlier.promotions),
             promotion_bytes: self.promotion_bytes.saturating_sub(earlier.promotion_bytes),
             promotions_refused: self.promotions_refused.saturating_sub(earlier.promotions_refused),
+            swaps: self.swaps.saturating_sub(earlier.swaps),
+            swap_bytes: self.swap_bytes.saturating_sub(earlier.swap_bytes),
+            pcie_entries: self.pcie_entries.saturating_sub(earlier.pcie_entries),
         }
     }
 }
@@ -183,6 +198,9 @@ impl TierCounters {
             promotions: g(&self.promotions),
             promotion_bytes: g(&self.promotion_bytes),
             promotions_refused: g(&self.promotions_refused),
+            swaps: g(&self.swaps),
+            swap_bytes: g(&self.swap_bytes),
+            pcie_entries: g(&self.pcie_entries),
         }
     }
 }
@@ -210,6 +228,8 @@ pub enum Refusal {
 /// Where one expert's bytes come from for a computation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
+    /// A VRAM slot of the GPU expert cache (a hit).
+    Vram(u32),
     /// RAM copy at this arena offset.
     Ram(usize),
     /// The file: read the blob (buffered or direct).
@@ -228,6 +248,10 @@ struct State {
     exchange_staged: bool,
     /// Windows since start, for the decay rounds.
     windows: u64,
+    /// VRAM slot of each expert (`layer × n_expert + expert`); all `None` without a GPU expert cache.
+    slot: Vec<Option<u32>>,
+    /// Slots of the VRAM cache (0 without one) and which are free.
+    free_slots: Vec<u32>,
 }
 
 /// Per-layer residency (for `GetResidency`).
@@ -391,6 +415,8 @@ impl ExpertStore {
                 prior: ranks,
                 exchange_staged: false,
                 windows: 0,
+                slot: vec![None; n_layer * ne],
+                free_slots: Vec::new(),
             }),
             mode: cfg.mode,
             geometry,
@@ -430,14 +456,16 @@ impl ExpertStore {
         let mut st = self.state();
         let blob = self.layout.layers[layer].blob_bytes() as u64;
         let mut out = Vec::with_capacity(experts.len());
-        let (mut ram, mut file) = (0u64, 0u64);
+        let (mut ram, mut file, mut vram) = (0u64, 0u64, 0u64);
         for (j, &e) in experts.iter().enumerate() {
             let src = match (self.mode, st.place[layer * ne + e]) {
+                _ if st.slot[layer * ne + e].is_some() => Source::Vram(st.slot[layer * ne + e].expect("slot")),
                 (_, Some(off)) => Source::Ram(off),
                 (ResidentMode::Mmap, None) => Source::Mapped,
                 (_, None) => Source::File,
             };
             match src {
+                Source::Vram(_) => vram += 1,
                 Source::Ram(_) => ram += 1,
                 _ => file += 1,
             }
@@ -452,6 +480,7 @@ impl ExpertStore {
         let c = &self.counters;
         if decode {
             c.lookups.fetch_add(experts.len() as u64, Ordering::Relaxed);
+            c.vram_hits.fetch_add(vram, Ordering::Relaxed);
             c.ram_reads.fetch_add(ram, Ordering::Relaxed);
             c.file_blob_reads.fetch_add(file, Ordering::Relaxed);
         } else {
@@ -494,6 +523,22 @@ impl ExpertStore {
         Ok(())
     }
 
+    /// [`ExpertStore::read_blob`] with its own aligned scratch (one-off reads).
+    pub fn read_blob_simple(&self, layer: usize, e: usize, out: &mut Vec<u8>) -> std::io::Result<()> {
+        self.read_blob(layer, e, out, &mut AlignedBuf::default())
+    }
+
+    /// Arena offset of `(layer, e)`'s RAM place, if it has one.
+    pub fn place_of(&self, layer: usize, e: usize) -> Option<usize> {
+        self.state().place[layer * self.layout.n_expert + e]
+    }
+
+    /// Start address and length of the RAM copy (for registering it with the GPU driver).
+    pub fn arena_range(&self) -> (*mut u8, usize) {
+        let a = self.arena();
+        (a.as_ptr(), a.len())
+    }
+
     /// Reads the blobs of `experts` (file-tier experts of `layer`) together, spread over `pool`'s threads, into
     /// `out` (resized to `experts.len()` blobs back to back; blob j at `j × blob_bytes`). Returns, per expert,
     /// whether its read succeeded.
@@ -528,16 +573,107 @@ impl ExpertStore {
         Ok(())
     }
 
-    /// Ends a decode window: counts it and, every `adapt_every` windows, decays usage by `adapt_decay` (the
-    /// adaptive round's decay; heat accumulates).
-    pub fn end_decode_window(&self) {
+    /// Ends a decode window: counts it and, every `adapt_every` windows, runs the adaptive round: with a VRAM
+    /// cache, plans at most `adapt_swaps` swaps by the rule of DESIGN.md §5 (REFERENCE.md §4) on the usage
+    /// before decaying it; then decays usage by `adapt_decay` (heat accumulates). Returns the planned swaps
+    /// (empty without a VRAM cache or between rounds); the caller carries them out
+    /// ([`ExpertStore::evict_slot`], [`ExpertStore::admit_slot`]).
+    pub fn end_decode_window(&self) -> Vec<Swap> {
         self.counters.windows.fetch_add(1, Ordering::Relaxed);
         let k = self.knobs.adapt();
         let mut st = self.state();
         st.windows += 1;
+        let mut plan = Vec::new();
         if k.every > 0 && st.windows.is_multiple_of(k.every as u64) {
+            let n_slots = st.slot.iter().filter(|s| s.is_some()).count() + st.free_slots.len();
+            if n_slots > 0 && k.swaps > 0 {
+                let ne = self.layout.n_expert;
+                let free = st.free_slots.len();
+                plan = plan_adaptive_round(
+                    &st.usage,
+                    |l| (0..ne).filter(|&e| st.slot[l * ne + e].is_some()).collect(),
+                    |_| free,
+                    k.swaps as usize,
+                );
+            }
             st.usage.decay(k.decay);
         }
+        plan
+    }
+
+    /// Forgets usage and heat (benchmarks start each arm cold).
+    pub fn reset_usage(&self) {
+        let mut st = self.state();
+        st.usage = Usage::new(self.layout.n_layer(), self.layout.n_expert);
+        st.windows = 0;
+    }
+
+    /// Gives the store a VRAM cache of `n_slots` slots, all empty (replaces an earlier one).
+    pub fn init_slots(&self, n_slots: usize) {
+        let mut st = self.state();
+        st.slot.iter_mut().for_each(|s| *s = None);
+        st.free_slots = (0..n_slots as u32).rev().collect();
+    }
+
+    /// Takes a free slot for `(layer, e)` without marking it resident yet (its copy is in flight); `None`
+    /// when no slot is free or the expert already has one.
+    pub fn reserve_slot(&self) -> Option<u32> {
+        self.state().free_slots.pop()
+    }
+
+    /// Marks `(layer, e)` resident in `slot` (its bytes have landed): from now on it is planned for the GPU.
+    pub fn admit_slot(&self, layer: usize, e: usize, slot: u32) {
+        let ne = self.layout.n_expert;
+        self.state().slot[layer * ne + e] = Some(slot);
+    }
+
+    /// Stops planning `(layer, e)` for the GPU and returns its slot (the caller may overwrite the slot once
+    /// the GPU work issued before this call is done). `None` if it had no slot.
+    pub fn evict_slot(&self, layer: usize, e: usize) -> Option<u32> {
+        let ne = self.layout.n_expert;
+        self.state().slot[layer * ne + e].take()
+    }
+
+    /// Returns a slot to the free list.
+    pub fn release_slot(&self, slot: u32) {
+        self.state().free_slots.push(slot);
+    }
+
+    /// The residency table for the GPU: `layer × n_expert + expert` → slot, −1 when not in VRAM.
+    pub fn slot_table(&self) -> Vec<i32> {
+        self.state().slot.iter().map(|s| s.map(|v| v as i32).unwrap_or(-1)).collect()
+    }
+
+    /// Whether every expert has a VRAM slot (no lookup can miss).
+    pub fn all_in_vram(&self) -> bool {
+        self.state().slot.iter().all(|s| s.is_some())
+    }
+
+    /// Placement order for filling a VRAM cache: profile rank, then expert-major across layers (the same
+    /// order as the RAM copy's).
+    pub fn placement_order(&self) -> Vec<(usize, usize)> {
+        let st = self.state();
+        let ne = self.layout.n_expert;
+        let mut order: Vec<usize> = (0..self.layout.n_layer() * ne).collect();
+        order.sort_by_key(|&i| (st.prior.as_ref().and_then(|r| r[i]).unwrap_or(u32::MAX), i % ne, i / ne));
+        order.into_iter().map(|i| (i / ne, i % ne)).collect()
+    }
+
+    /// Records decode usage for routing entries whose lookups were not planned through
+    /// [`ExpertStore::plan_layer`] (every expert in VRAM: the GPU routed on its own): `entries` per layer are
+    /// the routed experts of the window; counts lookups and VRAM hits.
+    pub fn record_vram_window(&self, layer: usize, routed: &[usize]) {
+        let ne = self.layout.n_expert;
+        let mut distinct = vec![false; ne];
+        let mut st = self.state();
+        for &e in routed {
+            st.usage.record(layer, e);
+            distinct[e] = true;
+        }
+        drop(st);
+        let n = distinct.iter().filter(|&&d| d).count() as u64;
+        self.counters.lookups.fetch_add(n, Ordering::Relaxed);
+        self.counters.vram_hits.fetch_add(n, Ordering::Relaxed);
     }
 
     /// RAM adapt before a decode window (DESIGN.md §5, seed 000): plans at most `ram_adapt` promotions and
@@ -616,7 +752,11 @@ impl ExpertStore {
 
     /// Tier of `(layer, expert)`.
     pub fn tier(&self, layer: usize, expert: usize) -> Tier {
-        if self.state().place[layer * self.layout.n_expert + expert].is_some() {
+        let st = self.state();
+        let i = layer * self.layout.n_expert + expert;
+        if st.slot[i].is_some() {
+            Tier::Vram
+        } else if st.place[i].is_some() {
             Tier::Ram
         } else {
             Tier::File
@@ -639,7 +779,13 @@ impl ExpertStore {
             let blob = ll.blob_bytes() as u64;
             let mut lr = LayerResidency { experts: [0; 3], bytes: [0; 3] };
             for e in 0..ne {
-                let tier = if st.place[l * ne + e].is_some() { Tier::Ram } else { Tier::File };
+                let tier = if st.slot[l * ne + e].is_some() {
+                    Tier::Vram
+                } else if st.place[l * ne + e].is_some() {
+                    Tier::Ram
+                } else {
+                    Tier::File
+                };
                 let t = tier as usize;
                 lr.experts[t] += 1;
                 lr.bytes[t] += blob;
@@ -656,11 +802,15 @@ impl ExpertStore {
         (layers, experts)
     }
 
-    /// The profile to save now: every expert ranked by heat, then the start profile's order, then index.
+    /// The profile to save now: VRAM-resident experts first (REFERENCE.md §3), then every expert ranked by
+    /// heat, then the start profile's order, then index.
     pub fn profile_now(&self) -> Profile {
         let st = self.state();
         let ne = self.layout.n_expert;
-        let heat: Vec<f64> = (0..self.layout.n_layer() * ne).map(|i| st.usage.heat(i / ne, i % ne)).collect();
+        // a VRAM expert ranks above every other (heat stays far below 1e15 routing entries)
+        let boost = |i: usize| if st.slot[i].is_some() { 1e15 } else { 0.0 };
+        let heat: Vec<f64> =
+            (0..self.layout.n_layer() * ne).map(|i| st.usage.heat(i / ne, i % ne) + boost(i)).collect();
         Profile { geometry: self.geometry, ranked: rank_by_heat(&heat, ne, st.prior.as_deref()) }
     }
 }

@@ -1,0 +1,587 @@
+// Strata's CUDA kernels, compiled at run time by NVRTC for the card's compute capability
+// (strata-daemon/src/compute/cuda/kernels.rs) and cached on disk by source hash and architecture.
+//
+// Conventions (all row-major, f32 activations unless named otherwise):
+//  - A weight matrix is `rows` rows of `cols` elements in one GGML format; each row is contiguous
+//    (GGML block layouts: Q4_0 = f16 d + 16 B nibbles (18 B / 32 values), Q4_1 = f16 d, f16 m + 16 B (20 B),
+//    Q8_0 = f16 d + 32 i8 (34 B), F16, BF16, F32).
+//  - Activations for the block formats are 8-bit blocks `Q8` (f32 d rounded to f16, f32 s = d * sum(q) rounded
+//    to f16, 32 i8), quantized exactly as the CPU path does (strata-daemon/src/quant/dot.rs).
+//  - One warp computes one output row for up to 8 tokens (the weight block is read once for all of them).
+//  - Expert blobs live in VRAM slots: blob = gate rows | up rows | down rows, verbatim GGUF blocks.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// Half-precision conversions without the toolkit's headers (NVRTC alone is enough).
+__device__ __forceinline__ float half_to_float(u16 h) {
+    float f;
+    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 float_to_half(float f) {
+    u16 h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float((u32)h << 16); }
+
+#define FMT_F32 0
+#define FMT_F16 1
+#define FMT_BF16 2
+#define FMT_Q8_0 3
+#define FMT_Q4_0 4
+#define FMT_Q4_1 5
+
+#define MAX_NT 8
+#define INFINITY __int_as_float(0x7f800000)
+#define WARPS 4
+
+struct Q8 {
+    float d;
+    float s;
+    int qs[8];
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float h2f(const u8* p) {
+    return half_to_float(*(const u16*)p);
+}
+
+__device__ __forceinline__ float f16_round(float x) { return half_to_float(float_to_half(x)); }
+
+// 4 bytes at a 2-byte aligned address.
+__device__ __forceinline__ int ld_i32_a2(const u8* p) {
+    const u16* q = (const u16*)p;
+    return (int)((u32)q[0] | ((u32)q[1] << 16));
+}
+
+__device__ __forceinline__ int ld_i32_a1(const u8* p) {
+    return (int)((u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24));
+}
+
+// Bytes of one row of `cols` elements.
+__device__ __forceinline__ size_t row_bytes(int fmt, int cols) {
+    switch (fmt) {
+        case FMT_F32: return (size_t)cols * 4;
+        case FMT_F16:
+        case FMT_BF16: return (size_t)cols * 2;
+        case FMT_Q8_0: return (size_t)(cols / 32) * 34;
+        case FMT_Q4_0: return (size_t)(cols / 32) * 18;
+        default: return (size_t)(cols / 32) * 20;
+    }
+}
+
+// One warp: acc[t] += row · x_t for the NT tokens (lane-strided partial sums; the caller reduces).
+// `xq[t]` are the Q8 blocks of token t (block formats), `xf[t]` its f32 values (float formats).
+template <int FMT, int NT>
+__device__ __forceinline__ void row_dot(const u8* row, int cols, const Q8* const* xq, const float* const* xf, int lane,
+                                        float* acc) {
+    if (FMT == FMT_F32 || FMT == FMT_F16 || FMT == FMT_BF16) {
+        for (int c = lane * 2; c < cols; c += 64) {
+            float w0, w1;
+            if (FMT == FMT_F32) {
+                float2 w = *(const float2*)(row + (size_t)c * 4);
+                w0 = w.x;
+                w1 = w.y;
+            } else if (FMT == FMT_F16) {
+                u32 w = *(const u32*)(row + (size_t)c * 2);
+                w0 = half_to_float((u16)(w & 0xffff));
+                w1 = half_to_float((u16)(w >> 16));
+            } else {
+                u32 w = *(const u32*)(row + (size_t)c * 2);
+                w0 = bf16_to_float((u16)(w & 0xffff));
+                w1 = bf16_to_float((u16)(w >> 16));
+            }
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                float2 x = *(const float2*)(xf[t] + c);
+                acc[t] += w0 * x.x + w1 * x.y;
+            }
+        }
+        return;
+    }
+    const int nb = cols / 32;
+    for (int ib = lane; ib < nb; ib += 32) {
+        if (FMT == FMT_Q8_0) {
+            const u8* b = row + (size_t)ib * 34;
+            float d = h2f(b);
+            int w[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) w[j] = ld_i32_a2(b + 2 + 4 * j);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                const Q8& x = xq[t][ib];
+                int s = 0;
+#pragma unroll
+                for (int j = 0; j < 8; j++) s = __dp4a(w[j], x.qs[j], s);
+                acc[t] += d * x.d * (float)s;
+            }
+        } else if (FMT == FMT_Q4_0) {
+            const u8* b = row + (size_t)ib * 18;
+            float d = h2f(b);
+            int v[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) v[j] = ld_i32_a2(b + 2 + 4 * j);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                const Q8& x = xq[t][ib];
+                int s = 0, sx = 0;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    s = __dp4a(v[j] & 0x0F0F0F0F, x.qs[j], s);
+                    s = __dp4a((v[j] >> 4) & 0x0F0F0F0F, x.qs[j + 4], s);
+                    sx = __dp4a(0x01010101, x.qs[j], sx);
+                    sx = __dp4a(0x01010101, x.qs[j + 4], sx);
+                }
+                acc[t] += d * x.d * (float)(s - 8 * sx);
+            }
+        } else {  // Q4_1
+            const u8* b = row + (size_t)ib * 20;
+            float d = h2f(b);
+            float m = h2f(b + 2);
+            int v[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) v[j] = *(const int*)(b + 4 + 4 * j);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                const Q8& x = xq[t][ib];
+                int s = 0;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    s = __dp4a(v[j] & 0x0F0F0F0F, x.qs[j], s);
+                    s = __dp4a((v[j] >> 4) & 0x0F0F0F0F, x.qs[j + 4], s);
+                }
+                acc[t] += d * x.d * (float)s + m * x.s;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dense matrix-vector / small-batch products.
+//
+// Up to three matrices of one format and width are stacked (rows0 | rows1 | rows2): out[t*out_stride + r] for
+// global row r. accumulate != 0 adds to out instead of writing. Grid: ceil(rows/WARPS) blocks of 32*WARPS threads.
+template <int FMT, int NT>
+__device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
+                         const Q8* xq, const float* xf, int x_stride, float* out, int out_stride, int accumulate) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r = blockIdx.x * WARPS + warp;
+    const int rows = rows0 + rows1 + rows2;
+    if (r >= rows) return;
+    const u8* row;
+    const size_t rb = row_bytes(FMT, cols);
+    if (r < rows0) row = w0 + (size_t)r * rb;
+    else if (r < rows0 + rows1) row = w1 + (size_t)(r - rows0) * rb;
+    else row = w2 + (size_t)(r - rows0 - rows1) * rb;
+    const Q8* xqs[NT];
+    const float* xfs[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        xqs[t] = xq + (size_t)t * (x_stride / 32);
+        xfs[t] = xf + (size_t)t * x_stride;
+    }
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    row_dot<FMT, NT>(row, cols, xqs, xfs, lane, acc);
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float v = warp_sum(acc[t]);
+        if (lane == 0) {
+            float* o = out + (size_t)t * out_stride + r;
+            *o = accumulate ? *o + v : v;
+        }
+    }
+}
+
+#define MMV_KERNEL(NAME, FMT)                                                                                   \
+    extern "C" __global__ void NAME(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2,   \
+                                    int cols, const Q8* xq, const float* xf, int x_stride, int nt, float* out,  \
+                                    int out_stride, int accumulate) {                                           \
+        for (int t0 = 0; t0 < nt; t0 += MAX_NT) {                                                               \
+            const int n = min(MAX_NT, nt - t0);                                                                 \
+            const Q8* q = xq + (size_t)t0 * (x_stride / 32);                                                   \
+            const float* f = xf + (size_t)t0 * x_stride;                                                        \
+            float* o = out + (size_t)t0 * out_stride;                                                           \
+            switch (n) {                                                                                        \
+                case 1: mmv_body<FMT, 1>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
+                case 2: mmv_body<FMT, 2>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
+                case 3: mmv_body<FMT, 3>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
+                case 4: mmv_body<FMT, 4>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
+                case 5: mmv_body<FMT, 5>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
+                case 6: mmv_body<FMT, 6>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
+                case 7: mmv_body<FMT, 7>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
+                default: mmv_body<FMT, 8>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+MMV_KERNEL(mmv_f32, FMT_F32)
+MMV_KERNEL(mmv_f16, FMT_F16)
+MMV_KERNEL(mmv_bf16, FMT_BF16)
+MMV_KERNEL(mmv_q8_0, FMT_Q8_0)
+MMV_KERNEL(mmv_q4_0, FMT_Q4_0)
+MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Quantize `n_rows` rows of `cols` f32 values (cols % 32 == 0) to Q8 blocks: one warp per block.
+__device__ __forceinline__ void quantize_block_warp(const float* x, Q8* out, int lane) {
+    float v = x[lane];
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = amax != 0.f ? 127.0f / amax : 0.f;
+    int q = __float2int_rn(v * id);
+    // pack 4 lanes' bytes into one int
+    int b = q & 0xff;
+    int b1 = __shfl_down_sync(0xffffffffu, b, 1);
+    int b2 = __shfl_down_sync(0xffffffffu, b, 2);
+    int b3 = __shfl_down_sync(0xffffffffu, b, 3);
+    int sum = q;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if ((lane & 3) == 0) out->qs[lane / 4] = b | (b1 << 8) | (b2 << 16) | (b3 << 24);
+    if (lane == 0) {
+        out->d = f16_round(d);
+        out->s = f16_round(d * (float)sum);
+    }
+}
+
+extern "C" __global__ void quantize_q8(const float* x, Q8* out, int n_blocks) {
+    const int warp = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp >= n_blocks) return;
+    quantize_block_warp(x + (size_t)warp * 32, out + warp, lane);
+}
+
+// RMSNorm of `t` rows of `n` values with weight w, then Q8 quantization: out = x / sqrt(mean(x^2) + eps) * w.
+// One block of 256 threads per row; n % 32 == 0.
+extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float eps, int n, float* out, Q8* outq) {
+    const int row = blockIdx.x;
+    const float* xr = x + (size_t)row * n;
+    float* o = out + (size_t)row * n;
+    __shared__ double red[8];
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double t = 0.0;
+        for (int i = 0; i < (int)(blockDim.x / 32); i++) t += red[i];
+        red[0] = t;
+    }
+    __syncthreads();
+    const float scale = 1.0f / sqrtf((float)(red[0] / (double)n) + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int b = warp; b < n / 32; b += blockDim.x / 32) quantize_block_warp(o + b * 32, outq + (size_t)row * (n / 32) + b, lane);
+}
+
+// RoPE (adjacent pairs, llama.cpp's "normal" mode) on q and k, then q rounded to f16 precision into `q`,
+// k and v stored as f16 into the KV cache at positions pos0 + i.
+// qkv: t rows of (n_head + 2*n_head_kv) * hd values [q | k | v]; cs: t * (n_rot/2) (cos, sin) pairs.
+// Grid: t blocks; block: 128 threads.
+extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_head, int n_head_kv, int hd,
+                                      int n_rot, int pos0, float* q, u16* kcache, u16* vcache) {
+    const int i = blockIdx.x;
+    const int qd = n_head * hd, kvd = n_head_kv * hd;
+    const float* src = qkv + (size_t)i * (qd + 2 * kvd);
+    const float2* c = cs + (size_t)i * (n_rot / 2);
+    // q
+    for (int j = threadIdx.x; j < qd / 2; j += blockDim.x) {
+        int h = (2 * j) / hd, p = (2 * j) % hd;  // p even
+        float a = src[h * hd + p], b = src[h * hd + p + 1];
+        float oa = a, ob = b;
+        if (p < n_rot) {
+            float2 r = c[p / 2];
+            oa = a * r.x - b * r.y;
+            ob = a * r.y + b * r.x;
+        }
+        q[(size_t)i * qd + h * hd + p] = f16_round(oa);
+        q[(size_t)i * qd + h * hd + p + 1] = f16_round(ob);
+    }
+    u16* kc = kcache + (size_t)(pos0 + i) * kvd;
+    u16* vc = vcache + (size_t)(pos0 + i) * kvd;
+    for (int j = threadIdx.x; j < kvd / 2; j += blockDim.x) {
+        int h = (2 * j) / hd, p = (2 * j) % hd;
+        float a = src[qd + h * hd + p], b = src[qd + h * hd + p + 1];
+        float oa = a, ob = b;
+        if (p < n_rot) {
+            float2 r = c[p / 2];
+            oa = a * r.x - b * r.y;
+            ob = a * r.y + b * r.x;
+        }
+        kc[h * hd + p] = float_to_half(oa);
+        kc[h * hd + p + 1] = float_to_half(ob);
+    }
+    for (int j = threadIdx.x; j < kvd; j += blockDim.x) vc[j] = float_to_half(src[qd + kvd + j]);
+}
+
+// Causal grouped-query attention of t query rows over the KV cache (f16), position of row i = pos0 + i.
+// q: t * n_head * hd (already f16-rounded); out: t * n_head * hd. Probabilities are rounded to f16 before the
+// product with V (as llama.cpp over an F16 cache). Grid: (n_head, t); block: 128 threads; dynamic shared
+// memory: (pos0 + t) floats for the scores + hd floats for q.
+extern "C" __global__ void attention(const float* q, const u16* kcache, const u16* vcache, int n_head,
+                                     int n_head_kv, int hd, int pos0, float scale, float* out) {
+    extern __shared__ float sh[];
+    const int h = blockIdx.x, i = blockIdx.y;
+    const int n = pos0 + i + 1;
+    const int kvd = n_head_kv * hd;
+    const int kh = h / (n_head / n_head_kv);
+    float* qs = sh;
+    float* sc = sh + hd;
+    const float* qv = q + ((size_t)i * n_head + h) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qv[d];
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+    float mx = -INFINITY;
+    for (int p = warp; p < n; p += nw) {
+        const u16* kr = kcache + (size_t)p * kvd + kh * hd;
+        float s = 0.f;
+        for (int d = lane; d < hd; d += 32) s += qs[d] * half_to_float(kr[d]);
+        s = warp_sum(s) * scale;
+        if (lane == 0) sc[p] = s;
+        mx = fmaxf(mx, s);
+    }
+    __shared__ float red[32];
+    mx = warp_max(mx);
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    mx = red[0];
+    for (int w = 1; w < nw; w++) mx = fmaxf(mx, red[w]);
+    __syncthreads();
+    float sum = 0.f;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        float e = __expf(sc[p] - mx);
+        sc[p] = e;
+        sum += e;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    sum = 0.f;
+    for (int w = 0; w < nw; w++) sum += red[w];
+    const float inv = 1.0f / sum;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) sc[p] = f16_round(sc[p] * inv);
+    __syncthreads();
+    float* o = out + ((size_t)i * n_head + h) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.f;
+        const u16* vp = vcache + kh * hd + d;
+        for (int p = 0; p < n; p++) acc += sc[p] * half_to_float(vp[(size_t)p * kvd]);
+        o[d] = acc;
+    }
+}
+
+// Router: softmax over n_expert logits, top-k (ties: lower expert first), weights renormalised to sum 1.
+// One warp per token; n_expert <= 1024, k <= 32. ids/w: t * k.
+extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, int* ids, float* w) {
+    const int i = blockIdx.x;
+    const int lane = threadIdx.x;
+    const float* lg = logits + (size_t)i * n_expert;
+    float mx = -INFINITY;
+    for (int e = lane; e < n_expert; e += 32) mx = fmaxf(mx, lg[e]);
+    mx = warp_max(mx);
+    float sum = 0.f;
+    for (int e = lane; e < n_expert; e += 32) sum += expf(lg[e] - mx);
+    sum = warp_sum(sum);
+    // k rounds of arg-max over the experts not taken yet
+    u32 taken = 0;  // bit j: this lane's expert lane + 32 * j was taken (n_expert <= 1024)
+    float wsum = 0.f;
+    float wk[32];
+    int ik[32];
+    for (int r = 0; r < k; r++) {
+        float best = -INFINITY;
+        int be = 0x7fffffff;
+        for (int j = 0, e = lane; e < n_expert; j++, e += 32) {
+            if (taken & (1u << j)) continue;
+            float v = lg[e];
+            if (v > best || (v == best && e < be)) {
+                best = v;
+                be = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (ob > best || (ob == best && oe < be)) {
+                best = ob;
+                be = oe;
+            }
+        }
+        if (be % 32 == lane) {
+            taken |= 1u << (be / 32);
+        }
+        float p = expf(best - mx) / sum;
+        wk[r] = p;
+        ik[r] = be;
+        wsum += p;
+    }
+    if (lane == 0) {
+        for (int r = 0; r < k; r++) {
+            ids[(size_t)i * k + r] = ik[r];
+            w[(size_t)i * k + r] = wk[r] / wsum;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Experts from VRAM slots.
+//
+// A group = one expert (its slot) and up to MAX_NT tokens routed to it; `pair[j]` is the routing entry
+// (token * k + rank) whose result row the group writes. All hit experts of a layer run in one launch per stage.
+struct Group {
+    int slot;
+    int nt;
+    int tok[MAX_NT];
+    int pair[MAX_NT];
+};
+
+// Decode windows with every routed expert looked up on the device: one group per routing entry, slot from the
+// residency table (-1 = not in VRAM: the group is empty and the CPU computes it). flag[p] = 1 when computed here.
+extern "C" __global__ void build_groups(const int* ids, int n_pairs, int k, const int* table, Group* groups,
+                                        int* flag) {
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= n_pairs) return;
+    int slot = table[ids[p]];
+    Group g;
+    g.slot = slot;
+    g.nt = slot >= 0 ? 1 : 0;
+    g.tok[0] = p / k;
+    g.pair[0] = p;
+    groups[p] = g;
+    flag[p] = slot >= 0 ? 1 : 0;
+}
+
+// h[pair, r] = silu(gate_r · x_tok) * (up_r · x_tok) for r < ff. Grid: (ceil(ff / WARPS), n_groups).
+template <int FMT, int NT>
+__device__ void gate_up_body(const Group& g, const u8* blob, int ff, int e, const Q8* xq, const float* xf, float* h) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r = blockIdx.x * WARPS + warp;
+    if (r >= ff) return;
+    const size_t rb = row_bytes(FMT, e);
+    const u8* gate = blob + (size_t)r * rb;
+    const u8* up = blob + (size_t)ff * rb + (size_t)r * rb;
+    const Q8* xqs[NT];
+    const float* xfs[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        xqs[t] = xq + (size_t)g.tok[t] * (e / 32);
+        xfs[t] = xf + (size_t)g.tok[t] * e;
+    }
+    float ag[NT], au[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) ag[t] = au[t] = 0.f;
+    row_dot<FMT, NT>(gate, e, xqs, xfs, lane, ag);
+    row_dot<FMT, NT>(up, e, xqs, xfs, lane, au);
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float gv = warp_sum(ag[t]);
+        float uv = warp_sum(au[t]);
+        if (lane == 0) h[(size_t)g.pair[t] * ff + r] = gv / (1.0f + expf(-gv)) * uv;
+    }
+}
+
+// out[pair, r] = down_r · h_pair for r < e (down rows start at `down_off` bytes into the blob).
+template <int FMT, int NT>
+__device__ void down_body(const Group& g, const u8* blob, size_t down_off, int ff, int e, const Q8* hq,
+                          const float* hf, float* out) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r = blockIdx.x * WARPS + warp;
+    if (r >= e) return;
+    const size_t rb = row_bytes(FMT, ff);
+    const u8* row = blob + down_off + (size_t)r * rb;
+    const Q8* xqs[NT];
+    const float* xfs[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        xqs[t] = hq + (size_t)g.pair[t] * (ff / 32);
+        xfs[t] = hf + (size_t)g.pair[t] * ff;
+    }
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    row_dot<FMT, NT>(row, ff, xqs, xfs, lane, acc);
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float v = warp_sum(acc[t]);
+        if (lane == 0) out[(size_t)g.pair[t] * e + r] = v;
+    }
+}
+
+#define NT_SWITCH(BODY, FMT, ...)                         \
+    switch (g.nt) {                                       \
+        case 0: break;                                    \
+        case 1: BODY<FMT, 1>(__VA_ARGS__); break;         \
+        case 2: BODY<FMT, 2>(__VA_ARGS__); break;         \
+        case 3: BODY<FMT, 3>(__VA_ARGS__); break;         \
+        case 4: BODY<FMT, 4>(__VA_ARGS__); break;         \
+        case 5: BODY<FMT, 5>(__VA_ARGS__); break;         \
+        case 6: BODY<FMT, 6>(__VA_ARGS__); break;         \
+        case 7: BODY<FMT, 7>(__VA_ARGS__); break;         \
+        default: BODY<FMT, 8>(__VA_ARGS__); break;        \
+    }
+
+#define EXPERT_KERNELS(SUFFIX, FMT)                                                                               \
+    extern "C" __global__ void expert_gate_up_##SUFFIX(const Group* groups, const u8* slots, size_t slot_bytes,   \
+                                                       int ff, int e, const Q8* xq, const float* xf, float* h) {  \
+        const Group g = groups[blockIdx.y];                                                                       \
+        const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
+        NT_SWITCH(gate_up_body, FMT, g, blob, ff, e, xq, xf, h)                                                   \
+    }                                                                                                             \
+    extern "C" __global__ void expert_down_##SUFFIX(const Group* groups, const u8* slots, size_t slot_bytes,      \
+                                                    size_t down_off, int ff, int e, const Q8* hq, const float* hf, \
+                                                    float* out) {                                                 \
+        const Group g = groups[blockIdx.y];                                                                       \
+        const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
+        NT_SWITCH(down_body, FMT, g, blob, down_off, ff, e, hq, hf, out)                                          \
+    }
+
+EXPERT_KERNELS(f32, FMT_F32)
+EXPERT_KERNELS(f16, FMT_F16)
+EXPERT_KERNELS(bf16, FMT_BF16)
+EXPERT_KERNELS(q8_0, FMT_Q8_0)
+EXPERT_KERNELS(q4_0, FMT_Q4_0)
+EXPERT_KERNELS(q4_1, FMT_Q4_1)
+
+// x[i] += Σ_r flag[i*k+r] ? w[i*k+r] * y[i*k+r] : 0  (+ cpu[i] when cpu != null), in rank order.
+// Grid: t blocks; block 256 threads.
+extern "C" __global__ void moe_combine(float* x, const float* y, const float* w, const int* flag, const float* cpu,
+                                       int k, int e) {
+    const int i = blockIdx.x;
+    for (int c = threadIdx.x; c < e; c += blockDim.x) {
+        float acc = 0.f;
+        for (int r = 0; r < k; r++) {
+            const int p = i * k + r;
+            if (flag[p]) acc += w[p] * y[(size_t)p * e + c];
+        }
+        if (cpu) acc += cpu[(size_t)i * e + c];
+        x[(size_t)i * e + c] += acc;
+    }
+}
+
+// Dense FFN activation: h[i] = silu(g[i]) * u[i] where gu holds t rows of [g (ff) | u (ff)].
+extern "C" __global__ void swiglu(const float* gu, int ff, int t, float* h) {
+    const size_t n = (size_t)ff * t;
+    for (size_t j = blockIdx.x * (size_t)blockDim.x + threadIdx.x; j < n; j += (size_t)gridDim.x * blockDim.x) {
+        const size_t i = j / ff, c = j % ff;
+        float g = gu[i * 2 * ff + c], u = gu[i * 2 * ff + ff + c];
+        h[j] = g / (1.0f + expf(-g)) * u;
+    }
+}

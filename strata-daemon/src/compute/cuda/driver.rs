@@ -1,0 +1,470 @@
+//! Thin typed wrappers over the CUDA driver API (through cudarc's dynamically loaded bindings): device
+//! buffers, streams, events, page-locked host registrations and kernel launches. Every call's status is
+//! checked and returned as [`GpuError`].
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use super::GpuError;
+
+pub(crate) fn check(what: &'static str, r: sys::CUresult) -> Result<(), GpuError> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(GpuError::Driver { what, code: format!("{r:?}") })
+    }
+}
+
+/// The primary context of one device, made current on the calling thread by [`Device::bind`].
+pub struct Device {
+    ctx: sys::CUcontext,
+    dev: sys::CUdevice,
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// Device name as the driver reports it.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub cc: (i32, i32),
+    /// Streaming multiprocessors.
+    pub sms: i32,
+    /// Largest dynamic shared memory a block may opt in to (bytes).
+    pub max_smem_optin: i32,
+}
+
+// SAFETY: a CUDA context handle may be used from any thread once made current there (Device::bind);
+// the driver API is thread-safe.
+unsafe impl Send for Device {}
+// SAFETY: as above; the handle is never mutated after creation.
+unsafe impl Sync for Device {}
+
+impl Device {
+    /// Initializes the driver and retains device `ordinal`'s primary context. Errors: no such device, driver
+    /// failure.
+    pub fn open(ordinal: usize) -> Result<Arc<Device>, GpuError> {
+        // SAFETY: plain driver calls with valid out-pointers; the library was found by probe() before.
+        unsafe {
+            check("cuInit", sys::cuInit(0))?;
+            let mut dev = 0;
+            check("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal as i32))?;
+            let mut ctx = std::ptr::null_mut();
+            check("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+            check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))?;
+            let mut buf = [0 as std::ffi::c_char; 256];
+            check("cuDeviceGetName", sys::cuDeviceGetName(buf.as_mut_ptr(), 255, dev))?;
+            let name = std::ffi::CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
+            let attr = |a: sys::CUdevice_attribute| -> Result<i32, GpuError> {
+                let mut v = 0;
+                check("cuDeviceGetAttribute", sys::cuDeviceGetAttribute(&mut v, a, dev))?;
+                Ok(v)
+            };
+            use sys::CUdevice_attribute::*;
+            let cc = (
+                attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            );
+            let sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+            let max_smem_optin = attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+            Ok(Arc::new(Device { ctx, dev, ordinal, name, cc, sms, max_smem_optin }))
+        }
+    }
+
+    /// Makes the context current on the calling thread (each thread that touches the GPU calls this first).
+    pub fn bind(&self) -> Result<(), GpuError> {
+        // SAFETY: ctx is a retained primary context, alive as long as self.
+        unsafe { check("cuCtxSetCurrent", sys::cuCtxSetCurrent(self.ctx)) }
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), GpuError> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers.
+        unsafe { check("cuMemGetInfo", sys::cuMemGetInfo_v2(&mut free, &mut total))? };
+        Ok((free, total))
+    }
+
+    /// Waits for all work on the device.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.bind()?;
+        // SAFETY: no arguments.
+        unsafe { check("cuCtxSynchronize", sys::cuCtxSynchronize()) }
+    }
+
+    /// The architecture name NVRTC takes, e.g. `sm_90`.
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.cc.0, self.cc.1)
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: releases the reference taken in open().
+        unsafe {
+            sys::cuDevicePrimaryCtxRelease_v2(self.dev);
+        }
+    }
+}
+
+/// A device allocation of `bytes` bytes (freed on drop).
+pub struct DevBuf {
+    /// Device address.
+    pub ptr: sys::CUdeviceptr,
+    /// Size in bytes.
+    pub bytes: usize,
+}
+
+// SAFETY: a device address is plain data; users order accesses with streams and events.
+unsafe impl Send for DevBuf {}
+// SAFETY: as above.
+unsafe impl Sync for DevBuf {}
+
+impl DevBuf {
+    /// Allocates `bytes` (at least 1) of device memory (contents undefined). Errors: out of memory.
+    pub fn alloc(bytes: usize) -> Result<DevBuf, GpuError> {
+        let mut ptr = 0;
+        // SAFETY: valid out-pointer; size > 0.
+        unsafe { check("cuMemAlloc", sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)))? };
+        Ok(DevBuf { ptr, bytes })
+    }
+
+    /// Allocates and fills from `src` synchronously.
+    pub fn from_slice<T: Copy>(src: &[T]) -> Result<DevBuf, GpuError> {
+        let b = DevBuf::alloc(std::mem::size_of_val(src))?;
+        b.write_sync(0, src)?;
+        Ok(b)
+    }
+
+    /// Copies `src` to byte offset `off` synchronously. Errors: out of bounds, driver failure.
+    pub fn write_sync<T: Copy>(&self, off: usize, src: &[T]) -> Result<(), GpuError> {
+        let n = std::mem::size_of_val(src);
+        if off + n > self.bytes {
+            return Err(GpuError::Bounds { off, len: n, size: self.bytes });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: destination range checked above; src is a live slice of n bytes.
+        unsafe { check("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(self.ptr + off as u64, src.as_ptr() as *const c_void, n)) }
+    }
+
+    /// Copies byte offset `off` into `dst` synchronously. Errors: out of bounds, driver failure.
+    pub fn read_sync<T: Copy>(&self, off: usize, dst: &mut [T]) -> Result<(), GpuError> {
+        let n = std::mem::size_of_val(dst);
+        if off + n > self.bytes {
+            return Err(GpuError::Bounds { off, len: n, size: self.bytes });
+        }
+        // SAFETY: source range checked above; dst is a live mutable slice of n bytes.
+        unsafe {
+            check("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, self.ptr + off as u64, n))
+        }
+    }
+
+    /// Device address of byte `off`.
+    pub fn at(&self, off: usize) -> u64 {
+        self.ptr + off as u64
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        // SAFETY: ptr came from cuMemAlloc and is freed once.
+        unsafe {
+            sys::cuMemFree_v2(self.ptr);
+        }
+    }
+}
+
+/// A non-blocking CUDA stream.
+pub struct Stream(pub(crate) sys::CUstream);
+
+// SAFETY: stream handles may be used from any thread with the context current.
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// Creates a stream that does not synchronize with the null stream.
+    pub fn new() -> Result<Stream, GpuError> {
+        let mut s = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        unsafe {
+            check("cuStreamCreate", sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32))?
+        };
+        Ok(Stream(s))
+    }
+
+    /// Blocks until the stream's work is done.
+    pub fn sync(&self) -> Result<(), GpuError> {
+        // SAFETY: live stream.
+        unsafe { check("cuStreamSynchronize", sys::cuStreamSynchronize(self.0)) }
+    }
+
+    /// Later work on this stream waits for `ev`.
+    pub fn wait(&self, ev: &Event) -> Result<(), GpuError> {
+        // SAFETY: live stream and event.
+        unsafe { check("cuStreamWaitEvent", sys::cuStreamWaitEvent(self.0, ev.0, 0)) }
+    }
+
+    /// Asynchronous host → device copy of `n` bytes from `src`.
+    ///
+    /// # Safety
+    /// `src` must stay valid (and unmodified) until the copy completes; for overlap it should be page-locked.
+    pub unsafe fn htod_raw(&self, dst: u64, src: *const u8, n: usize) -> Result<(), GpuError> {
+        check("cuMemcpyHtoDAsync", sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, n, self.0))
+    }
+
+    /// Asynchronous device → host copy of `n` bytes into `dst`.
+    ///
+    /// # Safety
+    /// `dst` must stay valid and untouched by the host until the copy completes.
+    pub unsafe fn dtoh_raw(&self, dst: *mut u8, src: u64, n: usize) -> Result<(), GpuError> {
+        check("cuMemcpyDtoHAsync", sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, n, self.0))
+    }
+
+    /// Asynchronous device → device copy.
+    pub fn dtod(&self, dst: u64, src: u64, n: usize) -> Result<(), GpuError> {
+        // SAFETY: device addresses; the caller's buffers cover the ranges.
+        unsafe { check("cuMemcpyDtoDAsync", sys::cuMemcpyDtoDAsync_v2(dst, src, n, self.0)) }
+    }
+
+    /// Copies `src` to the device synchronously with respect to the host (stream-ordered, then waits).
+    pub fn htod_sync<T: Copy>(&self, dst: u64, src: &[T]) -> Result<(), GpuError> {
+        // SAFETY: src lives until sync() returns below.
+        unsafe { self.htod_raw(dst, src.as_ptr() as *const u8, std::mem::size_of_val(src))? };
+        self.sync()
+    }
+
+    /// Reads device memory into `dst` after the stream's earlier work (waits).
+    pub fn dtoh_sync<T: Copy>(&self, dst: &mut [T], src: u64) -> Result<(), GpuError> {
+        // SAFETY: dst lives and is not touched until sync() returns below.
+        unsafe { self.dtoh_raw(dst.as_mut_ptr() as *mut u8, src, std::mem::size_of_val(dst))? };
+        self.sync()
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: destroyed once.
+        unsafe {
+            sys::cuStreamDestroy_v2(self.0);
+        }
+    }
+}
+
+/// A CUDA event (timing enabled when made with [`Event::timed`]).
+pub struct Event(pub(crate) sys::CUevent);
+
+// SAFETY: event handles may be used from any thread with the context current.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// An event without timing (cheapest to record and wait on).
+    pub fn new() -> Result<Event, GpuError> {
+        Self::with_flags(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+    }
+    /// An event with timing.
+    pub fn timed() -> Result<Event, GpuError> {
+        Self::with_flags(sys::CUevent_flags::CU_EVENT_DEFAULT)
+    }
+    fn with_flags(f: sys::CUevent_flags) -> Result<Event, GpuError> {
+        let mut e = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        unsafe { check("cuEventCreate", sys::cuEventCreate(&mut e, f as u32))? };
+        Ok(Event(e))
+    }
+    /// Records the event at the current end of `s`.
+    pub fn record(&self, s: &Stream) -> Result<(), GpuError> {
+        // SAFETY: live event and stream.
+        unsafe { check("cuEventRecord", sys::cuEventRecord(self.0, s.0)) }
+    }
+    /// Whether the work before the last record is done (never blocks).
+    pub fn done(&self) -> Result<bool, GpuError> {
+        // SAFETY: live event.
+        let r = unsafe { sys::cuEventQuery(self.0) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => check("cuEventQuery", e).map(|_| false),
+        }
+    }
+    /// Blocks until the event completed.
+    pub fn sync(&self) -> Result<(), GpuError> {
+        // SAFETY: live event.
+        unsafe { check("cuEventSynchronize", sys::cuEventSynchronize(self.0)) }
+    }
+    /// Milliseconds between `start` and this event (both timed and completed).
+    pub fn since_ms(&self, start: &Event) -> Result<f32, GpuError> {
+        let mut ms = 0f32;
+        // SAFETY: valid out-pointer, live events.
+        unsafe { check("cuEventElapsedTime", sys::cuEventElapsedTime_v2(&mut ms, start.0, self.0))? };
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: destroyed once.
+        unsafe {
+            sys::cuEventDestroy_v2(self.0);
+        }
+    }
+}
+
+/// Page-locks (registers with the driver) an existing host range so device copies from it run at full link
+/// speed. Errors: the driver refused (e.g. RLIMIT_MEMLOCK in a container); callers go on pageable.
+///
+/// # Safety
+/// `ptr..ptr+bytes` must stay mapped until [`host_unregister`] is called.
+pub unsafe fn host_register(ptr: *mut u8, bytes: usize) -> Result<(), GpuError> {
+    check("cuMemHostRegister", sys::cuMemHostRegister_v2(ptr as *mut c_void, bytes, 0))
+}
+
+/// Undoes [`host_register`].
+///
+/// # Safety
+/// `ptr` must have been registered and no copy from it may be in flight.
+pub unsafe fn host_unregister(ptr: *mut u8) {
+    sys::cuMemHostUnregister(ptr as *mut c_void);
+}
+
+/// Page-locked host memory allocated by the driver (freed on drop).
+pub struct PinnedBuf {
+    ptr: *mut u8,
+    /// Size in bytes.
+    pub bytes: usize,
+}
+
+// SAFETY: plain host memory; users order accesses with events.
+unsafe impl Send for PinnedBuf {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedBuf {}
+
+impl PinnedBuf {
+    /// Allocates `bytes` of page-locked host memory. Errors: driver refusal.
+    pub fn alloc(bytes: usize) -> Result<PinnedBuf, GpuError> {
+        let mut p = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        unsafe { check("cuMemHostAlloc", sys::cuMemHostAlloc(&mut p, bytes.max(1), 0))? };
+        Ok(PinnedBuf { ptr: p as *mut u8, bytes })
+    }
+    /// Start address.
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    /// The bytes (the caller makes sure no device copy into them is in flight).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr..ptr+bytes is our allocation.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
+    }
+    /// The bytes, mutable (no device copy from them may be in flight).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, exclusive through &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
+    }
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc, freed once.
+        unsafe {
+            sys::cuMemFreeHost(self.ptr as *mut c_void);
+        }
+    }
+}
+
+/// A kernel argument list for [`Func::launch`]: each argument is boxed so its address stays fixed.
+#[derive(Default)]
+pub struct Args {
+    vals: Vec<Box<[u8; 8]>>,
+}
+
+impl Args {
+    /// Empty.
+    pub fn new() -> Self {
+        Args { vals: Vec::with_capacity(16) }
+    }
+    /// A device pointer (or 0 for null).
+    pub fn ptr(mut self, p: u64) -> Self {
+        self.vals.push(Box::new(p.to_le_bytes()));
+        self
+    }
+    /// A 32-bit integer.
+    pub fn i32(mut self, v: i32) -> Self {
+        let mut b = [0u8; 8];
+        b[..4].copy_from_slice(&v.to_le_bytes());
+        self.vals.push(Box::new(b));
+        self
+    }
+    /// A 32-bit float.
+    pub fn f32(mut self, v: f32) -> Self {
+        let mut b = [0u8; 8];
+        b[..4].copy_from_slice(&v.to_le_bytes());
+        self.vals.push(Box::new(b));
+        self
+    }
+    /// A 64-bit size.
+    pub fn usize(mut self, v: usize) -> Self {
+        self.vals.push(Box::new((v as u64).to_le_bytes()));
+        self
+    }
+}
+
+/// A kernel function of a loaded module.
+#[derive(Clone, Copy)]
+pub struct Func {
+    pub(crate) f: sys::CUfunction,
+    /// Kernel name.
+    pub name: &'static str,
+}
+
+// SAFETY: function handles are immutable and usable from any thread with the context current.
+unsafe impl Send for Func {}
+// SAFETY: as above.
+unsafe impl Sync for Func {}
+
+impl Func {
+    /// Launches on `s` with `grid` blocks of `block` threads and `smem` bytes of dynamic shared memory.
+    /// Errors: launch failure (bad configuration, missing resources).
+    pub fn launch(&self, s: &Stream, grid: (u32, u32, u32), block: u32, smem: u32, args: Args) -> Result<(), GpuError> {
+        let mut ptrs: Vec<*mut c_void> = args.vals.iter().map(|b| b.as_ptr() as *mut c_void).collect();
+        // SAFETY: the argument list matches the kernel's parameters (each call site mirrors the .cu signature);
+        // the values are copied by the driver at launch, the boxes outlive the call.
+        unsafe {
+            check(
+                self.name,
+                sys::cuLaunchKernel(
+                    self.f,
+                    grid.0,
+                    grid.1,
+                    grid.2,
+                    block,
+                    1,
+                    1,
+                    smem,
+                    s.0,
+                    ptrs.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                ),
+            )
+        }
+    }
+
+    /// Raises the kernel's dynamic shared memory limit to `bytes`.
+    pub fn set_max_smem(&self, bytes: i32) -> Result<(), GpuError> {
+        // SAFETY: live function handle.
+        unsafe {
+            check(
+                "cuFuncSetAttribute",
+                sys::cuFuncSetAttribute(
+                    self.f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes,
+                ),
+            )
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! The kernels of `kernels/strata.cu`: compiled by NVRTC for the card's architecture (a CUBIN) on first use
+//! and cached on disk under `$STRATA_KERNEL_CACHE` (default `~/.cache/strata/kernels`) as
+//! `<FNV-1a 64 of source and options>-<arch>.cubin`; loaded into the current context.
+
+use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+
+use cudarc::driver::sys;
+use cudarc::nvrtc::sys as nvrtc;
+
+use super::driver::{check, Func};
+use super::GpuError;
+use crate::quant::GgmlType;
+
+/// The kernel source (embedded at build time).
+pub const SOURCE: &str = include_str!("../../../../kernels/strata.cu");
+
+/// NVRTC options besides the architecture.
+const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
+
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for p in parts {
+        for &b in *p {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// The cache directory.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("STRATA_KERNEL_CACHE") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
+    home.join(".cache/strata/kernels")
+}
+
+/// Compiles `src` with NVRTC for `arch` (e.g. `sm_90`) to a CUBIN. Errors: NVRTC missing or the compile
+/// failed (the log is in the error).
+pub fn compile(src: &str, arch: &str) -> Result<Vec<u8>, GpuError> {
+    let csrc = CString::new(src).map_err(|_| GpuError::Nvrtc("source has a NUL byte".into()))?;
+    let opts: Vec<CString> = std::iter::once(format!("--gpu-architecture={arch}"))
+        .chain(OPTIONS.iter().map(|s| s.to_string()))
+        .map(|s| CString::new(s).expect("option"))
+        .collect();
+    let optp: Vec<*const std::ffi::c_char> = opts.iter().map(|s| s.as_ptr()).collect();
+    let name = CString::new("strata.cu").expect("name");
+    // SAFETY: NVRTC calls with valid C strings and out-pointers; the program is destroyed on every path.
+    unsafe {
+        let mut prog = std::ptr::null_mut();
+        let r =
+            nvrtc::nvrtcCreateProgram(&mut prog, csrc.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null());
+        if r != nvrtc::nvrtcResult::NVRTC_SUCCESS {
+            return Err(GpuError::Nvrtc(format!("nvrtcCreateProgram: {r:?}")));
+        }
+        let r = nvrtc::nvrtcCompileProgram(prog, optp.len() as i32, optp.as_ptr());
+        let mut n = 0usize;
+        nvrtc::nvrtcGetProgramLogSize(prog, &mut n);
+        let mut log = vec![0 as std::ffi::c_char; n.max(1)];
+        nvrtc::nvrtcGetProgramLog(prog, log.as_mut_ptr());
+        let log = CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+        if r != nvrtc::nvrtcResult::NVRTC_SUCCESS {
+            nvrtc::nvrtcDestroyProgram(&mut prog);
+            return Err(GpuError::Nvrtc(format!("compile for {arch} failed ({r:?}):\n{log}")));
+        }
+        let mut size = 0usize;
+        let r = nvrtc::nvrtcGetCUBINSize(prog, &mut size);
+        if r != nvrtc::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+            nvrtc::nvrtcDestroyProgram(&mut prog);
+            return Err(GpuError::Nvrtc(format!("no CUBIN for {arch} ({r:?})")));
+        }
+        let mut cubin = vec![0u8; size];
+        nvrtc::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut std::ffi::c_char);
+        nvrtc::nvrtcDestroyProgram(&mut prog);
+        Ok(cubin)
+    }
+}
+
+/// The CUBIN for `arch`, from the disk cache or compiled (and then cached; a cache that cannot be written is
+/// only a warning). Returns the image and whether it came from the cache.
+pub fn cubin(arch: &str) -> Result<(Vec<u8>, bool), GpuError> {
+    let key = fnv1a(&[SOURCE.as_bytes(), OPTIONS.join(" ").as_bytes(), arch.as_bytes()]);
+    let path = cache_dir().join(format!("{key:016x}-{arch}.cubin"));
+    if let Ok(b) = std::fs::read(&path) {
+        if b.len() > 4 && &b[..4] == b"\x7fELF" {
+            return Ok((b, true));
+        }
+    }
+    let t = std::time::Instant::now();
+    let img = compile(SOURCE, arch)?;
+    tracing::info!("kernels compiled by NVRTC for {arch} in {:.2} s", t.elapsed().as_secs_f64());
+    let tmp = path.with_extension("tmp");
+    let write = std::fs::create_dir_all(cache_dir())
+        .and_then(|_| std::fs::write(&tmp, &img))
+        .and_then(|_| std::fs::rename(&tmp, &path));
+    if let Err(e) = write {
+        tracing::warn!("kernel cache {} not written: {e}", path.display());
+    }
+    Ok((img, false))
+}
+
+/// Every kernel of the module.
+pub struct Kernels {
+    module: sys::CUmodule,
+    /// Dense products per weight format.
+    mmv: [Func; 6],
+    /// Expert gate/up per format.
+    gate_up: [Func; 6],
+    /// Expert down per format.
+    down: [Func; 6],
+    /// `quantize_q8`.
+    pub quantize_q8: Func,
+    /// `rms_norm_q8`.
+    pub rms_norm_q8: Func,
+    /// `rope_store`.
+    pub rope_store: Func,
+    /// `attention`.
+    pub attention: Func,
+    /// `route_topk`.
+    pub route_topk: Func,
+    /// `build_groups`.
+    pub build_groups: Func,
+    /// `moe_combine`.
+    pub moe_combine: Func,
+    /// `swiglu`.
+    pub swiglu: Func,
+}
+
+// SAFETY: module and function handles are immutable and usable from any thread with the context current.
+unsafe impl Send for Kernels {}
+// SAFETY: as above.
+unsafe impl Sync for Kernels {}
+
+/// Format index used by the kernels (FMT_* in strata.cu). Errors: a format without GPU kernels.
+pub fn fmt_index(ty: GgmlType) -> Result<usize, GpuError> {
+    Ok(match ty {
+        GgmlType::F32 => 0,
+        GgmlType::F16 => 1,
+        GgmlType::BF16 => 2,
+        GgmlType::Q8_0 => 3,
+        GgmlType::Q4_0 => 4,
+        GgmlType::Q4_1 => 5,
+        other => return Err(GpuError::Unsupported(format!("no GPU kernel for {other:?}"))),
+    })
+}
+
+const SUFFIX: [&str; 6] = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"];
+
+fn leak(s: String) -> &'static str {
+    Box::leak(s.into_boxed_str())
+}
+
+impl Kernels {
+    /// Loads `image` (a CUBIN) into the current context and looks every kernel up.
+    pub fn load(image: &[u8], max_smem_optin: i32) -> Result<Kernels, GpuError> {
+        let mut module = std::ptr::null_mut();
+        // SAFETY: image is a complete CUBIN produced by NVRTC (checked ELF magic or just compiled).
+        unsafe { check("cuModuleLoadData", sys::cuModuleLoadData(&mut module, image.as_ptr() as *const _))? };
+        let get = |name: &'static str| -> Result<Func, GpuError> {
+            let c = CString::new(name).expect("name");
+            let mut f = std::ptr::null_mut();
+            // SAFETY: live module, valid name and out-pointer.
+            unsafe { check("cuModuleGetFunction", sys::cuModuleGetFunction(&mut f, module, c.as_ptr()))? };
+            Ok(Func { f, name })
+        };
+        let per = |prefix: &str| -> Result<[Func; 6], GpuError> {
+            let mut v = Vec::new();
+            for s in SUFFIX {
+                v.push(get(leak(format!("{prefix}{s}")))?);
+            }
+            Ok([v[0], v[1], v[2], v[3], v[4], v[5]])
+        };
+        let k = Kernels {
+            module,
+            mmv: per("mmv_")?,
+            gate_up: per("expert_gate_up_")?,
+            down: per("expert_down_")?,
+            quantize_q8: get("quantize_q8")?,
+            rms_norm_q8: get("rms_norm_q8")?,
+            rope_store: get("rope_store")?,
+            attention: get("attention")?,
+            route_topk: get("route_topk")?,
+            build_groups: get("build_groups")?,
+            moe_combine: get("moe_combine")?,
+            swiglu: get("swiglu")?,
+        };
+        // the opt-in limit covers static shared memory too (a few hundred bytes in `attention`)
+        k.attention.set_max_smem(max_smem_optin - 1024)?;
+        Ok(k)
+    }
+
+    /// The dense product kernel for `ty`.
+    pub fn mmv(&self, ty: GgmlType) -> Result<Func, GpuError> {
+        Ok(self.mmv[fmt_index(ty)?])
+    }
+    /// The expert gate/up kernel for `ty`.
+    pub fn gate_up(&self, ty: GgmlType) -> Result<Func, GpuError> {
+        Ok(self.gate_up[fmt_index(ty)?])
+    }
+    /// The expert down kernel for `ty`.
+    pub fn down(&self, ty: GgmlType) -> Result<Func, GpuError> {
+        Ok(self.down[fmt_index(ty)?])
+    }
+}
+
+impl Drop for Kernels {
+    fn drop(&mut self) {
+        // SAFETY: unloaded once; no launch uses it after the owner drops it.
+        unsafe {
+            sys::cuModuleUnload(self.module);
+        }
+    }
+}

@@ -1,0 +1,691 @@
+//! The forward pass on the GPU: dense weights and the KV cache (f16) in VRAM, experts from the VRAM expert
+//! cache, misses on the CPU pool (or uploaded over PCIe into staging slots, `--pcie-frac`).
+//!
+//! Per layer: RMSNorm+Q8 → stacked Q/K/V product → RoPE and KV store → attention → output product added to
+//! the residual → RMSNorm+Q8 → FFN. MoE FFN: router product → softmax/top-k on the device. When every expert
+//! is in VRAM the layer's groups are built on the device from the residency table (no host round trip);
+//! otherwise the routing comes to the host, the store plans each routed expert (VRAM hit, RAM, file), the
+//! hit experts run in one launch per stage while the CPU pool computes the misses, and the CPU's sum is
+//! added with the GPU's in one combine kernel (fixed order, so a request gives the same bytes twice).
+
+use std::sync::{Arc, Mutex};
+
+use super::driver::{DevBuf, Device, Stream};
+use super::kernels::{cubin, Kernels};
+use super::ops::{DMat, Ops, GROUP_BYTES, MAX_NT, Q8_BYTES};
+use super::slots::SlotCache;
+use super::GpuError;
+use crate::model::kv::KvCache;
+use crate::model::llama::{Ffn, LlamaModel, Logits, Scratch, Weight};
+use crate::quant::{dequantize_row, GgmlType};
+use crate::tiers::store::{ExpertStore, Source};
+use crate::tiers::vram::{auto_slots, shrink_slots, slot_bytes, CacheSize};
+
+/// GPU settings (flags of DESIGN.md §4).
+#[derive(Debug, Clone)]
+pub struct GpuConfig {
+    /// `--expert-cache`.
+    pub cache: CacheSize,
+    /// `--vram-reserve-mib` in bytes.
+    pub reserve: u64,
+    /// Largest prefill chunk a pass handles at once (tokens).
+    pub max_chunk: usize,
+    /// Context length (KV positions).
+    pub n_ctx: usize,
+}
+
+struct GLayer {
+    attn_norm: DevBuf,
+    q: DMat,
+    k: DMat,
+    v: DMat,
+    o: DMat,
+    ffn_norm: DevBuf,
+    ffn: GFfn,
+}
+
+enum GFfn {
+    Dense { gate: DMat, up: DMat, down: DMat },
+    Moe { router: DMat, gate_ty: GgmlType, down_ty: GgmlType, down_off: usize },
+}
+
+/// Device scratch for `max_t` tokens.
+struct Bufs {
+    x: DevBuf,
+    xn: DevBuf,
+    xq: DevBuf,
+    qkv: DevBuf,
+    q: DevBuf,
+    attn: DevBuf,
+    attnq: DevBuf,
+    gu: DevBuf,
+    h: DevBuf,
+    hq: DevBuf,
+    rl: DevBuf,
+    ids: DevBuf,
+    w: DevBuf,
+    flag: DevBuf,
+    groups: DevBuf,
+    y: DevBuf,
+    cpu: DevBuf,
+    cs: DevBuf,
+    logits: DevBuf,
+}
+
+/// Host scratch of the hybrid path.
+#[derive(Default)]
+struct Host {
+    ids: Vec<i32>,
+    w: Vec<f32>,
+    xn: Vec<f32>,
+    groups: Vec<u8>,
+    flag: Vec<i32>,
+    /// Routed experts of every layer of a window computed without a host round trip (usage accounting).
+    deferred: Vec<i32>,
+    cs: Vec<f32>,
+}
+
+/// A model on the GPU.
+pub struct GpuModel {
+    dev: Arc<Device>,
+    k: Kernels,
+    s: Stream,
+    layers: Vec<GLayer>,
+    out_norm: DevBuf,
+    output: DMat,
+    kc: Vec<DevBuf>,
+    vc: Vec<DevBuf>,
+    n_ctx: usize,
+    max_t: usize,
+    b: Bufs,
+    /// The VRAM expert cache (MoE models).
+    pub cache: Option<SlotCache>,
+    host: Mutex<Host>,
+    /// The fallback from asynchronous to blocking rounds was reported.
+    said_fallback: std::sync::atomic::AtomicBool,
+    /// The RAM copy's start when it was registered with the driver (unregistered on drop).
+    registered: std::sync::atomic::AtomicUsize,
+}
+
+impl Drop for GpuModel {
+    fn drop(&mut self) {
+        let p = self.registered.load(std::sync::atomic::Ordering::SeqCst);
+        if p != 0 {
+            let _ = self.dev.bind();
+            let _ = self.s.sync();
+            // SAFETY: registered in make_cache; the stream is idle, so no copy from it is in flight.
+            unsafe { super::driver::host_unregister(p as *mut u8) };
+        }
+    }
+}
+
+fn up(model: &LlamaModel, w: &Weight) -> Result<DMat, GpuError> {
+    let bytes = &model.file.bytes()[w.offset..w.offset + w.bytes()];
+    DMat::upload(bytes, w.ty, w.rows, w.cols)
+}
+
+fn check_ty(w: &Weight) -> Result<(), GpuError> {
+    super::kernels::fmt_index(w.ty)
+        .map(|_| ())
+        .map_err(|_| GpuError::Unsupported(format!("tensor {} is {:?}, which has no GPU kernel", w.name, w.ty)))
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+impl GpuModel {
+    /// Loads `model` onto `dev`: compiles (or loads from the cache) the kernels, uploads dense weights,
+    /// allocates the KV cache and scratch, then sizes and fills the VRAM expert cache (MoE models with a
+    /// store) hottest-first. Errors: a tensor format without kernels, out of VRAM, driver/NVRTC failures.
+    pub fn load(model: &LlamaModel, dev: Arc<Device>, cfg: &GpuConfig) -> Result<GpuModel, GpuError> {
+        dev.bind()?;
+        let (img, cached) = cubin(&dev.arch())?;
+        let k = Kernels::load(&img, dev.max_smem_optin)?;
+        tracing::info!(
+            "kernels for {} {} ({} bytes)",
+            dev.arch(),
+            if cached { "from the disk cache" } else { "compiled" },
+            img.len()
+        );
+        let c = &model.cfg;
+        if c.n_expert_used > 32 || c.n_expert > 1024 || c.head_dim % 2 != 0 {
+            return Err(GpuError::Unsupported("top-k > 32, more than 1024 experts or an odd head size".into()));
+        }
+        let max_smem = (dev.max_smem_optin - 1024).max(48 << 10) as usize;
+        if (c.head_dim + cfg.n_ctx) * 4 > max_smem {
+            return Err(GpuError::Unsupported(format!(
+                "context {} needs more shared memory for attention scores than the card offers ({} KiB): use a \
+                 smaller --ctx",
+                cfg.n_ctx,
+                max_smem >> 10
+            )));
+        }
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for b in &model.blocks {
+            for w in [&b.q, &b.k, &b.v, &b.o] {
+                check_ty(w)?;
+            }
+            let ffn = match &b.ffn {
+                Ffn::Dense { gate, up: u, down } => {
+                    for w in [gate, u, down] {
+                        check_ty(w)?;
+                    }
+                    GFfn::Dense { gate: up(model, gate)?, up: up(model, u)?, down: up(model, down)? }
+                }
+                Ffn::Moe(ex) => {
+                    for w in [&ex.router, &ex.gate, &ex.up, &ex.down] {
+                        check_ty(w)?;
+                    }
+                    if ex.gate.ty != ex.up.ty {
+                        return Err(GpuError::Unsupported("gate and up experts in different formats".into()));
+                    }
+                    let gb = c.n_ff_exp * ex.gate.ty.row_bytes(c.n_embd);
+                    GFfn::Moe {
+                        router: up(model, &ex.router)?,
+                        gate_ty: ex.gate.ty,
+                        down_ty: ex.down.ty,
+                        down_off: 2 * gb,
+                    }
+                }
+            };
+            layers.push(GLayer {
+                attn_norm: DevBuf::from_slice(&b.attn_norm)?,
+                q: up(model, &b.q)?,
+                k: up(model, &b.k)?,
+                v: up(model, &b.v)?,
+                o: up(model, &b.o)?,
+                ffn_norm: DevBuf::from_slice(&b.ffn_norm)?,
+                ffn,
+            });
+        }
+        check_ty(&model.output)?;
+        let output = up(model, &model.output)?;
+        let out_norm = DevBuf::from_slice(&model.out_norm)?;
+        let kvd = c.n_head_kv * c.head_dim;
+        let mut kc = Vec::new();
+        let mut vc = Vec::new();
+        for _ in 0..c.n_layer {
+            kc.push(DevBuf::alloc(cfg.n_ctx * kvd * 2)?);
+            vc.push(DevBuf::alloc(cfg.n_ctx * kvd * 2)?);
+        }
+        let t = cfg.max_chunk.max(1);
+        let e = c.n_embd;
+        let qd = c.n_head * c.head_dim;
+        let kk = c.n_expert_used.max(1);
+        let ffm = c.n_ff.max(kk * c.n_ff_exp).max(1);
+        let f4 = |n: usize| DevBuf::alloc(n * 4);
+        let b = Bufs {
+            x: f4(t * e)?,
+            xn: f4(t * e)?,
+            xq: DevBuf::alloc(t * e / 32 * Q8_BYTES)?,
+            qkv: f4(t * (qd + 2 * kvd))?,
+            q: f4(t * qd)?,
+            attn: f4(t * qd)?,
+            attnq: DevBuf::alloc(t * qd / 32 * Q8_BYTES)?,
+            gu: f4(t * 2 * c.n_ff.max(1))?,
+            h: f4(t * ffm)?,
+            hq: DevBuf::alloc(t * ffm / 32 * Q8_BYTES + Q8_BYTES)?,
+            rl: f4(t * c.n_expert.max(1))?,
+            ids: f4(t * kk)?,
+            w: f4(t * kk)?,
+            flag: f4(t * kk)?,
+            groups: DevBuf::alloc(t * kk * GROUP_BYTES)?,
+            y: f4(t * kk * e)?,
+            cpu: f4(t * e)?,
+            cs: f4(t * c.n_rot)?,
+            logits: f4(t * c.n_vocab)?,
+        };
+        let s = Stream::new()?;
+        let mut g = GpuModel {
+            dev,
+            k,
+            s,
+            layers,
+            out_norm,
+            output,
+            kc,
+            vc,
+            n_ctx: cfg.n_ctx,
+            max_t: t,
+            b,
+            cache: None,
+            host: Mutex::new(Host::default()),
+            said_fallback: std::sync::atomic::AtomicBool::new(false),
+            registered: std::sync::atomic::AtomicUsize::new(0),
+        };
+        if let Some(store) = &model.experts {
+            g.cache = g.make_cache(model, store, cfg)?;
+        }
+        Ok(g)
+    }
+
+    fn make_cache(
+        &self,
+        model: &LlamaModel,
+        store: &Arc<ExpertStore>,
+        cfg: &GpuConfig,
+    ) -> Result<Option<SlotCache>, GpuError> {
+        let lay = store.layout();
+        let blob = lay.layers.iter().map(|l| l.blob_bytes()).max().unwrap_or(0);
+        if lay.layers.iter().any(|l| l.blob_bytes() != blob) {
+            return Err(GpuError::Unsupported("layers with different blob sizes".into()));
+        }
+        let sb = slot_bytes(blob);
+        let total = lay.n_layer() * lay.n_expert;
+        let n_staging = (model.cfg.n_expert_used * MAX_NT).min(lay.n_expert);
+        let (free, _) = self.dev.mem_info()?;
+        let staging_bytes = (n_staging * sb) as u64;
+        let want = match cfg.cache {
+            CacheSize::Auto => {
+                auto_slots(free.saturating_sub(staging_bytes as usize) as u64, cfg.reserve, sb as u64, total)
+            }
+            CacheSize::Slots(n) => {
+                let fit = (free as u64).saturating_sub(staging_bytes + (64 << 20)) / sb as u64;
+                if n as u64 > fit {
+                    tracing::warn!("--expert-cache {n}: only {fit} slots fit in free VRAM; using {fit}");
+                }
+                n.min(total).min(fit as usize)
+            }
+        };
+        // pinned RAM copy: register the arena so copies from it run at full link speed
+        let (ptr, len) = store.arena_range();
+        let mut pinned = false;
+        if len > 0 {
+            // SAFETY: the arena is a mapping owned by the store, which outlives the GPU model (both live in the
+            // LlamaModel; the GPU model is dropped first).
+            match unsafe { super::driver::host_register(ptr, len) } {
+                Ok(()) => {
+                    pinned = true;
+                    self.registered.store(ptr as usize, std::sync::atomic::Ordering::SeqCst);
+                }
+                Err(e) => {
+                    tracing::warn!("resident RAM copy not page-locked for the GPU ({e}); copies from it run slower")
+                }
+            }
+        }
+        let mut n = want;
+        let mut cache;
+        let mut rounds = 0;
+        loop {
+            cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, total, pinned)?;
+            let (free_after, _) = self.dev.mem_info()?;
+            let give =
+                if cfg.cache == CacheSize::Auto { shrink_slots(free_after as u64, cfg.reserve, sb as u64) } else { 0 };
+            if give == 0 || n == 0 || rounds == 6 {
+                break;
+            }
+            drop(cache);
+            n = n.saturating_sub(give);
+            rounds += 1;
+        }
+        let placed = cache.fill(store, &self.s)?;
+        let (free_now, _) = self.dev.mem_info()?;
+        tracing::info!(
+            "expert cache: {placed} slots of {:.2} MiB ({:.2} GiB, {:.1}% of {total} experts) + {n_staging} staging slots; \
+             {:.0} MiB of VRAM free (reserve {:.0} MiB); RAM copy {}",
+            mib(sb as u64),
+            (placed * sb) as f64 / (1u64 << 30) as f64,
+            100.0 * placed as f64 / total.max(1) as f64,
+            mib(free_now as u64),
+            mib(cfg.reserve),
+            if pinned { "page-locked" } else { "pageable" }
+        );
+        if (free_now as u64) < 256 << 20 {
+            tracing::warn!("VRAM LOW: {:.0} MiB free; raise --vram-reserve-mib", mib(free_now as u64));
+        }
+        Ok(Some(cache))
+    }
+
+    /// Replaces the VRAM expert cache with one of `size` (benchmarks; the store's usage is kept).
+    pub fn rebuild_cache(&mut self, store: &Arc<ExpertStore>, size: CacheSize) -> Result<(), GpuError> {
+        self.dev.bind()?;
+        if let Some(c) = &self.cache {
+            c.poll(store, &self.s, true)?;
+        }
+        self.s.sync()?;
+        let old = self.cache.take().expect("cache");
+        let (n_staging, sb, blob, entries, pinned) =
+            (old.n_staging, old.slot_bytes, old.blob_bytes, store.slot_table().len(), old.async_ok);
+        drop(old);
+        let n = match size {
+            CacheSize::Slots(n) => n.min(entries),
+            CacheSize::Auto => entries,
+        };
+        let cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, entries, pinned)?;
+        cache.fill(store, &self.s)?;
+        self.cache = Some(cache);
+        Ok(())
+    }
+
+    /// Bytes of the dense weights in VRAM (read once per token).
+    pub fn dense_bytes(&self) -> usize {
+        let mut n = self.output.buf.bytes;
+        for l in &self.layers {
+            n += l.q.buf.bytes + l.k.buf.bytes + l.v.buf.bytes + l.o.buf.bytes;
+            match &l.ffn {
+                GFfn::Dense { gate, up, down } => n += gate.buf.bytes + up.buf.bytes + down.buf.bytes,
+                GFfn::Moe { router, .. } => n += router.buf.bytes,
+            }
+        }
+        n
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// Runs `tokens` at positions `kv.len ..` (the host `kv` only tracks the length; K/V live in VRAM) and
+    /// returns logits as [`LlamaModel::forward`] does. Chunks longer than the scratch are split.
+    pub fn forward(
+        &self,
+        m: &LlamaModel,
+        tokens: &[u32],
+        kv: &mut KvCache,
+        which: Logits,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, GpuError> {
+        self.dev.bind()?;
+        assert!(kv.len + tokens.len() <= self.n_ctx.min(kv.n_ctx), "KV cache overflow");
+        let mut out = Vec::new();
+        let n = tokens.len();
+        let mut i = 0;
+        while i < n {
+            let end = (i + self.max_t).min(n);
+            let last = end == n;
+            let w = match which {
+                Logits::All => Some(Logits::All),
+                Logits::Last if last => Some(Logits::Last),
+                _ => None,
+            };
+            out.extend(self.chunk(m, &tokens[i..end], kv.len, w, s)?);
+            kv.len += end - i;
+            i = end;
+        }
+        Ok(out)
+    }
+
+    fn chunk(
+        &self,
+        m: &LlamaModel,
+        tokens: &[u32],
+        pos0: usize,
+        which: Option<Logits>,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, GpuError> {
+        let c = &m.cfg;
+        let t = tokens.len();
+        let e = c.n_embd;
+        let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let ops = Ops { k: &self.k, s: &self.s };
+        let b = &self.b;
+        let mut host = self.host.lock().unwrap_or_else(|e| e.into_inner());
+        // embeddings (host dequantization of the rows) and RoPE angles
+        let emb = m.mat(&m.tok_embd);
+        let mut x = vec![0f32; t * e];
+        for (i, &tok) in tokens.iter().enumerate() {
+            let tok = (tok as usize).min(c.n_vocab - 1);
+            dequantize_row(emb.ty, emb.row(tok), &mut x[i * e..(i + 1) * e]).expect("embedding row");
+        }
+        self.s.htod_sync(b.x.ptr, &x)?;
+        let mut cs = Vec::new();
+        m.rope_table(pos0, t, &mut cs);
+        host.cs.clear();
+        for (cv, sv) in cs {
+            host.cs.push(cv);
+            host.cs.push(sv);
+        }
+        self.s.htod_sync(b.cs.ptr, &host.cs)?;
+        let fast = self.cache.is_some() && m.experts.as_ref().is_some_and(|st| st.all_in_vram()) && s.routes.is_none();
+        host.deferred.clear();
+        for (l, g) in self.layers.iter().enumerate() {
+            ops.rms_norm_q8(b.x.ptr, g.attn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr)?;
+            ops.mmv(&[&g.q, &g.k, &g.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false)?;
+            ops.rope_store(
+                b.qkv.ptr,
+                b.cs.ptr,
+                nh,
+                nkv,
+                hd,
+                c.n_rot,
+                pos0,
+                t,
+                b.q.ptr,
+                self.kc[l].ptr,
+                self.vc[l].ptr,
+            )?;
+            ops.attention(b.q.ptr, self.kc[l].ptr, self.vc[l].ptr, nh, nkv, hd, pos0, t, b.attn.ptr)?;
+            ops.quantize(b.attn.ptr, b.attnq.ptr, t * qd / 32)?;
+            ops.mmv(&[&g.o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?;
+            ops.rms_norm_q8(b.x.ptr, g.ffn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr)?;
+            match &g.ffn {
+                GFfn::Dense { gate, up, down } => {
+                    let ff = gate.rows;
+                    ops.mmv(&[gate, up], b.xq.ptr, b.xn.ptr, t, b.gu.ptr, 2 * ff, false)?;
+                    ops.swiglu(b.gu.ptr, ff, t, b.h.ptr)?;
+                    ops.quantize(b.h.ptr, b.hq.ptr, t * ff / 32)?;
+                    ops.mmv(&[down], b.hq.ptr, b.h.ptr, t, b.x.ptr, e, true)?;
+                }
+                GFfn::Moe { router, gate_ty, down_ty, down_off } => {
+                    let kk = c.n_expert_used;
+                    let ff = c.n_ff_exp;
+                    let ne = c.n_expert;
+                    ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false)?;
+                    ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr)?;
+                    let cache = self.cache.as_ref();
+                    let (slots, sb) = cache.map(|c| (c.slots.ptr, c.slot_bytes)).unwrap_or((0, 0));
+                    if fast {
+                        let cache = cache.expect("cache");
+                        let n_pairs = t * kk;
+                        ops.build_groups(b.ids.ptr, n_pairs, kk, cache.table.at(l * ne * 4), b.groups.ptr, b.flag.ptr)?;
+                        ops.expert_gate_up(
+                            *gate_ty,
+                            b.groups.ptr,
+                            n_pairs,
+                            slots,
+                            sb,
+                            ff,
+                            e,
+                            b.xq.ptr,
+                            b.xn.ptr,
+                            b.h.ptr,
+                        )?;
+                        ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
+                        ops.expert_down(
+                            *down_ty,
+                            b.groups.ptr,
+                            n_pairs,
+                            slots,
+                            sb,
+                            *down_off,
+                            ff,
+                            e,
+                            b.hq.ptr,
+                            b.h.ptr,
+                            b.y.ptr,
+                        )?;
+                        ops.moe_combine(b.x.ptr, b.y.ptr, b.w.ptr, b.flag.ptr, 0, kk, e, t)?;
+                        if s.decode {
+                            let mut ids = vec![0i32; n_pairs];
+                            self.s.dtoh_sync(&mut ids, b.ids.ptr)?;
+                            host.deferred.extend_from_slice(&ids);
+                        }
+                    } else {
+                        self.hybrid_moe(m, l, t, pos0, s, &mut host, (*gate_ty, *down_ty, *down_off))?;
+                    }
+                }
+            }
+        }
+        if fast && s.decode {
+            if let Some(st) = &m.experts {
+                let kk = c.n_expert_used;
+                for l in 0..c.n_layer {
+                    let r: Vec<usize> =
+                        host.deferred[l * t * kk..(l + 1) * t * kk].iter().map(|&v| v as usize).collect();
+                    st.record_vram_window(l, &r);
+                }
+            }
+        }
+        let Some(which) = which else {
+            self.s.sync()?;
+            return Ok(Vec::new());
+        };
+        let (row0, rows) = match which {
+            Logits::Last => (t - 1, 1),
+            Logits::All => (0, t),
+        };
+        ops.rms_norm_q8(b.x.at(row0 * e * 4), self.out_norm.ptr, c.rms_eps, e, rows, b.xn.ptr, b.xq.ptr)?;
+        ops.mmv(&[&self.output], b.xq.ptr, b.xn.ptr, rows, b.logits.ptr, c.n_vocab, false)?;
+        let mut logits = vec![0f32; rows * c.n_vocab];
+        self.s.dtoh_sync(&mut logits, b.logits.ptr)?;
+        Ok(logits)
+    }
+
+    /// One MoE layer with the routing on the host: VRAM hits (and PCIe-staged misses) on the GPU, the other
+    /// misses on the CPU pool, overlapped; results combined on the GPU.
+    #[allow(clippy::too_many_arguments)]
+    fn hybrid_moe(
+        &self,
+        m: &LlamaModel,
+        l: usize,
+        t: usize,
+        pos0: usize,
+        s: &mut Scratch,
+        host: &mut Host,
+        (gate_ty, down_ty, down_off): (GgmlType, GgmlType, usize),
+    ) -> Result<(), GpuError> {
+        let c = &m.cfg;
+        let (e, kk, ff) = (c.n_embd, c.n_expert_used, c.n_ff_exp);
+        let b = &self.b;
+        let ops = Ops { k: &self.k, s: &self.s };
+        let n_pairs = t * kk;
+        host.ids.resize(n_pairs, 0);
+        host.w.resize(n_pairs, 0.0);
+        host.xn.resize(t * e, 0.0);
+        // SAFETY: the host vectors are not touched until the stream sync below.
+        unsafe {
+            self.s.dtoh_raw(host.ids.as_mut_ptr() as *mut u8, b.ids.ptr, n_pairs * 4)?;
+            self.s.dtoh_raw(host.w.as_mut_ptr() as *mut u8, b.w.ptr, n_pairs * 4)?;
+            self.s.dtoh_raw(host.xn.as_mut_ptr() as *mut u8, b.xn.ptr, t * e * 4)?;
+        }
+        self.s.sync()?;
+        if let Some(bad) = host.ids.iter().position(|&v| v < 0 || v as usize >= c.n_expert) {
+            let nan = host.xn.iter().filter(|v| !v.is_finite()).count();
+            return Err(GpuError::Unsupported(format!(
+                "layer {l}: router top-k gave expert id {} (entry {bad}); {nan} non-finite values in the normalized \
+                 activations",
+                host.ids[bad]
+            )));
+        }
+        let routes: Vec<Vec<(usize, f32)>> =
+            (0..t).map(|i| (0..kk).map(|r| (host.ids[i * kk + r] as usize, host.w[i * kk + r])).collect()).collect();
+        m.record_routes(l, pos0, &routes, s);
+        let mut by_expert = m.by_expert(&routes);
+        let src = m.plan_sources(l, &by_expert, s.decode);
+        let Ffn::Moe(ex) = &m.blocks[l].ffn else { unreachable!("MoE layer") };
+        // GPU work: hits, then (pcie_frac) a share of the RAM-resident misses, most entries first
+        let mut gpu: Vec<(usize, u32)> = Vec::new();
+        let mut ram_miss: Vec<(usize, usize)> = Vec::new();
+        for (x, toks) in by_expert.iter().enumerate() {
+            if toks.is_empty() {
+                continue;
+            }
+            match src[x] {
+                Source::Vram(slot) => gpu.push((x, slot)),
+                Source::Ram(off) => ram_miss.push((x, off)),
+                _ => {}
+            }
+        }
+        let cache = self.cache.as_ref();
+        // live knob `pcie_frac` (--pcie-frac)
+        let frac = m.experts.as_ref().and_then(|st| st.knobs.get("pcie_frac").ok()).unwrap_or(0.0) as f32;
+        if let (Some(cache), true) = (cache, frac > 0.0) {
+            ram_miss.sort_by(|a, b| by_expert[b.0].len().cmp(&by_expert[a.0].len()).then(a.0.cmp(&b.0)));
+            let n = ((ram_miss.len() as f32 * frac).round() as usize).min(cache.n_staging);
+            if n > 0 {
+                let st = m.experts.as_ref().expect("store");
+                let items: Vec<(usize, usize, usize)> = ram_miss[..n].iter().map(|&(x, off)| (l, x, off)).collect();
+                let staged = cache.stage(st, &items, &self.s)?;
+                let mut entries = 0u64;
+                for (&(x, _), slot) in ram_miss[..n].iter().zip(staged) {
+                    entries += by_expert[x].len() as u64;
+                    gpu.push((x, slot));
+                }
+                if s.decode {
+                    st.counters.pcie_entries.fetch_add(entries, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
+        // groups of up to MAX_NT tokens per expert; flags per routing entry
+        host.groups.clear();
+        host.flag.clear();
+        host.flag.resize(n_pairs, 0);
+        let mut n_groups = 0;
+        for &(x, slot) in &gpu {
+            for chunk in by_expert[x].chunks(MAX_NT) {
+                let mut g = [0i32; 18];
+                g[0] = slot as i32;
+                g[1] = chunk.len() as i32;
+                for (j, &(i, _)) in chunk.iter().enumerate() {
+                    let rank = routes[i].iter().position(|&(ex_, _)| ex_ == x).expect("routed");
+                    g[2 + j] = i as i32;
+                    g[10 + j] = (i * kk + rank) as i32;
+                    host.flag[i * kk + rank] = 1;
+                }
+                host.groups.extend(g.iter().flat_map(|v| v.to_le_bytes()));
+                n_groups += 1;
+            }
+            by_expert[x].clear(); // not for the CPU
+        }
+        if n_groups > 0 {
+            let slots = cache.expect("cache").slots.ptr;
+            let sb = cache.expect("cache").slot_bytes;
+            self.s.htod_sync(b.groups.ptr, &host.groups)?;
+            ops.expert_gate_up(gate_ty, b.groups.ptr, n_groups, slots, sb, ff, e, b.xq.ptr, b.xn.ptr, b.h.ptr)?;
+            ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
+            ops.expert_down(down_ty, b.groups.ptr, n_groups, slots, sb, down_off, ff, e, b.hq.ptr, b.h.ptr, b.y.ptr)?;
+        }
+        self.s.htod_sync(b.flag.ptr, &host.flag)?;
+        // CPU misses meanwhile (the launches above run on the GPU while the pool works)
+        let any_cpu = by_expert.iter().any(|v| !v.is_empty());
+        if any_cpu {
+            s.xn.resize(t, e);
+            s.xn.f.copy_from_slice(&host.xn);
+            s.xn.quantize();
+            m.experts_cpu(l, ex, &by_expert, src, s);
+            self.s.htod_sync(b.cpu.ptr, &s.moe_acc)?;
+        }
+        ops.moe_combine(b.x.ptr, b.y.ptr, b.w.ptr, b.flag.ptr, if any_cpu { b.cpu.ptr } else { 0 }, kk, e, t)
+    }
+
+    /// Between decode windows: carries out an adaptive round's swaps (blocking, or started asynchronously)
+    /// and, asynchronously, admits a landed round. `plan` comes from `ExpertStore::end_decode_window`.
+    pub fn adapt(&self, store: &Arc<ExpertStore>, plan: Vec<crate::tiers::policy::Swap>) -> Result<(), GpuError> {
+        let Some(cache) = &self.cache else { return Ok(()) };
+        self.dev.bind()?;
+        let want = store.knobs.get("adapt_async").unwrap_or(0.0) >= 1.0;
+        if want && !cache.async_ok && !self.said_fallback.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                "--adapt-async 1 needs the page-locked resident RAM copy (not with --mmap-experts or when the \
+                 copy could not be registered): the adaptive tier runs blocking rounds"
+            );
+        }
+        let asynchronous = want && cache.async_ok;
+        if asynchronous {
+            cache.poll(store, &self.s, false)?;
+        }
+        cache.run_round(store, plan, &self.s, asynchronous)?;
+        Ok(())
+    }
+
+    /// At a request's start: waits for an asynchronous round in flight and admits it.
+    pub fn drain(&self, store: &ExpertStore) -> Result<(), GpuError> {
+        if let Some(cache) = &self.cache {
+            self.dev.bind()?;
+            cache.poll(store, &self.s, true)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,341 @@
+//! The VRAM expert cache: one device arena of blob-sized slots (plus staging slots for `--pcie-frac`
+//! uploads), its device residency table, and the adaptive tier's data movement — blocking rounds, or
+//! asynchronous rounds (`--adapt-async 1`, seed 003) whose copies run on a helper thread between windows.
+//!
+//! The residency record itself is the expert store's (`ExpertStore::{reserve,admit,evict}_slot`); this module
+//! keeps the device copy of it in step and moves the bytes. Invariants (DESIGN.md §5): a slot is overwritten
+//! only after its old expert stopped being planned for the GPU and the GPU work issued before that is done
+//! (an event on the compute stream orders the copy); an incoming expert is planned for the GPU only after its
+//! copy landed; a request starts with the round drained.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use super::driver::{DevBuf, Device, Event, PinnedBuf, Stream};
+use super::GpuError;
+use crate::tiers::policy::Swap;
+use crate::tiers::store::{ExpertStore, Source};
+
+/// One expert's copy into a slot.
+struct Move {
+    layer: usize,
+    incoming: usize,
+    slot: u32,
+}
+
+/// An asynchronous round in flight.
+struct InFlight {
+    moves: Vec<Move>,
+    done: Event,
+    issued: crossbeam_channel::Receiver<Result<(), GpuError>>,
+}
+
+/// The VRAM expert cache of one GPU.
+pub struct SlotCache {
+    /// Slots back to back: `n_slots` cache slots, then `n_staging` staging slots.
+    pub slots: DevBuf,
+    /// Cache slots.
+    pub n_slots: usize,
+    /// Staging slots for PCIe-served misses (after the cache slots).
+    pub n_staging: usize,
+    /// Bytes per slot (the blob size rounded up to 256 B).
+    pub slot_bytes: usize,
+    /// Blob bytes (every layer's blob has this size).
+    pub blob_bytes: usize,
+    /// Device residency table: `layer × n_expert + expert` → slot or −1.
+    pub table: DevBuf,
+    dev: Arc<Device>,
+    copy: Arc<Stream>,
+    bounce: Arc<Mutex<PinnedBuf>>,
+    /// Blobs the bounce buffer holds.
+    bounce_blobs: usize,
+    in_flight: Mutex<Option<InFlight>>,
+    /// Asynchronous rounds on (`adapt_async`), and whether they can apply.
+    pub async_ok: bool,
+}
+
+impl SlotCache {
+    /// Allocates `n_slots + n_staging` slots of `slot_bytes` and the table for `n_entries` experts.
+    pub fn new(
+        dev: Arc<Device>,
+        n_slots: usize,
+        n_staging: usize,
+        slot_bytes: usize,
+        blob_bytes: usize,
+        n_entries: usize,
+        async_ok: bool,
+    ) -> Result<SlotCache, GpuError> {
+        let slots = DevBuf::alloc((n_slots + n_staging) * slot_bytes)?;
+        let table = DevBuf::from_slice(&vec![-1i32; n_entries])?;
+        let bounce_blobs = 8;
+        Ok(SlotCache {
+            slots,
+            n_slots,
+            n_staging,
+            slot_bytes,
+            blob_bytes,
+            table,
+            dev,
+            copy: Arc::new(Stream::new()?),
+            bounce: Arc::new(Mutex::new(PinnedBuf::alloc(bounce_blobs * blob_bytes)?)),
+            bounce_blobs,
+            in_flight: Mutex::new(None),
+            async_ok,
+        })
+    }
+
+    /// Device address of slot `i`.
+    pub fn slot_addr(&self, i: u32) -> u64 {
+        self.slots.at(i as usize * self.slot_bytes)
+    }
+
+    /// Uploads the store's residency table (stream-ordered on `s`, then waits).
+    pub fn upload_table(&self, store: &ExpertStore, s: &Stream) -> Result<(), GpuError> {
+        s.htod_sync(self.table.ptr, &store.slot_table())
+    }
+
+    /// Fills the cache hottest-first (profile order) at start: each expert's bytes from the RAM copy, else the
+    /// file. Returns how many experts it placed. Reads slot 0 back and compares it byte for byte.
+    pub fn fill(&self, store: &ExpertStore, s: &Stream) -> Result<usize, GpuError> {
+        store.init_slots(self.n_slots);
+        let order = store.placement_order();
+        let mut placed = 0;
+        let mut first: Option<Vec<u8>> = None;
+        for &(l, e) in order.iter().take(self.n_slots) {
+            let slot = store.reserve_slot().expect("free slot");
+            let bytes = blob_of(store, l, e)?;
+            s.htod_sync(self.slot_addr(slot), &bytes)?;
+            if first.is_none() {
+                first = Some(bytes);
+            }
+            store.admit_slot(l, e, slot);
+            placed += 1;
+        }
+        if let Some(b) = first {
+            // slot 0 got the first expert (free list pops slot 0 first)
+            let mut back = vec![0u8; b.len()];
+            s.dtoh_sync(&mut back, self.slot_addr(0))?;
+            if back != b {
+                return Err(GpuError::Unsupported("VRAM slot 0 read back differs from its expert's bytes".into()));
+            }
+        }
+        self.upload_table(store, s)?;
+        Ok(placed)
+    }
+
+    /// Whether an asynchronous round is in flight.
+    pub fn round_in_flight(&self) -> bool {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// Carries out an adaptive round's swaps. Blocking (`asynchronous == false`): evicts, copies, waits and
+    /// admits before returning. Asynchronous: evicts now (step 2 marks victims non-resident), hands the copies
+    /// to a helper thread and returns; [`SlotCache::poll`] admits them once landed (step 3). A new async round
+    /// is not started while one is in flight (its swaps are dropped; usage carries them to the next round).
+    /// `compute` is the stream the forward pass runs on.
+    pub fn run_round(
+        &self,
+        store: &Arc<ExpertStore>,
+        plan: Vec<Swap>,
+        compute: &Stream,
+        asynchronous: bool,
+    ) -> Result<usize, GpuError> {
+        if plan.is_empty() {
+            return Ok(0);
+        }
+        if asynchronous && self.round_in_flight() {
+            return Ok(0);
+        }
+        // step 1 (choose) was done by the store; step 2: victims stop being planned for the GPU
+        let mut moves = Vec::new();
+        for sw in &plan {
+            let slot = match sw.outgoing {
+                Some(o) => store.evict_slot(sw.layer, o),
+                None => store.reserve_slot(),
+            };
+            if let Some(slot) = slot {
+                moves.push(Move { layer: sw.layer, incoming: sw.incoming, slot });
+            }
+        }
+        if moves.is_empty() {
+            return Ok(0);
+        }
+        self.upload_table(store, compute)?;
+        // the GPU work that may still read the victims' slots was issued on `compute` before this event
+        let ready = Event::new()?;
+        ready.record(compute)?;
+        self.copy.wait(&ready)?;
+        if !asynchronous {
+            copy_in(store, &moves_ref(&moves), self, &self.bounce, &self.copy)?;
+            self.copy.sync()?;
+            self.admit(store, moves, compute)?;
+            return Ok(plan.len());
+        }
+        store.set_exchange_staged(true);
+        let done = Event::new()?;
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let job: Vec<(usize, usize, u32)> = moves.iter().map(|m| (m.layer, m.incoming, m.slot)).collect();
+        let (st, dev, copy, bounce) = (store.clone(), self.dev.clone(), self.copy.clone(), self.bounce.clone());
+        let slot_addr: Vec<u64> = job.iter().map(|&(_, _, s)| self.slot_addr(s)).collect();
+        let blob = self.blob_bytes;
+        let bounce_blobs = self.bounce_blobs;
+        // SAFETY of the raw event handle crossing threads: Event is Send; it lives in `InFlight` until the
+        // helper reported (poll waits for the report before dropping it).
+        let done_raw = DoneHandle(done.0);
+        std::thread::Builder::new()
+            .name("strata-adapt".into())
+            .spawn(move || {
+                let r = (|| {
+                    dev.bind()?;
+                    let mv: Vec<(usize, usize, u64)> =
+                        job.iter().zip(&slot_addr).map(|(&(l, e, _), &a)| (l, e, a)).collect();
+                    copy_moves(&st, &mv, blob, &bounce, bounce_blobs, &copy)?;
+                    let d = done_raw;
+                    // SAFETY: the event outlives this thread's use (see above).
+                    unsafe { super::driver::check("cuEventRecord", cudarc::driver::sys::cuEventRecord(d.0, copy.0)) }
+                })();
+                let _ = tx.send(r);
+            })
+            .map_err(|e| GpuError::Unsupported(format!("adaptive helper thread: {e}")))?;
+        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some(InFlight { moves, done, issued: rx });
+        Ok(plan.len())
+    }
+
+    fn admit(&self, store: &ExpertStore, moves: Vec<Move>, compute: &Stream) -> Result<(), GpuError> {
+        let n = moves.len() as u64;
+        for m in moves {
+            store.admit_slot(m.layer, m.incoming, m.slot);
+        }
+        store.counters.swaps.fetch_add(n, Ordering::Relaxed);
+        store.counters.swap_bytes.fetch_add(n * self.blob_bytes as u64, Ordering::Relaxed);
+        self.upload_table(store, compute)
+    }
+
+    /// Step 3 of an asynchronous round: when its copies have landed, marks the new experts resident (step 4,
+    /// the offset flip, has nothing to move: evicted experts keep their RAM places or the file). `wait`
+    /// blocks until the round is done (a request start drains the round). Returns whether a round completed.
+    pub fn poll(&self, store: &ExpertStore, compute: &Stream, wait: bool) -> Result<bool, GpuError> {
+        let mut g = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(f) = g.as_ref() else { return Ok(false) };
+        let issued = if wait {
+            Some(f.issued.recv().unwrap_or(Err(GpuError::Unsupported("adaptive helper thread died".into()))))
+        } else {
+            f.issued.try_recv().ok()
+        };
+        let Some(issued) = issued else { return Ok(false) };
+        let f = g.take().expect("in flight");
+        drop(g);
+        store.set_exchange_staged(false);
+        issued?;
+        if wait {
+            f.done.sync()?;
+        } else if !f.done.done()? {
+            // issued but not landed: keep polling later
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let _ = tx.send(Ok(()));
+            store.set_exchange_staged(true);
+            *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some(InFlight { issued: rx, ..f });
+            return Ok(false);
+        }
+        self.admit(store, f.moves, compute)?;
+        Ok(true)
+    }
+
+    /// Uploads the blobs of PCIe-served misses into staging slots on `s` (from the page-locked RAM copy).
+    /// `items` = (layer, expert, arena offset); returns the staging slot index of each.
+    pub fn stage(
+        &self,
+        store: &ExpertStore,
+        items: &[(usize, usize, usize)],
+        s: &Stream,
+    ) -> Result<Vec<u32>, GpuError> {
+        let arena = store.arena();
+        let mut out = Vec::with_capacity(items.len());
+        for (j, &(_, _, off)) in items.iter().enumerate().take(self.n_staging) {
+            let slot = (self.n_slots + j) as u32;
+            let src = arena.slice(off, self.blob_bytes);
+            // SAFETY: the RAM copy is not written while a window runs (promotions happen between windows,
+            // after the window's final synchronization), so the bytes stay valid until the copy completes.
+            unsafe { s.htod_raw(self.slot_addr(slot), src.as_ptr(), self.blob_bytes)? };
+            out.push(slot);
+        }
+        Ok(out)
+    }
+}
+
+#[derive(Clone, Copy)]
+struct DoneHandle(cudarc::driver::sys::CUevent);
+// SAFETY: an event handle may be recorded from any thread with the context current.
+unsafe impl Send for DoneHandle {}
+
+fn moves_ref(m: &[Move]) -> Vec<(usize, usize, u32)> {
+    m.iter().map(|m| (m.layer, m.incoming, m.slot)).collect()
+}
+
+fn copy_in(
+    store: &ExpertStore,
+    moves: &[(usize, usize, u32)],
+    cache: &SlotCache,
+    bounce: &Mutex<PinnedBuf>,
+    copy: &Stream,
+) -> Result<(), GpuError> {
+    let mv: Vec<(usize, usize, u64)> = moves.iter().map(|&(l, e, s)| (l, e, cache.slot_addr(s))).collect();
+    copy_moves(store, &mv, cache.blob_bytes, bounce, cache.bounce_blobs, copy)
+}
+
+/// Issues the copies of `moves` (layer, expert, slot address) on `copy`: from the page-locked RAM copy
+/// directly, else through the pinned bounce buffer (file tier), `bounce_blobs` at a time.
+fn copy_moves(
+    store: &ExpertStore,
+    moves: &[(usize, usize, u64)],
+    blob: usize,
+    bounce: &Mutex<PinnedBuf>,
+    bounce_blobs: usize,
+    copy: &Stream,
+) -> Result<(), GpuError> {
+    let mut bounce = bounce.lock().unwrap_or_else(|e| e.into_inner());
+    let mut used = 0usize;
+    for &(l, e, addr) in moves {
+        match store.place_of(l, e) {
+            Some(off) => {
+                let arena = store.arena();
+                let src = arena.slice(off, blob);
+                // SAFETY: promotions are refused while a round is staged and the blocking path waits for the
+                // copy, so the place is not rewritten before the copy completes.
+                unsafe { copy.htod_raw(addr, src.as_ptr(), blob)? };
+            }
+            None => {
+                if used == bounce_blobs {
+                    copy.sync()?;
+                    used = 0;
+                }
+                let mut v = Vec::new();
+                store
+                    .read_blob_simple(l, e, &mut v)
+                    .map_err(|err| GpuError::Unsupported(format!("blob read of ({l}, {e}) failed: {err}")))?;
+                let dst = &mut bounce.as_mut_slice()[used * blob..(used + 1) * blob];
+                dst.copy_from_slice(&v[..blob]);
+                // SAFETY: the bounce region is not reused before copy.sync() (above or the caller's).
+                unsafe { copy.htod_raw(addr, dst.as_ptr(), blob)? };
+                used += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The bytes of expert `(l, e)`: its RAM place, else the file mapping.
+pub fn blob_of(store: &ExpertStore, l: usize, e: usize) -> Result<Vec<u8>, GpuError> {
+    if let Some(b) = store.ram_blob(l, e) {
+        return Ok(b);
+    }
+    Ok(store.mapped_slices(l, e).concat())
+}
+
+/// Sources of a layer's routed experts split into GPU work and CPU work (used by the forward pass).
+pub fn is_hit(src: Source) -> Option<u32> {
+    match src {
+        Source::Vram(s) => Some(s),
+        _ => None,
+    }
+}

@@ -1,0 +1,460 @@
+//! `strata-daemon gpu-check` (GPU kernels and forward pass against the CPU path) and `strata-daemon
+//! bench-gpu` (decode and prompt tok/s over expert-cache sizes and adaptive-tier modes, with the link
+//! bandwidths and the DESIGN.md §10 bound). Both print a table and write JSON (`--json FILE`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args as ClapArgs;
+use strata::compute::cpu::{matmul_with, Act, MatRef, Precision};
+use strata::compute::pool::WorkerPool;
+use strata::compute::{attach_gpu, GpuOptions};
+use strata::gguf::GgufFile;
+use strata::model::llama::Scratch;
+use strata::model::{LlamaModel, Logits, Tokenizer};
+use strata::quant::GgmlType;
+use strata::tiers::knobs::Knobs;
+use strata::tiers::layout::ExpertLayout;
+use strata::tiers::profile::geometry_of;
+use strata::tiers::store::{ExpertStore, StoreConfig};
+use strata::tiers::vram::CacheSize;
+
+#[derive(ClapArgs, Debug)]
+pub struct CheckArgs {
+    /// Model for the forward-pass parity (an MoE fixture); kernels are checked without one.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Teacher-forced positions per configuration.
+    #[arg(long, default_value_t = 200)]
+    positions: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(ClapArgs, Debug)]
+pub struct BenchArgs {
+    /// Model (e.g. from `strata-daemon synth-moe`).
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt tokens per arm.
+    #[arg(long, default_value_t = 64)]
+    prompt: usize,
+    /// Generated tokens per arm.
+    #[arg(long, default_value_t = 48)]
+    gen: usize,
+    /// Expert-cache sizes as shares of all experts.
+    #[arg(long, value_delimiter = ',', default_value = "1,0.5,0.25")]
+    fracs: Vec<f64>,
+    /// PCIe shares to run for each partial cache (besides 0).
+    #[arg(long, value_delimiter = ',', default_value = "0.5")]
+    pcie: Vec<f64>,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn rng(seed: &mut u64) -> u64 {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    *seed
+}
+
+fn random_rows(ty: GgmlType, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
+    let n = rows * ty.row_bytes(cols);
+    let mut b = vec![0u8; n];
+    match ty {
+        GgmlType::F32 => {
+            for c in b.chunks_exact_mut(4) {
+                let v = (rng(seed) % 2001) as f32 / 1000.0 - 1.0;
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        GgmlType::F16 | GgmlType::BF16 => {
+            for c in b.chunks_exact_mut(2) {
+                let v = (rng(seed) % 2001) as f32 / 1000.0 - 1.0;
+                let bits = if ty == GgmlType::F16 {
+                    half::f16::from_f32(v).to_bits()
+                } else {
+                    half::bf16::from_f32(v).to_bits()
+                };
+                c.copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        _ => {
+            let bs = ty.type_size();
+            for blk in b.chunks_exact_mut(bs) {
+                for x in blk.iter_mut() {
+                    *x = rng(seed) as u8;
+                }
+                let d = half::f16::from_f32(0.01 + (rng(seed) % 100) as f32 / 5000.0).to_bits().to_le_bytes();
+                blk[0] = d[0];
+                blk[1] = d[1];
+                if ty == GgmlType::Q4_1 {
+                    let m = half::f16::from_f32(-0.05).to_bits().to_le_bytes();
+                    blk[2] = m[0];
+                    blk[3] = m[1];
+                }
+            }
+        }
+    }
+    b
+}
+
+fn kl_argmax(p_logits: &[f32], q_logits: &[f32], n_vocab: usize) -> (Vec<f64>, usize) {
+    let mut kls = Vec::new();
+    let mut agree = 0;
+    for (p, q) in p_logits.chunks(n_vocab).zip(q_logits.chunks(n_vocab)) {
+        let lse = |v: &[f32]| {
+            let m = v.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+            m + v.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln()
+        };
+        let (lp, lq) = (lse(p), lse(q));
+        let kl: f64 = p
+            .iter()
+            .zip(q)
+            .map(|(&a, &b)| {
+                let pa = a as f64 - lp;
+                pa.exp() * (pa - (b as f64 - lq))
+            })
+            .sum();
+        kls.push(kl.max(0.0));
+        let am = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|x| x.0).unwrap_or(0);
+        agree += (am(p) == am(q)) as usize;
+    }
+    (kls, agree)
+}
+
+fn load(path: &PathBuf, knobs: Arc<Knobs>, threads: usize) -> Result<LlamaModel> {
+    let file = Arc::new(GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?);
+    let mut m = LlamaModel::load(file.clone())?;
+    m.set_threads(threads)?;
+    if let Some(layout) = ExpertLayout::of(&m) {
+        let g = geometry_of(&m);
+        let st = ExpertStore::new(layout, file, path, g, None, &StoreConfig::default(), knobs)?;
+        m.experts = Some(Arc::new(st));
+    }
+    Ok(m)
+}
+
+/// Decode-style teacher forcing: a prefill of the first 8 tokens, then one token per window (adaptive rounds
+/// between windows as the engine does). Returns the logits of every position after the prefill.
+fn teacher_force(m: &LlamaModel, toks: &[u32]) -> Vec<f32> {
+    let mut kv = m.new_kv(toks.len() + 1);
+    let mut s = Scratch::default();
+    let mut out = m.forward(&toks[..8], &mut kv, Logits::Last, &mut s);
+    for &t in &toks[8..toks.len() - 1] {
+        s.decode = true;
+        out.extend(m.forward(&[t], &mut kv, Logits::Last, &mut s));
+        s.decode = false;
+        if let Some(st) = &m.experts {
+            let plan = st.end_decode_window();
+            if let Some(g) = &m.gpu {
+                g.adapt(st, plan).expect("adaptive round");
+            }
+        }
+    }
+    out
+}
+
+pub fn check(a: CheckArgs) -> Result<()> {
+    let mut report = serde_json::Map::new();
+    let dev = match strata::compute::cuda::probe(0) {
+        Ok(p) => p.device,
+        Err(e) => bail!("no GPU: {e}"),
+    };
+    dev.bind()?;
+    // 1. dense products against the CPU path on random inputs
+    let (img, _) = strata::compute::cuda::kernels::cubin(&dev.arch())?;
+    let k = strata::compute::cuda::kernels::Kernels::load(&img, dev.max_smem_optin)?;
+    let stream = strata::compute::cuda::driver::Stream::new()?;
+    let ops = strata::compute::cuda::ops::Ops { k: &k, s: &stream };
+    let pool = WorkerPool::new(4)?;
+    let mut seed = 0x1234_5678_9abc_def1u64;
+    let mut kern = Vec::new();
+    let mut worst: f64 = 0.0;
+    println!("{:<6} {:>6} {:>6} {:>3} {:>12} {:>12}", "format", "rows", "cols", "t", "rel_err_cpu", "rel_err_f64");
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+        for &(rows, cols, t) in &[(64usize, 256usize, 1usize), (300, 1024, 3), (129, 2048, 8), (77, 4096, 11)] {
+            let w = random_rows(ty, rows, cols, &mut seed);
+            let mut x = Act::default();
+            x.resize(t, cols);
+            for v in x.f.iter_mut() {
+                *v = (rng(&mut seed) % 20001) as f32 / 10000.0 - 1.0;
+            }
+            x.quantize();
+            let mr = MatRef { data: &w, ty, rows, cols };
+            let mut cpu = vec![0f32; t * rows];
+            matmul_with(&pool, mr, &x, &mut cpu, Precision::Q8Activations);
+            let mut exact = vec![0f32; t * rows];
+            matmul_with(&pool, mr, &x, &mut exact, Precision::F32);
+            let dm = strata::compute::cuda::ops::DMat::upload(&w, ty, rows, cols)?;
+            let xf = strata::compute::cuda::driver::DevBuf::from_slice(&x.f)?;
+            let xq_host: Vec<u8> =
+                x.q.iter()
+                    .flat_map(|b| {
+                        let mut v = Vec::with_capacity(40);
+                        v.extend_from_slice(&b.d.to_le_bytes());
+                        v.extend_from_slice(&b.s.to_le_bytes());
+                        v.extend(b.qs.iter().map(|&q| q as u8));
+                        v
+                    })
+                    .collect();
+            let xq = strata::compute::cuda::driver::DevBuf::from_slice(&xq_host)?;
+            // poison the output first: every element must be written
+            let out = strata::compute::cuda::driver::DevBuf::from_slice(&vec![f32::NAN; t * rows])?;
+            ops.mmv(&[&dm], xq.ptr, xf.ptr, t, out.ptr, rows, false)?;
+            // the device's own Q8 quantization must match the CPU's
+            let xq2 = strata::compute::cuda::driver::DevBuf::alloc(xq_host.len())?;
+            ops.quantize(xf.ptr, xq2.ptr, t * cols / 32)?;
+            stream.sync()?;
+            let mut gpu = vec![0f32; t * rows];
+            out.read_sync(0, &mut gpu)?;
+            let mut q2 = vec![0u8; xq_host.len()];
+            xq2.read_sync(0, &mut q2)?;
+            let qmatch = q2 == xq_host;
+            let rel = |a: &[f32], b: &[f32]| {
+                let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+                let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+                if num.is_nan() {
+                    f64::INFINITY
+                } else {
+                    (num / den.max(1e-30)).sqrt()
+                }
+            };
+            let (rc, rf) = (rel(&gpu, &cpu), rel(&gpu, &exact));
+            worst = worst.max(rc);
+            println!(
+                "{:<6} {rows:>6} {cols:>6} {t:>3} {rc:>12.2e} {rf:>12.2e}{}",
+                format!("{ty:?}"),
+                if qmatch { "" } else { "  (Q8 quantization differs)" }
+            );
+            kern.push(serde_json::json!({"format": format!("{ty:?}"), "rows": rows, "cols": cols, "t": t,
+                "rel_err_vs_cpu": rc, "rel_err_vs_f64": rf, "q8_bytes_match": qmatch}));
+        }
+    }
+    report.insert("kernels".into(), kern.into());
+    report.insert("kernels_worst_rel_err_vs_cpu".into(), worst.into());
+    // 2. forward pass: GPU vs CPU, teacher-forced, in several tier configurations
+    if let Some(path) = &a.model {
+        let knobs_cpu = Arc::new(Knobs::default());
+        let cpu = load(path, knobs_cpu, 8)?;
+        let tok = Tokenizer::from_gguf(&cpu.file)?;
+        let text = "The history of computing is a story of layers: transistors become gates, gates become \
+                    processors, processors run operating systems, and programs written in high-level languages \
+                    describe what people want done. Each layer hides the details of the one below it. ";
+        let mut toks = tok.encode(&text.repeat(40), false, true)?;
+        toks.truncate(a.positions + 9);
+        let n_vocab = cpu.cfg.n_vocab;
+        let reference = teacher_force(&cpu, &toks);
+        let total = cpu.experts.as_ref().map(|s| s.layout().n_layer() * s.layout().n_expert).unwrap_or(0);
+        let mut configs = Vec::new();
+        for (name, cache, every, asyn, pcie) in [
+            ("all experts in VRAM", CacheSize::Auto, 0u32, 0u8, 0.0f64),
+            ("cache 25%, static", CacheSize::Slots(total / 4), 0, 0, 0.0),
+            ("cache 25%, static, repeat", CacheSize::Slots(total / 4), 0, 0, 0.0),
+            ("cache 25%, adaptive blocking", CacheSize::Slots(total / 4), 1, 0, 0.0),
+            ("cache 25%, adaptive async", CacheSize::Slots(total / 4), 1, 1, 0.0),
+            ("cache 25%, pcie-frac 0.5", CacheSize::Slots(total / 4), 0, 0, 0.5),
+        ] {
+            let knobs = Arc::new(Knobs::default());
+            knobs.set("adapt_every", &every.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
+            knobs.set("adapt_async", &asyn.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
+            knobs.set("pcie_frac", &pcie.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let mut m = load(path, knobs, 8)?;
+            let opts =
+                GpuOptions { enabled: true, device: 0, cache, reserve_mib: 700, n_ctx: toks.len() + 8, max_chunk: 64 };
+            let line = attach_gpu(&mut m, &opts).map_err(|e| anyhow::anyhow!(e))?;
+            eprintln!("{line}");
+            let gl = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| teacher_force(&m, &toks))) {
+                Ok(v) => v,
+                Err(_) => {
+                    println!("{name:<32} FAILED (see the log)");
+                    configs.push(serde_json::json!({"config": name, "failed": true}));
+                    continue;
+                }
+            };
+            let (kls, agree) = kl_argmax(&reference, &gl, n_vocab);
+            let n = kls.len();
+            let mean = kls.iter().sum::<f64>() / n as f64;
+            let tt = m.experts.as_ref().map(|s| s.counters.totals()).unwrap_or_default();
+            let bytes_digest =
+                gl.iter().fold(0xcbf29ce484222325u64, |h, v| (h ^ v.to_bits() as u64).wrapping_mul(0x100000001b3));
+            println!(
+                "{name:<32} positions {n}  mean KL {mean:.2e}  argmax {:.2}%  hits {}/{}  swaps {}  pcie entries {}  digest {bytes_digest:016x}",
+                100.0 * agree as f64 / n as f64, tt.vram_hits, tt.lookups, tt.swaps, tt.pcie_entries
+            );
+            configs.push(serde_json::json!({"config": name, "positions": n, "mean_kl": mean,
+                "argmax_agreement": agree as f64 / n as f64, "vram_hits": tt.vram_hits, "lookups": tt.lookups,
+                "swaps": tt.swaps, "pcie_entries": tt.pcie_entries, "digest": format!("{bytes_digest:016x}")}));
+        }
+        report.insert("model".into(), path.display().to_string().into());
+        report.insert("forward".into(), configs.into());
+    }
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&serde_json::Value::Object(report))?)?;
+    }
+    Ok(())
+}
+
+fn h2d_gbps(pinned: bool) -> Result<f64> {
+    use strata::compute::cuda::driver::{DevBuf, Event, PinnedBuf, Stream};
+    let n = 1usize << 30;
+    let d = DevBuf::alloc(n)?;
+    let s = Stream::new()?;
+    let (a, b) = (Event::timed()?, Event::timed()?);
+    let mut best = 0f64;
+    let pb;
+    let vb;
+    let src: *const u8 = if pinned {
+        pb = PinnedBuf::alloc(n)?;
+        pb.ptr()
+    } else {
+        vb = vec![1u8; n];
+        vb.as_ptr()
+    };
+    for _ in 0..5 {
+        a.record(&s)?;
+        // SAFETY: the source lives until s.sync() below.
+        unsafe { s.htod_raw(d.ptr, src, n)? };
+        b.record(&s)?;
+        s.sync()?;
+        best = best.max(n as f64 / (b.since_ms(&a)? as f64 / 1000.0) / 1e9);
+    }
+    Ok(best)
+}
+
+pub fn bench(a: BenchArgs) -> Result<()> {
+    let dev = strata::compute::cuda::probe(0).map_err(|e| anyhow::anyhow!("no GPU: {e}"))?.device;
+    dev.bind()?;
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
+    let t0 = Instant::now();
+    let knobs = Arc::new(Knobs::default());
+    let mut m = load(&a.model, knobs.clone(), threads)?;
+    eprintln!("loaded {} in {:.1} s ({threads} CPU threads)", a.model.display(), t0.elapsed().as_secs_f64());
+    let st = m.experts.clone().context("bench-gpu needs an MoE model")?;
+    let total = st.layout().n_layer() * st.layout().n_expert;
+    let blob = st.layout().layers[0].blob_bytes();
+    let pinned = h2d_gbps(true)?;
+    let pageable = h2d_gbps(false)?;
+    // host RAM read bandwidth over the RAM copy (all threads)
+    let ram_bw = {
+        let arena = st.arena();
+        let len = arena.len().min(8 << 30);
+        let t = Instant::now();
+        let chunk = len.div_ceil(threads);
+        let sum: u64 = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..threads)
+                .map(|i| {
+                    let sl = arena.slice(i * chunk, chunk.min(len - (i * chunk).min(len)));
+                    sc.spawn(move || {
+                        sl.chunks_exact(8).fold(0u64, |acc, c| acc ^ u64::from_le_bytes(c.try_into().unwrap()))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).fold(0, |a, b| a ^ b)
+        });
+        std::hint::black_box(sum);
+        len as f64 / t.elapsed().as_secs_f64() / 1e9
+    };
+    println!("H2D pinned {pinned:.1} GB/s, pageable {pageable:.1} GB/s; host RAM read {ram_bw:.1} GB/s; blob {:.2} MiB; {total} experts", blob as f64 / 1048576.0);
+    let mut arms = Vec::new();
+    let mut seed = 42u64;
+    let prompt: Vec<u32> = (0..a.prompt).map(|_| (rng(&mut seed) % m.cfg.n_vocab as u64) as u32).collect();
+    println!(
+        "{:<34} {:>8} {:>8} {:>7} {:>7} {:>9} {:>8} {:>9}",
+        "arm", "prompt/s", "decode/s", "hit%", "swaps", "pcie/tok", "blob/tok", "bound/s"
+    );
+    let mut plan: Vec<(f64, &str, f64)> = Vec::new();
+    for &f in &a.fracs {
+        if f >= 1.0 {
+            plan.push((f, "off", 0.0));
+        } else {
+            for mode in ["off", "blocking", "async"] {
+                plan.push((f, mode, 0.0));
+            }
+            for &p in &a.pcie {
+                plan.push((f, "async", p));
+            }
+        }
+    }
+    let mut first = true;
+    for (f, mode, pcie) in plan {
+        let n = ((total as f64 * f).round() as usize).min(total);
+        knobs.set("adapt_every", if mode == "off" { "0" } else { "4" }).map_err(|e| anyhow::anyhow!("{e}"))?;
+        knobs.set("adapt_async", if mode == "async" { "1" } else { "0" }).map_err(|e| anyhow::anyhow!("{e}"))?;
+        knobs.set("pcie_frac", &pcie.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
+        st.reset_usage();
+        if first {
+            let opts = GpuOptions {
+                enabled: true,
+                device: 0,
+                cache: CacheSize::Slots(n),
+                reserve_mib: 700,
+                n_ctx: a.prompt + a.gen + 8,
+                max_chunk: 64,
+            };
+            let line = attach_gpu(&mut m, &opts).map_err(|e| anyhow::anyhow!(e))?;
+            eprintln!("{line}");
+            first = false;
+        } else {
+            m.gpu.as_mut().expect("gpu").rebuild_cache(&st, CacheSize::Slots(n))?;
+        }
+        let before = st.counters.totals();
+        let mut kv = m.new_kv(a.prompt + a.gen + 8);
+        let mut s = Scratch::default();
+        let g = m.gpu.as_ref().expect("gpu");
+        g.drain(&st)?;
+        let tp = Instant::now();
+        let mut logits = m.forward(&prompt, &mut kv, Logits::Last, &mut s);
+        let prompt_s = tp.elapsed().as_secs_f64();
+        let td = Instant::now();
+        for _ in 0..a.gen {
+            let next = logits.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map(|x| x.0 as u32).unwrap_or(0);
+            s.decode = true;
+            logits = m.forward(&[next], &mut kv, Logits::Last, &mut s);
+            s.decode = false;
+            let plan = st.end_decode_window();
+            g.adapt(&st, plan)?;
+        }
+        let decode_s = td.elapsed().as_secs_f64();
+        let d = st.counters.totals().since(&before);
+        let hit = if d.lookups > 0 { d.vram_hits as f64 / d.lookups as f64 } else { 1.0 };
+        let misses_per_tok = (d.lookups - d.vram_hits) as f64 / a.gen as f64;
+        let pcie_per_tok = d.pcie_entries as f64 / a.gen as f64;
+        let blob_per_tok = d.file_blob_reads as f64 / a.gen as f64;
+        // §10 bound: the GPU's bytes over HBM plus the missed experts' bytes over RAM (CPU) — PCIe-served ones
+        // over the pinned link, in parallel with the CPU's share
+        let dense = g.dense_bytes() as f64;
+        let hits_per_tok = d.vram_hits as f64 / a.gen as f64;
+        let k = m.cfg.n_expert_used as f64;
+        let _ = k;
+        let gpu_s = (dense + hits_per_tok * blob as f64) / 4.3e12;
+        let cpu_s = (misses_per_tok - pcie_per_tok).max(0.0) * blob as f64 / (ram_bw * 1e9);
+        let pcie_s = pcie_per_tok * blob as f64 / (pinned * 1e9);
+        let bound = 1.0 / (gpu_s + cpu_s.max(pcie_s));
+        let name = format!(
+            "cache {:>3.0}%, adaptive {mode}{}",
+            f * 100.0,
+            if pcie > 0.0 { format!(", pcie {pcie}") } else { String::new() }
+        );
+        let (pt, dt) = (a.prompt as f64 / prompt_s, a.gen as f64 / decode_s);
+        println!(
+            "{name:<34} {pt:>8.1} {dt:>8.2} {:>7.1} {:>7} {pcie_per_tok:>9.2} {blob_per_tok:>8.2} {bound:>9.1}",
+            100.0 * hit,
+            d.swaps
+        );
+        arms.push(serde_json::json!({"arm": name, "cache_frac": f, "slots": n, "adaptive": mode, "pcie_frac": pcie,
+            "prompt_tok_s": pt, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,
+            "pcie_entries_per_token": pcie_per_tok, "blob_reads_per_token": blob_per_tok, "bound_tok_s": bound}));
+    }
+    let report = serde_json::json!({"model": a.model.display().to_string(), "h2d_pinned_gbps": pinned,
+        "h2d_pageable_gbps": pageable, "host_ram_read_gbps": ram_bw, "blob_bytes": blob, "experts": total, "arms": arms});
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
+    }
+    Ok(())
+}

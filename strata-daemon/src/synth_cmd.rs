@@ -1,0 +1,298 @@
+//! `strata-daemon synth-moe`: writes a GGUF (`llama` architecture with Mixtral-style experts) of a real
+//! model's geometry with random weights, streamed to disk (tens of GB), for scale benchmarks. Block formats
+//! Q4_0 or Q8_0 for the matrices (random codes, scales set so activations keep their size), F32 norms and
+//! router. `--skew S` gives expert `e` of each layer a router bias of `−S·ln(rank+1)` (a Zipf law of
+//! exponent S over a per-layer random ranking) through a constant channel of the embeddings, so a chosen
+//! share of routing goes to the hottest experts; 0 = uniform routing.
+
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args as ClapArgs;
+use strata::gguf::writer::{string_array, GgufWriter};
+use strata::gguf::Value;
+use strata::quant::GgmlType;
+
+#[derive(ClapArgs, Debug)]
+pub struct SynthArgs {
+    /// Output GGUF path.
+    #[arg(long)]
+    out: PathBuf,
+    /// Geometry: mixtral-8x7b (32 layers, 4096, 8 experts × 14336, top-2), olmoe-1b-7b (16 layers, 2048, 64
+    /// experts × 1024, top-8), qwen3-30b-a3b (48 layers, 2048, 128 experts × 768, top-8, head size 128), tiny.
+    #[arg(long, default_value = "mixtral-8x7b")]
+    preset: String,
+    /// Override the layer count.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Matrix format: q4_0 or q8_0.
+    #[arg(long, default_value = "q4_0")]
+    r#type: String,
+    /// Router skew (Zipf exponent of the per-layer expert popularity); 0 = uniform.
+    #[arg(long, default_value_t = 1.0)]
+    skew: f32,
+    /// Random seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+struct Geo {
+    layers: usize,
+    embd: usize,
+    ff_exp: usize,
+    experts: usize,
+    top_k: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    vocab: usize,
+}
+
+fn preset(name: &str) -> Result<Geo> {
+    Ok(match name {
+        "mixtral-8x7b" => Geo {
+            layers: 32,
+            embd: 4096,
+            ff_exp: 14336,
+            experts: 8,
+            top_k: 2,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            vocab: 32000,
+        },
+        "olmoe-1b-7b" => Geo {
+            layers: 16,
+            embd: 2048,
+            ff_exp: 1024,
+            experts: 64,
+            top_k: 8,
+            heads: 16,
+            kv_heads: 16,
+            head_dim: 128,
+            vocab: 50304,
+        },
+        "qwen3-30b-a3b" => Geo {
+            layers: 48,
+            embd: 2048,
+            ff_exp: 768,
+            experts: 128,
+            top_k: 8,
+            heads: 32,
+            kv_heads: 4,
+            head_dim: 128,
+            vocab: 151936,
+        },
+        "tiny" => Geo {
+            layers: 4,
+            embd: 256,
+            ff_exp: 512,
+            experts: 16,
+            top_k: 4,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            vocab: 512,
+        },
+        other => bail!("unknown preset {other:?} (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, tiny)"),
+    })
+}
+
+/// xorshift64* stream.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn normal(&mut self) -> f32 {
+        let (u, v) = (self.unit().max(1e-7), self.unit());
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+    }
+}
+
+/// Random rows of a block format: codes uniform, each block's scale so that an element's standard deviation is
+/// `std`.
+fn fill_blocks(ty: GgmlType, buf: &mut [u8], std: f32, rng: &mut Rng) {
+    let (bs, code_std) = match ty {
+        GgmlType::Q4_0 => (18, 4.61f32), // uniform 0..15 minus 8
+        _ => (34, 73.6f32),              // uniform −127..127
+    };
+    let d = half::f16::from_f32(std / code_std).to_bits().to_le_bytes();
+    for blk in buf.chunks_exact_mut(bs) {
+        blk[0] = d[0];
+        blk[1] = d[1];
+        for c in blk[2..].chunks_mut(8) {
+            let r = rng.next().to_le_bytes();
+            c.copy_from_slice(&r[..c.len()]);
+        }
+        if ty == GgmlType::Q8_0 {
+            for b in &mut blk[2..] {
+                if *b == 0x80 {
+                    *b = 0x81; // keep codes in −127..127
+                }
+            }
+        }
+    }
+}
+
+pub fn run(a: SynthArgs) -> Result<()> {
+    let mut g = preset(&a.preset)?;
+    if let Some(l) = a.layers {
+        g.layers = l;
+    }
+    let ty = match a.r#type.as_str() {
+        "q4_0" => GgmlType::Q4_0,
+        "q8_0" => GgmlType::Q8_0,
+        t => bail!("--type {t}: q4_0 or q8_0"),
+    };
+    let (e, ff, ne) = (g.embd, g.ff_exp, g.experts);
+    let (qd, kvd) = (g.heads * g.head_dim, g.kv_heads * g.head_dim);
+    let mut w = GgufWriter::default();
+    let arch = "llama";
+    w.set("general.architecture", Value::String(arch.into()));
+    w.set("general.name", Value::String(format!("synthetic {} ({}, random weights)", a.preset, a.r#type)));
+    let u = |v: usize| Value::U32(v as u32);
+    w.set(&format!("{arch}.block_count"), u(g.layers));
+    w.set(&format!("{arch}.embedding_length"), u(e));
+    w.set(&format!("{arch}.feed_forward_length"), u(ff));
+    w.set(&format!("{arch}.expert_feed_forward_length"), u(ff));
+    w.set(&format!("{arch}.attention.head_count"), u(g.heads));
+    w.set(&format!("{arch}.attention.head_count_kv"), u(g.kv_heads));
+    w.set(&format!("{arch}.attention.key_length"), u(g.head_dim));
+    w.set(&format!("{arch}.attention.value_length"), u(g.head_dim));
+    w.set(&format!("{arch}.rope.dimension_count"), u(g.head_dim));
+    w.set(&format!("{arch}.expert_count"), u(ne));
+    w.set(&format!("{arch}.expert_used_count"), u(g.top_k));
+    w.set(&format!("{arch}.context_length"), u(32768));
+    w.set(&format!("{arch}.rope.freq_base"), Value::F32(1e6));
+    w.set(&format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
+    w.set("tokenizer.ggml.model", Value::String("llama".into()));
+    w.set("tokenizer.ggml.tokens", string_array((0..g.vocab).map(|i| format!("<t{i}>"))));
+    w.set(
+        "tokenizer.ggml.scores",
+        Value::Array(strata::gguf::ValueType::F32, (0..g.vocab).map(|_| Value::F32(0.0)).collect()),
+    );
+    w.set(
+        "tokenizer.ggml.token_type",
+        Value::Array(strata::gguf::ValueType::I32, (0..g.vocab).map(|_| Value::I32(1)).collect()),
+    );
+    w.set("tokenizer.ggml.bos_token_id", u(1));
+    w.set("tokenizer.ggml.eos_token_id", u(2));
+    // tensors: (name, dims, type, bytes, std)
+    enum Kind {
+        Mat(f32),
+        Ones,
+        Embd,
+        Router(usize),
+    }
+    let mut list: Vec<(String, Vec<u64>, GgmlType, Kind)> = Vec::new();
+    let std_in = |cols: usize| 1.0 / (cols as f32).sqrt();
+    list.push(("token_embd.weight".into(), vec![e as u64, g.vocab as u64], GgmlType::F32, Kind::Embd));
+    for l in 0..g.layers {
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        list.push((n("attn_norm"), vec![e as u64], GgmlType::F32, Kind::Ones));
+        list.push((n("attn_q"), vec![e as u64, qd as u64], ty, Kind::Mat(std_in(e))));
+        list.push((n("attn_k"), vec![e as u64, kvd as u64], ty, Kind::Mat(std_in(e))));
+        list.push((n("attn_v"), vec![e as u64, kvd as u64], ty, Kind::Mat(std_in(e))));
+        list.push((n("attn_output"), vec![qd as u64, e as u64], ty, Kind::Mat(0.5 * std_in(qd))));
+        list.push((n("ffn_norm"), vec![e as u64], GgmlType::F32, Kind::Ones));
+        list.push((n("ffn_gate_inp"), vec![e as u64, ne as u64], GgmlType::F32, Kind::Router(l)));
+        list.push((n("ffn_gate_exps"), vec![e as u64, ff as u64, ne as u64], ty, Kind::Mat(std_in(e))));
+        list.push((n("ffn_up_exps"), vec![e as u64, ff as u64, ne as u64], ty, Kind::Mat(std_in(e))));
+        list.push((n("ffn_down_exps"), vec![ff as u64, e as u64, ne as u64], ty, Kind::Mat(0.5 * std_in(ff))));
+    }
+    list.push(("output_norm.weight".into(), vec![e as u64], GgmlType::F32, Kind::Ones));
+    list.push(("output.weight".into(), vec![e as u64, g.vocab as u64], ty, Kind::Mat(std_in(e))));
+    let sizes: Vec<u64> = list
+        .iter()
+        .map(|(_, d, t, _)| {
+            let n: u64 = d.iter().product();
+            n / t.block_size() as u64 * t.type_size() as u64
+        })
+        .collect();
+    for (name, dims, t, _) in &list {
+        w.add_tensor(name, dims.clone(), *t, Vec::new());
+    }
+    let (header, offsets) = w.header_for(&sizes);
+    let total = header.len() as u64 + offsets.last().unwrap() + sizes.last().unwrap();
+    let t0 = std::time::Instant::now();
+    let f = std::fs::File::create(&a.out)?;
+    f.set_len(total)?;
+    let mut out = BufWriter::with_capacity(8 << 20, f);
+    out.write_all(&header)?;
+    // the constant channel 0 of every embedding carries the router bias (see the module doc)
+    const BIAS_CH: f32 = 8.0;
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
+    for (i, (_, dims, t, kind)) in list.iter().enumerate() {
+        out.seek(SeekFrom::Start(header.len() as u64 + offsets[i]))?;
+        let size = sizes[i] as usize;
+        let mut buf = vec![0u8; size];
+        let seed = a.seed.wrapping_mul(0x9E3779B97F4A7C15) ^ (i as u64 + 1).wrapping_mul(0xD1B54A32D192ED03);
+        match kind {
+            Kind::Mat(std) => {
+                let bs = t.type_size();
+                let per = (size / bs).div_ceil(threads) * bs;
+                std::thread::scope(|sc| {
+                    for (j, chunk) in buf.chunks_mut(per.max(bs)).enumerate() {
+                        let std = *std;
+                        let t = *t;
+                        sc.spawn(move || fill_blocks(t, chunk, std, &mut Rng(seed ^ (j as u64 + 1) << 32 | 1)));
+                    }
+                });
+            }
+            Kind::Ones => {
+                for c in buf.chunks_exact_mut(4) {
+                    c.copy_from_slice(&1f32.to_le_bytes());
+                }
+            }
+            Kind::Embd => {
+                let mut r = Rng(seed | 1);
+                for row in buf.chunks_exact_mut(4 * dims[0] as usize) {
+                    for (c, v) in row.chunks_exact_mut(4).enumerate() {
+                        let x = if c == 0 { BIAS_CH } else { r.normal() };
+                        v.copy_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+            Kind::Router(l) => {
+                let mut r = Rng(seed | 1);
+                // per-layer popularity ranking
+                let mut rank: Vec<usize> = (0..ne).collect();
+                for k in (1..ne).rev() {
+                    let j = (r.next() % (k as u64 + 1)) as usize;
+                    rank.swap(k, j);
+                }
+                let _ = l;
+                // xn[0] ≈ BIAS_CH / rms(x) ≈ BIAS_CH / sqrt((BIAS_CH² + e) / e)
+                let xn0 = BIAS_CH / ((BIAS_CH * BIAS_CH + e as f32) / e as f32).sqrt();
+                for (ex, row) in buf.chunks_exact_mut(4 * e).enumerate() {
+                    let bias = -a.skew * ((rank[ex] + 1) as f32).ln();
+                    for (c, v) in row.chunks_exact_mut(4).enumerate() {
+                        let x = if c == 0 { bias / xn0 } else { r.normal() * std_in(e) };
+                        v.copy_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+        }
+        out.write_all(&buf)?;
+    }
+    out.flush()?;
+    eprintln!(
+        "wrote {} ({:.2} GiB, {} layers × {} experts of {:.2} MiB, {}) in {:.1} s",
+        a.out.display(),
+        total as f64 / (1u64 << 30) as f64,
+        g.layers,
+        ne,
+        (3 * ff * e / 32 * ty.type_size()) as f64 / (1u64 << 20) as f64,
+        a.r#type,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
