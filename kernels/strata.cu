@@ -114,6 +114,7 @@ __device__ __forceinline__ void row_dot(const u8* row, int cols, const Q8* const
         return;
     }
     const int nb = cols / 32;
+#pragma unroll 4
     for (int ib = lane; ib < nb; ib += 32) {
         if (FMT == FMT_Q8_0) {
             const u8* b = row + (size_t)ib * 34;

@@ -252,6 +252,24 @@ pub fn check(a: CheckArgs) -> Result<()> {
         let reference = teacher_force(&cpu, &toks);
         let total = cpu.experts.as_ref().map(|s| s.layout().n_layer() * s.layout().n_expert).unwrap_or(0);
         let mut configs = Vec::new();
+        // the fixture's own noise floor: the CPU path's batch (one prefill of every position) against its
+        // decode windows
+        {
+            let mut kv = cpu.new_kv(toks.len() + 1);
+            let mut s = Scratch::default();
+            let all = cpu.forward(&toks[..toks.len() - 1], &mut kv, Logits::All, &mut s);
+            let batch = &all[7 * n_vocab..];
+            let (kls, agree) = kl_argmax(&reference, batch, n_vocab);
+            let mean = kls.iter().sum::<f64>() / kls.len() as f64;
+            println!(
+                "{:<32} positions {}  mean KL {mean:.2e}  argmax {:.2}%  (CPU batch vs CPU decode: the fixture's floor)",
+                "cpu batch vs cpu decode",
+                kls.len(),
+                100.0 * agree as f64 / kls.len() as f64
+            );
+            configs.push(serde_json::json!({"config": "cpu batch vs cpu decode", "positions": kls.len(),
+                "mean_kl": mean, "argmax_agreement": agree as f64 / kls.len() as f64}));
+        }
         for (name, cache, every, asyn, pcie) in [
             ("all experts in VRAM", CacheSize::Auto, 0u32, 0u8, 0.0f64),
             ("cache 25%, static", CacheSize::Slots(total / 4), 0, 0, 0.0),
@@ -377,6 +395,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 plan.push((f, mode, 0.0));
             }
             for &p in &a.pcie {
+                plan.push((f, "off", p));
                 plan.push((f, "async", p));
             }
         }

@@ -70,6 +70,8 @@ struct Bufs {
     cpu: DevBuf,
     cs: DevBuf,
     logits: DevBuf,
+    /// Routed experts of every layer of a window (`n_layer × t × k`), read once after the window.
+    win_ids: DevBuf,
 }
 
 /// Host scratch of the hybrid path.
@@ -235,6 +237,7 @@ impl GpuModel {
             cpu: f4(t * e)?,
             cs: f4(t * c.n_rot)?,
             logits: f4(t * c.n_vocab)?,
+            win_ids: f4(c.n_layer * t * kk)?,
         };
         let s = Stream::new()?;
         let mut g = GpuModel {
@@ -508,9 +511,8 @@ impl GpuModel {
                         )?;
                         ops.moe_combine(b.x.ptr, b.y.ptr, b.w.ptr, b.flag.ptr, 0, kk, e, t)?;
                         if s.decode {
-                            let mut ids = vec![0i32; n_pairs];
-                            self.s.dtoh_sync(&mut ids, b.ids.ptr)?;
-                            host.deferred.extend_from_slice(&ids);
+                            // kept on the device; read once after the window (no per-layer round trip)
+                            self.s.dtod(b.win_ids.at(l * n_pairs * 4), b.ids.ptr, n_pairs * 4)?;
                         }
                     } else {
                         self.hybrid_moe(m, l, t, pos0, s, &mut host, (*gate_ty, *down_ty, *down_off))?;
@@ -521,6 +523,8 @@ impl GpuModel {
         if fast && s.decode {
             if let Some(st) = &m.experts {
                 let kk = c.n_expert_used;
+                host.deferred.resize(c.n_layer * t * kk, 0);
+                self.s.dtoh_sync(&mut host.deferred, b.win_ids.ptr)?;
                 for l in 0..c.n_layer {
                     let r: Vec<usize> =
                         host.deferred[l * t * kk..(l + 1) * t * kk].iter().map(|&v| v as usize).collect();
