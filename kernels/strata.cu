@@ -210,7 +210,8 @@ __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
 }
 
 #define MMV_KERNEL(NAME, FMT)                                                                                   \
-    extern "C" __global__ void NAME(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2,   \
+    extern "C" __global__ void NAME(const u8* __restrict__ w0, const u8* __restrict__ w1,                       \
+                                    const u8* __restrict__ w2, int rows0, int rows1, int rows2,                \
                                     int cols, const Q8* xq, const float* xf, int x_stride, int nt, float* out,  \
                                     int out_stride, int accumulate) {                                           \
         for (int t0 = 0; t0 < nt; t0 += MAX_NT) {                                                               \
@@ -240,8 +241,8 @@ MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Quantize `n_rows` rows of `cols` f32 values (cols % 32 == 0) to Q8 blocks: one warp per block.
-__device__ __forceinline__ void quantize_block_warp(const float* x, Q8* out, int lane) {
-    float v = x[lane];
+// `v` is this lane's element of a 32-value block (the whole warp takes part).
+__device__ __forceinline__ void quantize_block_warp(float v, Q8* out, int lane) {
     float amax = warp_max(fabsf(v));
     float d = amax / 127.0f;
     float id = amax != 0.f ? 127.0f / amax : 0.f;
@@ -264,39 +265,54 @@ __device__ __forceinline__ void quantize_block_warp(const float* x, Q8* out, int
 extern "C" __global__ void quantize_q8(const float* x, Q8* out, int n_blocks) {
     const int warp = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp >= n_blocks) return;
-    quantize_block_warp(x + (size_t)warp * 32, out + warp, lane);
+    quantize_block_warp(x[(size_t)warp * 32 + lane], out + warp, lane);
 }
 
 // RMSNorm of `t` rows of `n` values with weight w, then Q8 quantization: out = x / sqrt(mean(x^2) + eps) * w.
-// One block of 256 threads per row; n % 32 == 0.
+// One block of 1024 threads per row, each thread keeping its (at most 8) values in registers; n % 32 == 0,
+// n <= 8192. Each warp's 32 consecutive values are one Q8 block.
+#define NORM_THREADS 1024
 extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float eps, int n, float* out, Q8* outq) {
     const int row = blockIdx.x;
     const float* xr = x + (size_t)row * n;
     float* o = out + (size_t)row * n;
-    __shared__ double red[8];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    float v[8];
     double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int i = tid + k * NORM_THREADS;
+        v[k] = i < n ? xr[i] : 0.f;
+        ss += (double)v[k] * (double)v[k];
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+    __shared__ double red[32];
+    if (lane == 0) red[warp] = ss;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        double t = 0.0;
-        for (int i = 0; i < (int)(blockDim.x / 32); i++) t += red[i];
-        red[0] = t;
+    if (warp == 0) {
+        double t = red[lane];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+        if (lane == 0) red[0] = t;
     }
     __syncthreads();
     const float scale = 1.0f / sqrtf((float)(red[0] / (double)n) + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = xr[i] * scale * w[i];
-    __syncthreads();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int b = warp; b < n / 32; b += blockDim.x / 32) quantize_block_warp(o + b * 32, outq + (size_t)row * (n / 32) + b, lane);
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int i = tid + k * NORM_THREADS;  // the same for the whole warp up to the lane
+        if (i - lane < n) {
+            const float y = v[k] * scale * w[i];
+            o[i] = y;
+            quantize_block_warp(y, outq + (size_t)row * (n / 32) + i / 32, lane);
+        }
+    }
 }
 
 // RoPE (adjacent pairs, llama.cpp's "normal" mode) on q and k, then q rounded to f16 precision into `q`,
 // k and v stored as f16 into the KV cache at positions pos0 + i.
 // qkv: t rows of (n_head + 2*n_head_kv) * hd values [q | k | v]; cs: t * (n_rot/2) (cos, sin) pairs.
-// Grid: t blocks; block: 128 threads.
+// Grid: (t, any); block: 128 threads.
 extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_head, int n_head_kv, int hd,
                                       int n_rot, int pos0, float* q, u16* kcache, u16* vcache) {
     const int i = blockIdx.x;
@@ -304,7 +320,8 @@ extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_
     const float* src = qkv + (size_t)i * (qd + 2 * kvd);
     const float2* c = cs + (size_t)i * (n_rot / 2);
     // q
-    for (int j = threadIdx.x; j < qd / 2; j += blockDim.x) {
+    const int j0 = blockIdx.y * blockDim.x + threadIdx.x, js = gridDim.y * blockDim.x;
+    for (int j = j0; j < qd / 2; j += js) {
         int h = (2 * j) / hd, p = (2 * j) % hd;  // p even
         float a = src[h * hd + p], b = src[h * hd + p + 1];
         float oa = a, ob = b;
@@ -318,7 +335,7 @@ extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_
     }
     u16* kc = kcache + (size_t)(pos0 + i) * kvd;
     u16* vc = vcache + (size_t)(pos0 + i) * kvd;
-    for (int j = threadIdx.x; j < kvd / 2; j += blockDim.x) {
+    for (int j = j0; j < kvd / 2; j += js) {
         int h = (2 * j) / hd, p = (2 * j) % hd;
         float a = src[qd + h * hd + p], b = src[qd + h * hd + p + 1];
         float oa = a, ob = b;
@@ -330,7 +347,7 @@ extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_
         kc[h * hd + p] = float_to_half(oa);
         kc[h * hd + p + 1] = float_to_half(ob);
     }
-    for (int j = threadIdx.x; j < kvd; j += blockDim.x) vc[j] = float_to_half(src[qd + kvd + j]);
+    for (int j = j0; j < kvd; j += js) vc[j] = float_to_half(src[qd + kvd + j]);
 }
 
 // Causal grouped-query attention of t query rows over the KV cache (f16), position of row i = pos0 + i.
@@ -540,13 +557,13 @@ __device__ void down_body(const Group& g, const u8* blob, size_t down_off, int f
     }
 
 #define EXPERT_KERNELS(SUFFIX, FMT)                                                                               \
-    extern "C" __global__ void expert_gate_up_##SUFFIX(const Group* groups, const u8* slots, size_t slot_bytes,   \
+    extern "C" __global__ void expert_gate_up_##SUFFIX(const Group* groups, const u8* __restrict__ slots, size_t slot_bytes, \
                                                        int ff, int e, const Q8* xq, const float* xf, float* h) {  \
         const Group g = groups[blockIdx.y];                                                                       \
         const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
         NT_SWITCH(gate_up_body, FMT, g, blob, ff, e, xq, xf, h)                                                   \
     }                                                                                                             \
-    extern "C" __global__ void expert_down_##SUFFIX(const Group* groups, const u8* slots, size_t slot_bytes,      \
+    extern "C" __global__ void expert_down_##SUFFIX(const Group* groups, const u8* __restrict__ slots, size_t slot_bytes, \
                                                     size_t down_off, int ff, int e, const Q8* hq, const float* hf, \
                                                     float* out) {                                                 \
         const Group g = groups[blockIdx.y];                                                                       \
@@ -562,11 +579,11 @@ EXPERT_KERNELS(q4_0, FMT_Q4_0)
 EXPERT_KERNELS(q4_1, FMT_Q4_1)
 
 // x[i] += Σ_r flag[i*k+r] ? w[i*k+r] * y[i*k+r] : 0  (+ cpu[i] when cpu != null), in rank order.
-// Grid: t blocks; block 256 threads.
+// Grid: (ceil(e / 256), t); block 256 threads.
 extern "C" __global__ void moe_combine(float* x, const float* y, const float* w, const int* flag, const float* cpu,
                                        int k, int e) {
-    const int i = blockIdx.x;
-    for (int c = threadIdx.x; c < e; c += blockDim.x) {
+    const int i = blockIdx.y;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < e; c += gridDim.x * blockDim.x) {
         float acc = 0.f;
         for (int r = 0; r < k; r++) {
             const int p = i * k + r;

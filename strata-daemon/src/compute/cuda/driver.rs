@@ -376,40 +376,45 @@ impl Drop for PinnedBuf {
     }
 }
 
-/// A kernel argument list for [`Func::launch`]: each argument is boxed so its address stays fixed.
-#[derive(Default)]
+/// A kernel argument list for [`Func::launch`]: up to 16 arguments of at most 8 bytes, stored inline (no
+/// allocation per launch).
 pub struct Args {
-    vals: Vec<Box<[u8; 8]>>,
+    vals: [u64; 16],
+    n: usize,
+}
+
+impl Default for Args {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Args {
     /// Empty.
     pub fn new() -> Self {
-        Args { vals: Vec::with_capacity(16) }
+        Args { vals: [0; 16], n: 0 }
+    }
+    fn push(mut self, v: u64) -> Self {
+        assert!(self.n < 16, "more than 16 kernel arguments");
+        self.vals[self.n] = v;
+        self.n += 1;
+        self
     }
     /// A device pointer (or 0 for null).
-    pub fn ptr(mut self, p: u64) -> Self {
-        self.vals.push(Box::new(p.to_le_bytes()));
-        self
+    pub fn ptr(self, p: u64) -> Self {
+        self.push(p)
     }
-    /// A 32-bit integer.
-    pub fn i32(mut self, v: i32) -> Self {
-        let mut b = [0u8; 8];
-        b[..4].copy_from_slice(&v.to_le_bytes());
-        self.vals.push(Box::new(b));
-        self
+    /// A 32-bit integer (the driver reads the low 4 bytes; little-endian).
+    pub fn i32(self, v: i32) -> Self {
+        self.push(v as u32 as u64)
     }
     /// A 32-bit float.
-    pub fn f32(mut self, v: f32) -> Self {
-        let mut b = [0u8; 8];
-        b[..4].copy_from_slice(&v.to_le_bytes());
-        self.vals.push(Box::new(b));
-        self
+    pub fn f32(self, v: f32) -> Self {
+        self.push(v.to_bits() as u64)
     }
     /// A 64-bit size.
-    pub fn usize(mut self, v: usize) -> Self {
-        self.vals.push(Box::new((v as u64).to_le_bytes()));
-        self
+    pub fn usize(self, v: usize) -> Self {
+        self.push(v as u64)
     }
 }
 
@@ -430,9 +435,13 @@ impl Func {
     /// Launches on `s` with `grid` blocks of `block` threads and `smem` bytes of dynamic shared memory.
     /// Errors: launch failure (bad configuration, missing resources).
     pub fn launch(&self, s: &Stream, grid: (u32, u32, u32), block: u32, smem: u32, args: Args) -> Result<(), GpuError> {
-        let mut ptrs: Vec<*mut c_void> = args.vals.iter().map(|b| b.as_ptr() as *mut c_void).collect();
+        let mut args = args;
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); 16];
+        for (p, v) in ptrs.iter_mut().zip(args.vals.iter_mut()).take(args.n) {
+            *p = v as *mut u64 as *mut c_void;
+        }
         // SAFETY: the argument list matches the kernel's parameters (each call site mirrors the .cu signature);
-        // the values are copied by the driver at launch, the boxes outlive the call.
+        // the driver copies the values at launch; `args` outlives the call.
         unsafe {
             check(
                 self.name,

@@ -84,6 +84,9 @@ struct Host {
     flag: Vec<i32>,
     /// Routed experts of every layer of a window computed without a host round trip (usage accounting).
     deferred: Vec<i32>,
+    /// Fractional PCIe share carried from layer to layer (a layer has few misses; rounding each layer alone
+    /// would send all or none).
+    pcie_carry: f32,
     cs: Vec<f32>,
 }
 
@@ -151,8 +154,10 @@ impl GpuModel {
             img.len()
         );
         let c = &model.cfg;
-        if c.n_expert_used > 32 || c.n_expert > 1024 || c.head_dim % 2 != 0 {
-            return Err(GpuError::Unsupported("top-k > 32, more than 1024 experts or an odd head size".into()));
+        if c.n_expert_used > 32 || c.n_expert > 1024 || c.head_dim % 2 != 0 || c.n_embd > 8192 {
+            return Err(GpuError::Unsupported(
+                "top-k > 32, more than 1024 experts, an odd head size or n_embd > 8192".into(),
+            ));
         }
         let max_smem = (dev.max_smem_optin - 1024).max(48 << 10) as usize;
         if (c.head_dim + cfg.n_ctx) * 4 > max_smem {
@@ -441,6 +446,12 @@ impl GpuModel {
             host.cs.push(sv);
         }
         self.s.htod_sync(b.cs.ptr, &host.cs)?;
+        let timing = std::env::var_os("STRATA_GPU_TIMING").is_some();
+        let t_start = std::time::Instant::now();
+        let ev0 = if timing { Some(super::driver::Event::timed()?) } else { None };
+        if let Some(e) = &ev0 {
+            e.record(&self.s)?;
+        }
         let fast = self.cache.is_some() && m.experts.as_ref().is_some_and(|st| st.all_in_vram()) && s.routes.is_none();
         host.deferred.clear();
         for (l, g) in self.layers.iter().enumerate() {
@@ -532,6 +543,18 @@ impl GpuModel {
                 }
             }
         }
+        if let Some(e0) = &ev0 {
+            let enqueued = t_start.elapsed().as_secs_f64() * 1000.0;
+            let e1 = super::driver::Event::timed()?;
+            e1.record(&self.s)?;
+            e1.sync()?;
+            tracing::info!(
+                "GPU timing: {t} tokens at {pos0}: layers enqueued in {enqueued:.3} ms (host), {:.3} ms on the GPU, \
+                 {:.3} ms wall",
+                e1.since_ms(e0)?,
+                t_start.elapsed().as_secs_f64() * 1000.0
+            );
+        }
         let Some(which) = which else {
             self.s.sync()?;
             return Ok(Vec::new());
@@ -607,7 +630,10 @@ impl GpuModel {
         let frac = m.experts.as_ref().and_then(|st| st.knobs.get("pcie_frac").ok()).unwrap_or(0.0) as f32;
         if let (Some(cache), true) = (cache, frac > 0.0) {
             ram_miss.sort_by(|a, b| by_expert[b.0].len().cmp(&by_expert[a.0].len()).then(a.0.cmp(&b.0)));
-            let n = ((ram_miss.len() as f32 * frac).round() as usize).min(cache.n_staging);
+            // error diffusion across layers: over a window, `frac` of the RAM misses go over PCIe
+            host.pcie_carry += ram_miss.len() as f32 * frac.min(1.0);
+            let n = (host.pcie_carry.floor() as usize).min(ram_miss.len()).min(cache.n_staging);
+            host.pcie_carry -= n as f32;
             if n > 0 {
                 let st = m.experts.as_ref().expect("store");
                 let items: Vec<(usize, usize, usize)> = ram_miss[..n].iter().map(|&(x, off)| (l, x, off)).collect();

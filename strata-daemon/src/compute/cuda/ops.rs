@@ -101,7 +101,7 @@ impl Ops<'_> {
         outq: u64,
     ) -> Result<(), GpuError> {
         let args = Args::new().ptr(x).ptr(w).f32(eps).i32(n as i32).ptr(out).ptr(outq);
-        self.k.rms_norm_q8.launch(self.s, (t as u32, 1, 1), 256, 0, args)
+        self.k.rms_norm_q8.launch(self.s, (t as u32, 1, 1), 1024, 0, args)
     }
 
     /// RoPE + KV store (see the kernel).
@@ -131,7 +131,8 @@ impl Ops<'_> {
             .ptr(q)
             .ptr(kc)
             .ptr(vc);
-        self.k.rope_store.launch(self.s, (t as u32, 1, 1), 128, 0, args)
+        let pairs = (n_head * hd / 2).max(n_head_kv * hd);
+        self.k.rope_store.launch(self.s, (t as u32, pairs.div_ceil(128).min(64) as u32, 1), 128, 0, args)
     }
 
     /// Causal attention of `t` rows at positions `pos0..` over the cache.
@@ -260,7 +261,7 @@ impl Ops<'_> {
         t: usize,
     ) -> Result<(), GpuError> {
         let args = Args::new().ptr(x).ptr(y).ptr(w).ptr(flag).ptr(cpu).i32(k as i32).i32(e as i32);
-        self.k.moe_combine.launch(self.s, (t as u32, 1, 1), 256, 0, args)
+        self.k.moe_combine.launch(self.s, (e.div_ceil(256) as u32, t as u32, 1), 256, 0, args)
     }
 
     /// Dense SwiGLU: `h = silu(g) * u` from t rows of `[g | u]`.
