@@ -166,8 +166,13 @@ impl SlotCache {
         ready.record(compute)?;
         self.copy.wait(&ready)?;
         if !asynchronous {
-            copy_in(store, &moves_ref(&moves), self, &self.bounce, &self.copy)?;
-            self.copy.sync()?;
+            let copied =
+                copy_in(store, &moves_ref(&moves), self, &self.bounce, &self.copy).and_then(|_| self.copy.sync());
+            if let Err(e) = copied {
+                // the slots' contents are undefined now: give them back empty, the evicted experts stay on the CPU
+                self.release(store, &moves);
+                return Err(e);
+            }
             self.admit(store, moves, compute)?;
             return Ok(plan.len());
         }
@@ -201,6 +206,17 @@ impl SlotCache {
         Ok(plan.len())
     }
 
+    /// Returns the slots of failed moves to the free list (nothing was admitted into them).
+    fn release(&self, store: &ExpertStore, moves: &[Move]) {
+        for m in moves {
+            store.release_slot(m.slot);
+        }
+        tracing::warn!(
+            "adaptive round failed: {} slots returned empty; their experts are computed on the CPU",
+            moves.len()
+        );
+    }
+
     fn admit(&self, store: &ExpertStore, moves: Vec<Move>, compute: &Stream) -> Result<(), GpuError> {
         let n = moves.len() as u64;
         for m in moves {
@@ -220,16 +236,27 @@ impl SlotCache {
         let issued = if wait {
             Some(f.issued.recv().unwrap_or(Err(GpuError::Unsupported("adaptive helper thread died".into()))))
         } else {
-            f.issued.try_recv().ok()
+            match f.issued.try_recv() {
+                Ok(r) => Some(r),
+                Err(crossbeam_channel::TryRecvError::Empty) => None,
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    Some(Err(GpuError::Unsupported("adaptive helper thread died".into())))
+                }
+            }
         };
         let Some(issued) = issued else { return Ok(false) };
         let f = g.take().expect("in flight");
         drop(g);
         store.set_exchange_staged(false);
-        issued?;
-        if wait {
-            f.done.sync()?;
-        } else if !f.done.done()? {
+        let landed = issued.and_then(|_| if wait { f.done.sync().map(|_| true) } else { f.done.done() });
+        let landed = match landed {
+            Ok(l) => l,
+            Err(e) => {
+                self.release(store, &f.moves);
+                return Err(e);
+            }
+        };
+        if !landed {
             // issued but not landed: keep polling later
             let (tx, rx) = crossbeam_channel::bounded(1);
             let _ = tx.send(Ok(()));
@@ -260,6 +287,18 @@ impl SlotCache {
             out.push(slot);
         }
         Ok(out)
+    }
+}
+
+impl Drop for SlotCache {
+    fn drop(&mut self) {
+        // a helper thread may still record into this round's event: wait for it first
+        let f = self.in_flight.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(f) = f {
+            let _ = self.dev.bind();
+            let _ = f.issued.recv();
+            let _ = f.done.sync();
+        }
     }
 }
 
