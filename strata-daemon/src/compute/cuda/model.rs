@@ -154,7 +154,7 @@ impl GpuModel {
             img.len()
         );
         let c = &model.cfg;
-        if c.n_expert_used > 32 || c.n_expert > 1024 || c.head_dim % 2 != 0 || c.n_embd > 8192 {
+        if c.n_expert_used > 32 || c.n_expert > 1024 || !c.head_dim.is_multiple_of(2) || c.n_embd > 8192 {
             return Err(GpuError::Unsupported(
                 "top-k > 32, more than 1024 experts, an odd head size or n_embd > 8192".into(),
             ));
