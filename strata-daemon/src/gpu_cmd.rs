@@ -129,12 +129,21 @@ fn kl_argmax(p_logits: &[f32], q_logits: &[f32], n_vocab: usize) -> (Vec<f64>, u
 }
 
 fn load(path: &PathBuf, knobs: Arc<Knobs>, threads: usize) -> Result<LlamaModel> {
+    load_with(path, knobs, threads, None)
+}
+
+/// [`load`] with the RAM copy holding only `ram_share` of the experts' bytes (the rest from the file).
+fn load_with(path: &PathBuf, knobs: Arc<Knobs>, threads: usize, ram_share: Option<f64>) -> Result<LlamaModel> {
     let file = Arc::new(GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?);
     let mut m = LlamaModel::load(file.clone())?;
     m.set_threads(threads)?;
     if let Some(layout) = ExpertLayout::of(&m) {
         let g = geometry_of(&m);
-        let st = ExpertStore::new(layout, file, path, g, None, &StoreConfig::default(), knobs)?;
+        let mut cfg = StoreConfig::default();
+        if let Some(f) = ram_share {
+            cfg.mode = strata::tiers::store::ResidentMode::Budget((layout.total_bytes() as f64 * f) as u64);
+        }
+        let st = ExpertStore::new(layout, file, path, g, None, &cfg, knobs)?;
         m.experts = Some(Arc::new(st));
     }
     Ok(m)
@@ -146,7 +155,11 @@ fn teacher_force(m: &LlamaModel, toks: &[u32]) -> Vec<f32> {
     let mut kv = m.new_kv(toks.len() + 1);
     let mut s = Scratch::default();
     let mut out = m.forward(&toks[..8], &mut kv, Logits::Last, &mut s);
-    for &t in &toks[8..toks.len() - 1] {
+    for (w, &t) in toks[8..toks.len() - 1].iter().enumerate() {
+        if let Some(st) = &m.experts {
+            // RAM adapt before a decode window, never the first (as the engine does)
+            st.ram_adapt(w == 0);
+        }
         s.decode = true;
         out.extend(m.forward(&[t], &mut kv, Logits::Last, &mut s));
         s.decode = false;
@@ -270,19 +283,24 @@ pub fn check(a: CheckArgs) -> Result<()> {
             configs.push(serde_json::json!({"config": "cpu batch vs cpu decode", "positions": kls.len(),
                 "mean_kl": mean, "argmax_agreement": agree as f64 / kls.len() as f64}));
         }
-        for (name, cache, every, asyn, pcie) in [
-            ("all experts in VRAM", CacheSize::Auto, 0u32, 0u8, 0.0f64),
-            ("cache 25%, static", CacheSize::Slots(total / 4), 0, 0, 0.0),
-            ("cache 25%, static, repeat", CacheSize::Slots(total / 4), 0, 0, 0.0),
-            ("cache 25%, adaptive blocking", CacheSize::Slots(total / 4), 1, 0, 0.0),
-            ("cache 25%, adaptive async", CacheSize::Slots(total / 4), 1, 1, 0.0),
-            ("cache 25%, pcie-frac 0.5", CacheSize::Slots(total / 4), 0, 0, 0.5),
+        let q = CacheSize::Slots(total / 4);
+        for (name, cache, every, asyn, pcie, ram) in [
+            ("all experts in VRAM", CacheSize::Auto, 0u32, 0u8, 0.0f64, None),
+            ("cache 25%, static", q, 0, 0, 0.0, None),
+            ("cache 25%, static, repeat", q, 0, 0, 0.0, None),
+            ("cache 25%, adaptive blocking", q, 1, 0, 0.0, None),
+            ("cache 25%, adaptive async", q, 1, 1, 0.0, None),
+            ("cache 25%, pcie-frac 0.5", q, 0, 0, 0.5, None),
+            ("cache 25%, RAM 50%, ram-adapt 8", q, 1, 0, 0.0, Some(0.5)),
         ] {
             let knobs = Arc::new(Knobs::default());
+            if ram.is_some() {
+                knobs.set("ram_adapt", "8").map_err(|e| anyhow::anyhow!("{e}"))?;
+            }
             knobs.set("adapt_every", &every.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("adapt_async", &asyn.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("pcie_frac", &pcie.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
-            let mut m = load(path, knobs, 8)?;
+            let mut m = load_with(path, knobs, 8, ram)?;
             let opts =
                 GpuOptions { enabled: true, device: 0, cache, reserve_mib: 700, n_ctx: toks.len() + 8, max_chunk: 64 };
             let line = attach_gpu(&mut m, &opts).map_err(|e| anyhow::anyhow!(e))?;
@@ -302,12 +320,13 @@ pub fn check(a: CheckArgs) -> Result<()> {
             let bytes_digest =
                 gl.iter().fold(0xcbf29ce484222325u64, |h, v| (h ^ v.to_bits() as u64).wrapping_mul(0x100000001b3));
             println!(
-                "{name:<32} positions {n}  mean KL {mean:.2e}  argmax {:.2}%  hits {}/{}  swaps {}  pcie entries {}  digest {bytes_digest:016x}",
-                100.0 * agree as f64 / n as f64, tt.vram_hits, tt.lookups, tt.swaps, tt.pcie_entries
+                "{name:<32} positions {n}  mean KL {mean:.2e}  argmax {:.2}%  hits {}/{}  swaps {}  pcie entries {}  promotions {}  file reads {}  digest {bytes_digest:016x}",
+                100.0 * agree as f64 / n as f64, tt.vram_hits, tt.lookups, tt.swaps, tt.pcie_entries, tt.promotions, tt.file_blob_reads
             );
             configs.push(serde_json::json!({"config": name, "positions": n, "mean_kl": mean,
                 "argmax_agreement": agree as f64 / n as f64, "vram_hits": tt.vram_hits, "lookups": tt.lookups,
-                "swaps": tt.swaps, "pcie_entries": tt.pcie_entries, "digest": format!("{bytes_digest:016x}")}));
+                "swaps": tt.swaps, "pcie_entries": tt.pcie_entries, "promotions": tt.promotions,
+                "file_blob_reads": tt.file_blob_reads, "digest": format!("{bytes_digest:016x}")}));
         }
         report.insert("model".into(), path.display().to_string().into());
         report.insert("forward".into(), configs.into());

@@ -33,7 +33,7 @@ fn gpu_matches_cpu() {
     let worst = r["kernels_worst_rel_err_vs_cpu"].as_f64().unwrap();
     assert!(worst < 1e-5, "dense products differ from the CPU path: {worst}");
     let rows = r["forward"].as_array().unwrap();
-    assert_eq!(rows.len(), 7);
+    assert_eq!(rows.len(), 8);
     let rows = &rows[1..]; // [0] is the CPU's own batch-vs-decode floor
     for row in rows {
         assert!(row.get("failed").is_none(), "{row}");
@@ -45,6 +45,8 @@ fn gpu_matches_cpu() {
     assert_eq!(rows[0]["vram_hits"], rows[0]["lookups"]);
     assert!(rows[3]["swaps"].as_u64().unwrap() > 0);
     assert!(rows[5]["pcie_entries"].as_u64().unwrap() > 0);
+    // RAM adapt keeps working beside the VRAM tier: promotions happen, reads from the file happen
+    assert!(rows[6]["promotions"].as_u64().unwrap() > 0, "{}", rows[6]);
     for row in rows {
         let kl = row["mean_kl"].as_f64().unwrap();
         assert!(kl < 0.05, "forward pass far from the CPU path: {row}");
