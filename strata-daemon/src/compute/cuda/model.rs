@@ -672,12 +672,16 @@ impl GpuModel {
         if n_groups > 0 {
             let slots = cache.expect("cache").slots.ptr;
             let sb = cache.expect("cache").slot_bytes;
-            self.s.htod_sync(b.groups.ptr, &host.groups)?;
+            // SAFETY: host.groups is next written in the next MoE layer, after that layer's stream sync (or in
+            // the next pass, after its final sync), so it outlives the copy. Asynchronous: the CPU pool below
+            // starts on the misses while the GPU works.
+            unsafe { self.s.htod_raw(b.groups.ptr, host.groups.as_ptr(), host.groups.len())? };
             ops.expert_gate_up(gate_ty, b.groups.ptr, n_groups, slots, sb, ff, e, b.xq.ptr, b.xn.ptr, b.h.ptr)?;
             ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
             ops.expert_down(down_ty, b.groups.ptr, n_groups, slots, sb, down_off, ff, e, b.hq.ptr, b.h.ptr, b.y.ptr)?;
         }
-        self.s.htod_sync(b.flag.ptr, &host.flag)?;
+        // SAFETY: as for host.groups above.
+        unsafe { self.s.htod_raw(b.flag.ptr, host.flag.as_ptr() as *const u8, host.flag.len() * 4)? };
         // CPU misses meanwhile (the launches above run on the GPU while the pool works)
         let any_cpu = by_expert.iter().any(|v| !v.is_empty());
         if any_cpu {
@@ -685,7 +689,8 @@ impl GpuModel {
             s.xn.f.copy_from_slice(&host.xn);
             s.xn.quantize();
             m.experts_cpu(l, ex, &by_expert, src, s);
-            self.s.htod_sync(b.cpu.ptr, &s.moe_acc)?;
+            // SAFETY: s.moe_acc is next written by the next layer's CPU experts, after that layer's stream sync.
+            unsafe { self.s.htod_raw(b.cpu.ptr, s.moe_acc.as_ptr() as *const u8, s.moe_acc.len() * 4)? };
         }
         ops.moe_combine(b.x.ptr, b.y.ptr, b.w.ptr, b.flag.ptr, if any_cpu { b.cpu.ptr } else { 0 }, kk, e, t)
     }
