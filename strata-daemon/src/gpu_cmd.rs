@@ -468,8 +468,6 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         // over the pinned link, in parallel with the CPU's share
         let dense = g.dense_bytes() as f64;
         let hits_per_tok = d.vram_hits as f64 / a.gen as f64;
-        let k = m.cfg.n_expert_used as f64;
-        let _ = k;
         let gpu_s = (dense + hits_per_tok * blob as f64) / 4.3e12;
         let cpu_s = (misses_per_tok - pcie_per_tok).max(0.0) * blob as f64 / (ram_bw * 1e9);
         let pcie_s = pcie_per_tok * blob as f64 / (pinned * 1e9);

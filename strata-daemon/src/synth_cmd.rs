@@ -190,7 +190,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
         Mat(f32),
         Ones,
         Embd,
-        Router(usize),
+        Router,
     }
     let mut list: Vec<(String, Vec<u64>, GgmlType, Kind)> = Vec::new();
     let std_in = |cols: usize| 1.0 / (cols as f32).sqrt();
@@ -203,7 +203,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
         list.push((n("attn_v"), vec![e as u64, kvd as u64], ty, Kind::Mat(std_in(e))));
         list.push((n("attn_output"), vec![qd as u64, e as u64], ty, Kind::Mat(0.5 * std_in(qd))));
         list.push((n("ffn_norm"), vec![e as u64], GgmlType::F32, Kind::Ones));
-        list.push((n("ffn_gate_inp"), vec![e as u64, ne as u64], GgmlType::F32, Kind::Router(l)));
+        list.push((n("ffn_gate_inp"), vec![e as u64, ne as u64], GgmlType::F32, Kind::Router));
         list.push((n("ffn_gate_exps"), vec![e as u64, ff as u64, ne as u64], ty, Kind::Mat(std_in(e))));
         list.push((n("ffn_up_exps"), vec![e as u64, ff as u64, ne as u64], ty, Kind::Mat(std_in(e))));
         list.push((n("ffn_down_exps"), vec![ff as u64, e as u64, ne as u64], ty, Kind::Mat(0.5 * std_in(ff))));
@@ -261,7 +261,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
                     }
                 }
             }
-            Kind::Router(l) => {
+            Kind::Router => {
                 let mut r = Rng(seed | 1);
                 // per-layer popularity ranking
                 let mut rank: Vec<usize> = (0..ne).collect();
@@ -269,7 +269,6 @@ pub fn run(a: SynthArgs) -> Result<()> {
                     let j = (r.next() % (k as u64 + 1)) as usize;
                     rank.swap(k, j);
                 }
-                let _ = l;
                 // xn[0] ≈ BIAS_CH / rms(x) ≈ BIAS_CH / sqrt((BIAS_CH² + e) / e)
                 let xn0 = BIAS_CH / ((BIAS_CH * BIAS_CH + e as f32) / e as f32).sqrt();
                 for (ex, row) in buf.chunks_exact_mut(4 * e).enumerate() {

@@ -615,8 +615,8 @@ impl ExpertStore {
         st.free_slots = (0..n_slots as u32).rev().collect();
     }
 
-    /// Takes a free slot for `(layer, e)` without marking it resident yet (its copy is in flight); `None`
-    /// when no slot is free or the expert already has one.
+    /// Takes a free slot off the free list without giving it to any expert yet (the caller copies a blob
+    /// in, then [`ExpertStore::admit_slot`]s it); `None` when no slot is free.
     pub fn reserve_slot(&self) -> Option<u32> {
         self.state().free_slots.pop()
     }
@@ -660,13 +660,13 @@ impl ExpertStore {
     }
 
     /// Records decode usage for routing entries whose lookups were not planned through
-    /// [`ExpertStore::plan_layer`] (every expert in VRAM: the GPU routed on its own): `entries` per layer are
-    /// the routed experts of the window; counts lookups and VRAM hits.
-    pub fn record_vram_window(&self, layer: usize, routed: &[usize]) {
+    /// [`ExpertStore::plan_layer`] (every expert in VRAM: the GPU routed on its own): `routed` are the
+    /// layer's routing entries of the window (expert ids, repeats allowed); counts lookups and VRAM hits.
+    pub fn record_vram_window(&self, layer: usize, routed: impl IntoIterator<Item = usize>) {
         let ne = self.layout.n_expert;
         let mut distinct = vec![false; ne];
         let mut st = self.state();
-        for &e in routed {
+        for e in routed {
             st.usage.record(layer, e);
             distinct[e] = true;
         }

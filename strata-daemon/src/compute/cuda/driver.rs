@@ -85,13 +85,6 @@ impl Device {
         Ok((free, total))
     }
 
-    /// Waits for all work on the device.
-    pub fn synchronize(&self) -> Result<(), GpuError> {
-        self.bind()?;
-        // SAFETY: no arguments.
-        unsafe { check("cuCtxSynchronize", sys::cuCtxSynchronize()) }
-    }
-
     /// The architecture name NVRTC takes, e.g. `sm_90`.
     pub fn arch(&self) -> String {
         format!("sm_{}{}", self.cc.0, self.cc.1)
@@ -354,11 +347,6 @@ impl PinnedBuf {
     /// Start address.
     pub fn ptr(&self) -> *mut u8 {
         self.ptr
-    }
-    /// The bytes (the caller makes sure no device copy into them is in flight).
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr..ptr+bytes is our allocation.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
     }
     /// The bytes, mutable (no device copy from them may be in flight).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {

@@ -88,6 +88,10 @@ struct Host {
     /// would send all or none).
     pcie_carry: f32,
     cs: Vec<f32>,
+    /// RoPE (cos, sin) pairs of the pass.
+    rope: Vec<(f32, f32)>,
+    /// Embeddings of the pass (`t × n_embd`).
+    x: Vec<f32>,
 }
 
 /// A model on the GPU.
@@ -432,19 +436,16 @@ impl GpuModel {
         let mut host = self.host.lock().unwrap_or_else(|e| e.into_inner());
         // embeddings (host dequantization of the rows) and RoPE angles
         let emb = m.mat(&m.tok_embd);
-        let mut x = vec![0f32; t * e];
+        let host = &mut *host;
+        host.x.resize(t * e, 0.0);
         for (i, &tok) in tokens.iter().enumerate() {
             let tok = (tok as usize).min(c.n_vocab - 1);
-            dequantize_row(emb.ty, emb.row(tok), &mut x[i * e..(i + 1) * e]).expect("embedding row");
+            dequantize_row(emb.ty, emb.row(tok), &mut host.x[i * e..(i + 1) * e]).expect("embedding row");
         }
-        self.s.htod_sync(b.x.ptr, &x)?;
-        let mut cs = Vec::new();
-        m.rope_table(pos0, t, &mut cs);
+        self.s.htod_sync(b.x.ptr, &host.x)?;
+        m.rope_table(pos0, t, &mut host.rope);
         host.cs.clear();
-        for (cv, sv) in cs {
-            host.cs.push(cv);
-            host.cs.push(sv);
-        }
+        host.cs.extend(host.rope.iter().flat_map(|&(cv, sv)| [cv, sv]));
         self.s.htod_sync(b.cs.ptr, &host.cs)?;
         let timing = std::env::var_os("STRATA_GPU_TIMING").is_some();
         let t_start = std::time::Instant::now();
@@ -526,7 +527,7 @@ impl GpuModel {
                             self.s.dtod(b.win_ids.at(l * n_pairs * 4), b.ids.ptr, n_pairs * 4)?;
                         }
                     } else {
-                        self.hybrid_moe(m, l, t, pos0, s, &mut host, (*gate_ty, *down_ty, *down_off))?;
+                        self.hybrid_moe(m, l, t, pos0, s, host, (*gate_ty, *down_ty, *down_off))?;
                     }
                 }
             }
@@ -536,10 +537,8 @@ impl GpuModel {
                 let kk = c.n_expert_used;
                 host.deferred.resize(c.n_layer * t * kk, 0);
                 self.s.dtoh_sync(&mut host.deferred, b.win_ids.ptr)?;
-                for l in 0..c.n_layer {
-                    let r: Vec<usize> =
-                        host.deferred[l * t * kk..(l + 1) * t * kk].iter().map(|&v| v as usize).collect();
-                    st.record_vram_window(l, &r);
+                for (l, ids) in host.deferred.chunks_exact(t * kk).enumerate() {
+                    st.record_vram_window(l, ids.iter().map(|&v| v as usize));
                 }
             }
         }

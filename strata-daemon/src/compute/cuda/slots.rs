@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use super::driver::{DevBuf, Device, Event, PinnedBuf, Stream};
 use super::GpuError;
 use crate::tiers::policy::Swap;
-use crate::tiers::store::{ExpertStore, Source};
+use crate::tiers::store::ExpertStore;
 
 /// One expert's copy into a slot.
 struct Move {
@@ -166,8 +166,10 @@ impl SlotCache {
         ready.record(compute)?;
         self.copy.wait(&ready)?;
         if !asynchronous {
-            let copied =
-                copy_in(store, &moves_ref(&moves), self, &self.bounce, &self.copy).and_then(|_| self.copy.sync());
+            let mv: Vec<(usize, usize, u64)> =
+                moves.iter().map(|m| (m.layer, m.incoming, self.slot_addr(m.slot))).collect();
+            let copied = copy_moves(store, &mv, self.blob_bytes, &self.bounce, self.bounce_blobs, &self.copy)
+                .and_then(|_| self.copy.sync());
             if let Err(e) = copied {
                 // the slots' contents are undefined now: give them back empty, the evicted experts stay on the CPU
                 self.release(store, &moves);
@@ -307,21 +309,6 @@ struct DoneHandle(cudarc::driver::sys::CUevent);
 // SAFETY: an event handle may be recorded from any thread with the context current.
 unsafe impl Send for DoneHandle {}
 
-fn moves_ref(m: &[Move]) -> Vec<(usize, usize, u32)> {
-    m.iter().map(|m| (m.layer, m.incoming, m.slot)).collect()
-}
-
-fn copy_in(
-    store: &ExpertStore,
-    moves: &[(usize, usize, u32)],
-    cache: &SlotCache,
-    bounce: &Mutex<PinnedBuf>,
-    copy: &Stream,
-) -> Result<(), GpuError> {
-    let mv: Vec<(usize, usize, u64)> = moves.iter().map(|&(l, e, s)| (l, e, cache.slot_addr(s))).collect();
-    copy_moves(store, &mv, cache.blob_bytes, bounce, cache.bounce_blobs, copy)
-}
-
 /// Issues the copies of `moves` (layer, expert, slot address) on `copy`: from the page-locked RAM copy
 /// directly, else through the pinned bounce buffer (file tier), `bounce_blobs` at a time.
 fn copy_moves(
@@ -369,12 +356,4 @@ pub fn blob_of(store: &ExpertStore, l: usize, e: usize) -> Result<Vec<u8>, GpuEr
         return Ok(b);
     }
     Ok(store.mapped_slices(l, e).concat())
-}
-
-/// Sources of a layer's routed experts split into GPU work and CPU work (used by the forward pass).
-pub fn is_hit(src: Source) -> Option<u32> {
-    match src {
-        Source::Vram(s) => Some(s),
-        _ => None,
-    }
 }
