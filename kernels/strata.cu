@@ -172,22 +172,175 @@ __device__ __forceinline__ void row_dot(const u8* row, int cols, const Q8* const
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Staged block rows: a warp copies CB blocks of each of its NR rows into shared memory with 16-byte
+// asynchronous copies (cp.async, sm_80+), then each lane takes pairs of blocks from there with aligned 32-bit
+// reads (a pair of 18/34/20-byte blocks is 9/17/10 words, so the lanes' strides hit distinct banks). The weight
+// bytes then cross the memory system in 16-byte pieces instead of 2-byte ones, and one read of a token's
+// activation block serves all NR rows. Applies when the rows and activations are 16-byte aligned and the row's
+// block count is a multiple of 8 (the usual case: cols % 256 == 0); otherwise `row_dot` runs.
+#define CB 128
+#define RPW 2
+#define IS_BLOCK(F) ((F) >= FMT_Q8_0)
+#define BLK_BYTES(F) ((F) == FMT_Q8_0 ? 34 : (F) == FMT_Q4_0 ? 18 : (F) == FMT_Q4_1 ? 20 : 16)
+// Shared bytes a block of WARPS warps stages (each warp RPW rows of CB blocks).
+#define STAGE_BYTES(F) (IS_BLOCK(F) ? WARPS * RPW * CB * BLK_BYTES(F) : 16)
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Starts copying n16 16-byte units from global `src` to shared `dst` (both 16-byte aligned); done at stage_wait.
+__device__ __forceinline__ void stage_async(u8* dst, const u8* src, int n16, int lane) {
+#if __CUDA_ARCH__ >= 800
+    const u32 d = smem_u32(dst);
+    for (int i = lane; i < n16; i += 32)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + 16 * i), "l"(src + 16 * (size_t)i)
+                     : "memory");
+#else
+    for (int i = lane; i < n16; i += 32) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+#endif
+}
+
+__device__ __forceinline__ void stage_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+    __syncwarp();
+}
+
+template <int FMT, int NT, int NR>
+__device__ __forceinline__ bool can_stage(const u8* const* rows, int nb, const Q8* const* xq) {
+    if (!IS_BLOCK(FMT) || nb % 8 != 0) return false;
+    size_t a = 0;
+#pragma unroll
+    for (int r = 0; r < NR; r++) a |= (size_t)rows[r];
+#pragma unroll
+    for (int t = 0; t < NT; t++) a |= (size_t)xq[t];
+    return (a & 15) == 0;
+}
+
+// acc[r][t] += rows[r] · x_t (lane-strided partial sums; the caller reduces). `sm`: this warp's NR*CB*BB bytes.
+template <int FMT, int NT, int NR>
+__device__ __forceinline__ void rows_dot_staged(const u8* const* rows, int nb, const Q8* const* xq, int lane,
+                                                u8* sm, float (&acc)[NR][NT]) {
+    constexpr int BB = BLK_BYTES(FMT);
+    constexpr int PW = BB / 2;  // 32-bit words per pair of blocks
+    for (int c0 = 0; c0 < nb; c0 += CB) {
+        const int n = min(CB, nb - c0);
+        __syncwarp();  // every lane is done with the previous chunk
+#pragma unroll
+        for (int r = 0; r < NR; r++) stage_async(sm + r * CB * BB, rows[r] + (size_t)c0 * BB, n * BB / 16, lane);
+        stage_wait();
+#pragma unroll(NT == 1 ? 2 : 1)
+        for (int p = lane; p < n / 2; p += 32) {
+            u32 w[NR][PW];
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                const u32* s = (const u32*)(sm + r * CB * BB) + p * PW;
+#pragma unroll
+                for (int j = 0; j < PW; j++) w[r][j] = s[j];
+            }
+            const int ib = c0 + 2 * p;
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                // two Q8 blocks (2 x 40 bytes): d, s, qs[8] | d, s, qs[8]
+                const int4* xp = (const int4*)(xq[t] + ib);
+                const int4 x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3], x4 = xp[4];
+                const float da = __int_as_float(x0.x), sa = __int_as_float(x0.y);
+                const float db = __int_as_float(x2.z), sb = __int_as_float(x2.w);
+                const int qa[8] = {x0.z, x0.w, x1.x, x1.y, x1.z, x1.w, x2.x, x2.y};
+                const int qb[8] = {x3.x, x3.y, x3.z, x3.w, x4.x, x4.y, x4.z, x4.w};
+                int sxa = 0, sxb = 0;
+                if (FMT == FMT_Q4_0) {
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        sxa = __dp4a(0x01010101, qa[j], sxa);
+                        sxb = __dp4a(0x01010101, qb[j], sxb);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    if (FMT == FMT_Q8_0) {
+                        int s0 = 0, s1 = 0;
+#pragma unroll
+                        for (int j = 0; j < 8; j++) {
+                            s0 = __dp4a((int)__funnelshift_r(w[r][j], w[r][j + 1], 16), qa[j], s0);
+                            s1 = __dp4a((int)w[r][9 + j], qb[j], s1);
+                        }
+                        acc[r][t] += half_to_float((u16)(w[r][0] & 0xffff)) * da * (float)s0;
+                        acc[r][t] += half_to_float((u16)(w[r][8] >> 16)) * db * (float)s1;
+                    } else if (FMT == FMT_Q4_0) {
+                        int s0 = 0, s1 = 0;
+#pragma unroll
+                        for (int j = 0; j < 4; j++) {
+                            const int v0 = (int)__funnelshift_r(w[r][j], w[r][j + 1], 16);
+                            const int v1 = (int)w[r][5 + j];
+                            s0 = __dp4a(v0 & 0x0F0F0F0F, qa[j], s0);
+                            s0 = __dp4a((v0 >> 4) & 0x0F0F0F0F, qa[j + 4], s0);
+                            s1 = __dp4a(v1 & 0x0F0F0F0F, qb[j], s1);
+                            s1 = __dp4a((v1 >> 4) & 0x0F0F0F0F, qb[j + 4], s1);
+                        }
+                        acc[r][t] += half_to_float((u16)(w[r][0] & 0xffff)) * da * (float)(s0 - 8 * sxa);
+                        acc[r][t] += half_to_float((u16)(w[r][4] >> 16)) * db * (float)(s1 - 8 * sxb);
+                    } else {  // Q4_1
+                        int s0 = 0, s1 = 0;
+#pragma unroll
+                        for (int j = 0; j < 4; j++) {
+                            const int v0 = (int)w[r][1 + j];
+                            const int v1 = (int)w[r][6 + j];
+                            s0 = __dp4a(v0 & 0x0F0F0F0F, qa[j], s0);
+                            s0 = __dp4a((v0 >> 4) & 0x0F0F0F0F, qa[j + 4], s0);
+                            s1 = __dp4a(v1 & 0x0F0F0F0F, qb[j], s1);
+                            s1 = __dp4a((v1 >> 4) & 0x0F0F0F0F, qb[j + 4], s1);
+                        }
+                        acc[r][t] += half_to_float((u16)(w[r][0] & 0xffff)) * da * (float)s0 +
+                                     half_to_float((u16)(w[r][0] >> 16)) * sa;
+                        acc[r][t] += half_to_float((u16)(w[r][5] & 0xffff)) * db * (float)s1 +
+                                     half_to_float((u16)(w[r][5] >> 16)) * sb;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// acc[r][t] += rows[r] · x_t, staged when it can be, else row by row.
+template <int FMT, int NT, int NR>
+__device__ __forceinline__ void rows_dot(const u8* const* rows, int cols, const Q8* const* xq,
+                                         const float* const* xf, int lane, u8* sm, float (&acc)[NR][NT]) {
+    if (IS_BLOCK(FMT) && can_stage<FMT, NT, NR>(rows, cols / 32, xq)) {
+        rows_dot_staged<FMT, NT, NR>(rows, cols / 32, xq, lane, sm, acc);
+    } else {
+#pragma unroll
+        for (int r = 0; r < NR; r++) row_dot<FMT, NT>(rows[r], cols, xq, xf, lane, acc[r]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Dense matrix-vector / small-batch products.
 //
 // Up to three matrices of one format and width are stacked (rows0 | rows1 | rows2): out[t*out_stride + r] for
-// global row r. accumulate != 0 adds to out instead of writing. Grid: ceil(rows/WARPS) blocks of 32*WARPS threads.
+// global row r. accumulate != 0 adds to out instead of writing. Each warp computes RPW adjacent rows.
+// Grid: ceil(rows / (WARPS * RPW)) blocks of 32*WARPS threads.
 template <int FMT, int NT>
 __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
-                         const Q8* xq, const float* xf, int x_stride, float* out, int out_stride, int accumulate) {
+                         const Q8* xq, const float* xf, int x_stride, float* out, int out_stride, int accumulate,
+                         u8* stage) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int r = blockIdx.x * WARPS + warp;
+    const int r0 = (blockIdx.x * WARPS + warp) * RPW;
     const int rows = rows0 + rows1 + rows2;
-    if (r >= rows) return;
-    const u8* row;
+    if (r0 >= rows) return;
     const size_t rb = row_bytes(FMT, cols);
-    if (r < rows0) row = w0 + (size_t)r * rb;
-    else if (r < rows0 + rows1) row = w1 + (size_t)(r - rows0) * rb;
-    else row = w2 + (size_t)(r - rows0 - rows1) * rb;
+    const u8* rp[RPW];
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        const int r = min(r0 + j, rows - 1);  // past the end: a repeat of the last row, not written
+        if (r < rows0) rp[j] = w0 + (size_t)r * rb;
+        else if (r < rows0 + rows1) rp[j] = w1 + (size_t)(r - rows0) * rb;
+        else rp[j] = w2 + (size_t)(r - rows0 - rows1) * rb;
+    }
     const Q8* xqs[NT];
     const float* xfs[NT];
 #pragma unroll
@@ -195,16 +348,21 @@ __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
         xqs[t] = xq + (size_t)t * (x_stride / 32);
         xfs[t] = xf + (size_t)t * x_stride;
     }
-    float acc[NT];
+    float acc[RPW][NT];
 #pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0.f;
-    row_dot<FMT, NT>(row, cols, xqs, xfs, lane, acc);
+    for (int j = 0; j < RPW; j++)
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float v = warp_sum(acc[t]);
-        if (lane == 0) {
-            float* o = out + (size_t)t * out_stride + r;
-            *o = accumulate ? *o + v : v;
+        for (int t = 0; t < NT; t++) acc[j][t] = 0.f;
+    rows_dot<FMT, NT, RPW>(rp, cols, xqs, xfs, lane, stage + warp * (STAGE_BYTES(FMT) / WARPS), acc);
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float v = warp_sum(acc[j][t]);
+            if (lane == 0 && r0 + j < rows) {
+                float* o = out + (size_t)t * out_stride + r0 + j;
+                *o = accumulate ? *o + v : v;
+            }
         }
     }
 }
@@ -214,22 +372,31 @@ __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
                                     const u8* __restrict__ w2, int rows0, int rows1, int rows2,                \
                                     int cols, const Q8* xq, const float* xf, int x_stride, int nt, float* out,  \
                                     int out_stride, int accumulate) {                                           \
+        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                    \
         for (int t0 = 0; t0 < nt; t0 += MAX_NT) {                                                               \
             const int n = min(MAX_NT, nt - t0);                                                                 \
             const Q8* q = xq + (size_t)t0 * (x_stride / 32);                                                   \
             const float* f = xf + (size_t)t0 * x_stride;                                                        \
             float* o = out + (size_t)t0 * out_stride;                                                           \
             switch (n) {                                                                                        \
-                case 1: mmv_body<FMT, 1>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
-                case 2: mmv_body<FMT, 2>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
-                case 3: mmv_body<FMT, 3>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
-                case 4: mmv_body<FMT, 4>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
-                case 5: mmv_body<FMT, 5>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
-                case 6: mmv_body<FMT, 6>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
-                case 7: mmv_body<FMT, 7>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
-                default: mmv_body<FMT, 8>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate); break; \
+                case 1: mmv_body<FMT, 1>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate, stage); break; \
+                case 2: mmv_body<FMT, 2>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate, stage); break; \
+                case 3: mmv_body<FMT, 3>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate, stage); break; \
+                case 4: mmv_body<FMT, 4>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate, stage); break; \
+                case 5: mmv_body<FMT, 5>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate, stage); break; \
+                case 6: mmv_body<FMT, 6>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate, stage); break; \
+                case 7: mmv_body<FMT, 7>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate, stage); break; \
+                default: mmv_body<FMT, 8>(w0, w1, w2, rows0, rows1, rows2, cols, q, f, x_stride, o, out_stride, accumulate, stage); break; \
             }                                                                                                   \
         }                                                                                                       \
+    }                                                                                                           \
+    /* one token (decode): the registers of the 1-token body alone, so more warps fit on an SM */              \
+    extern "C" __global__ void NAME##_t1(const u8* __restrict__ w0, const u8* __restrict__ w1,                  \
+                                         const u8* __restrict__ w2, int rows0, int rows1, int rows2, int cols,  \
+                                         const Q8* xq, const float* xf, int x_stride, int nt, float* out,       \
+                                         int out_stride, int accumulate) {                                      \
+        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                    \
+        mmv_body<FMT, 1>(w0, w1, w2, rows0, rows1, rows2, cols, xq, xf, x_stride, out, out_stride, accumulate, stage); \
     }
 
 MMV_KERNEL(mmv_f32, FMT_F32)
@@ -312,10 +479,12 @@ extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float eps
 // RoPE (adjacent pairs, llama.cpp's "normal" mode) on q and k, then q rounded to f16 precision into `q`,
 // k and v stored as f16 into the KV cache at positions pos0 + i.
 // qkv: t rows of (n_head + 2*n_head_kv) * hd values [q | k | v]; cs: t * (n_rot/2) (cos, sin) pairs.
+// `pos` points at pos0 (a device scalar, so a captured CUDA graph replays at any position).
 // Grid: (t, any); block: 128 threads.
 extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_head, int n_head_kv, int hd,
-                                      int n_rot, int pos0, float* q, u16* kcache, u16* vcache) {
+                                      int n_rot, const int* pos, float* q, u16* kcache, u16* vcache) {
     const int i = blockIdx.x;
+    const int pos0 = *pos;
     const int qd = n_head * hd, kvd = n_head_kv * hd;
     const float* src = qkv + (size_t)i * (qd + 2 * kvd);
     const float2* c = cs + (size_t)i * (n_rot / 2);
@@ -353,10 +522,11 @@ extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_
 // Causal grouped-query attention of t query rows over the KV cache (f16), position of row i = pos0 + i.
 // q: t * n_head * hd (already f16-rounded); out: t * n_head * hd. Probabilities are rounded to f16 before the
 // product with V (as llama.cpp over an F16 cache). Grid: (n_head, t); block: 128 threads; dynamic shared
-// memory: (pos0 + t) floats for the scores + hd floats for q.
+// memory: at least (pos0 + t) floats for the scores + hd floats for q. `pos` points at pos0 (device scalar).
 extern "C" __global__ void attention(const float* q, const u16* kcache, const u16* vcache, int n_head,
-                                     int n_head_kv, int hd, int pos0, float scale, float* out) {
+                                     int n_head_kv, int hd, const int* pos, float scale, float* out) {
     extern __shared__ float sh[];
+    const int pos0 = *pos;
     const int h = blockIdx.x, i = blockIdx.y;
     const int n = pos0 + i + 1;
     const int kvd = n_head_kv * hd;
@@ -487,15 +657,16 @@ extern "C" __global__ void build_groups(const int* ids, int n_pairs, int k, cons
     flag[p] = slot >= 0 ? 1 : 0;
 }
 
-// h[pair, r] = silu(gate_r · x_tok) * (up_r · x_tok) for r < ff. Grid: (ceil(ff / WARPS), n_groups).
+// h[pair, r] = silu(gate_r · x_tok) * (up_r · x_tok) for r < ff (one warp: gate and up of one r).
+// Grid: (ceil(ff / WARPS), n_groups).
 template <int FMT, int NT>
-__device__ void gate_up_body(const Group& g, const u8* blob, int ff, int e, const Q8* xq, const float* xf, float* h) {
+__device__ void gate_up_body(const Group& g, const u8* blob, int ff, int e, const Q8* xq, const float* xf, float* h,
+                             u8* stage) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int r = blockIdx.x * WARPS + warp;
     if (r >= ff) return;
     const size_t rb = row_bytes(FMT, e);
-    const u8* gate = blob + (size_t)r * rb;
-    const u8* up = blob + (size_t)ff * rb + (size_t)r * rb;
+    const u8* rp[2] = {blob + (size_t)r * rb, blob + (size_t)ff * rb + (size_t)r * rb};
     const Q8* xqs[NT];
     const float* xfs[NT];
 #pragma unroll
@@ -503,28 +674,30 @@ __device__ void gate_up_body(const Group& g, const u8* blob, int ff, int e, cons
         xqs[t] = xq + (size_t)g.tok[t] * (e / 32);
         xfs[t] = xf + (size_t)g.tok[t] * e;
     }
-    float ag[NT], au[NT];
+    float acc[2][NT];
 #pragma unroll
-    for (int t = 0; t < NT; t++) ag[t] = au[t] = 0.f;
-    row_dot<FMT, NT>(gate, e, xqs, xfs, lane, ag);
-    row_dot<FMT, NT>(up, e, xqs, xfs, lane, au);
+    for (int t = 0; t < NT; t++) acc[0][t] = acc[1][t] = 0.f;
+    rows_dot<FMT, NT, 2>(rp, e, xqs, xfs, lane, stage + warp * (STAGE_BYTES(FMT) / WARPS), acc);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
-        float gv = warp_sum(ag[t]);
-        float uv = warp_sum(au[t]);
+        float gv = warp_sum(acc[0][t]);
+        float uv = warp_sum(acc[1][t]);
         if (lane == 0) h[(size_t)g.pair[t] * ff + r] = gv / (1.0f + expf(-gv)) * uv;
     }
 }
 
-// out[pair, r] = down_r · h_pair for r < e (down rows start at `down_off` bytes into the blob).
+// out[pair, r] = down_r · h_pair for r < e (down rows start at `down_off` bytes into the blob); each warp RPW
+// adjacent rows. Grid: (ceil(e / (WARPS * RPW)), n_groups).
 template <int FMT, int NT>
 __device__ void down_body(const Group& g, const u8* blob, size_t down_off, int ff, int e, const Q8* hq,
-                          const float* hf, float* out) {
+                          const float* hf, float* out, u8* stage) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int r = blockIdx.x * WARPS + warp;
-    if (r >= e) return;
+    const int r0 = (blockIdx.x * WARPS + warp) * RPW;
+    if (r0 >= e) return;
     const size_t rb = row_bytes(FMT, ff);
-    const u8* row = blob + down_off + (size_t)r * rb;
+    const u8* rp[RPW];
+#pragma unroll
+    for (int j = 0; j < RPW; j++) rp[j] = blob + down_off + (size_t)min(r0 + j, e - 1) * rb;
     const Q8* xqs[NT];
     const float* xfs[NT];
 #pragma unroll
@@ -532,14 +705,19 @@ __device__ void down_body(const Group& g, const u8* blob, size_t down_off, int f
         xqs[t] = hq + (size_t)g.pair[t] * (ff / 32);
         xfs[t] = hf + (size_t)g.pair[t] * ff;
     }
-    float acc[NT];
+    float acc[RPW][NT];
 #pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0.f;
-    row_dot<FMT, NT>(row, ff, xqs, xfs, lane, acc);
+    for (int j = 0; j < RPW; j++)
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float v = warp_sum(acc[t]);
-        if (lane == 0) out[(size_t)g.pair[t] * e + r] = v;
+        for (int t = 0; t < NT; t++) acc[j][t] = 0.f;
+    rows_dot<FMT, NT, RPW>(rp, ff, xqs, xfs, lane, stage + warp * (STAGE_BYTES(FMT) / WARPS), acc);
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float v = warp_sum(acc[j][t]);
+            if (lane == 0 && r0 + j < e) out[(size_t)g.pair[t] * e + r0 + j] = v;
+        }
     }
 }
 
@@ -559,16 +737,35 @@ __device__ void down_body(const Group& g, const u8* blob, size_t down_off, int f
 #define EXPERT_KERNELS(SUFFIX, FMT)                                                                               \
     extern "C" __global__ void expert_gate_up_##SUFFIX(const Group* groups, const u8* __restrict__ slots, size_t slot_bytes, \
                                                        int ff, int e, const Q8* xq, const float* xf, float* h) {  \
+        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
         const Group g = groups[blockIdx.y];                                                                       \
         const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
-        NT_SWITCH(gate_up_body, FMT, g, blob, ff, e, xq, xf, h)                                                   \
+        NT_SWITCH(gate_up_body, FMT, g, blob, ff, e, xq, xf, h, stage)                                                   \
     }                                                                                                             \
     extern "C" __global__ void expert_down_##SUFFIX(const Group* groups, const u8* __restrict__ slots, size_t slot_bytes, \
                                                     size_t down_off, int ff, int e, const Q8* hq, const float* hf, \
                                                     float* out) {                                                 \
+        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
         const Group g = groups[blockIdx.y];                                                                       \
         const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
-        NT_SWITCH(down_body, FMT, g, blob, down_off, ff, e, hq, hf, out)                                          \
+        NT_SWITCH(down_body, FMT, g, blob, down_off, ff, e, hq, hf, out, stage)                                          \
+    }                                                                                                             \
+    /* groups of at most one token (decode windows) */                                                            \
+    extern "C" __global__ void expert_gate_up_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,    \
+                                                            size_t slot_bytes, int ff, int e, const Q8* xq,       \
+                                                            const float* xf, float* h) {                          \
+        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
+        const Group g = groups[blockIdx.y];                                                                       \
+        if (g.nt == 0) return;                                                                                    \
+        gate_up_body<FMT, 1>(g, slots + (size_t)g.slot * slot_bytes, ff, e, xq, xf, h, stage);                    \
+    }                                                                                                             \
+    extern "C" __global__ void expert_down_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,       \
+                                                         size_t slot_bytes, size_t down_off, int ff, int e,       \
+                                                         const Q8* hq, const float* hf, float* out) {             \
+        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
+        const Group g = groups[blockIdx.y];                                                                       \
+        if (g.nt == 0) return;                                                                                    \
+        down_body<FMT, 1>(g, slots + (size_t)g.slot * slot_bytes, down_off, ff, e, hq, hf, out, stage);           \
     }
 
 EXPERT_KERNELS(f32, FMT_F32)

@@ -173,6 +173,88 @@ fn teacher_force(m: &LlamaModel, toks: &[u32]) -> Vec<f32> {
     out
 }
 
+/// Q8 activation blocks as the device reads them (`float d, s; int8 qs[32]`, 40 bytes each).
+fn q8_bytes(x: &Act) -> Vec<u8> {
+    x.q.iter()
+        .flat_map(|b| {
+            let mut v = Vec::with_capacity(40);
+            v.extend_from_slice(&b.d.to_le_bytes());
+            v.extend_from_slice(&b.s.to_le_bytes());
+            v.extend(b.qs.iter().map(|&q| q as u8));
+            v
+        })
+        .collect()
+}
+
+/// Relative L2 error of `a` against `b` (infinite when `a` holds a NaN).
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    if num.is_nan() {
+        f64::INFINITY
+    } else {
+        (num / den.max(1e-30)).sqrt()
+    }
+}
+
+/// One random expert (gate | up | down blob of `ty`, width `e`, hidden `ff`) in slot 1 of a two-slot arena, `t`
+/// tokens routed to it in one group: the device's gate/up + down against the CPU's products. Returns the
+/// relative error of the expert's output rows.
+fn check_expert(
+    ops: &strata::compute::cuda::ops::Ops,
+    pool: &WorkerPool,
+    ty: GgmlType,
+    e: usize,
+    ff: usize,
+    t: usize,
+    seed: &mut u64,
+) -> Result<f64> {
+    use strata::compute::cuda::driver::DevBuf;
+    let gate = random_rows(ty, ff, e, seed);
+    let up = random_rows(ty, ff, e, seed);
+    let down = random_rows(ty, e, ff, seed);
+    let mut x = Act::default();
+    x.resize(t, e);
+    for v in x.f.iter_mut() {
+        *v = (rng(seed) % 20001) as f32 / 10000.0 - 1.0;
+    }
+    x.quantize();
+    // CPU: SwiGLU of the gate and up products, quantized, through down
+    let mut g = vec![0f32; t * ff];
+    let mut u = vec![0f32; t * ff];
+    matmul_with(pool, MatRef { data: &gate, ty, rows: ff, cols: e, stride: 0 }, &x, &mut g, Precision::Q8Activations);
+    matmul_with(pool, MatRef { data: &up, ty, rows: ff, cols: e, stride: 0 }, &x, &mut u, Precision::Q8Activations);
+    let mut h = Act::default();
+    h.resize(t, ff);
+    for (i, v) in h.f.iter_mut().enumerate() {
+        *v = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+    }
+    h.quantize();
+    let mut cpu = vec![0f32; t * e];
+    matmul_with(pool, MatRef { data: &down, ty, rows: e, cols: ff, stride: 0 }, &h, &mut cpu, Precision::Q8Activations);
+    // device: the blob in slot 1 (slot 0 zeros), one group of t tokens
+    let blob: Vec<u8> = [gate, up, down].concat();
+    let sb = blob.len();
+    let slots = DevBuf::from_slice(&[vec![0u8; sb], blob].concat())?;
+    let mut group = vec![1i32, t as i32];
+    group.extend((0..8).map(|i| i.min(t as i32 - 1)));
+    group.extend((0..8).map(|i| i.min(t as i32 - 1)));
+    let groups = DevBuf::from_slice(&group)?;
+    let xf = DevBuf::from_slice(&x.f)?;
+    let xq = DevBuf::from_slice(&q8_bytes(&x))?;
+    let hf = DevBuf::from_slice(&vec![f32::NAN; t * ff])?;
+    let hq = DevBuf::alloc(t * ff / 32 * strata::compute::cuda::ops::Q8_BYTES)?;
+    let y = DevBuf::from_slice(&vec![f32::NAN; t * e])?;
+    let down_off = 2 * ff * ty.row_bytes(e);
+    ops.expert_gate_up(ty, t == 1, groups.ptr, 1, slots.ptr, sb, ff, e, xq.ptr, xf.ptr, hf.ptr)?;
+    ops.quantize(hf.ptr, hq.ptr, t * ff / 32)?;
+    ops.expert_down(ty, t == 1, groups.ptr, 1, slots.ptr, sb, down_off, ff, e, hq.ptr, hf.ptr, y.ptr)?;
+    ops.s.sync()?;
+    let mut gpu = vec![0f32; t * e];
+    y.read_sync(0, &mut gpu)?;
+    Ok(rel_err(&gpu, &cpu))
+}
+
 pub fn check(a: CheckArgs) -> Result<()> {
     let mut report = serde_json::Map::new();
     let dev = match strata::compute::cuda::probe(0) {
@@ -191,7 +273,9 @@ pub fn check(a: CheckArgs) -> Result<()> {
     let mut worst: f64 = 0.0;
     println!("{:<6} {:>6} {:>6} {:>3} {:>12} {:>12}", "format", "rows", "cols", "t", "rel_err_cpu", "rel_err_f64");
     for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
-        for &(rows, cols, t) in &[(64usize, 256usize, 1usize), (300, 1024, 3), (129, 2048, 8), (77, 4096, 11)] {
+        for &(rows, cols, t) in
+            &[(64usize, 256usize, 1usize), (300, 1024, 3), (129, 2048, 8), (77, 4096, 11), (65, 14336, 1), (33, 96, 2)]
+        {
             let w = random_rows(ty, rows, cols, &mut seed);
             let mut x = Act::default();
             x.resize(t, cols);
@@ -199,23 +283,14 @@ pub fn check(a: CheckArgs) -> Result<()> {
                 *v = (rng(&mut seed) % 20001) as f32 / 10000.0 - 1.0;
             }
             x.quantize();
-            let mr = MatRef { data: &w, ty, rows, cols };
+            let mr = MatRef { data: &w, ty, rows, cols, stride: 0 };
             let mut cpu = vec![0f32; t * rows];
             matmul_with(&pool, mr, &x, &mut cpu, Precision::Q8Activations);
             let mut exact = vec![0f32; t * rows];
             matmul_with(&pool, mr, &x, &mut exact, Precision::F32);
             let dm = strata::compute::cuda::ops::DMat::upload(&w, ty, rows, cols)?;
             let xf = strata::compute::cuda::driver::DevBuf::from_slice(&x.f)?;
-            let xq_host: Vec<u8> =
-                x.q.iter()
-                    .flat_map(|b| {
-                        let mut v = Vec::with_capacity(40);
-                        v.extend_from_slice(&b.d.to_le_bytes());
-                        v.extend_from_slice(&b.s.to_le_bytes());
-                        v.extend(b.qs.iter().map(|&q| q as u8));
-                        v
-                    })
-                    .collect();
+            let xq_host = q8_bytes(&x);
             let xq = strata::compute::cuda::driver::DevBuf::from_slice(&xq_host)?;
             // poison the output first: every element must be written
             let out = strata::compute::cuda::driver::DevBuf::from_slice(&vec![f32::NAN; t * rows])?;
@@ -229,16 +304,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
             let mut q2 = vec![0u8; xq_host.len()];
             xq2.read_sync(0, &mut q2)?;
             let qmatch = q2 == xq_host;
-            let rel = |a: &[f32], b: &[f32]| {
-                let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-                let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-                if num.is_nan() {
-                    f64::INFINITY
-                } else {
-                    (num / den.max(1e-30)).sqrt()
-                }
-            };
-            let (rc, rf) = (rel(&gpu, &cpu), rel(&gpu, &exact));
+            let (rc, rf) = (rel_err(&gpu, &cpu), rel_err(&gpu, &exact));
             worst = worst.max(rc);
             println!(
                 "{:<6} {rows:>6} {cols:>6} {t:>3} {rc:>12.2e} {rf:>12.2e}{}",
@@ -247,6 +313,17 @@ pub fn check(a: CheckArgs) -> Result<()> {
             );
             kern.push(serde_json::json!({"format": format!("{ty:?}"), "rows": rows, "cols": cols, "t": t,
                 "rel_err_vs_cpu": rc, "rel_err_vs_f64": rf, "q8_bytes_match": qmatch}));
+        }
+    }
+    // 1b. expert gate/up + down from a VRAM slot (staged and row-by-row shapes, one and several tokens)
+    println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "expert", "e", "ff", "t", "rel_err_cpu");
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F16] {
+        for &(e, ff, t) in &[(256usize, 512usize, 1usize), (512, 4608, 3), (96, 160, 1), (256, 768, 8)] {
+            let rc = check_expert(&ops, &pool, ty, e, ff, t, &mut seed)?;
+            worst = worst.max(rc);
+            println!("{:<6} {e:>6} {ff:>6} {t:>3} {rc:>12.2e}", format!("{ty:?}"));
+            kern.push(serde_json::json!({"format": format!("{ty:?}"), "expert_e": e, "expert_ff": ff, "t": t,
+                "rel_err_vs_cpu": rc}));
         }
     }
     report.insert("kernels".into(), kern.into());

@@ -22,6 +22,9 @@ pub struct MatRef<'a> {
     pub rows: usize,
     /// Input columns (elements per row).
     pub cols: usize,
+    /// Bytes from one row's start to the next; 0 = [`MatRef::row_bytes`] (rows packed). A larger stride views a
+    /// range of whole blocks of each row of a wider matrix (`data` then starts at the range's first block).
+    pub stride: usize,
 }
 
 impl<'a> MatRef<'a> {
@@ -32,7 +35,8 @@ impl<'a> MatRef<'a> {
     /// Row `r`'s bytes.
     pub fn row(&self, r: usize) -> &'a [u8] {
         let rb = self.row_bytes();
-        &self.data[r * rb..(r + 1) * rb]
+        let at = r * if self.stride == 0 { rb } else { self.stride };
+        &self.data[at..at + rb]
     }
 }
 
@@ -154,4 +158,65 @@ pub fn matmul_with(pool: &WorkerPool, w: MatRef<'_>, x: &Act, out: &mut [f32], p
         }
     };
     pool.run(n_chunks, body);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Random block-format rows: each block a small f16 scale (0.0625) and random quant bytes.
+    fn random_blocks(ty: GgmlType, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
+        let (bb, qb) = match ty {
+            GgmlType::Q4_0 => (18, 16),
+            _ => (34, 32),
+        };
+        let mut v = Vec::new();
+        for _ in 0..rows * cols / 32 {
+            v.extend_from_slice(&0x2c00u16.to_le_bytes());
+            for _ in 0..qb {
+                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                v.push((*seed >> 33) as u8);
+            }
+        }
+        assert_eq!(v.len(), rows * cols / 32 * bb);
+        v
+    }
+
+    #[test]
+    fn strided_column_ranges_add_up_to_the_whole_product() {
+        let pool = WorkerPool::new(2).expect("pool");
+        let (rows, cols, k, t) = (12, 512, 256, 3);
+        let mut seed = 7u64;
+        for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
+            let w = random_blocks(ty, rows, cols, &mut seed);
+            let rb = ty.row_bytes(cols);
+            let mut x = Act::default();
+            x.resize(t, cols);
+            for (i, v) in x.f.iter_mut().enumerate() {
+                *v = ((i * 37 % 101) as f32 - 50.0) / 25.0;
+            }
+            x.quantize();
+            let part = |c0: usize, c1: usize| {
+                let mut a = Act::default();
+                a.resize(t, c1 - c0);
+                for i in 0..t {
+                    a.f[i * (c1 - c0)..(i + 1) * (c1 - c0)].copy_from_slice(&x.row(i)[c0..c1]);
+                }
+                a.quantize();
+                let m = MatRef { data: &w[ty.row_bytes(c0)..], ty, rows, cols: c1 - c0, stride: rb };
+                let mut out = vec![0f32; t * rows];
+                matmul_with(&pool, m, &a, &mut out, Precision::Q8Activations);
+                out
+            };
+            let mut full = vec![0f32; t * rows];
+            matmul_with(&pool, MatRef { data: &w, ty, rows, cols, stride: 0 }, &x, &mut full, Precision::Q8Activations);
+            let (head, tail) = (part(0, k), part(k, cols));
+            let scale = full.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(scale > 0.0);
+            for i in 0..t * rows {
+                let d = (full[i] - head[i] - tail[i]).abs();
+                assert!(d <= 1e-5 * scale, "{ty:?} [{i}]: {} vs {} + {}", full[i], head[i], tail[i]);
+            }
+        }
+    }
 }

@@ -296,7 +296,13 @@ impl LlamaModel {
 
     /// The bytes of `w` in the mapped file as a matrix view.
     pub fn mat(&self, w: &Weight) -> MatRef<'_> {
-        MatRef { data: &self.file.bytes()[w.offset..w.offset + w.bytes()], ty: w.ty, rows: w.rows, cols: w.cols }
+        MatRef {
+            data: &self.file.bytes()[w.offset..w.offset + w.bytes()],
+            ty: w.ty,
+            rows: w.rows,
+            cols: w.cols,
+            stride: 0,
+        }
     }
 
     /// Runs `tokens` (a prefill chunk or one decode token) at positions
@@ -511,7 +517,7 @@ impl LlamaModel {
         self.record_routes(layer, pos0, &routes, s);
         let by_expert = self.by_expert(&routes);
         let src = self.plan_sources(layer, &by_expert, s.decode);
-        self.experts_cpu(layer, ex, &by_expert, src, s);
+        self.experts_cpu(layer, ex, &by_expert, src, None, s);
         for (xv, a) in s.x.iter_mut().zip(&s.moe_acc) {
             *xv += a;
         }
@@ -555,12 +561,16 @@ impl LlamaModel {
     /// Computes on the CPU pool the experts in `by_expert` (skipping empty entries) from `src` into
     /// `s.moe_acc` (`t × n_embd`, zeroed first): `acc[i] = Σ_e w · expert_e(xn_i)`. `s.xn` must hold the
     /// normalized, quantized activations. File-tier blobs of the layer are read together first.
+    /// `from[x]` (when given): expert x's intermediate rows `from[x] .. n_ff_exp` only (a multiple of 32; the
+    /// rest is computed elsewhere and added to the same output) — gate/up rows and the matching block range of
+    /// every down row.
     pub(crate) fn experts_cpu(
         &self,
         layer: usize,
         ex: &ExpertWeights,
         by_expert: &[Vec<(usize, f32)>],
         mut src: Vec<Source>,
+        from: Option<&[usize]>,
         s: &mut Scratch,
     ) {
         let cfg = &self.cfg;
@@ -616,14 +626,19 @@ impl LlamaModel {
                     &down_all.data[x * db..(x + 1) * db],
                 ),
             };
-            let g = MatRef { data: gd, ty: gate_all.ty, rows: ff, cols: e };
-            let u = MatRef { data: ud, ty: up_all.ty, rows: ff, cols: e };
-            let d = MatRef { data: dd, ty: down_all.ty, rows: e, cols: ff };
-            s.gate.resize(n * ff, 0.0);
-            s.up.resize(n * ff, 0.0);
+            // intermediate rows f0..ff of this expert (all of them unless split with the GPU)
+            let f0 = from.map_or(0, |f| f[x]);
+            let fr = ff - f0;
+            let (grb, drb) = (gate_all.row_bytes(), down_all.row_bytes());
+            let g = MatRef { data: &gd[f0 * grb..], ty: gate_all.ty, rows: fr, cols: e, stride: 0 };
+            let u = MatRef { data: &ud[f0 * grb..], ty: up_all.ty, rows: fr, cols: e, stride: 0 };
+            let d0 = down_all.ty.row_bytes(f0);
+            let d = MatRef { data: &dd[d0..], ty: down_all.ty, rows: e, cols: fr, stride: drb };
+            s.gate.resize(n * fr, 0.0);
+            s.up.resize(n * fr, 0.0);
             self.mm(g, &sub, &mut s.gate);
             self.mm(u, &sub, &mut s.up);
-            s.h.resize(n, ff);
+            s.h.resize(n, fr);
             for ((h, gv), uv) in s.h.f.iter_mut().zip(&s.gate).zip(&s.up) {
                 *h = silu(*gv) * uv;
             }

@@ -169,6 +169,32 @@ impl Drop for DevBuf {
     }
 }
 
+/// An instantiated CUDA graph (see [`Stream::capture`]): one launch replays every captured kernel and copy.
+pub struct GraphExec(sys::CUgraphExec);
+
+// SAFETY: an executable graph may be launched from any thread with the context current (one launch at a time
+// per owner, which holds it behind a lock).
+unsafe impl Send for GraphExec {}
+// SAFETY: as above.
+unsafe impl Sync for GraphExec {}
+
+impl GraphExec {
+    /// Enqueues the graph on `s`. Errors: launch failure.
+    pub fn launch(&self, s: &Stream) -> Result<(), GpuError> {
+        // SAFETY: live executable graph and stream.
+        unsafe { check("cuGraphLaunch", sys::cuGraphLaunch(self.0, s.0)) }
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        // SAFETY: destroyed once; the owner syncs its stream before dropping graphs it launched.
+        unsafe {
+            sys::cuGraphExecDestroy(self.0);
+        }
+    }
+}
+
 /// A non-blocking CUDA stream.
 pub struct Stream(pub(crate) sys::CUstream);
 
@@ -186,6 +212,35 @@ impl Stream {
             check("cuStreamCreate", sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32))?
         };
         Ok(Stream(s))
+    }
+
+    /// Records `enqueue`'s work on this stream into a CUDA graph instead of running it (capture mode
+    /// thread-local: other threads' CUDA calls go on as usual) and returns the graph, instantiated. The
+    /// captured work must not synchronize with the host. Errors: `enqueue`'s own error (the capture is ended
+    /// and dropped first), or a capture / instantiation failure.
+    pub fn capture(&self, enqueue: impl FnOnce() -> Result<(), GpuError>) -> Result<GraphExec, GpuError> {
+        // SAFETY: live stream; thread-local capture mode.
+        unsafe {
+            check(
+                "cuStreamBeginCapture",
+                sys::cuStreamBeginCapture_v2(self.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+            )?
+        };
+        let r = enqueue();
+        let mut graph = std::ptr::null_mut();
+        // SAFETY: ends the capture begun above (also after a failed enqueue, so the stream is usable again).
+        let end = unsafe { check("cuStreamEndCapture", sys::cuStreamEndCapture(self.0, &mut graph)) };
+        let result = r.and(end).and_then(|_| {
+            let mut exec = std::ptr::null_mut();
+            // SAFETY: `graph` is the captured graph; valid out-pointer.
+            unsafe { check("cuGraphInstantiate", sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0))? };
+            Ok(GraphExec(exec))
+        });
+        if !graph.is_null() {
+            // SAFETY: the template is no longer needed once instantiated (or on failure).
+            unsafe { sys::cuGraphDestroy(graph) };
+        }
+        result
     }
 
     /// Blocks until the stream's work is done.
@@ -206,6 +261,41 @@ impl Stream {
     /// `src` must stay valid (and unmodified) until the copy completes; for overlap it should be page-locked.
     pub unsafe fn htod_raw(&self, dst: u64, src: *const u8, n: usize) -> Result<(), GpuError> {
         check("cuMemcpyHtoDAsync", sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, n, self.0))
+    }
+
+    /// Asynchronous host → device copy of `height` rows of `width` bytes: row i from `src + i * src_pitch` to
+    /// `dst + i * dst_pitch` (a column range of a row-major matrix, packed).
+    ///
+    /// # Safety
+    /// As [`Stream::htod_raw`], for every source row.
+    pub unsafe fn htod_2d_raw(
+        &self,
+        dst: u64,
+        dst_pitch: usize,
+        src: *const u8,
+        src_pitch: usize,
+        width: usize,
+        height: usize,
+    ) -> Result<(), GpuError> {
+        let p = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+            srcHost: src as *const c_void,
+            srcDevice: 0,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch,
+            WidthInBytes: width,
+            Height: height,
+        };
+        check("cuMemcpy2DAsync", sys::cuMemcpy2DAsync_v2(&p, self.0))
     }
 
     /// Asynchronous device → host copy of `n` bytes into `dst`.

@@ -113,6 +113,10 @@ pub struct Kernels {
     gate_up: [Func; 6],
     /// Expert down per format.
     down: [Func; 6],
+    /// One-token variants (`_t1`) of the three above: fewer registers, so more warps per SM in decode.
+    mmv1: [Func; 6],
+    gate_up1: [Func; 6],
+    down1: [Func; 6],
     /// `quantize_q8`.
     pub quantize_q8: Func,
     /// `rms_norm_q8`.
@@ -168,18 +172,21 @@ impl Kernels {
             unsafe { check("cuModuleGetFunction", sys::cuModuleGetFunction(&mut f, module, c.as_ptr()))? };
             Ok(Func { f, name })
         };
-        let per = |prefix: &str| -> Result<[Func; 6], GpuError> {
+        let per = |prefix: &str, tail: &str| -> Result<[Func; 6], GpuError> {
             let mut v = Vec::new();
             for s in SUFFIX {
-                v.push(get(leak(format!("{prefix}{s}")))?);
+                v.push(get(leak(format!("{prefix}{s}{tail}")))?);
             }
             Ok([v[0], v[1], v[2], v[3], v[4], v[5]])
         };
         let k = Kernels {
             module,
-            mmv: per("mmv_")?,
-            gate_up: per("expert_gate_up_")?,
-            down: per("expert_down_")?,
+            mmv: per("mmv_", "")?,
+            gate_up: per("expert_gate_up_", "")?,
+            down: per("expert_down_", "")?,
+            mmv1: per("mmv_", "_t1")?,
+            gate_up1: per("expert_gate_up_", "_t1")?,
+            down1: per("expert_down_", "_t1")?,
             quantize_q8: get("quantize_q8")?,
             rms_norm_q8: get("rms_norm_q8")?,
             rope_store: get("rope_store")?,
@@ -194,17 +201,20 @@ impl Kernels {
         Ok(k)
     }
 
-    /// The dense product kernel for `ty`.
-    pub fn mmv(&self, ty: GgmlType) -> Result<Func, GpuError> {
-        Ok(self.mmv[fmt_index(ty)?])
+    /// The dense product kernel for `ty` (`one`: the one-token variant).
+    pub fn mmv(&self, ty: GgmlType, one: bool) -> Result<Func, GpuError> {
+        let i = fmt_index(ty)?;
+        Ok(if one { self.mmv1[i] } else { self.mmv[i] })
     }
-    /// The expert gate/up kernel for `ty`.
-    pub fn gate_up(&self, ty: GgmlType) -> Result<Func, GpuError> {
-        Ok(self.gate_up[fmt_index(ty)?])
+    /// The expert gate/up kernel for `ty` (`one`: every group has at most one token).
+    pub fn gate_up(&self, ty: GgmlType, one: bool) -> Result<Func, GpuError> {
+        let i = fmt_index(ty)?;
+        Ok(if one { self.gate_up1[i] } else { self.gate_up[i] })
     }
-    /// The expert down kernel for `ty`.
-    pub fn down(&self, ty: GgmlType) -> Result<Func, GpuError> {
-        Ok(self.down[fmt_index(ty)?])
+    /// The expert down kernel for `ty` (`one`: every group has at most one token).
+    pub fn down(&self, ty: GgmlType, one: bool) -> Result<Func, GpuError> {
+        let i = fmt_index(ty)?;
+        Ok(if one { self.down1[i] } else { self.down[i] })
     }
 }
 

@@ -17,6 +17,7 @@ use super::slots::SlotCache;
 use super::GpuError;
 use crate::model::kv::KvCache;
 use crate::model::llama::{Ffn, LlamaModel, Logits, Scratch, Weight};
+use crate::model::ModelConfig;
 use crate::quant::{dequantize_row, GgmlType};
 use crate::tiers::store::{ExpertStore, Source};
 use crate::tiers::vram::{auto_slots, shrink_slots, slot_bytes, CacheSize};
@@ -114,14 +115,19 @@ pub struct GpuModel {
     said_fallback: std::sync::atomic::AtomicBool,
     /// The RAM copy's start when it was registered with the driver (unregistered on drop).
     registered: std::sync::atomic::AtomicUsize,
+    /// Captured decode-token graphs by attention size class (positions the shared memory holds).
+    graphs: Mutex<Vec<(usize, super::driver::GraphExec)>>,
+    /// A capture failed: plain launches from then on.
+    graphs_off: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for GpuModel {
     fn drop(&mut self) {
+        let _ = self.dev.bind();
+        let _ = self.s.sync();
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         let p = self.registered.load(std::sync::atomic::Ordering::SeqCst);
         if p != 0 {
-            let _ = self.dev.bind();
-            let _ = self.s.sync();
             // SAFETY: registered in make_cache; the stream is idle, so no copy from it is in flight.
             unsafe { super::driver::host_unregister(p as *mut u8) };
         }
@@ -244,7 +250,7 @@ impl GpuModel {
             groups: DevBuf::alloc(t * kk * GROUP_BYTES)?,
             y: f4(t * kk * e)?,
             cpu: f4(t * e)?,
-            cs: f4(t * c.n_rot)?,
+            cs: f4(t * c.n_rot + 2)?,
             logits: f4(t * c.n_vocab)?,
             win_ids: f4(c.n_layer * t * kk)?,
         };
@@ -265,6 +271,8 @@ impl GpuModel {
             host: Mutex::new(Host::default()),
             said_fallback: std::sync::atomic::AtomicBool::new(false),
             registered: std::sync::atomic::AtomicUsize::new(0),
+            graphs: Mutex::new(Vec::new()),
+            graphs_off: std::sync::atomic::AtomicBool::new(false),
         };
         if let Some(store) = &model.experts {
             g.cache = g.make_cache(model, store, cfg)?;
@@ -356,6 +364,8 @@ impl GpuModel {
             c.poll(store, &self.s, true)?;
         }
         self.s.sync()?;
+        // captured graphs name the old slots
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         let old = self.cache.take().expect("cache");
         let (n_staging, sb, blob, entries, pinned) =
             (old.n_staging, old.slot_bytes, old.blob_bytes, store.slot_table().len(), old.async_ok);
@@ -429,9 +439,6 @@ impl GpuModel {
         let c = &m.cfg;
         let t = tokens.len();
         let e = c.n_embd;
-        let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
-        let (qd, kvd) = (nh * hd, nkv * hd);
-        let ops = Ops { k: &self.k, s: &self.s };
         let b = &self.b;
         let mut host = self.host.lock().unwrap_or_else(|e| e.into_inner());
         // embeddings (host dequantization of the rows) and RoPE angles
@@ -444,7 +451,9 @@ impl GpuModel {
         }
         self.s.htod_sync(b.x.ptr, &host.x)?;
         m.rope_table(pos0, t, &mut host.rope);
+        // [pos0 (int bits), pad, (cos, sin) pairs]: the kernels read pos0 from the device (graph replays)
         host.cs.clear();
+        host.cs.extend([f32::from_bits(pos0 as u32), 0.0]);
         host.cs.extend(host.rope.iter().flat_map(|&(cv, sv)| [cv, sv]));
         self.s.htod_sync(b.cs.ptr, &host.cs)?;
         let timing = std::env::var_os("STRATA_GPU_TIMING").is_some();
@@ -454,24 +463,126 @@ impl GpuModel {
             e.record(&self.s)?;
         }
         let fast = self.cache.is_some() && m.experts.as_ref().is_some_and(|st| st.all_in_vram()) && s.routes.is_none();
+        let any_moe = self.layers.iter().any(|g| matches!(g.ffn, GFfn::Moe { .. }));
         host.deferred.clear();
+        let rows = which.map(|w| match w {
+            Logits::Last => (t - 1, 1),
+            Logits::All => (0, t),
+        });
+        // a decode token with no host round trip inside: replay a CUDA graph (one launch instead of ~15 per
+        // layer), captured once per attention size class
+        let graph =
+            s.decode && t == 1 && rows.is_some() && (fast || !any_moe) && s.routes.is_none() && self.graphs_on();
+        if graph {
+            let cap = (pos0 + t).next_power_of_two().max(256).min(self.n_ctx.max(pos0 + t));
+            let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+            if !graphs.iter().any(|(c, _)| *c == cap) {
+                let captured = self.s.capture(|| {
+                    self.enqueue_layers(m, t, pos0, cap, fast, s, host)?;
+                    self.enqueue_output(c, rows.expect("rows"))
+                });
+                match captured {
+                    Ok(g) => graphs.push((cap, g)),
+                    Err(err) => {
+                        tracing::warn!("CUDA graph capture failed ({err}); decoding with plain launches");
+                        self.graphs_off.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            }
+            if let Some((_, g)) = graphs.iter().find(|(c, _)| *c == cap) {
+                g.launch(&self.s)?;
+            } else {
+                self.enqueue_layers(m, t, pos0, pos0 + t, fast, s, host)?;
+                self.enqueue_output(c, rows.expect("rows"))?;
+            }
+        } else {
+            self.enqueue_layers(m, t, pos0, pos0 + t, fast, s, host)?;
+            if let Some(r) = rows {
+                self.enqueue_output(c, r)?;
+            }
+        }
+        if fast && s.decode {
+            if let Some(st) = &m.experts {
+                let kk = c.n_expert_used;
+                host.deferred.resize(c.n_layer * t * kk, 0);
+                self.s.dtoh_sync(&mut host.deferred, b.win_ids.ptr)?;
+                for (l, ids) in host.deferred.chunks_exact(t * kk).enumerate() {
+                    st.record_vram_window(l, ids.iter().map(|&v| v as usize));
+                }
+            }
+        }
+        if let Some(e0) = &ev0 {
+            let enqueued = t_start.elapsed().as_secs_f64() * 1000.0;
+            let e1 = super::driver::Event::timed()?;
+            e1.record(&self.s)?;
+            e1.sync()?;
+            tracing::info!(
+                "GPU timing: {t} tokens at {pos0}: layers enqueued in {enqueued:.3} ms (host), {:.3} ms on the GPU, \
+                 {:.3} ms wall",
+                e1.since_ms(e0)?,
+                t_start.elapsed().as_secs_f64() * 1000.0
+            );
+        }
+        let Some((_, rows)) = rows else {
+            self.s.sync()?;
+            return Ok(Vec::new());
+        };
+        let mut logits = vec![0f32; rows * c.n_vocab];
+        self.s.dtoh_sync(&mut logits, b.logits.ptr)?;
+        Ok(logits)
+    }
+
+    /// Whether decode tokens may replay CUDA graphs (`STRATA_GPU_GRAPHS=0` turns them off; a failed capture
+    /// too).
+    fn graphs_on(&self) -> bool {
+        !self.graphs_off.load(std::sync::atomic::Ordering::Relaxed)
+            && std::env::var("STRATA_GPU_GRAPHS").map_or(true, |v| v != "0")
+    }
+
+    /// Final norm and output product of rows `row0 .. row0 + rows` into `b.logits`.
+    fn enqueue_output(&self, c: &ModelConfig, (row0, rows): (usize, usize)) -> Result<(), GpuError> {
+        let ops = Ops { k: &self.k, s: &self.s };
+        let (b, e) = (&self.b, c.n_embd);
+        ops.rms_norm_q8(b.x.at(row0 * e * 4), self.out_norm.ptr, c.rms_eps, e, rows, b.xn.ptr, b.xq.ptr)?;
+        ops.mmv(&[&self.output], b.xq.ptr, b.xn.ptr, rows, b.logits.ptr, c.n_vocab, false)
+    }
+
+    /// Every layer of a pass of `t` tokens at `pos0` (attention's shared memory sized for `cap` ≥ pos0 + t
+    /// positions). `fast`: every MoE layer's experts are in VRAM (no host round trip).
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue_layers(
+        &self,
+        m: &LlamaModel,
+        t: usize,
+        pos0: usize,
+        cap: usize,
+        fast: bool,
+        s: &mut Scratch,
+        host: &mut Host,
+    ) -> Result<(), GpuError> {
+        let c = &m.cfg;
+        let e = c.n_embd;
+        let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let ops = Ops { k: &self.k, s: &self.s };
+        let b = &self.b;
         for (l, g) in self.layers.iter().enumerate() {
             ops.rms_norm_q8(b.x.ptr, g.attn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr)?;
             ops.mmv(&[&g.q, &g.k, &g.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false)?;
             ops.rope_store(
                 b.qkv.ptr,
-                b.cs.ptr,
+                b.cs.at(8),
                 nh,
                 nkv,
                 hd,
                 c.n_rot,
-                pos0,
+                b.cs.ptr,
                 t,
                 b.q.ptr,
                 self.kc[l].ptr,
                 self.vc[l].ptr,
             )?;
-            ops.attention(b.q.ptr, self.kc[l].ptr, self.vc[l].ptr, nh, nkv, hd, pos0, t, b.attn.ptr)?;
+            ops.attention(b.q.ptr, self.kc[l].ptr, self.vc[l].ptr, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr)?;
             ops.quantize(b.attn.ptr, b.attnq.ptr, t * qd / 32)?;
             ops.mmv(&[&g.o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?;
             ops.rms_norm_q8(b.x.ptr, g.ffn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr)?;
@@ -497,6 +608,7 @@ impl GpuModel {
                         ops.build_groups(b.ids.ptr, n_pairs, kk, cache.table.at(l * ne * 4), b.groups.ptr, b.flag.ptr)?;
                         ops.expert_gate_up(
                             *gate_ty,
+                            true,
                             b.groups.ptr,
                             n_pairs,
                             slots,
@@ -510,6 +622,7 @@ impl GpuModel {
                         ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
                         ops.expert_down(
                             *down_ty,
+                            true,
                             b.groups.ptr,
                             n_pairs,
                             slots,
@@ -532,41 +645,7 @@ impl GpuModel {
                 }
             }
         }
-        if fast && s.decode {
-            if let Some(st) = &m.experts {
-                let kk = c.n_expert_used;
-                host.deferred.resize(c.n_layer * t * kk, 0);
-                self.s.dtoh_sync(&mut host.deferred, b.win_ids.ptr)?;
-                for (l, ids) in host.deferred.chunks_exact(t * kk).enumerate() {
-                    st.record_vram_window(l, ids.iter().map(|&v| v as usize));
-                }
-            }
-        }
-        if let Some(e0) = &ev0 {
-            let enqueued = t_start.elapsed().as_secs_f64() * 1000.0;
-            let e1 = super::driver::Event::timed()?;
-            e1.record(&self.s)?;
-            e1.sync()?;
-            tracing::info!(
-                "GPU timing: {t} tokens at {pos0}: layers enqueued in {enqueued:.3} ms (host), {:.3} ms on the GPU, \
-                 {:.3} ms wall",
-                e1.since_ms(e0)?,
-                t_start.elapsed().as_secs_f64() * 1000.0
-            );
-        }
-        let Some(which) = which else {
-            self.s.sync()?;
-            return Ok(Vec::new());
-        };
-        let (row0, rows) = match which {
-            Logits::Last => (t - 1, 1),
-            Logits::All => (0, t),
-        };
-        ops.rms_norm_q8(b.x.at(row0 * e * 4), self.out_norm.ptr, c.rms_eps, e, rows, b.xn.ptr, b.xq.ptr)?;
-        ops.mmv(&[&self.output], b.xq.ptr, b.xn.ptr, rows, b.logits.ptr, c.n_vocab, false)?;
-        let mut logits = vec![0f32; rows * c.n_vocab];
-        self.s.dtoh_sync(&mut logits, b.logits.ptr)?;
-        Ok(logits)
+        Ok(())
     }
 
     /// One MoE layer with the routing on the host: VRAM hits (and PCIe-staged misses) on the GPU, the other
@@ -625,59 +704,130 @@ impl GpuModel {
             }
         }
         let cache = self.cache.as_ref();
-        // live knob `pcie_frac` (--pcie-frac)
+        // live knob `pcie_frac` (--pcie-frac): that share of the RAM-resident misses' bytes goes over PCIe. Each
+        // miss is split at intermediate row k (a multiple of 256): rows 0..k are uploaded (packed) and computed
+        // on the GPU, rows k.. on the CPU, both adding into the expert's output — so PCIe and the CPU pool share
+        // every miss, even a layer's single one. Widths that do not split send whole experts (error diffusion).
         let frac = m.experts.as_ref().and_then(|st| st.knobs.get("pcie_frac").ok()).unwrap_or(0.0) as f32;
+        let mut split: Vec<(usize, u32)> = Vec::new();
+        let mut from = vec![0usize; c.n_expert];
+        let mut geom = None;
         if let (Some(cache), true) = (cache, frac > 0.0) {
             ram_miss.sort_by(|a, b| by_expert[b.0].len().cmp(&by_expert[a.0].len()).then(a.0.cmp(&b.0)));
-            // error diffusion across layers: over a window, `frac` of the RAM misses go over PCIe
-            host.pcie_carry += ram_miss.len() as f32 * frac.min(1.0);
-            let n = (host.pcie_carry.floor() as usize).min(ram_miss.len()).min(cache.n_staging);
-            host.pcie_carry -= n as f32;
-            if n > 0 {
-                let st = m.experts.as_ref().expect("store");
+            let st = m.experts.as_ref().expect("store");
+            let k = split_rows(frac, ff);
+            let mut entries = 0u64;
+            if k > 0 && k < ff {
+                let g = super::slots::SplitGeom {
+                    k,
+                    gate_row: gate_ty.row_bytes(e),
+                    ff,
+                    down_row: down_ty.row_bytes(ff),
+                    down_part: down_ty.row_bytes(k),
+                    e,
+                };
+                let n = ram_miss.len().min(cache.n_staging);
                 let items: Vec<(usize, usize, usize)> = ram_miss[..n].iter().map(|&(x, off)| (l, x, off)).collect();
-                let staged = cache.stage(st, &items, &self.s)?;
-                let mut entries = 0u64;
+                let staged = cache.stage_split(st, &items, &g, &self.s)?;
                 for (&(x, _), slot) in ram_miss[..n].iter().zip(staged) {
                     entries += by_expert[x].len() as u64;
-                    gpu.push((x, slot));
+                    split.push((x, slot));
+                    from[x] = k;
                 }
-                if s.decode {
-                    st.counters.pcie_entries.fetch_add(entries, std::sync::atomic::Ordering::Relaxed);
+                geom = Some(g);
+            } else {
+                // error diffusion across layers: over a window, `frac` of the RAM misses go over PCIe
+                host.pcie_carry += ram_miss.len() as f32 * frac.min(1.0);
+                let n = (host.pcie_carry.floor() as usize).min(ram_miss.len()).min(cache.n_staging);
+                host.pcie_carry -= n as f32;
+                if n > 0 {
+                    let items: Vec<(usize, usize, usize)> = ram_miss[..n].iter().map(|&(x, off)| (l, x, off)).collect();
+                    let staged = cache.stage(st, &items, &self.s)?;
+                    for (&(x, _), slot) in ram_miss[..n].iter().zip(staged) {
+                        entries += by_expert[x].len() as u64;
+                        gpu.push((x, slot));
+                    }
                 }
             }
+            if s.decode {
+                st.counters.pcie_entries.fetch_add(entries, std::sync::atomic::Ordering::Relaxed);
+            }
         }
-        // groups of up to MAX_NT tokens per expert; flags per routing entry
+        // groups of up to MAX_NT tokens per expert (whole experts first, then split ones); flags per routing
+        // entry (1 = the GPU wrote this entry's row of y)
         host.groups.clear();
         host.flag.clear();
         host.flag.resize(n_pairs, 0);
-        let mut n_groups = 0;
-        for &(x, slot) in &gpu {
-            for chunk in by_expert[x].chunks(MAX_NT) {
-                let mut g = [0i32; 18];
-                g[0] = slot as i32;
-                g[1] = chunk.len() as i32;
-                for (j, &(i, _)) in chunk.iter().enumerate() {
-                    let rank = routes[i].iter().position(|&(ex_, _)| ex_ == x).expect("routed");
-                    g[2 + j] = i as i32;
-                    g[10 + j] = (i * kk + rank) as i32;
-                    host.flag[i * kk + rank] = 1;
+        let add_groups = |list: &[(usize, u32)], host: &mut Host| {
+            let mut n = 0;
+            for &(x, slot) in list {
+                for chunk in by_expert[x].chunks(MAX_NT) {
+                    let mut g = [0i32; 18];
+                    g[0] = slot as i32;
+                    g[1] = chunk.len() as i32;
+                    for (j, &(i, _)) in chunk.iter().enumerate() {
+                        let rank = routes[i].iter().position(|&(ex_, _)| ex_ == x).expect("routed");
+                        g[2 + j] = i as i32;
+                        g[10 + j] = (i * kk + rank) as i32;
+                        host.flag[i * kk + rank] = 1;
+                    }
+                    host.groups.extend(g.iter().flat_map(|v| v.to_le_bytes()));
+                    n += 1;
                 }
-                host.groups.extend(g.iter().flat_map(|v| v.to_le_bytes()));
-                n_groups += 1;
             }
-            by_expert[x].clear(); // not for the CPU
+            n
+        };
+        let n_groups = add_groups(&gpu, host);
+        let n_split = add_groups(&split, host);
+        for &(x, _) in &gpu {
+            by_expert[x].clear(); // not for the CPU (split experts keep their tokens: the CPU does rows k..)
         }
-        if n_groups > 0 {
+        if n_groups + n_split > 0 {
             let slots = cache.expect("cache").slots.ptr;
             let sb = cache.expect("cache").slot_bytes;
             // SAFETY: host.groups is next written in the next MoE layer, after that layer's stream sync (or in
             // the next pass, after its final sync), so it outlives the copy. Asynchronous: the CPU pool below
             // starts on the misses while the GPU works.
             unsafe { self.s.htod_raw(b.groups.ptr, host.groups.as_ptr(), host.groups.len())? };
-            ops.expert_gate_up(gate_ty, b.groups.ptr, n_groups, slots, sb, ff, e, b.xq.ptr, b.xn.ptr, b.h.ptr)?;
-            ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
-            ops.expert_down(down_ty, b.groups.ptr, n_groups, slots, sb, down_off, ff, e, b.hq.ptr, b.h.ptr, b.y.ptr)?;
+            let one = t == 1;
+            if n_groups > 0 {
+                ops.expert_gate_up(
+                    gate_ty,
+                    one,
+                    b.groups.ptr,
+                    n_groups,
+                    slots,
+                    sb,
+                    ff,
+                    e,
+                    b.xq.ptr,
+                    b.xn.ptr,
+                    b.h.ptr,
+                )?;
+                ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
+                ops.expert_down(
+                    down_ty,
+                    one,
+                    b.groups.ptr,
+                    n_groups,
+                    slots,
+                    sb,
+                    down_off,
+                    ff,
+                    e,
+                    b.hq.ptr,
+                    b.h.ptr,
+                    b.y.ptr,
+                )?;
+            }
+            if let Some(g) = geom.filter(|_| n_split > 0) {
+                // the split experts' rows 0..k, as experts of width k (h and hq reused after the launches above)
+                let gp = b.groups.at(n_groups * GROUP_BYTES);
+                let k = g.k;
+                ops.expert_gate_up(gate_ty, one, gp, n_split, slots, sb, k, e, b.xq.ptr, b.xn.ptr, b.h.ptr)?;
+                ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * k / 32)?;
+                ops.expert_down(down_ty, one, gp, n_split, slots, sb, g.down_off(), k, e, b.hq.ptr, b.h.ptr, b.y.ptr)?;
+            }
         }
         // SAFETY: as for host.groups above.
         unsafe { self.s.htod_raw(b.flag.ptr, host.flag.as_ptr() as *const u8, host.flag.len() * 4)? };
@@ -687,7 +837,7 @@ impl GpuModel {
             s.xn.resize(t, e);
             s.xn.f.copy_from_slice(&host.xn);
             s.xn.quantize();
-            m.experts_cpu(l, ex, &by_expert, src, s);
+            m.experts_cpu(l, ex, &by_expert, src, Some(&from), s);
             // SAFETY: s.moe_acc is next written by the next layer's CPU experts, after that layer's stream sync.
             unsafe { self.s.htod_raw(b.cpu.ptr, s.moe_acc.as_ptr() as *const u8, s.moe_acc.len() * 4)? };
         }
@@ -721,5 +871,30 @@ impl GpuModel {
             cache.poll(store, &self.s, true)?;
         }
         Ok(())
+    }
+}
+
+/// Intermediate rows of a RAM-resident miss that go over PCIe for the share `frac`: a multiple of 256 (so the
+/// packed parts stay 16-byte aligned for the staged kernels), 0 when `ff` is not a multiple of 256.
+pub fn split_rows(frac: f32, ff: usize) -> usize {
+    if ff % 256 != 0 || frac <= 0.0 {
+        return 0;
+    }
+    ((frac.min(1.0) * (ff / 256) as f32).round() as usize * 256).min(ff)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_rows;
+
+    #[test]
+    fn split_rows_are_whole_256_row_groups_of_the_share() {
+        assert_eq!(split_rows(0.5, 14336), 7168);
+        assert_eq!(split_rows(0.3, 14336), 17 * 256); // 16.8 groups → 17
+        assert_eq!(split_rows(1.0, 1536), 1536);
+        assert_eq!(split_rows(2.0, 1536), 1536);
+        assert_eq!(split_rows(0.01, 1536), 0);
+        assert_eq!(split_rows(0.0, 1536), 0);
+        assert_eq!(split_rows(0.5, 1000), 0); // not a multiple of 256: whole experts instead
     }
 }

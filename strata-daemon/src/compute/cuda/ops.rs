@@ -12,8 +12,10 @@ pub const Q8_BYTES: usize = 40;
 pub const GROUP_BYTES: usize = 72;
 /// Tokens one group (or one product launch) handles at once.
 pub const MAX_NT: usize = 8;
-/// Warps (rows) per block of the product kernels.
+/// Warps per block of the product kernels.
 pub const WARPS: u32 = 4;
+/// Rows one warp computes in the dense and expert-down products (gate/up: the gate and up row of one index).
+pub const RPW: usize = 2;
 
 /// A weight matrix in VRAM: `rows` rows of `cols` elements of `ty`.
 pub struct DMat {
@@ -57,7 +59,7 @@ impl Ops<'_> {
         accumulate: bool,
     ) -> Result<(), GpuError> {
         let m0 = mats[0];
-        let f = self.k.mmv(m0.ty)?;
+        let f = self.k.mmv(m0.ty, t == 1)?;
         let ptr = |i: usize| mats.get(i).map(|m| m.buf.ptr).unwrap_or(0);
         let rows = |i: usize| mats.get(i).map(|m| m.rows).unwrap_or(0) as i32;
         let total: usize = mats.iter().map(|m| m.rows).sum();
@@ -76,7 +78,7 @@ impl Ops<'_> {
             .ptr(out)
             .i32(out_stride as i32)
             .i32(accumulate as i32);
-        f.launch(self.s, (total.div_ceil(WARPS as usize) as u32, 1, 1), 32 * WARPS, 0, args)
+        f.launch(self.s, (total.div_ceil(WARPS as usize * RPW) as u32, 1, 1), 32 * WARPS, 0, args)
     }
 
     /// Q8 blocks of `n_blocks × 32` f32 values.
@@ -104,7 +106,7 @@ impl Ops<'_> {
         self.k.rms_norm_q8.launch(self.s, (t as u32, 1, 1), 1024, 0, args)
     }
 
-    /// RoPE + KV store (see the kernel).
+    /// RoPE + KV store (see the kernel); `pos` is the device address of pos0 (an `int`).
     #[allow(clippy::too_many_arguments)]
     pub fn rope_store(
         &self,
@@ -114,7 +116,7 @@ impl Ops<'_> {
         n_head_kv: usize,
         hd: usize,
         n_rot: usize,
-        pos0: usize,
+        pos: u64,
         t: usize,
         q: u64,
         kc: u64,
@@ -127,7 +129,7 @@ impl Ops<'_> {
             .i32(n_head_kv as i32)
             .i32(hd as i32)
             .i32(n_rot as i32)
-            .i32(pos0 as i32)
+            .ptr(pos)
             .ptr(q)
             .ptr(kc)
             .ptr(vc);
@@ -135,7 +137,8 @@ impl Ops<'_> {
         self.k.rope_store.launch(self.s, (t as u32, pairs.div_ceil(128).min(64) as u32, 1), 128, 0, args)
     }
 
-    /// Causal attention of `t` rows at positions `pos0..` over the cache.
+    /// Causal attention of `t` rows at positions `pos0..` over the cache; `pos` is the device address of pos0,
+    /// `cap` ≥ pos0 + t the positions the shared memory is sized for.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -145,11 +148,12 @@ impl Ops<'_> {
         n_head: usize,
         n_head_kv: usize,
         hd: usize,
-        pos0: usize,
+        pos: u64,
+        cap: usize,
         t: usize,
         out: u64,
     ) -> Result<(), GpuError> {
-        let smem = ((hd + pos0 + t) * 4) as u32;
+        let smem = ((hd + cap) * 4) as u32;
         let scale = 1.0 / (hd as f32).sqrt();
         let args = Args::new()
             .ptr(q)
@@ -158,7 +162,7 @@ impl Ops<'_> {
             .i32(n_head as i32)
             .i32(n_head_kv as i32)
             .i32(hd as i32)
-            .i32(pos0 as i32)
+            .ptr(pos)
             .f32(scale)
             .ptr(out);
         self.k.attention.launch(self.s, (n_head as u32, t as u32, 1), 128, smem, args)
@@ -192,11 +196,12 @@ impl Ops<'_> {
         self.k.build_groups.launch(self.s, (n_pairs.div_ceil(128) as u32, 1, 1), 128, 0, args)
     }
 
-    /// Expert gate/up (SwiGLU) over `n_groups` groups.
+    /// Expert gate/up (SwiGLU) over `n_groups` groups (`one`: no group has more than one token).
     #[allow(clippy::too_many_arguments)]
     pub fn expert_gate_up(
         &self,
         ty: GgmlType,
+        one: bool,
         groups: u64,
         n_groups: usize,
         slots: u64,
@@ -209,7 +214,7 @@ impl Ops<'_> {
     ) -> Result<(), GpuError> {
         let args =
             Args::new().ptr(groups).ptr(slots).usize(slot_bytes).i32(ff as i32).i32(e as i32).ptr(xq).ptr(xf).ptr(h);
-        self.k.gate_up(ty)?.launch(
+        self.k.gate_up(ty, one)?.launch(
             self.s,
             (ff.div_ceil(WARPS as usize) as u32, n_groups as u32, 1),
             32 * WARPS,
@@ -218,11 +223,12 @@ impl Ops<'_> {
         )
     }
 
-    /// Expert down over `n_groups` groups.
+    /// Expert down over `n_groups` groups (`one`: no group has more than one token).
     #[allow(clippy::too_many_arguments)]
     pub fn expert_down(
         &self,
         ty: GgmlType,
+        one: bool,
         groups: u64,
         n_groups: usize,
         slots: u64,
@@ -244,7 +250,13 @@ impl Ops<'_> {
             .ptr(hq)
             .ptr(hf)
             .ptr(out);
-        self.k.down(ty)?.launch(self.s, (e.div_ceil(WARPS as usize) as u32, n_groups as u32, 1), 32 * WARPS, 0, args)
+        self.k.down(ty, one)?.launch(
+            self.s,
+            (e.div_ceil(WARPS as usize * RPW) as u32, n_groups as u32, 1),
+            32 * WARPS,
+            0,
+            args,
+        )
     }
 
     /// `x[i] += Σ_r flag·w·y + cpu[i]` (cpu = 0 for none).

@@ -292,6 +292,68 @@ impl SlotCache {
     }
 }
 
+/// Where an expert's first `k` intermediate rows go when split between the GPU and the CPU: geometry of the
+/// packed sub-blob `gate[0..k) | up[0..k) | down[:, 0..k)` in a staging slot (all in bytes).
+#[derive(Clone, Copy, Debug)]
+pub struct SplitGeom {
+    /// Intermediate rows on the GPU (k, a multiple of 256).
+    pub k: usize,
+    /// Bytes of one gate/up row (width n_embd).
+    pub gate_row: usize,
+    /// Rows of gate (and of up) in the full blob (n_ff_exp).
+    pub ff: usize,
+    /// Bytes of one full down row (width n_ff_exp).
+    pub down_row: usize,
+    /// Bytes of the first k columns of a down row.
+    pub down_part: usize,
+    /// Down rows (n_embd).
+    pub e: usize,
+}
+
+impl SplitGeom {
+    /// Offset of the packed down part in the sub-blob.
+    pub fn down_off(&self) -> usize {
+        2 * self.k * self.gate_row
+    }
+    /// Bytes of the packed sub-blob.
+    pub fn bytes(&self) -> usize {
+        self.down_off() + self.e * self.down_part
+    }
+}
+
+impl SlotCache {
+    /// Uploads the first `g.k` intermediate rows of PCIe-served misses, packed (see [`SplitGeom`]), into
+    /// staging slots on `s` from the page-locked RAM copy: gate and up rows in one piece each, the down
+    /// columns as one pitched copy. `items` = (layer, expert, arena offset); returns each one's staging slot.
+    pub fn stage_split(
+        &self,
+        store: &ExpertStore,
+        items: &[(usize, usize, usize)],
+        g: &SplitGeom,
+        s: &Stream,
+    ) -> Result<Vec<u32>, GpuError> {
+        assert!(g.bytes() <= self.slot_bytes, "split sub-blob larger than a slot");
+        let arena = store.arena();
+        let mut out = Vec::with_capacity(items.len());
+        let part = g.k * g.gate_row;
+        for (j, &(_, _, off)) in items.iter().enumerate().take(self.n_staging) {
+            let slot = (self.n_slots + j) as u32;
+            let dst = self.slot_addr(slot);
+            let src = arena.slice(off, self.blob_bytes);
+            let down = &src[2 * g.ff * g.gate_row..];
+            // SAFETY: as in `stage`: the RAM copy is not written while a window runs; the ranges lie inside the
+            // blob (k ≤ ff, down_part ≤ down_row) and inside the slot (asserted above).
+            unsafe {
+                s.htod_raw(dst, src.as_ptr(), part)?;
+                s.htod_raw(dst + part as u64, src[g.ff * g.gate_row..].as_ptr(), part)?;
+                s.htod_2d_raw(dst + g.down_off() as u64, g.down_part, down.as_ptr(), g.down_row, g.down_part, g.e)?;
+            }
+            out.push(slot);
+        }
+        Ok(out)
+    }
+}
+
 impl Drop for SlotCache {
     fn drop(&mut self) {
         // a helper thread may still record into this round's event: wait for it first
