@@ -684,6 +684,12 @@ impl GpuModel {
                 host.ids[bad]
             )));
         }
+        // an asynchronous adaptive round's experts that landed meanwhile are used from this layer on
+        if let (Some(cache), Some(st)) = (&self.cache, &m.experts) {
+            if cache.round_in_flight() {
+                cache.poll(st, &self.s, false)?;
+            }
+        }
         let routes: Vec<Vec<(usize, f32)>> =
             (0..t).map(|i| (0..kk).map(|r| (host.ids[i * kk + r] as usize, host.w[i * kk + r])).collect()).collect();
         m.record_routes(l, pos0, &routes, s);

@@ -17,17 +17,34 @@ use crate::tiers::policy::Swap;
 use crate::tiers::store::ExpertStore;
 
 /// One expert's copy into a slot.
+#[derive(Clone, Copy)]
 struct Move {
     layer: usize,
     incoming: usize,
     slot: u32,
 }
 
-/// An asynchronous round in flight.
+/// What the helper thread of an asynchronous round reports.
+enum Report {
+    /// The first n moves' copies are issued and their events recorded.
+    Recorded(usize),
+    /// Every copy issued (or the round failed after `Recorded` moves).
+    Finished(Result<(), GpuError>),
+}
+
+/// An asynchronous round in flight. Moves land in order (one copy stream); each has an event, so a landed
+/// expert is admitted at the next poll — between windows or at any hybrid layer — not when the whole round is.
 struct InFlight {
     moves: Vec<Move>,
-    done: Event,
-    issued: crossbeam_channel::Receiver<Result<(), GpuError>>,
+    /// One event per move, recorded on the copy stream after its copy (valid once reported `Recorded`).
+    events: Vec<Event>,
+    /// Moves whose events are recorded.
+    recorded: usize,
+    /// Moves admitted so far.
+    admitted: usize,
+    /// The helper's final report, once received.
+    finished: Option<Result<(), GpuError>>,
+    reports: crossbeam_channel::Receiver<Report>,
 }
 
 /// The VRAM expert cache of one GPU.
@@ -168,48 +185,56 @@ impl SlotCache {
         if !asynchronous {
             let mv: Vec<(usize, usize, u64)> =
                 moves.iter().map(|m| (m.layer, m.incoming, self.slot_addr(m.slot))).collect();
-            let copied = copy_moves(store, &mv, self.blob_bytes, &self.bounce, self.bounce_blobs, &self.copy)
-                .and_then(|_| self.copy.sync());
+            let copied =
+                copy_moves(store, &mv, self.blob_bytes, &self.bounce, self.bounce_blobs, &self.copy, &mut |_| Ok(()))
+                    .and_then(|_| self.copy.sync());
             if let Err(e) = copied {
                 // the slots' contents are undefined now: give them back empty, the evicted experts stay on the CPU
                 self.release(store, &moves);
                 return Err(e);
             }
-            self.admit(store, moves, compute)?;
+            self.admit(store, &moves, compute)?;
             return Ok(plan.len());
         }
         store.set_exchange_staged(true);
-        let done = Event::new()?;
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        let job: Vec<(usize, usize, u32)> = moves.iter().map(|m| (m.layer, m.incoming, m.slot)).collect();
+        let events: Vec<Event> = (0..moves.len()).map(|_| Event::new()).collect::<Result<_, _>>()?;
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let job: Vec<(usize, usize, u64)> =
+            moves.iter().map(|m| (m.layer, m.incoming, self.slot_addr(m.slot))).collect();
         let (st, dev, copy, bounce) = (store.clone(), self.dev.clone(), self.copy.clone(), self.bounce.clone());
-        let slot_addr: Vec<u64> = job.iter().map(|&(_, _, s)| self.slot_addr(s)).collect();
         let blob = self.blob_bytes;
         let bounce_blobs = self.bounce_blobs;
-        // SAFETY of the raw event handle crossing threads: Event is Send; it lives in `InFlight` until the
-        // helper reported (poll waits for the report before dropping it).
-        let done_raw = DoneHandle(done.0);
+        // SAFETY of the raw event handles crossing threads: the events live in `InFlight` until the helper sent
+        // `Finished` (poll and Drop wait for that report before dropping them).
+        let handles: Vec<DoneHandle> = events.iter().map(|e| DoneHandle(e.0)).collect();
         std::thread::Builder::new()
             .name("strata-adapt".into())
             .spawn(move || {
                 let r = (|| {
                     dev.bind()?;
-                    let mv: Vec<(usize, usize, u64)> =
-                        job.iter().zip(&slot_addr).map(|(&(l, e, _), &a)| (l, e, a)).collect();
-                    copy_moves(&st, &mv, blob, &bounce, bounce_blobs, &copy)?;
-                    let d = done_raw;
-                    // SAFETY: the event outlives this thread's use (see above).
-                    unsafe { super::driver::check("cuEventRecord", cudarc::driver::sys::cuEventRecord(d.0, copy.0)) }
+                    copy_moves(&st, &job, blob, &bounce, bounce_blobs, &copy, &mut |i| {
+                        let d = handles[i];
+                        // SAFETY: the event outlives this thread's use (see above).
+                        unsafe {
+                            super::driver::check("cuEventRecord", cudarc::driver::sys::cuEventRecord(d.0, copy.0))?
+                        };
+                        let _ = tx.send(Report::Recorded(i + 1));
+                        Ok(())
+                    })
                 })();
-                let _ = tx.send(r);
+                let _ = tx.send(Report::Finished(r));
             })
             .map_err(|e| GpuError::Unsupported(format!("adaptive helper thread: {e}")))?;
-        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some(InFlight { moves, done, issued: rx });
+        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(InFlight { moves, events, recorded: 0, admitted: 0, finished: None, reports: rx });
         Ok(plan.len())
     }
 
     /// Returns the slots of failed moves to the free list (nothing was admitted into them).
     fn release(&self, store: &ExpertStore, moves: &[Move]) {
+        if moves.is_empty() {
+            return;
+        }
         for m in moves {
             store.release_slot(m.slot);
         }
@@ -219,7 +244,7 @@ impl SlotCache {
         );
     }
 
-    fn admit(&self, store: &ExpertStore, moves: Vec<Move>, compute: &Stream) -> Result<(), GpuError> {
+    fn admit(&self, store: &ExpertStore, moves: &[Move], compute: &Stream) -> Result<(), GpuError> {
         let n = moves.len() as u64;
         for m in moves {
             store.admit_slot(m.layer, m.incoming, m.slot);
@@ -229,45 +254,59 @@ impl SlotCache {
         self.upload_table(store, compute)
     }
 
-    /// Step 3 of an asynchronous round: when its copies have landed, marks the new experts resident (step 4,
-    /// the offset flip, has nothing to move: evicted experts keep their RAM places or the file). `wait`
-    /// blocks until the round is done (a request start drains the round). Returns whether a round completed.
+    /// Step 3 of an asynchronous round: marks the experts whose copies have landed resident (step 4, the offset
+    /// flip, has nothing to move: evicted experts keep their RAM places or the file) — each as soon as its own
+    /// copy is done. `wait` blocks until the whole round is done (a request start drains the round). Returns
+    /// whether any expert was admitted. Errors: the helper failed (its unissued moves give their slots back).
     pub fn poll(&self, store: &ExpertStore, compute: &Stream, wait: bool) -> Result<bool, GpuError> {
         let mut g = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(f) = g.as_ref() else { return Ok(false) };
-        let issued = if wait {
-            Some(f.issued.recv().unwrap_or(Err(GpuError::Unsupported("adaptive helper thread died".into()))))
-        } else {
-            match f.issued.try_recv() {
-                Ok(r) => Some(r),
-                Err(crossbeam_channel::TryRecvError::Empty) => None,
+        let Some(f) = g.as_mut() else { return Ok(false) };
+        // the helper's reports so far (all of them when waiting)
+        while f.finished.is_none() {
+            let msg = if wait {
+                f.reports.recv().map_err(|_| crossbeam_channel::TryRecvError::Disconnected)
+            } else {
+                f.reports.try_recv()
+            };
+            match msg {
+                Ok(Report::Recorded(n)) => f.recorded = n,
+                Ok(Report::Finished(r)) => f.finished = Some(r),
+                Err(crossbeam_channel::TryRecvError::Empty) => break,
                 Err(crossbeam_channel::TryRecvError::Disconnected) => {
-                    Some(Err(GpuError::Unsupported("adaptive helper thread died".into())))
+                    f.finished = Some(Err(GpuError::Unsupported("adaptive helper thread died".into())))
                 }
             }
-        };
-        let Some(issued) = issued else { return Ok(false) };
-        let f = g.take().expect("in flight");
-        drop(g);
-        store.set_exchange_staged(false);
-        let landed = issued.and_then(|_| if wait { f.done.sync().map(|_| true) } else { f.done.done() });
-        let landed = match landed {
-            Ok(l) => l,
-            Err(e) => {
-                self.release(store, &f.moves);
+        }
+        // recorded moves that landed, in order
+        let first = f.admitted;
+        while f.admitted < f.recorded {
+            let ev = &f.events[f.admitted];
+            let landed = if wait { ev.sync().map(|_| true) } else { ev.done() };
+            match landed {
+                Ok(true) => f.admitted += 1,
+                Ok(false) => break,
+                Err(e) => {
+                    let f = g.take().expect("in flight");
+                    store.set_exchange_staged(false);
+                    self.admit(store, &f.moves[first..f.admitted], compute)?;
+                    self.release(store, &f.moves[f.admitted..]);
+                    return Err(e);
+                }
+            }
+        }
+        let any = f.admitted > first;
+        if any {
+            self.admit(store, &f.moves[first..f.admitted], compute)?;
+        }
+        if f.finished.is_some() && f.admitted == f.recorded {
+            let f = g.take().expect("in flight");
+            store.set_exchange_staged(false);
+            if let Some(Err(e)) = f.finished {
+                self.release(store, &f.moves[f.admitted..]);
                 return Err(e);
             }
-        };
-        if !landed {
-            // issued but not landed: keep polling later
-            let (tx, rx) = crossbeam_channel::bounded(1);
-            let _ = tx.send(Ok(()));
-            store.set_exchange_staged(true);
-            *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some(InFlight { issued: rx, ..f });
-            return Ok(false);
         }
-        self.admit(store, f.moves, compute)?;
-        Ok(true)
+        Ok(any)
     }
 
     /// Uploads the blobs of PCIe-served misses into staging slots on `s` (from the page-locked RAM copy).
@@ -360,8 +399,10 @@ impl Drop for SlotCache {
         let f = self.in_flight.get_mut().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(f) = f {
             let _ = self.dev.bind();
-            let _ = f.issued.recv();
-            let _ = f.done.sync();
+            if f.finished.is_none() {
+                while let Ok(Report::Recorded(_)) = f.reports.recv() {}
+            }
+            let _ = self.copy.sync();
         }
     }
 }
@@ -372,7 +413,8 @@ struct DoneHandle(cudarc::driver::sys::CUevent);
 unsafe impl Send for DoneHandle {}
 
 /// Issues the copies of `moves` (layer, expert, slot address) on `copy`: from the page-locked RAM copy
-/// directly, else through the pinned bounce buffer (file tier), `bounce_blobs` at a time.
+/// directly, else through the pinned bounce buffer (file tier), `bounce_blobs` at a time. `after(i)` runs once
+/// move i's copy is issued.
 fn copy_moves(
     store: &ExpertStore,
     moves: &[(usize, usize, u64)],
@@ -380,10 +422,11 @@ fn copy_moves(
     bounce: &Mutex<PinnedBuf>,
     bounce_blobs: usize,
     copy: &Stream,
+    after: &mut dyn FnMut(usize) -> Result<(), GpuError>,
 ) -> Result<(), GpuError> {
     let mut bounce = bounce.lock().unwrap_or_else(|e| e.into_inner());
     let mut used = 0usize;
-    for &(l, e, addr) in moves {
+    for (i, &(l, e, addr)) in moves.iter().enumerate() {
         match store.place_of(l, e) {
             Some(off) => {
                 let arena = store.arena();
@@ -408,6 +451,7 @@ fn copy_moves(
                 used += 1;
             }
         }
+        after(i)?;
     }
     Ok(())
 }
