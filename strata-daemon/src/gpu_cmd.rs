@@ -542,13 +542,20 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let pcie_per_tok = d.pcie_entries as f64 / a.gen as f64;
         let blob_per_tok = d.file_blob_reads as f64 / a.gen as f64;
         // §10 bound: the GPU's bytes over HBM plus the missed experts' bytes over RAM (CPU) — PCIe-served ones
-        // over the pinned link, in parallel with the CPU's share
+        // over the pinned link, in parallel with the CPU's share; both read host RAM, so together they cannot
+        // beat its bandwidth. A split miss (pcie share k/ff of its rows) puts that share on the link.
+        let ff = m.cfg.n_ff_exp;
+        let k = strata::compute::cuda::model::split_rows(pcie as f32, ff);
+        let share = if k > 0 && k < ff { k as f64 / ff as f64 } else { 1.0 };
         let dense = g.dense_bytes() as f64;
         let hits_per_tok = d.vram_hits as f64 / a.gen as f64;
         let gpu_s = (dense + hits_per_tok * blob as f64) / 4.3e12;
-        let cpu_s = (misses_per_tok - pcie_per_tok).max(0.0) * blob as f64 / (ram_bw * 1e9);
-        let pcie_s = pcie_per_tok * blob as f64 / (pinned * 1e9);
-        let bound = 1.0 / (gpu_s + cpu_s.max(pcie_s));
+        let cpu_bytes = ((misses_per_tok - pcie_per_tok).max(0.0) + pcie_per_tok * (1.0 - share)) * blob as f64;
+        let pcie_bytes = pcie_per_tok * share * blob as f64;
+        let host_s = (cpu_bytes / (ram_bw * 1e9))
+            .max(pcie_bytes / (pinned * 1e9))
+            .max((cpu_bytes + pcie_bytes) / (ram_bw * 1e9));
+        let bound = 1.0 / (gpu_s + host_s);
         let name = format!(
             "cache {:>3.0}%, adaptive {mode}{}",
             f * 100.0,

@@ -107,8 +107,9 @@ struct Args {
     /// VRAM kept free by `--expert-cache auto` (MiB).
     #[arg(long, default_value_t = 700, value_name = "MIB")]
     vram_reserve_mib: u64,
-    /// Share of a layer's RAM-resident misses uploaded over PCIe into staging slots and computed on the GPU,
-    /// in [0, 1] (live knob `pcie_frac`).
+    /// Share of the RAM-resident misses' bytes served over PCIe, in [0, 1] (live knob `pcie_frac`): each miss's
+    /// first F × n_ff_exp intermediate rows (multiple of 256) are uploaded and computed on the GPU, the rest on
+    /// the CPU pool.
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pcie_frac: f64,
     /// Adaptive tier rounds asynchronous (1: copies run on a helper thread between windows; not bit-exact run
