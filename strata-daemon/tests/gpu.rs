@@ -31,7 +31,10 @@ fn gpu_matches_cpu() {
     assert!(st.success());
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let worst = r["kernels_worst_rel_err_vs_cpu"].as_f64().unwrap();
-    assert!(worst < 1e-5, "dense products differ from the CPU path: {worst}");
+    assert!(worst < 1e-5, "dense or expert products differ from the CPU path: {worst}");
+    // the expert kernels (gate/up + down from a VRAM slot) were checked: 4 formats × 4 shapes
+    let experts = r["kernels"].as_array().unwrap().iter().filter(|k| k.get("expert_e").is_some()).count();
+    assert_eq!(experts, 16);
     let rows = r["forward"].as_array().unwrap();
     assert_eq!(rows.len(), 8);
     let rows = &rows[1..]; // [0] is the CPU's own batch-vs-decode floor

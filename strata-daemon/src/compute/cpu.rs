@@ -10,8 +10,8 @@ use super::pool::WorkerPool;
 
 use crate::quant::{dot_q8, dot_q8_scalar, dot_q8_x4, quantize_q8, vec_dot_f32_row, BlockQ8, GgmlType};
 
-/// A weight matrix view: `rows` × `cols` elements of `ty` in `data`
-/// (`data.len() == rows * ty.row_bytes(cols)`).
+/// A weight matrix view: `rows` × `cols` elements of `ty` in `data` (`rows * ty.row_bytes(cols)` bytes when the
+/// rows are packed; with a `stride`, row r starts at `r * stride`).
 #[derive(Clone, Copy)]
 pub struct MatRef<'a> {
     /// Raw bytes.
