@@ -117,8 +117,10 @@ pub struct GpuModel {
     registered: std::sync::atomic::AtomicUsize,
     /// Captured decode-token graphs by attention size class (positions the shared memory holds).
     graphs: Mutex<Vec<(usize, super::driver::GraphExec)>>,
-    /// A capture failed: plain launches from then on.
+    /// No CUDA graphs: `STRATA_GPU_GRAPHS=0` at load, or a capture failed (plain launches from then on).
     graphs_off: std::sync::atomic::AtomicBool,
+    /// `STRATA_GPU_TIMING` was set at load: log host and GPU time per pass.
+    timing: bool,
 }
 
 impl Drop for GpuModel {
@@ -272,7 +274,8 @@ impl GpuModel {
             said_fallback: std::sync::atomic::AtomicBool::new(false),
             registered: std::sync::atomic::AtomicUsize::new(0),
             graphs: Mutex::new(Vec::new()),
-            graphs_off: std::sync::atomic::AtomicBool::new(false),
+            graphs_off: std::sync::atomic::AtomicBool::new(std::env::var("STRATA_GPU_GRAPHS").is_ok_and(|v| v == "0")),
+            timing: std::env::var_os("STRATA_GPU_TIMING").is_some(),
         };
         if let Some(store) = &model.experts {
             g.cache = g.make_cache(model, store, cfg)?;
@@ -456,7 +459,7 @@ impl GpuModel {
         host.cs.extend([f32::from_bits(pos0 as u32), 0.0]);
         host.cs.extend(host.rope.iter().flat_map(|&(cv, sv)| [cv, sv]));
         self.s.htod_sync(b.cs.ptr, &host.cs)?;
-        let timing = std::env::var_os("STRATA_GPU_TIMING").is_some();
+        let timing = self.timing;
         let t_start = std::time::Instant::now();
         let ev0 = if timing { Some(super::driver::Event::timed()?) } else { None };
         if let Some(e) = &ev0 {
@@ -532,11 +535,34 @@ impl GpuModel {
         Ok(logits)
     }
 
-    /// Whether decode tokens may replay CUDA graphs (`STRATA_GPU_GRAPHS=0` turns them off; a failed capture
-    /// too).
+    /// Expert gate/up (SwiGLU) → Q8 → down for `n_groups` groups at `groups` (device address) over the VRAM
+    /// slots, experts of width `ff` whose down rows start `down_off` bytes into their slot, into `b.y` (rows by
+    /// routing entry; `n_pairs` entries bound the hidden buffer). `one`: no group holds more than one token.
+    #[allow(clippy::too_many_arguments)]
+    fn experts_gpu(
+        &self,
+        (gate_ty, down_ty): (GgmlType, GgmlType),
+        one: bool,
+        groups: u64,
+        n_groups: usize,
+        n_pairs: usize,
+        ff: usize,
+        down_off: usize,
+        e: usize,
+    ) -> Result<(), GpuError> {
+        let ops = Ops { k: &self.k, s: &self.s };
+        let b = &self.b;
+        let cache = self.cache.as_ref().expect("expert kernels need the VRAM cache");
+        let (slots, sb) = (cache.slots.ptr, cache.slot_bytes);
+        ops.expert_gate_up(gate_ty, one, groups, n_groups, slots, sb, ff, e, b.xq.ptr, b.xn.ptr, b.h.ptr)?;
+        ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
+        ops.expert_down(down_ty, one, groups, n_groups, slots, sb, down_off, ff, e, b.hq.ptr, b.h.ptr, b.y.ptr)
+    }
+
+    /// Whether decode tokens may replay CUDA graphs (`STRATA_GPU_GRAPHS=0` at load turns them off; a failed
+    /// capture too).
     fn graphs_on(&self) -> bool {
         !self.graphs_off.load(std::sync::atomic::Ordering::Relaxed)
-            && std::env::var("STRATA_GPU_GRAPHS").map_or(true, |v| v != "0")
     }
 
     /// Final norm and output product of rows `row0 .. row0 + rows` into `b.logits`.
@@ -600,40 +626,12 @@ impl GpuModel {
                     let ne = c.n_expert;
                     ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false)?;
                     ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr)?;
-                    let cache = self.cache.as_ref();
-                    let (slots, sb) = cache.map(|c| (c.slots.ptr, c.slot_bytes)).unwrap_or((0, 0));
                     if fast {
-                        let cache = cache.expect("cache");
+                        let cache = self.cache.as_ref().expect("cache");
                         let n_pairs = t * kk;
                         ops.build_groups(b.ids.ptr, n_pairs, kk, cache.table.at(l * ne * 4), b.groups.ptr, b.flag.ptr)?;
-                        ops.expert_gate_up(
-                            *gate_ty,
-                            true,
-                            b.groups.ptr,
-                            n_pairs,
-                            slots,
-                            sb,
-                            ff,
-                            e,
-                            b.xq.ptr,
-                            b.xn.ptr,
-                            b.h.ptr,
-                        )?;
-                        ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
-                        ops.expert_down(
-                            *down_ty,
-                            true,
-                            b.groups.ptr,
-                            n_pairs,
-                            slots,
-                            sb,
-                            *down_off,
-                            ff,
-                            e,
-                            b.hq.ptr,
-                            b.h.ptr,
-                            b.y.ptr,
-                        )?;
+                        // decode windows: one entry per group, so at most one token per group
+                        self.experts_gpu((*gate_ty, *down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, *down_off, e)?;
                         ops.moe_combine(b.x.ptr, b.y.ptr, b.w.ptr, b.flag.ptr, 0, kk, e, t)?;
                         if s.decode {
                             // kept on the device; read once after the window (no per-layer round trip)
@@ -789,50 +787,18 @@ impl GpuModel {
             by_expert[x].clear(); // not for the CPU (split experts keep their tokens: the CPU does rows k..)
         }
         if n_groups + n_split > 0 {
-            let slots = cache.expect("cache").slots.ptr;
-            let sb = cache.expect("cache").slot_bytes;
             // SAFETY: host.groups is next written in the next MoE layer, after that layer's stream sync (or in
             // the next pass, after its final sync), so it outlives the copy. Asynchronous: the CPU pool below
             // starts on the misses while the GPU works.
             unsafe { self.s.htod_raw(b.groups.ptr, host.groups.as_ptr(), host.groups.len())? };
             let one = t == 1;
             if n_groups > 0 {
-                ops.expert_gate_up(
-                    gate_ty,
-                    one,
-                    b.groups.ptr,
-                    n_groups,
-                    slots,
-                    sb,
-                    ff,
-                    e,
-                    b.xq.ptr,
-                    b.xn.ptr,
-                    b.h.ptr,
-                )?;
-                ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
-                ops.expert_down(
-                    down_ty,
-                    one,
-                    b.groups.ptr,
-                    n_groups,
-                    slots,
-                    sb,
-                    down_off,
-                    ff,
-                    e,
-                    b.hq.ptr,
-                    b.h.ptr,
-                    b.y.ptr,
-                )?;
+                self.experts_gpu((gate_ty, down_ty), one, b.groups.ptr, n_groups, n_pairs, ff, down_off, e)?;
             }
             if let Some(g) = geom.filter(|_| n_split > 0) {
                 // the split experts' rows 0..k, as experts of width k (h and hq reused after the launches above)
                 let gp = b.groups.at(n_groups * GROUP_BYTES);
-                let k = g.k;
-                ops.expert_gate_up(gate_ty, one, gp, n_split, slots, sb, k, e, b.xq.ptr, b.xn.ptr, b.h.ptr)?;
-                ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * k / 32)?;
-                ops.expert_down(down_ty, one, gp, n_split, slots, sb, g.down_off(), k, e, b.hq.ptr, b.h.ptr, b.y.ptr)?;
+                self.experts_gpu((gate_ty, down_ty), one, gp, n_split, n_pairs, g.k, g.down_off(), e)?;
             }
         }
         // SAFETY: as for host.groups above.
@@ -883,7 +849,7 @@ impl GpuModel {
 /// Intermediate rows of a RAM-resident miss that go over PCIe for the share `frac`: a multiple of 256 (so the
 /// packed parts stay 16-byte aligned for the staged kernels), 0 when `ff` is not a multiple of 256.
 pub fn split_rows(frac: f32, ff: usize) -> usize {
-    if ff % 256 != 0 || frac <= 0.0 {
+    if !ff.is_multiple_of(256) || frac <= 0.0 {
         return 0;
     }
     ((frac.min(1.0) * (ff / 256) as f32).round() as usize * 256).min(ff)
