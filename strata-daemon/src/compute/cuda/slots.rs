@@ -463,3 +463,25 @@ pub fn blob_of(store: &ExpertStore, l: usize, e: usize) -> Result<Vec<u8>, GpuEr
     }
     Ok(store.mapped_slices(l, e).concat())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::SplitGeom;
+    use crate::quant::GgmlType;
+
+    #[test]
+    fn a_half_split_packs_half_the_blob_with_aligned_parts() {
+        // Mixtral-8x7B expert in Q4_0: n_embd 4096, n_ff_exp 14336
+        let (e, ff, k) = (4096, 14336, 7168);
+        let ty = GgmlType::Q4_0;
+        let g =
+            SplitGeom { k, gate_row: ty.row_bytes(e), ff, down_row: ty.row_bytes(ff), down_part: ty.row_bytes(k), e };
+        let blob = 2 * ff * ty.row_bytes(e) + e * ty.row_bytes(ff);
+        assert_eq!(blob, 99_090_432);
+        assert_eq!(g.bytes() * 2, blob);
+        // the staged kernels need 16-byte aligned rows in the packed sub-blob
+        assert_eq!(g.down_off() % 16, 0);
+        assert_eq!(g.down_part % 16, 0);
+        assert_eq!(g.gate_row % 16, 0);
+    }
+}
