@@ -332,7 +332,8 @@ impl SlotCache {
 }
 
 /// Where an expert's first `k` intermediate rows go when split between the GPU and the CPU: geometry of the
-/// packed sub-blob `gate[0..k) | up[0..k) | down[:, 0..k)` in a staging slot (all in bytes).
+/// packed sub-blob `gate[0..k) | up[0..k) | down[:, 0..k)` in a staging slot (row counts in rows, sizes in
+/// bytes; verbatim GGUF blocks, so k must be a multiple of the format's block size).
 #[derive(Clone, Copy, Debug)]
 pub struct SplitGeom {
     /// Intermediate rows on the GPU (k, a multiple of 256).
@@ -350,11 +351,11 @@ pub struct SplitGeom {
 }
 
 impl SplitGeom {
-    /// Offset of the packed down part in the sub-blob.
+    /// Offset of the packed down part in the sub-blob (bytes).
     pub fn down_off(&self) -> usize {
         2 * self.k * self.gate_row
     }
-    /// Bytes of the packed sub-blob.
+    /// Size of the packed sub-blob (bytes); at most a slot.
     pub fn bytes(&self) -> usize {
         self.down_off() + self.e * self.down_part
     }
