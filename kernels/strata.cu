@@ -56,6 +56,18 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Programmatic dependent launch (sm_90+, when the host launches with programmatic stream serialization): every
+// kernel first lets the next kernel in the stream start launching (its blocks then wait here too), then waits
+// until the previous kernel has finished and its memory is visible. So no kernel reads or writes anything
+// before the previous one is done, and the launch latency of the next overlaps this one. Without the launch
+// attribute (or before sm_90) both are no-ops.
+__device__ __forceinline__ void pdl_entry() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float h2f(const u8* p) {
     return half_to_float(*(const u16*)p);
 }
@@ -323,24 +335,97 @@ __device__ __forceinline__ void rows_dot(const u8* const* rows, int cols, const 
 //
 // Up to three matrices of one format and width are stacked (rows0 | rows1 | rows2): out[t*out_stride + r] for
 // global row r. accumulate != 0 adds to out instead of writing. Each warp computes RPW adjacent rows.
-// Grid: ceil(rows / (WARPS * RPW)) blocks of 32*WARPS threads.
+// Grid: ceil(rows / (WARPS * RPW)) blocks of 32*WARPS threads (float formats: ceil(rows / RPW), mmv_float_body).
+// Addresses of the RPW stacked rows r0.. of up to three matrices (rows0 | rows1 | the rest), `rb` bytes per row;
+// rows past the end repeat the last row (computed, not written).
+__device__ __forceinline__ void stacked_rows(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows,
+                                             int r0, size_t rb, const u8* (&rp)[RPW]) {
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        const int r = min(r0 + j, rows - 1);
+        if (r < rows0) rp[j] = w0 + (size_t)r * rb;
+        else if (r < rows0 + rows1) rp[j] = w1 + (size_t)(r - rows0) * rb;
+        else rp[j] = w2 + (size_t)(r - rows0 - rows1) * rb;
+    }
+}
+
+// Float formats: each block computes RPW adjacent rows, its WARPS warps splitting the columns (warp w takes the
+// 64-column pieces w, w + WARPS, ...); the partial sums meet in shared memory. Grid: ceil(rows / RPW) blocks.
+// (A warp per row pair left a small product such as an f32 router, 128 × 2048, to 16 blocks and its latency.)
+template <int FMT, int NT>
+__device__ void mmv_float_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
+                               const float* xf, int x_stride, float* out, int out_stride, int accumulate) {
+    __shared__ float part[WARPS][RPW][MAX_NT];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r0 = blockIdx.x * RPW;
+    const int rows = rows0 + rows1 + rows2;
+    if (r0 >= rows) return;  // the same for the whole block
+    const size_t rb = row_bytes(FMT, cols);
+    const u8* rp[RPW];
+    stacked_rows(w0, w1, w2, rows0, rows1, rows, r0, rb, rp);
+    float acc[RPW][NT];
+#pragma unroll
+    for (int j = 0; j < RPW; j++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[j][t] = 0.f;
+#pragma unroll 2
+    for (int c = (warp * 32 + lane) * 2; c < cols; c += 64 * WARPS) {
+        float wv[RPW][2];
+#pragma unroll
+        for (int j = 0; j < RPW; j++) {
+            if (FMT == FMT_F32) {
+                const float2 v = *(const float2*)(rp[j] + (size_t)c * 4);
+                wv[j][0] = v.x;
+                wv[j][1] = v.y;
+            } else {
+                const u32 v = *(const u32*)(rp[j] + (size_t)c * 2);
+                wv[j][0] = FMT == FMT_F16 ? half_to_float((u16)(v & 0xffff)) : bf16_to_float((u16)(v & 0xffff));
+                wv[j][1] = FMT == FMT_F16 ? half_to_float((u16)(v >> 16)) : bf16_to_float((u16)(v >> 16));
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float2 x = *(const float2*)(xf + (size_t)t * x_stride + c);
+#pragma unroll
+            for (int j = 0; j < RPW; j++) acc[j][t] += wv[j][0] * x.x + wv[j][1] * x.y;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < RPW; j++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float v = warp_sum(acc[j][t]);
+            if (lane == 0) part[warp][j][t] = v;
+        }
+    __syncthreads();
+    if (warp == 0 && lane < RPW * NT) {
+        const int j = lane / NT, t = lane % NT;
+        if (r0 + j < rows) {
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) v += part[w][j][t];
+            float* o = out + (size_t)t * out_stride + r0 + j;
+            *o = accumulate ? *o + v : v;
+        }
+    }
+    __syncthreads();  // `part` is free for the next tokens' call
+}
+
 template <int FMT, int NT>
 __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
                          const Q8* xq, const float* xf, int x_stride, float* out, int out_stride, int accumulate,
                          u8* stage) {
+    if (!IS_BLOCK(FMT)) {
+        mmv_float_body<FMT, NT>(w0, w1, w2, rows0, rows1, rows2, cols, xf, x_stride, out, out_stride, accumulate);
+        return;
+    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int r0 = (blockIdx.x * WARPS + warp) * RPW;
     const int rows = rows0 + rows1 + rows2;
     if (r0 >= rows) return;
     const size_t rb = row_bytes(FMT, cols);
     const u8* rp[RPW];
-#pragma unroll
-    for (int j = 0; j < RPW; j++) {
-        const int r = min(r0 + j, rows - 1);  // past the end: a repeat of the last row, not written
-        if (r < rows0) rp[j] = w0 + (size_t)r * rb;
-        else if (r < rows0 + rows1) rp[j] = w1 + (size_t)(r - rows0) * rb;
-        else rp[j] = w2 + (size_t)(r - rows0 - rows1) * rb;
-    }
+    stacked_rows(w0, w1, w2, rows0, rows1, rows, r0, rb, rp);
     const Q8* xqs[NT];
     const float* xfs[NT];
 #pragma unroll
@@ -371,7 +456,7 @@ __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     extern "C" __global__ void NAME(const u8* __restrict__ w0, const u8* __restrict__ w1,                       \
                                     const u8* __restrict__ w2, int rows0, int rows1, int rows2,                \
                                     int cols, const Q8* xq, const float* xf, int x_stride, int nt, float* out,  \
-                                    int out_stride, int accumulate) {                                           \
+                                    int out_stride, int accumulate) { pdl_entry();                                           \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                    \
         for (int t0 = 0; t0 < nt; t0 += MAX_NT) {                                                               \
             const int n = min(MAX_NT, nt - t0);                                                                 \
@@ -394,7 +479,7 @@ __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     extern "C" __global__ void NAME##_t1(const u8* __restrict__ w0, const u8* __restrict__ w1,                  \
                                          const u8* __restrict__ w2, int rows0, int rows1, int rows2, int cols,  \
                                          const Q8* xq, const float* xf, int x_stride, int nt, float* out,       \
-                                         int out_stride, int accumulate) {                                      \
+                                         int out_stride, int accumulate) { pdl_entry();                                      \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                    \
         mmv_body<FMT, 1>(w0, w1, w2, rows0, rows1, rows2, cols, xq, xf, x_stride, out, out_stride, accumulate, stage); \
     }
@@ -430,59 +515,131 @@ __device__ __forceinline__ void quantize_block_warp(float v, Q8* out, int lane) 
 }
 
 extern "C" __global__ void quantize_q8(const float* x, Q8* out, int n_blocks) {
+    pdl_entry();
     const int warp = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp >= n_blocks) return;
     quantize_block_warp(x[(size_t)warp * 32 + lane], out + warp, lane);
 }
 
-// RMSNorm of `t` rows of `n` values with weight w, then Q8 quantization: out = x / sqrt(mean(x^2) + eps) * w.
-// One block of 1024 threads per row, each thread keeping its (at most 8) values in registers; n % 32 == 0,
-// n <= 8192. Each warp's 32 consecutive values are one Q8 block.
-#define NORM_THREADS 1024
-extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float eps, int n, float* out, Q8* outq) {
-    const int row = blockIdx.x;
-    const float* xr = x + (size_t)row * n;
-    float* o = out + (size_t)row * n;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    float v[8];
-    double ss = 0.0;
+// Q8 block of 32 values held by one thread (the same arithmetic as quantize_block_warp).
+__device__ __forceinline__ void quantize_block_thread(const float (&v)[32], Q8* out) {
+    float amax = 0.f;
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int i = tid + k * NORM_THREADS;
-        v[k] = i < n ? xr[i] : 0.f;
-        ss += (double)v[k] * (double)v[k];
+    for (int c = 0; c < 32; c++) amax = fmaxf(amax, fabsf(v[c]));
+    const float d = amax / 127.0f;
+    const float id = amax != 0.f ? 127.0f / amax : 0.f;
+    int sum = 0;
+#pragma unroll
+    for (int q = 0; q < 8; q++) {
+        int packed = 0;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int qv = __float2int_rn(v[4 * q + c] * id);
+            sum += qv;
+            packed |= (qv & 0xff) << (8 * c);
+        }
+        out->qs[q] = packed;
+    }
+    out->d = f16_round(d);
+    out->s = f16_round(d * (float)sum);
+}
+
+// RMSNorm of `t` rows of `n` values with weight w, then Q8 quantization: out = x / sqrt(mean(x^2) + eps) * w.
+// One block of NORM_THREADS threads per row; n % 32 == 0, n <= NORM_MAX. Phase 1: every thread takes 4
+// consecutive values at a time (16-byte reads), keeps them in shared memory (padded: value i at i + i / 32) and
+// sums their squares; phase 2: thread j scales the 32 values of Q8 block j and quantizes them itself (its
+// weights read before phase 1). Rows must be 16-byte aligned.
+// y != null: the previous MoE layer's combine first, x[row] += Σ_r (flag[p] ? cw[p] * y[p] : 0) (+ cpu[row] when
+// cpu != null) over the routing entries p = row * k + r in rank order, written back to x (the residual stream).
+#define NORM_THREADS 256
+#define NORM_MAX 8192
+extern "C" __global__ void rms_norm_q8(float* x, const float* w, float eps, int n, float* out, Q8* outq,
+                                       const float* y, const float* cw, const int* flag, const float* cpu, int k) {
+    pdl_entry();
+    __shared__ float xs[NORM_MAX + NORM_MAX / 32];
+    __shared__ double red[NORM_THREADS / 32];
+    __shared__ float cws[32];  // the combine's weights, 0 where the GPU did not compute the entry
+    __shared__ int fl[32];
+    const int row = blockIdx.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    if (y && tid < k) {
+        const int p = row * k + tid;
+        fl[tid] = flag[p];
+        cws[tid] = cw[p];
+    }
+    __syncthreads();
+    float* xr = x + (size_t)row * n;
+    const bool mine = tid < n / 32;  // n / 32 <= NORM_THREADS: one Q8 block per thread at most
+    float wv[32];
+    if (mine) {
+        const float4* w4 = (const float4*)(w + 32 * tid);
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            const float4 b = w4[q];
+            wv[4 * q] = b.x, wv[4 * q + 1] = b.y, wv[4 * q + 2] = b.z, wv[4 * q + 3] = b.w;
+        }
+    }
+    double ss = 0.0;
+    for (int i = 4 * tid; i < n; i += 4 * NORM_THREADS) {
+        const float4 a = *(const float4*)(xr + i);
+        float v[4] = {a.x, a.y, a.z, a.w};
+        if (y) {
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+            // predicated loads from shared flags (unrolled: the rows' reads are in flight together)
+#pragma unroll 8
+            for (int r = 0; r < k; r++) {
+                const int p = row * k + r;
+                if (!fl[r]) continue;
+                const float cwp = cws[r];
+                const float4 b = *(const float4*)(y + (size_t)p * n + i);
+                acc[0] += cwp * b.x;
+                acc[1] += cwp * b.y;
+                acc[2] += cwp * b.z;
+                acc[3] += cwp * b.w;
+            }
+            if (cpu) {
+                const float4 c = *(const float4*)(cpu + (size_t)row * n + i);
+                acc[0] += c.x;
+                acc[1] += c.y;
+                acc[2] += c.z;
+                acc[3] += c.w;
+            }
+#pragma unroll
+            for (int q = 0; q < 4; q++) v[q] += acc[q];
+            *(float4*)(xr + i) = make_float4(v[0], v[1], v[2], v[3]);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            xs[i + q + (i + q) / 32] = v[q];
+            ss += (double)v[q] * (double)v[q];
+        }
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    __shared__ double red[32];
     if (lane == 0) red[warp] = ss;
     __syncthreads();
-    if (warp == 0) {
-        double t = red[lane];
+    if (!mine) return;
+    double tot = 0.0;
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
-        if (lane == 0) red[0] = t;
-    }
-    __syncthreads();
-    const float scale = 1.0f / sqrtf((float)(red[0] / (double)n) + eps);
+    for (int i = 0; i < NORM_THREADS / 32; i++) tot += red[i];
+    const float scale = 1.0f / sqrtf((float)(tot / (double)n) + eps);
+    float v[32];
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int i = tid + k * NORM_THREADS;  // the same for the whole warp up to the lane
-        if (i - lane < n) {
-            const float y = v[k] * scale * w[i];
-            o[i] = y;
-            quantize_block_warp(y, outq + (size_t)row * (n / 32) + i / 32, lane);
-        }
-    }
+    for (int c = 0; c < 32; c++) v[c] = xs[33 * tid + c] * scale * wv[c];
+    float4* o4 = (float4*)(out + (size_t)row * n + 32 * tid);
+#pragma unroll
+    for (int q = 0; q < 8; q++) o4[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+    quantize_block_thread(v, outq + (size_t)row * (n / 32) + tid);
 }
 
 // RoPE (adjacent pairs, llama.cpp's "normal" mode) on q and k, then q rounded to f16 precision into `q`,
+// (rounded products, no fused multiply-add: the CPU path's arithmetic),
 // k and v stored as f16 into the KV cache at positions pos0 + i.
 // qkv: t rows of (n_head + 2*n_head_kv) * hd values [q | k | v]; cs: t * (n_rot/2) (cos, sin) pairs.
 // `pos` points at pos0 (a device scalar, so a captured CUDA graph replays at any position).
 // Grid: (t, any); block: 128 threads.
 extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_head, int n_head_kv, int hd,
                                       int n_rot, const int* pos, float* q, u16* kcache, u16* vcache) {
+    pdl_entry();
     const int i = blockIdx.x;
     const int pos0 = *pos;
     const int qd = n_head * hd, kvd = n_head_kv * hd;
@@ -496,8 +653,8 @@ extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_
         float oa = a, ob = b;
         if (p < n_rot) {
             float2 r = c[p / 2];
-            oa = a * r.x - b * r.y;
-            ob = a * r.y + b * r.x;
+            oa = __fsub_rn(__fmul_rn(a, r.x), __fmul_rn(b, r.y));
+            ob = __fadd_rn(__fmul_rn(a, r.y), __fmul_rn(b, r.x));
         }
         q[(size_t)i * qd + h * hd + p] = f16_round(oa);
         q[(size_t)i * qd + h * hd + p + 1] = f16_round(ob);
@@ -510,8 +667,8 @@ extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_
         float oa = a, ob = b;
         if (p < n_rot) {
             float2 r = c[p / 2];
-            oa = a * r.x - b * r.y;
-            ob = a * r.y + b * r.x;
+            oa = __fsub_rn(__fmul_rn(a, r.x), __fmul_rn(b, r.y));
+            ob = __fadd_rn(__fmul_rn(a, r.y), __fmul_rn(b, r.x));
         }
         kc[h * hd + p] = float_to_half(oa);
         kc[h * hd + p + 1] = float_to_half(ob);
@@ -523,8 +680,12 @@ extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_
 // q: t * n_head * hd (already f16-rounded); out: t * n_head * hd. Probabilities are rounded to f16 before the
 // product with V (as llama.cpp over an F16 cache). Grid: (n_head, t); block: 128 threads; dynamic shared
 // memory: at least (pos0 + t) floats for the scores + hd floats for q. `pos` points at pos0 (device scalar).
+// Scores: one position per thread (16-byte K reads when hd % 8 == 0 and the rows are 16-byte aligned), with the
+// CPU path's order of rounded products and sums (model/llama.rs), as is the product with V.
+// outq != null (hd % 32 == 0): the output rows are also written as Q8 blocks (the input of the output product).
 extern "C" __global__ void attention(const float* q, const u16* kcache, const u16* vcache, int n_head,
-                                     int n_head_kv, int hd, const int* pos, float scale, float* out) {
+                                     int n_head_kv, int hd, const int* pos, float scale, float* out, Q8* outq) {
+    pdl_entry();
     extern __shared__ float sh[];
     const int pos0 = *pos;
     const int h = blockIdx.x, i = blockIdx.y;
@@ -537,13 +698,33 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qv[d];
     __syncthreads();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+    const bool vec = hd % 8 == 0 && kvd % 8 == 0 && ((size_t)kcache & 15) == 0;
     float mx = -INFINITY;
-    for (int p = warp; p < n; p += nw) {
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
         const u16* kr = kcache + (size_t)p * kvd + kh * hd;
-        float s = 0.f;
-        for (int d = lane; d < hd; d += 32) s += qs[d] * half_to_float(kr[d]);
-        s = warp_sum(s) * scale;
-        if (lane == 0) sc[p] = s;
+        float s;
+        if (vec) {
+            // eight partial sums of rounded products, summed as the CPU path does (model/llama.rs dot_f32)
+            float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+            for (int d = 0; d < hd; d += 8) {
+                const uint4 kv = *(const uint4*)(kr + d);
+                const u32 wds[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    a[2 * j] = __fadd_rn(a[2 * j], __fmul_rn(qs[d + 2 * j], half_to_float((u16)(wds[j] & 0xffff))));
+                    a[2 * j + 1] =
+                        __fadd_rn(a[2 * j + 1], __fmul_rn(qs[d + 2 * j + 1], half_to_float((u16)(wds[j] >> 16))));
+                }
+            }
+            s = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(a[0], a[4]), __fadd_rn(a[1], a[5])), __fadd_rn(a[2], a[6])),
+                          __fadd_rn(a[3], a[7]));
+        } else {
+            s = 0.f;
+            for (int d = 0; d < hd; d++) s = __fadd_rn(s, __fmul_rn(qs[d], half_to_float(kr[d])));
+        }
+        s = __fmul_rn(s, scale);
+        sc[p] = s;
         mx = fmaxf(mx, s);
     }
     __shared__ float red[32];
@@ -555,7 +736,7 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
     __syncthreads();
     float sum = 0.f;
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
-        float e = __expf(sc[p] - mx);
+        float e = expf(sc[p] - mx);
         sc[p] = e;
         sum += e;
     }
@@ -568,64 +749,17 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
     for (int p = threadIdx.x; p < n; p += blockDim.x) sc[p] = f16_round(sc[p] * inv);
     __syncthreads();
     float* o = out + ((size_t)i * n_head + h) * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    // d0 + warp's first lane < hd is the same for the whole warp, so quantize_block_warp sees full warps
+    for (int d0 = 0; d0 < hd; d0 += blockDim.x) {
+        const int d = d0 + threadIdx.x;
         float acc = 0.f;
-        const u16* vp = vcache + kh * hd + d;
-        for (int p = 0; p < n; p++) acc += sc[p] * half_to_float(vp[(size_t)p * kvd]);
-        o[d] = acc;
-    }
-}
-
-// Router: softmax over n_expert logits, top-k (ties: lower expert first), weights renormalised to sum 1.
-// One warp per token; n_expert <= 1024, k <= 32. ids/w: t * k.
-extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, int* ids, float* w) {
-    const int i = blockIdx.x;
-    const int lane = threadIdx.x;
-    const float* lg = logits + (size_t)i * n_expert;
-    float mx = -INFINITY;
-    for (int e = lane; e < n_expert; e += 32) mx = fmaxf(mx, lg[e]);
-    mx = warp_max(mx);
-    float sum = 0.f;
-    for (int e = lane; e < n_expert; e += 32) sum += expf(lg[e] - mx);
-    sum = warp_sum(sum);
-    // k rounds of arg-max over the experts not taken yet
-    u32 taken = 0;  // bit j: this lane's expert lane + 32 * j was taken (n_expert <= 1024)
-    float wsum = 0.f;
-    float wk[32];
-    int ik[32];
-    for (int r = 0; r < k; r++) {
-        float best = -INFINITY;
-        int be = 0x7fffffff;
-        for (int j = 0, e = lane; e < n_expert; j++, e += 32) {
-            if (taken & (1u << j)) continue;
-            float v = lg[e];
-            if (v > best || (v == best && e < be)) {
-                best = v;
-                be = e;
-            }
+        if (d < hd) {
+            const u16* vp = vcache + kh * hd + d;
+#pragma unroll 4
+            for (int p = 0; p < n; p++) acc = __fadd_rn(acc, __fmul_rn(sc[p], half_to_float(vp[(size_t)p * kvd])));
+            o[d] = acc;
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            int oe = __shfl_xor_sync(0xffffffffu, be, o);
-            if (ob > best || (ob == best && oe < be)) {
-                best = ob;
-                be = oe;
-            }
-        }
-        if (be % 32 == lane) {
-            taken |= 1u << (be / 32);
-        }
-        float p = expf(best - mx) / sum;
-        wk[r] = p;
-        ik[r] = be;
-        wsum += p;
-    }
-    if (lane == 0) {
-        for (int r = 0; r < k; r++) {
-            ids[(size_t)i * k + r] = ik[r];
-            w[(size_t)i * k + r] = wk[r] / wsum;
-        }
+        if (outq && d - lane < hd) quantize_block_warp(acc, outq + ((size_t)i * n_head + h) * (hd / 32) + d / 32, lane);
     }
 }
 
@@ -641,20 +775,90 @@ struct Group {
     int pair[MAX_NT];
 };
 
-// Decode windows with every routed expert looked up on the device: one group per routing entry, slot from the
-// residency table (-1 = not in VRAM: the group is empty and the CPU computes it). flag[p] = 1 when computed here.
-extern "C" __global__ void build_groups(const int* ids, int n_pairs, int k, const int* table, Group* groups,
-                                        int* flag) {
-    const int p = blockIdx.x * blockDim.x + threadIdx.x;
-    if (p >= n_pairs) return;
-    int slot = table[ids[p]];
-    Group g;
-    g.slot = slot;
-    g.nt = slot >= 0 ? 1 : 0;
-    g.tok[0] = p / k;
-    g.pair[0] = p;
-    groups[p] = g;
-    flag[p] = slot >= 0 ? 1 : 0;
+// Float → u32 key with the same order (for integer warp reductions).
+__device__ __forceinline__ u32 ord_key(float v) {
+    const u32 u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(0xffffffffu, v);
+#else
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+#endif
+}
+
+__device__ __forceinline__ u32 warp_min_u32(u32 v) { return ~warp_max_u32(~v); }
+
+// Router: softmax over n_expert logits, top-k (ties: lower expert first), weights renormalised to sum 1.
+// One warp per token (grid t, 32 threads); n_expert <= 1024, k <= 32. ids/w: t * k.
+// Each lane keeps the best expert it has not given away; a round is one integer max and one min over the warp.
+// table != null (decode windows with every expert looked up on the device): also one group per routing entry,
+// slot from the layer's residency table (-1 = not in VRAM: the group is empty and the CPU computes it), and
+// flag[p] = 1 when the group is computed here. win != null: the ids are also stored there (the window's record).
+extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, int* ids, float* w, const int* table,
+                                      Group* groups, int* flag, int* win) {
+    pdl_entry();
+    const int i = blockIdx.x;
+    const int lane = threadIdx.x;
+    const float* lg = logits + (size_t)i * n_expert;
+    float mx = -INFINITY;
+    for (int e = lane; e < n_expert; e += 32) mx = fmaxf(mx, lg[e]);
+    mx = warp_max(mx);
+    float sum = 0.f;
+    for (int e = lane; e < n_expert; e += 32) sum += expf(lg[e] - mx);
+    sum = warp_sum(sum);
+    u32 taken = 0;  // bit j: this lane's expert lane + 32 * j was taken (n_expert <= 1024)
+    u32 bkey = 0;
+    int bidx = 0x7fffffff;
+    bool rescan = true;
+    float wsum = 0.f, my_p = 0.f;
+    int my_id = 0;
+    for (int r = 0; r < k; r++) {
+        if (rescan) {
+            bkey = 0;
+            bidx = 0x7fffffff;
+            for (int j = 0, e = lane; e < n_expert; j++, e += 32) {
+                if (taken & (1u << j)) continue;
+                const u32 kv = ord_key(lg[e]);
+                if (kv > bkey) {  // ascending e: the first of equal keys stays
+                    bkey = kv;
+                    bidx = e;
+                }
+            }
+            rescan = false;
+        }
+        const u32 top = warp_max_u32(bkey);
+        const int be = (int)warp_min_u32(bkey == top ? (u32)bidx : 0xffffffffu);
+        if (be % 32 == lane) {
+            taken |= 1u << (be / 32);
+            rescan = true;
+        }
+        const float p = expf(lg[be] - mx) / sum;
+        if (lane == r) {
+            my_id = be;
+            my_p = p;
+        }
+        wsum += p;
+    }
+    if (lane < k) {
+        const int p = i * k + lane;
+        ids[p] = my_id;
+        w[p] = my_p / wsum;
+        if (win) win[p] = my_id;
+        if (table) {
+            const int slot = table[my_id];
+            Group* g = groups + p;
+            g->slot = slot;
+            g->nt = slot >= 0 ? 1 : 0;
+            g->tok[0] = i;
+            g->pair[0] = p;
+            flag[p] = slot >= 0 ? 1 : 0;
+        }
+    }
 }
 
 // h[pair, r] = silu(gate_r · x_tok) * (up_r · x_tok) for r < ff (one warp: gate and up of one r).
@@ -687,10 +891,11 @@ __device__ void gate_up_body(const Group& g, const u8* blob, int ff, int e, cons
 }
 
 // out[pair, r] = down_r · h_pair for r < e (down rows start at `down_off` bytes into the blob); each warp RPW
-// adjacent rows. Grid: (ceil(e / (WARPS * RPW)), n_groups).
+// adjacent rows. Grid: (ceil(e / (WARPS * RPW)), n_groups). `own` != null (NT == 1): the token's Q8 row of h,
+// quantized by this block (instead of hq's row).
 template <int FMT, int NT>
 __device__ void down_body(const Group& g, const u8* blob, size_t down_off, int ff, int e, const Q8* hq,
-                          const float* hf, float* out, u8* stage) {
+                          const float* hf, float* out, u8* stage, const Q8* own = nullptr) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int r0 = (blockIdx.x * WARPS + warp) * RPW;
     if (r0 >= e) return;
@@ -702,7 +907,7 @@ __device__ void down_body(const Group& g, const u8* blob, size_t down_off, int f
     const float* xfs[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) {
-        xqs[t] = hq + (size_t)g.pair[t] * (ff / 32);
+        xqs[t] = own ? own : hq + (size_t)g.pair[t] * (ff / 32);
         xfs[t] = hf + (size_t)g.pair[t] * ff;
     }
     float acc[RPW][NT];
@@ -734,9 +939,41 @@ __device__ void down_body(const Group& g, const u8* blob, size_t down_off, int f
         default: BODY<FMT, 8>(__VA_ARGS__); break;        \
     }
 
+// The block's threads quantize one row of n <= DOWN_OWN_MAX values (n % 32 == 0, 16-byte aligned) into the
+// shared `dst`, one Q8 block per thread; returns dst once every block is written.
+#define DOWN_OWN_MAX 2048
+__device__ __forceinline__ const Q8* quantize_row_block(const float* src, int n, Q8* dst) {
+    for (int b = threadIdx.x; b < n / 32; b += blockDim.x) {
+        float v[32];
+        const float4* s4 = (const float4*)(src + 32 * b);
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            const float4 a = s4[q];
+            v[4 * q] = a.x, v[4 * q + 1] = a.y, v[4 * q + 2] = a.z, v[4 * q + 3] = a.w;
+        }
+        quantize_block_thread(v, dst + b);
+    }
+    __syncthreads();
+    return dst;
+}
+
+// Asks L2 for this warp's RPW down rows (as down_body picks them) while the block quantizes h.
+__device__ __forceinline__ void prefetch_down_rows(const u8* down, size_t rb, int e) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r0 = (blockIdx.x * WARPS + warp) * RPW;
+    const int lines = (int)((rb + 127) / 128);
+    for (int i = lane; i < RPW * lines; i += 32) {
+        const int r = min(r0 + i / lines, e - 1);
+        const u8* p = down + (size_t)r * rb + (size_t)(i % lines) * 128;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+    }
+}
+
+// Decode (`_t1`) down kernels called with hq == null quantize their token's row of h themselves (ff <=
+// DOWN_OWN_MAX): one launch less per MoE layer for narrow experts.
 #define EXPERT_KERNELS(SUFFIX, FMT)                                                                               \
     extern "C" __global__ void expert_gate_up_##SUFFIX(const Group* groups, const u8* __restrict__ slots, size_t slot_bytes, \
-                                                       int ff, int e, const Q8* xq, const float* xf, float* h) {  \
+                                                       int ff, int e, const Q8* xq, const float* xf, float* h) { pdl_entry(); \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
         const Group g = groups[blockIdx.y];                                                                       \
         const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
@@ -744,7 +981,7 @@ __device__ void down_body(const Group& g, const u8* blob, size_t down_off, int f
     }                                                                                                             \
     extern "C" __global__ void expert_down_##SUFFIX(const Group* groups, const u8* __restrict__ slots, size_t slot_bytes, \
                                                     size_t down_off, int ff, int e, const Q8* hq, const float* hf, \
-                                                    float* out) {                                                 \
+                                                    float* out) { pdl_entry();                                                 \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
         const Group g = groups[blockIdx.y];                                                                       \
         const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
@@ -753,7 +990,7 @@ __device__ void down_body(const Group& g, const u8* blob, size_t down_off, int f
     /* groups of at most one token (decode windows) */                                                            \
     extern "C" __global__ void expert_gate_up_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,    \
                                                             size_t slot_bytes, int ff, int e, const Q8* xq,       \
-                                                            const float* xf, float* h) {                          \
+                                                            const float* xf, float* h) { pdl_entry();             \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
         const Group g = groups[blockIdx.y];                                                                       \
         if (g.nt == 0) return;                                                                                    \
@@ -761,11 +998,15 @@ __device__ void down_body(const Group& g, const u8* blob, size_t down_off, int f
     }                                                                                                             \
     extern "C" __global__ void expert_down_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,       \
                                                          size_t slot_bytes, size_t down_off, int ff, int e,       \
-                                                         const Q8* hq, const float* hf, float* out) {             \
+                                                         const Q8* hq, const float* hf, float* out) { pdl_entry();             \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
+        __shared__ __align__(16) Q8 hs[DOWN_OWN_MAX / 32];                                                        \
         const Group g = groups[blockIdx.y];                                                                       \
         if (g.nt == 0) return;                                                                                    \
-        down_body<FMT, 1>(g, slots + (size_t)g.slot * slot_bytes, down_off, ff, e, hq, hf, out, stage);           \
+        const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
+        if (!hq) prefetch_down_rows(blob + down_off, row_bytes(FMT, ff), e);                                      \
+        const Q8* own = hq ? nullptr : quantize_row_block(hf + (size_t)g.pair[0] * ff, ff, hs);                   \
+        down_body<FMT, 1>(g, blob, down_off, ff, e, hq, hf, out, stage, own);                                     \
     }
 
 EXPERT_KERNELS(f32, FMT_F32)
@@ -775,24 +1016,9 @@ EXPERT_KERNELS(q8_0, FMT_Q8_0)
 EXPERT_KERNELS(q4_0, FMT_Q4_0)
 EXPERT_KERNELS(q4_1, FMT_Q4_1)
 
-// x[i] += Σ_r flag[i*k+r] ? w[i*k+r] * y[i*k+r] : 0  (+ cpu[i] when cpu != null), in rank order.
-// Grid: (ceil(e / 256), t); block 256 threads.
-extern "C" __global__ void moe_combine(float* x, const float* y, const float* w, const int* flag, const float* cpu,
-                                       int k, int e) {
-    const int i = blockIdx.y;
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < e; c += gridDim.x * blockDim.x) {
-        float acc = 0.f;
-        for (int r = 0; r < k; r++) {
-            const int p = i * k + r;
-            if (flag[p]) acc += w[p] * y[(size_t)p * e + c];
-        }
-        if (cpu) acc += cpu[(size_t)i * e + c];
-        x[(size_t)i * e + c] += acc;
-    }
-}
-
 // Dense FFN activation: h[i] = silu(g[i]) * u[i] where gu holds t rows of [g (ff) | u (ff)].
 extern "C" __global__ void swiglu(const float* gu, int ff, int t, float* h) {
+    pdl_entry();
     const size_t n = (size_t)ff * t;
     for (size_t j = blockIdx.x * (size_t)blockDim.x + threadIdx.x; j < n; j += (size_t)gridDim.x * blockDim.x) {
         const size_t i = j / ff, c = j % ff;

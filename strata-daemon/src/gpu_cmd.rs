@@ -247,8 +247,25 @@ fn check_expert(
     let y = DevBuf::from_slice(&vec![f32::NAN; t * e])?;
     let down_off = 2 * ff * ty.row_bytes(e);
     ops.expert_gate_up(ty, t == 1, groups.ptr, 1, slots.ptr, sb, ff, e, xq.ptr, xf.ptr, hf.ptr)?;
-    ops.quantize(hf.ptr, hq.ptr, t * ff / 32)?;
-    ops.expert_down(ty, t == 1, groups.ptr, 1, slots.ptr, sb, down_off, ff, e, hq.ptr, hf.ptr, y.ptr)?;
+    // narrow one-token experts: the down kernel quantizes h itself (as in decode); else the quantize kernel
+    let own = strata::compute::cuda::ops::down_quantizes(t == 1, ff);
+    if !own {
+        ops.quantize(hf.ptr, hq.ptr, t * ff / 32)?;
+    }
+    ops.expert_down(
+        ty,
+        t == 1,
+        groups.ptr,
+        1,
+        slots.ptr,
+        sb,
+        down_off,
+        ff,
+        e,
+        if own { 0 } else { hq.ptr },
+        hf.ptr,
+        y.ptr,
+    )?;
     ops.s.sync()?;
     let mut gpu = vec![0f32; t * e];
     y.read_sync(0, &mut gpu)?;
@@ -264,7 +281,11 @@ pub fn check(a: CheckArgs) -> Result<()> {
     dev.bind()?;
     // 1. dense products against the CPU path on random inputs
     let (img, _) = strata::compute::cuda::kernels::cubin(&dev.arch())?;
-    let k = strata::compute::cuda::kernels::Kernels::load(&img, dev.max_smem_optin)?;
+    let k = strata::compute::cuda::kernels::Kernels::load(
+        &img,
+        dev.max_smem_optin,
+        strata::compute::cuda::kernels::pdl_wanted(dev.cc),
+    )?;
     let stream = strata::compute::cuda::driver::Stream::new()?;
     let ops = strata::compute::cuda::ops::Ops { k: &k, s: &stream };
     let pool = WorkerPool::new(4)?;

@@ -502,6 +502,10 @@ pub struct Func {
     pub(crate) f: sys::CUfunction,
     /// Kernel name.
     pub name: &'static str,
+    /// Launch with programmatic stream serialization (programmatic dependent launch, sm_90+): the kernel may
+    /// start launching while the previous one in the stream finishes; the kernels wait for it themselves
+    /// (`griddepcontrol.wait` in `pdl_entry`, kernels/strata.cu).
+    pub pdl: bool,
 }
 
 // SAFETY: function handles are immutable and usable from any thread with the context current.
@@ -517,6 +521,28 @@ impl Func {
         let mut ptrs = [std::ptr::null_mut::<c_void>(); 16];
         for (p, v) in ptrs.iter_mut().zip(args.vals.iter_mut()).take(args.n) {
             *p = v as *mut u64 as *mut c_void;
+        }
+        if self.pdl {
+            // SAFETY: a zeroed launch attribute is valid plain data; the id and the union member set match.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let cfg = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: smem,
+                hStream: s.0,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as for cuLaunchKernel below; `cfg` and `attr` outlive the call.
+            return unsafe {
+                check(self.name, sys::cuLaunchKernelEx(&cfg, self.f, ptrs.as_mut_ptr(), std::ptr::null_mut()))
+            };
         }
         // SAFETY: the argument list matches the kernel's parameters (each call site mirrors the .cu signature);
         // the driver copies the values at launch; `args` outlives the call.

@@ -127,10 +127,6 @@ pub struct Kernels {
     pub attention: Func,
     /// `route_topk`.
     pub route_topk: Func,
-    /// `build_groups`.
-    pub build_groups: Func,
-    /// `moe_combine`.
-    pub moe_combine: Func,
     /// `swiglu`.
     pub swiglu: Func,
 }
@@ -139,6 +135,12 @@ pub struct Kernels {
 unsafe impl Send for Kernels {}
 // SAFETY: as above.
 unsafe impl Sync for Kernels {}
+
+/// Whether kernels are launched with programmatic dependent launch: compute capability 9.0 or newer (the
+/// `griddepcontrol` instructions) unless `STRATA_GPU_PDL=0`.
+pub fn pdl_wanted(cc: (i32, i32)) -> bool {
+    cc.0 >= 9 && !std::env::var("STRATA_GPU_PDL").is_ok_and(|v| v == "0")
+}
 
 /// Format index used by the kernels (FMT_* in strata.cu). Errors: a format without GPU kernels.
 pub fn fmt_index(ty: GgmlType) -> Result<usize, GpuError> {
@@ -160,8 +162,9 @@ fn leak(s: String) -> &'static str {
 }
 
 impl Kernels {
-    /// Loads `image` (a CUBIN) into the current context and looks every kernel up.
-    pub fn load(image: &[u8], max_smem_optin: i32) -> Result<Kernels, GpuError> {
+    /// Loads `image` (a CUBIN) into the current context and looks every kernel up; `pdl`: launch them with
+    /// programmatic dependent launch (see [`pdl_wanted`]).
+    pub fn load(image: &[u8], max_smem_optin: i32, pdl: bool) -> Result<Kernels, GpuError> {
         let mut module = std::ptr::null_mut();
         // SAFETY: image is a complete CUBIN produced by NVRTC (checked ELF magic or just compiled).
         unsafe { check("cuModuleLoadData", sys::cuModuleLoadData(&mut module, image.as_ptr() as *const _))? };
@@ -170,7 +173,7 @@ impl Kernels {
             let mut f = std::ptr::null_mut();
             // SAFETY: live module, valid name and out-pointer.
             unsafe { check("cuModuleGetFunction", sys::cuModuleGetFunction(&mut f, module, c.as_ptr()))? };
-            Ok(Func { f, name })
+            Ok(Func { f, name, pdl })
         };
         let per = |prefix: &str, tail: &str| -> Result<[Func; 6], GpuError> {
             let mut v = Vec::new();
@@ -192,8 +195,6 @@ impl Kernels {
             rope_store: get("rope_store")?,
             attention: get("attention")?,
             route_topk: get("route_topk")?,
-            build_groups: get("build_groups")?,
-            moe_combine: get("moe_combine")?,
             swiglu: get("swiglu")?,
         };
         // the opt-in limit covers static shared memory too (a few hundred bytes in `attention`)

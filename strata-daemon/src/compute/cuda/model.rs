@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use super::driver::{DevBuf, Device, Stream};
 use super::kernels::{cubin, Kernels};
-use super::ops::{DMat, Ops, GROUP_BYTES, MAX_NT, Q8_BYTES};
+use super::ops::{Combine, DMat, Ops, GROUP_BYTES, MAX_NT, Q8_BYTES};
 use super::slots::SlotCache;
 use super::GpuError;
 use crate::model::kv::KvCache;
@@ -158,12 +158,13 @@ impl GpuModel {
     pub fn load(model: &LlamaModel, dev: Arc<Device>, cfg: &GpuConfig) -> Result<GpuModel, GpuError> {
         dev.bind()?;
         let (img, cached) = cubin(&dev.arch())?;
-        let k = Kernels::load(&img, dev.max_smem_optin)?;
+        let k = Kernels::load(&img, dev.max_smem_optin, super::kernels::pdl_wanted(dev.cc))?;
         tracing::info!(
-            "kernels for {} {} ({} bytes)",
+            "kernels for {} {} ({} bytes){}",
             dev.arch(),
             if cached { "from the disk cache" } else { "compiled" },
-            img.len()
+            img.len(),
+            if super::kernels::pdl_wanted(dev.cc) { "; programmatic dependent launch" } else { "" }
         );
         let c = &model.cfg;
         if c.n_expert_used > 32 || c.n_expert > 1024 || !c.head_dim.is_multiple_of(2) || c.n_embd > 8192 {
@@ -481,8 +482,8 @@ impl GpuModel {
             let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
             if !graphs.iter().any(|(c, _)| *c == cap) {
                 let captured = self.s.capture(|| {
-                    self.enqueue_layers(m, t, pos0, cap, fast, s, host)?;
-                    self.enqueue_output(c, rows.expect("rows"))
+                    let pend = self.enqueue_layers(m, t, pos0, cap, fast, s, host)?;
+                    self.enqueue_output(c, rows.expect("rows"), pend)
                 });
                 match captured {
                     Ok(g) => graphs.push((cap, g)),
@@ -495,13 +496,13 @@ impl GpuModel {
             if let Some((_, g)) = graphs.iter().find(|(c, _)| *c == cap) {
                 g.launch(&self.s)?;
             } else {
-                self.enqueue_layers(m, t, pos0, pos0 + t, fast, s, host)?;
-                self.enqueue_output(c, rows.expect("rows"))?;
+                let pend = self.enqueue_layers(m, t, pos0, pos0 + t, fast, s, host)?;
+                self.enqueue_output(c, rows.expect("rows"), pend)?;
             }
         } else {
-            self.enqueue_layers(m, t, pos0, pos0 + t, fast, s, host)?;
+            let pend = self.enqueue_layers(m, t, pos0, pos0 + t, fast, s, host)?;
             if let Some(r) = rows {
-                self.enqueue_output(c, r)?;
+                self.enqueue_output(c, r, pend)?;
             }
         }
         if fast && s.decode {
@@ -555,8 +556,13 @@ impl GpuModel {
         let cache = self.cache.as_ref().expect("expert kernels need the VRAM cache");
         let (slots, sb) = (cache.slots.ptr, cache.slot_bytes);
         ops.expert_gate_up(gate_ty, one, groups, n_groups, slots, sb, ff, e, b.xq.ptr, b.xn.ptr, b.h.ptr)?;
-        ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
-        ops.expert_down(down_ty, one, groups, n_groups, slots, sb, down_off, ff, e, b.hq.ptr, b.h.ptr, b.y.ptr)
+        let hq = if super::ops::down_quantizes(one, ff) {
+            0 // the down kernel quantizes its row of h itself
+        } else {
+            ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
+            b.hq.ptr
+        };
+        ops.expert_down(down_ty, one, groups, n_groups, slots, sb, down_off, ff, e, hq, b.h.ptr, b.y.ptr)
     }
 
     /// Whether decode tokens may replay CUDA graphs (`STRATA_GPU_GRAPHS=0` at load turns them off; a failed
@@ -565,16 +571,25 @@ impl GpuModel {
         !self.graphs_off.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Final norm and output product of rows `row0 .. row0 + rows` into `b.logits`.
-    fn enqueue_output(&self, c: &ModelConfig, (row0, rows): (usize, usize)) -> Result<(), GpuError> {
+    /// Final norm and output product of rows `row0 .. row0 + rows` into `b.logits`; `pend`: the last MoE
+    /// layer's combine, done by the norm.
+    fn enqueue_output(
+        &self,
+        c: &ModelConfig,
+        (row0, rows): (usize, usize),
+        pend: Option<Combine>,
+    ) -> Result<(), GpuError> {
         let ops = Ops { k: &self.k, s: &self.s };
         let (b, e) = (&self.b, c.n_embd);
-        ops.rms_norm_q8(b.x.at(row0 * e * 4), self.out_norm.ptr, c.rms_eps, e, rows, b.xn.ptr, b.xq.ptr)?;
+        let pend = pend.map(|p| p.from_row(row0, e));
+        ops.rms_norm_q8(b.x.at(row0 * e * 4), self.out_norm.ptr, c.rms_eps, e, rows, b.xn.ptr, b.xq.ptr, pend)?;
         ops.mmv(&[&self.output], b.xq.ptr, b.xn.ptr, rows, b.logits.ptr, c.n_vocab, false)
     }
 
     /// Every layer of a pass of `t` tokens at `pos0` (attention's shared memory sized for `cap` ≥ pos0 + t
-    /// positions). `fast`: every MoE layer's experts are in VRAM (no host round trip).
+    /// positions). `fast`: every MoE layer's experts are in VRAM (no host round trip). Returns the last MoE
+    /// layer's combine when it is still to be done (by the output norm; each layer's is done by the next
+    /// layer's first norm).
     #[allow(clippy::too_many_arguments)]
     fn enqueue_layers(
         &self,
@@ -585,15 +600,16 @@ impl GpuModel {
         fast: bool,
         s: &mut Scratch,
         host: &mut Host,
-    ) -> Result<(), GpuError> {
+    ) -> Result<Option<Combine>, GpuError> {
         let c = &m.cfg;
         let e = c.n_embd;
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
         let (qd, kvd) = (nh * hd, nkv * hd);
         let ops = Ops { k: &self.k, s: &self.s };
         let b = &self.b;
+        let mut pend: Option<Combine> = None;
         for (l, g) in self.layers.iter().enumerate() {
-            ops.rms_norm_q8(b.x.ptr, g.attn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr)?;
+            ops.rms_norm_q8(b.x.ptr, g.attn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, pend.take())?;
             ops.mmv(&[&g.q, &g.k, &g.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false)?;
             ops.rope_store(
                 b.qkv.ptr,
@@ -608,10 +624,13 @@ impl GpuModel {
                 self.kc[l].ptr,
                 self.vc[l].ptr,
             )?;
-            ops.attention(b.q.ptr, self.kc[l].ptr, self.vc[l].ptr, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr)?;
-            ops.quantize(b.attn.ptr, b.attnq.ptr, t * qd / 32)?;
+            let (kc, vc) = (self.kc[l].ptr, self.vc[l].ptr);
+            ops.attention(b.q.ptr, kc, vc, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr)?;
+            if !hd.is_multiple_of(32) {
+                ops.quantize(b.attn.ptr, b.attnq.ptr, t * qd / 32)?;
+            }
             ops.mmv(&[&g.o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?;
-            ops.rms_norm_q8(b.x.ptr, g.ffn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr)?;
+            ops.rms_norm_q8(b.x.ptr, g.ffn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, None)?;
             match &g.ffn {
                 GFfn::Dense { gate, up, down } => {
                     let ff = gate.rows;
@@ -625,29 +644,29 @@ impl GpuModel {
                     let ff = c.n_ff_exp;
                     let ne = c.n_expert;
                     ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false)?;
-                    ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr)?;
+                    let n_pairs = t * kk;
                     if fast {
                         let cache = self.cache.as_ref().expect("cache");
-                        let n_pairs = t * kk;
-                        ops.build_groups(b.ids.ptr, n_pairs, kk, cache.table.at(l * ne * 4), b.groups.ptr, b.flag.ptr)?;
+                        // top-k, groups from the residency table and (decode) the window's record, kept on the
+                        // device and read once after the window (no per-layer round trip)
+                        let fast_groups = (cache.table.at(l * ne * 4), b.groups.ptr, b.flag.ptr);
+                        let win = if s.decode { b.win_ids.at(l * n_pairs * 4) } else { 0 };
+                        ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, Some(fast_groups), win)?;
                         // decode windows: one entry per group, so at most one token per group
                         self.experts_gpu((*gate_ty, *down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, *down_off, e)?;
-                        ops.moe_combine(b.x.ptr, b.y.ptr, b.w.ptr, b.flag.ptr, 0, kk, e, t)?;
-                        if s.decode {
-                            // kept on the device; read once after the window (no per-layer round trip)
-                            self.s.dtod(b.win_ids.at(l * n_pairs * 4), b.ids.ptr, n_pairs * 4)?;
-                        }
+                        pend = Some(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: 0, k: kk });
                     } else {
-                        self.hybrid_moe(m, l, t, pos0, s, host, (*gate_ty, *down_ty, *down_off))?;
+                        ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, None, 0)?;
+                        pend = Some(self.hybrid_moe(m, l, t, pos0, s, host, (*gate_ty, *down_ty, *down_off))?);
                     }
                 }
             }
         }
-        Ok(())
+        Ok(pend)
     }
 
     /// One MoE layer with the routing on the host: VRAM hits (and PCIe-staged misses) on the GPU, the other
-    /// misses on the CPU pool, overlapped; results combined on the GPU.
+    /// misses on the CPU pool, overlapped. Returns the combine of the results (done on the GPU by the next norm).
     #[allow(clippy::too_many_arguments)]
     fn hybrid_moe(
         &self,
@@ -658,11 +677,10 @@ impl GpuModel {
         s: &mut Scratch,
         host: &mut Host,
         (gate_ty, down_ty, down_off): (GgmlType, GgmlType, usize),
-    ) -> Result<(), GpuError> {
+    ) -> Result<Combine, GpuError> {
         let c = &m.cfg;
         let (e, kk, ff) = (c.n_embd, c.n_expert_used, c.n_ff_exp);
         let b = &self.b;
-        let ops = Ops { k: &self.k, s: &self.s };
         let n_pairs = t * kk;
         host.ids.resize(n_pairs, 0);
         host.w.resize(n_pairs, 0.0);
@@ -813,7 +831,8 @@ impl GpuModel {
             // SAFETY: s.moe_acc is next written by the next layer's CPU experts, after that layer's stream sync.
             unsafe { self.s.htod_raw(b.cpu.ptr, s.moe_acc.as_ptr() as *const u8, s.moe_acc.len() * 4)? };
         }
-        ops.moe_combine(b.x.ptr, b.y.ptr, b.w.ptr, b.flag.ptr, if any_cpu { b.cpu.ptr } else { 0 }, kk, e, t)
+        let cpu = if any_cpu { b.cpu.ptr } else { 0 };
+        Ok(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu, k: kk })
     }
 
     /// Between decode windows: carries out an adaptive round's swaps (blocking, or started asynchronously)

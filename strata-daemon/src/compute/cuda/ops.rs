@@ -12,10 +12,21 @@ pub const Q8_BYTES: usize = 40;
 pub const GROUP_BYTES: usize = 72;
 /// Tokens one group (or one product launch) handles at once.
 pub const MAX_NT: usize = 8;
+/// Threads per block of `rms_norm_q8` (NORM_THREADS in kernels/strata.cu).
+pub const NORM_THREADS: u32 = 256;
 /// Warps per block of the product kernels.
 pub const WARPS: u32 = 4;
 /// Rows one warp computes in the dense and expert-down products (gate/up: the gate and up row of one index).
 pub const RPW: usize = 2;
+
+/// Widest expert (`ff`) whose one-token down kernel quantizes its input row itself (`DOWN_OWN_MAX` in
+/// kernels/strata.cu).
+pub const DOWN_OWN_MAX: usize = 2048;
+
+/// Whether the one-token down kernel can quantize h itself for experts of width `ff` (no separate quantize).
+pub fn down_quantizes(one: bool, ff: usize) -> bool {
+    one && ff <= DOWN_OWN_MAX && ff.is_multiple_of(32)
+}
 
 /// A weight matrix in VRAM: `rows` rows of `cols` elements of `ty`.
 pub struct DMat {
@@ -33,6 +44,38 @@ impl DMat {
     /// Uploads `data` (`rows × ty.row_bytes(cols)` bytes).
     pub fn upload(data: &[u8], ty: GgmlType, rows: usize, cols: usize) -> Result<DMat, GpuError> {
         Ok(DMat { buf: DevBuf::from_slice(data)?, ty, rows, cols })
+    }
+}
+
+/// A MoE layer's outputs still to be added into the residual stream, done by the next [`Ops::rms_norm_q8`]:
+/// `x[i] += Σ_r (flag[i·k + r] ≠ 0 ? w[i·k + r] · y[i·k + r] : 0) + cpu[i]` over ranks r in order, where `y`
+/// holds one row of `n` f32 per routing entry, `w`/`flag` one f32/i32 per entry, `cpu` (0 = none) one row per
+/// token. Addresses are those of the first token the norm covers.
+#[derive(Clone, Copy, Debug)]
+pub struct Combine {
+    /// Expert output rows.
+    pub y: u64,
+    /// Router weights.
+    pub w: u64,
+    /// 1 where the GPU wrote the entry's row of `y`.
+    pub flag: u64,
+    /// The CPU pool's summed rows (0: none).
+    pub cpu: u64,
+    /// Experts per token (top-k).
+    pub k: usize,
+}
+
+impl Combine {
+    /// The same combine from token `row0` on (`n`: values per row).
+    pub fn from_row(self, row0: usize, n: usize) -> Combine {
+        let off = |p: u64, bytes: usize| if p == 0 { 0 } else { p + bytes as u64 };
+        Combine {
+            y: off(self.y, row0 * self.k * n * 4),
+            w: off(self.w, row0 * self.k * 4),
+            flag: off(self.flag, row0 * self.k * 4),
+            cpu: off(self.cpu, row0 * n * 4),
+            k: self.k,
+        }
     }
 }
 
@@ -78,7 +121,9 @@ impl Ops<'_> {
             .ptr(out)
             .i32(out_stride as i32)
             .i32(accumulate as i32);
-        f.launch(self.s, (total.div_ceil(WARPS as usize * RPW) as u32, 1, 1), 32 * WARPS, 0, args)
+        // block formats: each warp RPW rows; float formats: each block RPW rows, its warps splitting the columns
+        let per_block = if m0.ty.block_size() > 1 { WARPS as usize * RPW } else { RPW };
+        f.launch(self.s, (total.div_ceil(per_block) as u32, 1, 1), 32 * WARPS, 0, args)
     }
 
     /// Q8 blocks of `n_blocks × 32` f32 values.
@@ -90,7 +135,8 @@ impl Ops<'_> {
         self.k.quantize_q8.launch(self.s, (n_blocks.div_ceil(WARPS as usize) as u32, 1, 1), 32 * WARPS, 0, args)
     }
 
-    /// RMSNorm of `t` rows of `n` values with weights `w`, into f32 `out` and Q8 `outq`.
+    /// RMSNorm of `t` rows of `n` values (`n % 32 == 0`, `n ≤ 8192`) with weights `w`, into f32 `out` and Q8
+    /// `outq`; with `combine`, the previous MoE layer's outputs are first added into `x` (see [`Combine`]).
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_q8(
         &self,
@@ -101,9 +147,22 @@ impl Ops<'_> {
         t: usize,
         out: u64,
         outq: u64,
+        combine: Option<Combine>,
     ) -> Result<(), GpuError> {
-        let args = Args::new().ptr(x).ptr(w).f32(eps).i32(n as i32).ptr(out).ptr(outq);
-        self.k.rms_norm_q8.launch(self.s, (t as u32, 1, 1), 1024, 0, args)
+        let c = combine.unwrap_or(Combine { y: 0, w: 0, flag: 0, cpu: 0, k: 0 });
+        let args = Args::new()
+            .ptr(x)
+            .ptr(w)
+            .f32(eps)
+            .i32(n as i32)
+            .ptr(out)
+            .ptr(outq)
+            .ptr(c.y)
+            .ptr(c.w)
+            .ptr(c.flag)
+            .ptr(c.cpu)
+            .i32(c.k as i32);
+        self.k.rms_norm_q8.launch(self.s, (t as u32, 1, 1), NORM_THREADS, 0, args)
     }
 
     /// RoPE + KV store (see the kernel); `pos` is the device address of pos0 (an `int`).
@@ -138,7 +197,8 @@ impl Ops<'_> {
     }
 
     /// Causal attention of `t` rows at positions `pos0..` over the cache; `pos` is the device address of pos0,
-    /// `cap` ≥ pos0 + t the positions the shared memory is sized for.
+    /// `cap` ≥ pos0 + t the positions the shared memory is sized for. The output rows go to `out` (f32) and,
+    /// when the head size is a multiple of 32, to `outq` as Q8 blocks (else the caller quantizes `out`).
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -152,6 +212,7 @@ impl Ops<'_> {
         cap: usize,
         t: usize,
         out: u64,
+        outq: u64,
     ) -> Result<(), GpuError> {
         let smem = ((hd + cap) * 4) as u32;
         let scale = 1.0 / (hd as f32).sqrt();
@@ -164,11 +225,16 @@ impl Ops<'_> {
             .i32(hd as i32)
             .ptr(pos)
             .f32(scale)
-            .ptr(out);
+            .ptr(out)
+            .ptr(if hd.is_multiple_of(32) { outq } else { 0 });
         self.k.attention.launch(self.s, (n_head as u32, t as u32, 1), 128, smem, args)
     }
 
-    /// Softmax + top-k of `t` rows of router logits.
+    /// Softmax + top-k of `t` rows of router logits into `ids`/`w` (`t × k`). With `fast = Some((table,
+    /// groups, flag))` (decode windows, every expert looked up on the device) also one group per routing entry
+    /// from the layer's residency table (`table` already offset to the layer) and the flags; `win` ≠ 0: the ids
+    /// are copied there too (the window's routing record).
+    #[allow(clippy::too_many_arguments)]
     pub fn route_topk(
         &self,
         logits: u64,
@@ -177,26 +243,25 @@ impl Ops<'_> {
         t: usize,
         ids: u64,
         w: u64,
+        fast: Option<(u64, u64, u64)>,
+        win: u64,
     ) -> Result<(), GpuError> {
-        let args = Args::new().ptr(logits).i32(n_expert as i32).i32(k as i32).ptr(ids).ptr(w);
+        let (table, groups, flag) = fast.unwrap_or((0, 0, 0));
+        let args = Args::new()
+            .ptr(logits)
+            .i32(n_expert as i32)
+            .i32(k as i32)
+            .ptr(ids)
+            .ptr(w)
+            .ptr(table)
+            .ptr(groups)
+            .ptr(flag)
+            .ptr(win);
         self.k.route_topk.launch(self.s, (t as u32, 1, 1), 32, 0, args)
     }
 
-    /// One group per routing entry from the device residency table (`table` already offset to the layer).
-    pub fn build_groups(
-        &self,
-        ids: u64,
-        n_pairs: usize,
-        k: usize,
-        table: u64,
-        groups: u64,
-        flag: u64,
-    ) -> Result<(), GpuError> {
-        let args = Args::new().ptr(ids).i32(n_pairs as i32).i32(k as i32).ptr(table).ptr(groups).ptr(flag);
-        self.k.build_groups.launch(self.s, (n_pairs.div_ceil(128) as u32, 1, 1), 128, 0, args)
-    }
-
-    /// Expert gate/up (SwiGLU) over `n_groups` groups (`one`: no group has more than one token).
+    /// Expert gate/up (SwiGLU) over `n_groups` groups (`one`: no group has more than one token) into `h` (f32,
+    /// one row of `ff` per routing entry).
     #[allow(clippy::too_many_arguments)]
     pub fn expert_gate_up(
         &self,
@@ -223,7 +288,8 @@ impl Ops<'_> {
         )
     }
 
-    /// Expert down over `n_groups` groups (`one`: no group has more than one token).
+    /// Expert down over `n_groups` groups (`one`: no group has more than one token) from `hq` (Q8 rows of h) or,
+    /// with `hq = 0` (only with `one` and [`down_quantizes`]), from `hf` quantized by the kernel itself.
     #[allow(clippy::too_many_arguments)]
     pub fn expert_down(
         &self,
@@ -257,23 +323,6 @@ impl Ops<'_> {
             0,
             args,
         )
-    }
-
-    /// `x[i] += Σ_r flag·w·y + cpu[i]` (cpu = 0 for none).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_combine(
-        &self,
-        x: u64,
-        y: u64,
-        w: u64,
-        flag: u64,
-        cpu: u64,
-        k: usize,
-        e: usize,
-        t: usize,
-    ) -> Result<(), GpuError> {
-        let args = Args::new().ptr(x).ptr(y).ptr(w).ptr(flag).ptr(cpu).i32(k as i32).i32(e as i32);
-        self.k.moe_combine.launch(self.s, (e.div_ceil(256) as u32, t as u32, 1), 256, 0, args)
     }
 
     /// Dense SwiGLU: `h = silu(g) * u` from t rows of `[g | u]`.
