@@ -332,3 +332,31 @@ impl Ops<'_> {
         self.k.swiglu.launch(self.s, (n.div_ceil(256).min(65535) as u32, 1, 1), 256, 0, args)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{down_quantizes, Combine};
+
+    #[test]
+    fn a_combine_from_a_later_row_skips_whole_rows_and_keeps_no_cpu_as_none() {
+        let c = Combine { y: 1 << 20, w: 2 << 20, flag: 3 << 20, cpu: 0, k: 8 };
+        let r = c.from_row(3, 2048);
+        assert_eq!(r.y, (1 << 20) + 3 * 8 * 2048 * 4); // 8 f32 rows of 2048 per token
+        assert_eq!(r.w, (2 << 20) + 3 * 8 * 4);
+        assert_eq!(r.flag, (3 << 20) + 3 * 8 * 4);
+        assert_eq!(r.cpu, 0, "no CPU rows stays no CPU rows");
+        let with_cpu = Combine { cpu: 4 << 20, ..c }.from_row(3, 2048);
+        assert_eq!(with_cpu.cpu, (4 << 20) + 3 * 2048 * 4);
+        let same = c.from_row(0, 2048);
+        assert_eq!((same.y, same.w, same.flag, same.k), (c.y, c.w, c.flag, 8));
+    }
+
+    #[test]
+    fn only_narrow_one_token_experts_quantize_h_in_the_down_kernel() {
+        assert!(down_quantizes(true, 768)); // Qwen3-30B-A3B
+        assert!(down_quantizes(true, 2048));
+        assert!(!down_quantizes(true, 14336)); // Mixtral: the quantize kernel
+        assert!(!down_quantizes(false, 768)); // groups of several tokens
+        assert!(!down_quantizes(true, 100)); // not whole Q8 blocks
+    }
+}
