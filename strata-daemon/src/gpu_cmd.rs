@@ -247,25 +247,8 @@ fn check_expert(
     let y = DevBuf::from_slice(&vec![f32::NAN; t * e])?;
     let down_off = 2 * ff * ty.row_bytes(e);
     ops.expert_gate_up(ty, t == 1, groups.ptr, 1, slots.ptr, sb, ff, e, xq.ptr, xf.ptr, hf.ptr)?;
-    // narrow one-token experts: the down kernel quantizes h itself (as in decode); else the quantize kernel
-    let own = strata::compute::cuda::ops::down_quantizes(t == 1, ff);
-    if !own {
-        ops.quantize(hf.ptr, hq.ptr, t * ff / 32)?;
-    }
-    ops.expert_down(
-        ty,
-        t == 1,
-        groups.ptr,
-        1,
-        slots.ptr,
-        sb,
-        down_off,
-        ff,
-        e,
-        if own { 0 } else { hq.ptr },
-        hf.ptr,
-        y.ptr,
-    )?;
+    // narrow one-token experts: the down kernel quantizes h itself (as in decode); else a quantize launch
+    ops.expert_down(ty, t == 1, groups.ptr, 1, slots.ptr, sb, down_off, ff, e, (hq.ptr, hf.ptr, t), y.ptr)?;
     ops.s.sync()?;
     let mut gpu = vec![0f32; t * e];
     y.read_sync(0, &mut gpu)?;

@@ -158,13 +158,14 @@ impl GpuModel {
     pub fn load(model: &LlamaModel, dev: Arc<Device>, cfg: &GpuConfig) -> Result<GpuModel, GpuError> {
         dev.bind()?;
         let (img, cached) = cubin(&dev.arch())?;
-        let k = Kernels::load(&img, dev.max_smem_optin, super::kernels::pdl_wanted(dev.cc))?;
+        let pdl = super::kernels::pdl_wanted(dev.cc);
+        let k = Kernels::load(&img, dev.max_smem_optin, pdl)?;
         tracing::info!(
             "kernels for {} {} ({} bytes){}",
             dev.arch(),
             if cached { "from the disk cache" } else { "compiled" },
             img.len(),
-            if super::kernels::pdl_wanted(dev.cc) { "; programmatic dependent launch" } else { "" }
+            if pdl { "; programmatic dependent launch" } else { "" }
         );
         let c = &model.cfg;
         if c.n_expert_used > 32 || c.n_expert > 1024 || !c.head_dim.is_multiple_of(2) || c.n_embd > 8192 {
@@ -556,13 +557,8 @@ impl GpuModel {
         let cache = self.cache.as_ref().expect("expert kernels need the VRAM cache");
         let (slots, sb) = (cache.slots.ptr, cache.slot_bytes);
         ops.expert_gate_up(gate_ty, one, groups, n_groups, slots, sb, ff, e, b.xq.ptr, b.xn.ptr, b.h.ptr)?;
-        let hq = if super::ops::down_quantizes(one, ff) {
-            0 // the down kernel quantizes its row of h itself
-        } else {
-            ops.quantize(b.h.ptr, b.hq.ptr, n_pairs * ff / 32)?;
-            b.hq.ptr
-        };
-        ops.expert_down(down_ty, one, groups, n_groups, slots, sb, down_off, ff, e, hq, b.h.ptr, b.y.ptr)
+        let h = (b.hq.ptr, b.h.ptr, n_pairs);
+        ops.expert_down(down_ty, one, groups, n_groups, slots, sb, down_off, ff, e, h, b.y.ptr)
     }
 
     /// Whether decode tokens may replay CUDA graphs (`STRATA_GPU_GRAPHS=0` at load turns them off; a failed
@@ -626,9 +622,6 @@ impl GpuModel {
             )?;
             let (kc, vc) = (self.kc[l].ptr, self.vc[l].ptr);
             ops.attention(b.q.ptr, kc, vc, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr)?;
-            if !hd.is_multiple_of(32) {
-                ops.quantize(b.attn.ptr, b.attnq.ptr, t * qd / 32)?;
-            }
             ops.mmv(&[&g.o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?;
             ops.rms_norm_q8(b.x.ptr, g.ffn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, None)?;
             match &g.ffn {

@@ -197,8 +197,9 @@ impl Ops<'_> {
     }
 
     /// Causal attention of `t` rows at positions `pos0..` over the cache; `pos` is the device address of pos0,
-    /// `cap` ≥ pos0 + t the positions the shared memory is sized for. The output rows go to `out` (f32) and,
-    /// when the head size is a multiple of 32, to `outq` as Q8 blocks (else the caller quantizes `out`).
+    /// `cap` ≥ pos0 + t the positions the shared memory is sized for. The output rows go to `out` (f32) and
+    /// to `outq` as Q8 blocks (written by the kernel when the head size is a multiple of 32, else by a separate
+    /// quantize launch).
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -227,7 +228,11 @@ impl Ops<'_> {
             .f32(scale)
             .ptr(out)
             .ptr(if hd.is_multiple_of(32) { outq } else { 0 });
-        self.k.attention.launch(self.s, (n_head as u32, t as u32, 1), 128, smem, args)
+        self.k.attention.launch(self.s, (n_head as u32, t as u32, 1), 128, smem, args)?;
+        if !hd.is_multiple_of(32) {
+            self.quantize(out, outq, t * n_head * hd / 32)?;
+        }
+        Ok(())
     }
 
     /// Softmax + top-k of `t` rows of router logits into `ids`/`w` (`t × k`). With `fast = Some((table,
@@ -288,8 +293,9 @@ impl Ops<'_> {
         )
     }
 
-    /// Expert down over `n_groups` groups (`one`: no group has more than one token) from `hq` (Q8 rows of h) or,
-    /// with `hq = 0` (only with `one` and [`down_quantizes`]), from `hf` quantized by the kernel itself.
+    /// Expert down over `n_groups` groups (`one`: no group has more than one token) from h (`hf`: `h_rows`
+    /// f32 rows of `ff`). Its Q8 rows come from the kernel itself where [`down_quantizes`], else from a quantize
+    /// launch into `hq` (scratch of `h_rows × ff / 32` Q8 blocks).
     #[allow(clippy::too_many_arguments)]
     pub fn expert_down(
         &self,
@@ -302,10 +308,15 @@ impl Ops<'_> {
         down_off: usize,
         ff: usize,
         e: usize,
-        hq: u64,
-        hf: u64,
+        (hq, hf, h_rows): (u64, u64, usize),
         out: u64,
     ) -> Result<(), GpuError> {
+        let hq = if down_quantizes(one, ff) {
+            0 // the kernel quantizes its row of h itself
+        } else {
+            self.quantize(hf, hq, h_rows * ff / 32)?;
+            hq
+        };
         let args = Args::new()
             .ptr(groups)
             .ptr(slots)
