@@ -93,6 +93,23 @@ struct Host {
     rope: Vec<(f32, f32)>,
     /// Embeddings of the pass (`t × n_embd`).
     x: Vec<f32>,
+    /// Where the pass's hybrid layers spent their host time (`STRATA_GPU_TIMING` only).
+    prof: HybridProf,
+}
+
+/// Host time of a pass's hybrid MoE layers, in seconds, summed over the layers (`STRATA_GPU_TIMING`).
+#[derive(Default, Debug, Clone, Copy)]
+struct HybridProf {
+    /// Hybrid layers.
+    layers: usize,
+    /// Waiting for the GPU's routing (the layer's attention and router, plus the copy back).
+    wait: f64,
+    /// Planning and staging (PCIe copies enqueued, groups built, GPU expert launches).
+    plan: f64,
+    /// The CPU pool's experts.
+    cpu: f64,
+    /// CPU-computed experts.
+    cpu_experts: usize,
 }
 
 /// A model on the GPU.
@@ -470,6 +487,7 @@ impl GpuModel {
         let fast = self.cache.is_some() && m.experts.as_ref().is_some_and(|st| st.all_in_vram()) && s.routes.is_none();
         let any_moe = self.layers.iter().any(|g| matches!(g.ffn, GFfn::Moe { .. }));
         host.deferred.clear();
+        host.prof = HybridProf::default();
         let rows = which.map(|w| match w {
             Logits::Last => (t - 1, 1),
             Logits::All => (0, t),
@@ -521,11 +539,18 @@ impl GpuModel {
             let e1 = super::driver::Event::timed()?;
             e1.record(&self.s)?;
             e1.sync()?;
+            let p = host.prof;
             tracing::info!(
                 "GPU timing: {t} tokens at {pos0}: layers enqueued in {enqueued:.3} ms (host), {:.3} ms on the GPU, \
-                 {:.3} ms wall",
+                 {:.3} ms wall; {} hybrid layers: {:.3} ms waiting for routing, {:.3} ms planning/staging, {:.3} ms \
+                 CPU experts ({})",
                 e1.since_ms(e0)?,
-                t_start.elapsed().as_secs_f64() * 1000.0
+                t_start.elapsed().as_secs_f64() * 1000.0,
+                p.layers,
+                p.wait * 1000.0,
+                p.plan * 1000.0,
+                p.cpu * 1000.0,
+                p.cpu_experts
             );
         }
         let Some((_, rows)) = rows else {
@@ -678,6 +703,7 @@ impl GpuModel {
         host.ids.resize(n_pairs, 0);
         host.w.resize(n_pairs, 0.0);
         host.xn.resize(t * e, 0.0);
+        let t0 = self.timing.then(std::time::Instant::now);
         // SAFETY: the host vectors are not touched until the stream sync below.
         unsafe {
             self.s.dtoh_raw(host.ids.as_mut_ptr() as *mut u8, b.ids.ptr, n_pairs * 4)?;
@@ -685,6 +711,7 @@ impl GpuModel {
             self.s.dtoh_raw(host.xn.as_mut_ptr() as *mut u8, b.xn.ptr, t * e * 4)?;
         }
         self.s.sync()?;
+        let t1 = self.timing.then(std::time::Instant::now);
         if let Some(bad) = host.ids.iter().position(|&v| v < 0 || v as usize >= c.n_expert) {
             let nan = host.xn.iter().filter(|v| !v.is_finite()).count();
             return Err(GpuError::Unsupported(format!(
@@ -816,6 +843,7 @@ impl GpuModel {
         unsafe { self.s.htod_raw(b.flag.ptr, host.flag.as_ptr() as *const u8, host.flag.len() * 4)? };
         // CPU misses meanwhile (the launches above run on the GPU while the pool works)
         let any_cpu = by_expert.iter().any(|v| !v.is_empty());
+        let t2 = self.timing.then(std::time::Instant::now);
         if any_cpu {
             s.xn.resize(t, e);
             s.xn.f.copy_from_slice(&host.xn);
@@ -823,6 +851,14 @@ impl GpuModel {
             m.experts_cpu(l, ex, &by_expert, src, Some(&from), s);
             // SAFETY: s.moe_acc is next written by the next layer's CPU experts, after that layer's stream sync.
             unsafe { self.s.htod_raw(b.cpu.ptr, s.moe_acc.as_ptr() as *const u8, s.moe_acc.len() * 4)? };
+        }
+        if let (Some(t0), Some(t1), Some(t2)) = (t0, t1, t2) {
+            let p = &mut host.prof;
+            p.layers += 1;
+            p.wait += (t1 - t0).as_secs_f64();
+            p.plan += (t2 - t1).as_secs_f64();
+            p.cpu += t2.elapsed().as_secs_f64();
+            p.cpu_experts += by_expert.iter().filter(|v| !v.is_empty()).count();
         }
         let cpu = if any_cpu { b.cpu.ptr } else { 0 };
         Ok(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu, k: kk })
