@@ -112,52 +112,89 @@ pub fn matmul(pool: &WorkerPool, w: MatRef<'_>, x: &Act, out: &mut [f32]) {
 
 /// [`matmul`] with an explicit [`Precision`].
 pub fn matmul_with(pool: &WorkerPool, w: MatRef<'_>, x: &Act, out: &mut [f32], precision: Precision) {
-    assert_eq!(x.n, w.cols, "matmul: activation width {} != matrix cols {}", x.n, w.cols);
-    assert!(out.len() >= x.t * w.rows);
+    matmul_batch(pool, &mut [MatJob { w, x, out }], precision);
+}
+
+/// One product of a [`matmul_batch`]: `out[t * w.rows + r] = Σ_c w[r, c] * x[t, c]`.
+pub struct MatJob<'a> {
+    /// The weights.
+    pub w: MatRef<'a>,
+    /// The activations (`x.n == w.cols`; quantized for block formats).
+    pub x: &'a Act,
+    /// At least `x.t × w.rows` outputs.
+    pub out: &'a mut [f32],
+}
+
+/// Row chunking of one product for `threads` threads: (rows per chunk, chunks). Enough chunks to balance, each
+/// big enough to amortize task overhead.
+fn chunking(threads: usize, w: &MatRef<'_>) -> (usize, usize) {
     let rows = w.rows;
-    let t = x.t;
-    let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
-    let simd = precision == Precision::Q8Activations;
-    if q8 {
-        assert_eq!(x.q.len(), x.t * x.n / 32, "matmul: activations not quantized");
-    }
-    let threads = pool.threads();
-    // Enough chunks to balance, each big enough to amortize task overhead.
     let min_rows = (4096 / w.cols.max(1)).clamp(4, 256);
     let chunk = rows.div_ceil(threads * 4).max(min_rows).min(rows.max(1));
-    let n_chunks = rows.div_ceil(chunk);
-    let ptr = SyncPtr(out.as_mut_ptr());
-    let body = |ci: usize| {
-        let p = ptr;
-        let r0 = ci * chunk;
-        let r1 = (r0 + chunk).min(rows);
-        for ti in 0..t {
-            let mut r = r0;
-            if q8 && simd {
-                let xq = x.qrow(ti);
-                while r + 4 <= r1 {
-                    let v = dot_q8_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], xq);
-                    for (j, vj) in v.into_iter().enumerate() {
-                        // SAFETY: ti < t and r + j < rows: inside `out` (asserted above); each
-                        // (ti, row) is written by exactly one task (row ranges are disjoint).
-                        unsafe { *p.0.add(ti * rows + r + j) = vj };
-                    }
-                    r += 4;
+    (chunk, rows.div_ceil(chunk))
+}
+
+/// Several independent products in one fork-join of `pool` (one task per row chunk of each product, chunked
+/// as [`matmul_with`] chunks a single product, so every output has the same bits as there). For many small
+/// products — the experts of a layer — this saves a pool dispatch per product. Panics on shape mismatches.
+pub fn matmul_batch(pool: &WorkerPool, jobs: &mut [MatJob<'_>], precision: Precision) {
+    let threads = pool.threads();
+    // (first task, chunk, out pointer, weights, activations) per job
+    let mut plan = Vec::with_capacity(jobs.len());
+    let mut tasks = 0;
+    for j in jobs.iter_mut() {
+        let (w, x) = (&j.w, j.x);
+        assert_eq!(x.n, w.cols, "matmul: activation width {} != matrix cols {}", x.n, w.cols);
+        assert!(j.out.len() >= x.t * w.rows);
+        let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
+        if q8 {
+            assert_eq!(x.q.len(), x.t * x.n / 32, "matmul: activations not quantized");
+        }
+        let (chunk, n) = chunking(threads, w);
+        plan.push((tasks, chunk, SyncPtr(j.out.as_mut_ptr()), j.w, j.x));
+        tasks += n;
+    }
+    let plan = &plan;
+    let body = |task: usize| {
+        // the job whose task range holds `task`
+        let ji = plan.partition_point(|&(first, ..)| first <= task) - 1;
+        let (first, chunk, p, w, x) = plan[ji];
+        let r0 = (task - first) * chunk;
+        rows_into(&w, x, p, r0, (r0 + chunk).min(w.rows), precision);
+    };
+    pool.run(tasks, body);
+}
+
+/// Rows `r0..r1` of one product into `p` (its `out`, `x.t × w.rows`).
+fn rows_into(w: &MatRef<'_>, x: &Act, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
+    let rows = w.rows;
+    let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
+    let simd = precision == Precision::Q8Activations;
+    for ti in 0..x.t {
+        let mut r = r0;
+        if q8 && simd {
+            let xq = x.qrow(ti);
+            while r + 4 <= r1 {
+                let v = dot_q8_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], xq);
+                for (j, vj) in v.into_iter().enumerate() {
+                    // SAFETY: ti < t and r + j < rows: inside `out` (asserted by the caller); each
+                    // (ti, row) is written by exactly one task (row ranges are disjoint).
+                    unsafe { *p.0.add(ti * rows + r + j) = vj };
                 }
-            }
-            for r in r..r1 {
-                let row = w.row(r);
-                let v = match (q8, simd) {
-                    (true, true) => dot_q8(w.ty, row, x.qrow(ti)),
-                    (true, false) => dot_q8_scalar(w.ty, row, x.qrow(ti)),
-                    _ => vec_dot_f32_row(w.ty, row, x.row(ti)),
-                };
-                // SAFETY: as above.
-                unsafe { *p.0.add(ti * rows + r) = v };
+                r += 4;
             }
         }
-    };
-    pool.run(n_chunks, body);
+        for r in r..r1 {
+            let row = w.row(r);
+            let v = match (q8, simd) {
+                (true, true) => dot_q8(w.ty, row, x.qrow(ti)),
+                (true, false) => dot_q8_scalar(w.ty, row, x.qrow(ti)),
+                _ => vec_dot_f32_row(w.ty, row, x.row(ti)),
+            };
+            // SAFETY: as above.
+            unsafe { *p.0.add(ti * rows + r) = v };
+        }
+    }
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use super::config::{ModelConfig, ModelError};
 use super::kv::KvCache;
-use crate::compute::cpu::{matmul_with, Act, MatRef, Precision, SyncPtr};
+use crate::compute::cpu::{matmul_batch, matmul_with, Act, MatJob, MatRef, Precision, SyncPtr};
 use crate::compute::pool::WorkerPool;
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::quant::{dequantize_row, GgmlType};
@@ -140,7 +140,9 @@ pub struct Scratch {
     rope: Vec<(f32, f32)>,
     router: Vec<f32>,
     pub(crate) moe_acc: Vec<f32>,
-    sub: Act,
+    /// Per expert of a layer's batch: its tokens' activations, and its SwiGLU output.
+    subs: Vec<Act>,
+    hs: Vec<Act>,
     /// When `Some`, every routing decision of the forward passes is appended
     /// here (the caller drains it, e.g. for `--dump-routing`).
     pub routes: Option<Vec<RouteRecord>>,
@@ -596,65 +598,130 @@ impl LlamaModel {
         let mut acc = std::mem::take(&mut s.moe_acc);
         acc.clear();
         acc.resize(t * e, 0.0);
-        let mut sub = std::mem::take(&mut s.sub);
+        let mut subs = std::mem::take(&mut s.subs);
+        let mut hs = std::mem::take(&mut s.hs);
         let blobs = std::mem::take(&mut s.blobs);
-        for (x, toks) in by_expert.iter().enumerate() {
-            if toks.is_empty() {
-                continue;
-            }
-            let n = toks.len();
-            sub.t = n;
-            sub.n = e;
-            sub.f.clear();
-            sub.q.clear();
-            for &(i, _) in toks {
-                sub.f.extend_from_slice(s.xn.row(i));
-                sub.q.extend_from_slice(s.xn.qrow(i));
-            }
-            let (gd, ud, dd): (&[u8], &[u8], &[u8]) = match (src[x], &arena) {
-                (Source::Ram(off), Some(a)) => {
-                    let b = a.slice(off, 2 * gb + db);
-                    (&b[..gb], &b[gb..2 * gb], &b[2 * gb..])
+        // the layer's experts with tokens, in batches whose gate/up outputs stay under BATCH_FLOATS: each batch
+        // is one pool fork-join for gate+up and one for down (not three per expert)
+        const BATCH_FLOATS: usize = 1 << 22;
+        let list: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty()).collect();
+        let f0 = |x: usize| from.map_or(0, |f| f[x]);
+        let (grb, drb) = (gate_all.row_bytes(), down_all.row_bytes());
+        let mut i = 0;
+        while i < list.len() {
+            let mut j = i;
+            let mut floats = 0;
+            while j < list.len() {
+                let x = list[j];
+                let add = by_expert[x].len() * (ff - f0(x));
+                if j > i && floats + add > BATCH_FLOATS {
+                    break;
                 }
-                (Source::File, _) => {
-                    let b = &blobs[blob_at[x]..blob_at[x] + 2 * gb + db];
-                    (&b[..gb], &b[gb..2 * gb], &b[2 * gb..])
-                }
-                _ => (
-                    &gate_all.data[x * gb..(x + 1) * gb],
-                    &up_all.data[x * gb..(x + 1) * gb],
-                    &down_all.data[x * db..(x + 1) * db],
-                ),
-            };
-            // intermediate rows f0..ff of this expert (all of them unless split with the GPU)
-            let f0 = from.map_or(0, |f| f[x]);
-            let fr = ff - f0;
-            let (grb, drb) = (gate_all.row_bytes(), down_all.row_bytes());
-            let g = MatRef { data: &gd[f0 * grb..], ty: gate_all.ty, rows: fr, cols: e, stride: 0 };
-            let u = MatRef { data: &ud[f0 * grb..], ty: up_all.ty, rows: fr, cols: e, stride: 0 };
-            let d0 = down_all.ty.row_bytes(f0);
-            let d = MatRef { data: &dd[d0..], ty: down_all.ty, rows: e, cols: fr, stride: drb };
-            s.gate.resize(n * fr, 0.0);
-            s.up.resize(n * fr, 0.0);
-            self.mm(g, &sub, &mut s.gate);
-            self.mm(u, &sub, &mut s.up);
-            s.h.resize(n, fr);
-            for ((h, gv), uv) in s.h.f.iter_mut().zip(&s.gate).zip(&s.up) {
-                *h = silu(*gv) * uv;
+                floats += add;
+                j += 1;
             }
-            s.h.quantize();
-            s.tmp.resize(n * e, 0.0);
-            self.mm(d, &s.h, &mut s.tmp);
-            for (j, &(i, w)) in toks.iter().enumerate() {
-                for (a, v) in acc[i * e..(i + 1) * e].iter_mut().zip(&s.tmp[j * e..(j + 1) * e]) {
-                    *a += w * v;
+            let batch = &list[i..j];
+            i = j;
+            // each expert's tokens
+            subs.resize_with(batch.len(), Act::default);
+            for (sub, &x) in subs.iter_mut().zip(batch) {
+                sub.t = by_expert[x].len();
+                sub.n = e;
+                sub.f.clear();
+                sub.q.clear();
+                for &(ti, _) in &by_expert[x] {
+                    sub.f.extend_from_slice(s.xn.row(ti));
+                    sub.q.extend_from_slice(s.xn.qrow(ti));
                 }
+            }
+            // each expert's bytes: intermediate rows f0..ff (all of them unless split with the GPU)
+            let views: Vec<(MatRef, MatRef, MatRef)> = batch
+                .iter()
+                .map(|&x| {
+                    let (gd, ud, dd): (&[u8], &[u8], &[u8]) = match (src[x], &arena) {
+                        (Source::Ram(off), Some(a)) => {
+                            let b = a.slice(off, 2 * gb + db);
+                            (&b[..gb], &b[gb..2 * gb], &b[2 * gb..])
+                        }
+                        (Source::File, _) => {
+                            let b = &blobs[blob_at[x]..blob_at[x] + 2 * gb + db];
+                            (&b[..gb], &b[gb..2 * gb], &b[2 * gb..])
+                        }
+                        _ => (
+                            &gate_all.data[x * gb..(x + 1) * gb],
+                            &up_all.data[x * gb..(x + 1) * gb],
+                            &down_all.data[x * db..(x + 1) * db],
+                        ),
+                    };
+                    let (f0, fr) = (f0(x), ff - f0(x));
+                    let d0 = down_all.ty.row_bytes(f0);
+                    (
+                        MatRef { data: &gd[f0 * grb..], ty: gate_all.ty, rows: fr, cols: e, stride: 0 },
+                        MatRef { data: &ud[f0 * grb..], ty: up_all.ty, rows: fr, cols: e, stride: 0 },
+                        MatRef { data: &dd[d0..], ty: down_all.ty, rows: e, cols: fr, stride: drb },
+                    )
+                })
+                .collect();
+            // gate and up of the whole batch
+            s.gate.resize(floats, 0.0);
+            s.up.resize(floats, 0.0);
+            {
+                let mut jobs = Vec::with_capacity(2 * batch.len());
+                let (mut g_rest, mut u_rest) = (&mut s.gate[..], &mut s.up[..]);
+                for (b, v) in views.iter().enumerate() {
+                    let n = subs[b].t * v.0.rows;
+                    let (g, gr) = std::mem::take(&mut g_rest).split_at_mut(n);
+                    let (u, ur) = std::mem::take(&mut u_rest).split_at_mut(n);
+                    g_rest = gr;
+                    u_rest = ur;
+                    jobs.push(MatJob { w: v.0, x: &subs[b], out: g });
+                    jobs.push(MatJob { w: v.1, x: &subs[b], out: u });
+                }
+                matmul_batch(&self.pool, &mut jobs, self.precision);
+            }
+            // SwiGLU, quantized, per expert
+            hs.resize_with(batch.len(), Act::default);
+            let mut off = 0;
+            for (b, v) in views.iter().enumerate() {
+                let (n, fr) = (subs[b].t, v.0.rows);
+                let h = &mut hs[b];
+                h.resize(n, fr);
+                for ((hv, gv), uv) in h.f.iter_mut().zip(&s.gate[off..off + n * fr]).zip(&s.up[off..off + n * fr]) {
+                    *hv = silu(*gv) * uv;
+                }
+                h.quantize();
+                off += n * fr;
+            }
+            // down of the whole batch
+            let outs: usize = subs[..batch.len()].iter().map(|a| a.t * e).sum();
+            s.tmp.resize(outs, 0.0);
+            {
+                let mut jobs = Vec::with_capacity(batch.len());
+                let mut rest = &mut s.tmp[..];
+                for (b, v) in views.iter().enumerate() {
+                    let (o, r) = std::mem::take(&mut rest).split_at_mut(subs[b].t * e);
+                    rest = r;
+                    jobs.push(MatJob { w: v.2, x: &hs[b], out: o });
+                }
+                matmul_batch(&self.pool, &mut jobs, self.precision);
+            }
+            // weighted sum into the tokens' rows, expert by expert in id order
+            let mut off = 0;
+            for &x in batch {
+                for (jj, &(ti, w)) in by_expert[x].iter().enumerate() {
+                    let y = &s.tmp[off + jj * e..off + (jj + 1) * e];
+                    for (a, v) in acc[ti * e..(ti + 1) * e].iter_mut().zip(y) {
+                        *a += w * v;
+                    }
+                }
+                off += by_expert[x].len() * e;
             }
         }
         drop(arena);
         s.blobs = blobs;
         s.moe_acc = acc;
-        s.sub = sub;
+        s.subs = subs;
+        s.hs = hs;
     }
 }
 
