@@ -214,6 +214,18 @@ mod avx2 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([*p, *p.add(1)]) as i32)))
     }
 
+    /// How far ahead (bytes) the four-row kernels prefetch each row: the hardware streamers alone leave a core
+    /// well under its share of DRAM bandwidth on cold expert weights (H200 host, 16 threads: 53 -> 61 GB/s).
+    const PREFETCH: usize = 512;
+
+    /// Prefetches row `p`'s bytes `PREFETCH` ahead of offset `off` into L1 (a hint: never faults, so the
+    /// address may lie past the row).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prefetch(p: *const u8, off: usize) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off + PREFETCH) as *const i8);
+    }
+
     /// 16 bytes of nibbles -> 32 bytes (low nibbles first, then high), values 0..15.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -263,6 +275,11 @@ mod avx2 {
         let p = [rows[0].as_ptr(), rows[1].as_ptr(), rows[2].as_ptr(), rows[3].as_ptr()];
         for (i, xb) in x.iter().enumerate() {
             let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+            if i % 2 == 0 {
+                for &r in &p {
+                    prefetch(r, i * 20);
+                }
+            }
             for j in 0..4 {
                 let b = p[j].add(i * 20);
                 let d = h2f(b);
@@ -284,6 +301,9 @@ mod avx2 {
         let p = [rows[0].as_ptr(), rows[1].as_ptr(), rows[2].as_ptr(), rows[3].as_ptr()];
         for (i, xb) in x.iter().enumerate() {
             let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+            for &r in &p {
+                prefetch(r, i * 34);
+            }
             for j in 0..4 {
                 let b = p[j].add(i * 34);
                 let d = h2f(b);
@@ -303,6 +323,11 @@ mod avx2 {
         let p = [rows[0].as_ptr(), rows[1].as_ptr(), rows[2].as_ptr(), rows[3].as_ptr()];
         for (i, xb) in x.iter().enumerate() {
             let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+            if i % 2 == 0 {
+                for &r in &p {
+                    prefetch(r, i * 18);
+                }
+            }
             for j in 0..4 {
                 let b = p[j].add(i * 18);
                 let qw = _mm256_sub_epi8(nibbles(b.add(2)), eight);
