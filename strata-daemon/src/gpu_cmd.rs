@@ -418,6 +418,28 @@ pub fn check(a: CheckArgs) -> Result<()> {
     Ok(())
 }
 
+/// H2D rate (GB/s of payload) of pitched copies from pinned memory: `rows` pieces of `width` bytes taken every
+/// `width * 3 / 2` bytes (a split expert's down columns), best of 5.
+fn h2d_pitched_gbps(width: usize, rows: usize) -> Result<f64> {
+    use strata::compute::cuda::driver::{DevBuf, Event, PinnedBuf, Stream};
+    let pitch = width * 3 / 2;
+    let d = DevBuf::alloc(width * rows)?;
+    let src = PinnedBuf::alloc(pitch * rows)?;
+    let s = Stream::new()?;
+    let (a, b) = (Event::timed()?, Event::timed()?);
+    let mut best = 0f64;
+    for _ in 0..5 {
+        a.record(&s)?;
+        // SAFETY: both buffers hold the ranges (rows × pitch source bytes, rows × width destination bytes) and
+        // live until s.sync() below.
+        unsafe { s.htod_2d_raw(d.ptr, width, src.ptr(), pitch, width, rows)? };
+        b.record(&s)?;
+        s.sync()?;
+        best = best.max((width * rows) as f64 / (b.since_ms(&a)? as f64 / 1000.0) / 1e9);
+    }
+    Ok(best)
+}
+
 fn h2d_gbps(pinned: bool) -> Result<f64> {
     use strata::compute::cuda::driver::{DevBuf, Event, PinnedBuf, Stream};
     let n = 1usize << 30;
@@ -458,6 +480,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let blob = st.layout().layers[0].blob_bytes();
     let pinned = h2d_gbps(true)?;
     let pageable = h2d_gbps(false)?;
+    // pitched copies of split experts' down columns: pieces of 288 B (Qwen3-30B-A3B at k = 512) and 4032 B
+    // (Mixtral-8x7B at k = 7168), 64 MiB of payload each
+    for w in [288usize, 4032] {
+        println!("H2D pitched, {w}-byte pieces: {:.1} GB/s", h2d_pitched_gbps(w, (64 << 20) / w)?);
+    }
     // host RAM read bandwidth over the RAM copy (all threads)
     let ram_bw = {
         let arena = st.arena();
@@ -547,15 +574,26 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let blob_per_tok = d.file_blob_reads as f64 / a.gen as f64;
         // §10 bound: the GPU's bytes over HBM plus the missed experts' bytes over RAM (CPU) — PCIe-served ones
         // over the pinned link, in parallel with the CPU's share; both read host RAM, so together they cannot
-        // beat its bandwidth. A split miss (pcie share k/ff of its rows) puts that share on the link.
+        // beat its bandwidth. A split miss leaves rows k.. to the CPU and puts its packed sub-blob (SplitGeom:
+        // rows 0..k) on the link.
         let ff = m.cfg.n_ff_exp;
         let k = strata::compute::cuda::model::split_rows(pcie as f32, ff);
-        let share = if k > 0 && k < ff { k as f64 / ff as f64 } else { 1.0 };
+        let (cpu_share, link_share) = match m.blocks.iter().find_map(|b| match &b.ffn {
+            strata::model::llama::Ffn::Moe(ex) => Some(ex),
+            _ => None,
+        }) {
+            Some(ex) if k > 0 && k < ff => {
+                let (e, gt, dt) = (m.cfg.n_embd, ex.gate.ty, ex.down.ty);
+                let g = strata::compute::cuda::slots::SplitGeom::new(k, gt.row_bytes(e), ff, dt.row_bytes(ff), e);
+                (1.0 - k as f64 / ff as f64, g.bytes() as f64 / blob as f64)
+            }
+            _ => (0.0, 1.0),
+        };
         let dense = g.dense_bytes() as f64;
         let hits_per_tok = d.vram_hits as f64 / a.gen as f64;
         let gpu_s = (dense + hits_per_tok * blob as f64) / 4.3e12;
-        let cpu_bytes = ((misses_per_tok - pcie_per_tok).max(0.0) + pcie_per_tok * (1.0 - share)) * blob as f64;
-        let pcie_bytes = pcie_per_tok * share * blob as f64;
+        let cpu_bytes = ((misses_per_tok - pcie_per_tok).max(0.0) + pcie_per_tok * cpu_share) * blob as f64;
+        let pcie_bytes = pcie_per_tok * link_share * blob as f64;
         let host_s = (cpu_bytes / (ram_bw * 1e9))
             .max(pcie_bytes / (pinned * 1e9))
             .max((cpu_bytes + pcie_bytes) / (ram_bw * 1e9));

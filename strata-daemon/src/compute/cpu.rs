@@ -138,6 +138,12 @@ fn chunking(threads: usize, w: &MatRef<'_>) -> (usize, usize) {
 /// as [`matmul_with`] chunks a single product, so every output has the same bits as there). For many small
 /// products — the experts of a layer — this saves a pool dispatch per product. Panics on shape mismatches.
 pub fn matmul_batch(pool: &WorkerPool, jobs: &mut [MatJob<'_>], precision: Precision) {
+    matmul_batch_with(pool, jobs, precision, || {})
+}
+
+/// [`matmul_batch`] with `side` run on the calling thread while the workers start (see
+/// [`WorkerPool::run_with`]).
+pub fn matmul_batch_with(pool: &WorkerPool, jobs: &mut [MatJob<'_>], precision: Precision, side: impl FnOnce()) {
     let threads = pool.threads();
     // (first task, chunk, out pointer, weights, activations) per job
     let mut plan = Vec::with_capacity(jobs.len());
@@ -162,8 +168,111 @@ pub fn matmul_batch(pool: &WorkerPool, jobs: &mut [MatJob<'_>], precision: Preci
         let r0 = (task - first) * chunk;
         rows_into(&w, x, p, r0, (r0 + chunk).min(w.rows), precision);
     };
-    pool.run(tasks, body);
+    pool.run_with(tasks, body, side);
 }
+
+/// SiLU, `x · σ(x)`, as the CPU path computes it (`x / (1 + e^-x)`).
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// One expert's SwiGLU of a [`glu_batch`]: `h[t, r] = silu(gate_r · x_t) · (up_r · x_t)` for the `x.t` tokens
+/// and the `gate.rows` (= `up.rows`) intermediate rows; `h` is then quantized to Q8 blocks when its width is a
+/// multiple of 32.
+pub struct GluJob<'a> {
+    /// Gate weights (`rows × x.n`).
+    pub gate: MatRef<'a>,
+    /// Up weights (same shape and format as `gate`).
+    pub up: MatRef<'a>,
+    /// The activations (quantized for block formats).
+    pub x: &'a Act,
+    /// Scratch for the gate products: at least `x.t × gate.rows` values.
+    pub g: &'a mut [f32],
+    /// Scratch for the up products: at least `x.t × gate.rows` values.
+    pub u: &'a mut [f32],
+    /// Output, resized here to `x.t × gate.rows`.
+    pub h: &'a mut Act,
+}
+
+/// The SwiGLU hidden layer of several experts in one fork-join of `pool`: each task computes a range of rows
+/// (a multiple of 32) of one expert's gate and up products for its tokens, then SiLU · up and the Q8 blocks of
+/// that range — the same bits as two [`matmul_with`] calls, the element-wise product and [`Act::quantize`], with
+/// no serial SwiGLU between the products. `side` runs on the caller as in [`WorkerPool::run_with`]. Panics on
+/// shape mismatches.
+pub fn glu_batch(pool: &WorkerPool, jobs: &mut [GluJob<'_>], precision: Precision, side: impl FnOnce()) {
+    let threads = pool.threads();
+    // (first task, rows per task, gate, up, x, g, u, h values, h blocks) per job
+    let mut plan = Vec::with_capacity(jobs.len());
+    let mut tasks = 0;
+    for j in jobs.iter_mut() {
+        let (g, u, x) = (&j.gate, &j.up, j.x);
+        let rows = g.rows;
+        assert!(u.rows == rows && u.cols == g.cols && u.ty == g.ty, "glu: gate and up differ");
+        assert_eq!(x.n, g.cols, "glu: activation width {} != matrix cols {}", x.n, g.cols);
+        assert!(j.g.len() >= x.t * rows && j.u.len() >= x.t * rows, "glu: scratch too small");
+        if g.ty.uses_q8_activations() && precision != Precision::F32 {
+            assert_eq!(x.q.len(), x.t * x.n / 32, "glu: activations not quantized");
+        }
+        j.h.resize(x.t, rows);
+        j.h.q.resize(x.t * rows / 32, BlockQ8::default());
+        // whole Q8 blocks per task when h is quantized
+        let chunk = if rows % 32 == 0 { chunking(threads, g).0.next_multiple_of(32).min(rows) } else { rows.max(1) };
+        let n = rows.div_ceil(chunk);
+        plan.push((
+            tasks,
+            chunk,
+            *g,
+            *u,
+            x,
+            SyncPtr(j.g.as_mut_ptr()),
+            SyncPtr(j.u.as_mut_ptr()),
+            SyncPtr(j.h.f.as_mut_ptr()),
+            SyncQ8(j.h.q.as_mut_ptr()),
+        ));
+        tasks += n;
+    }
+    let plan = &plan;
+    let body = |task: usize| {
+        let ji = plan.partition_point(|&(first, ..)| first <= task) - 1;
+        let (first, chunk, g, u, x, gp, up, hp, hq) = plan[ji];
+        let rows = g.rows;
+        let r0 = (task - first) * chunk;
+        let r1 = (r0 + chunk).min(rows);
+        rows_into(&g, x, gp, r0, r1, precision);
+        rows_into(&u, x, up, r0, r1, precision);
+        for ti in 0..x.t {
+            let (a, b) = (ti * rows + r0, ti * rows + r1);
+            // SAFETY: [a, b) lies inside this job's `x.t × rows` g, u and h values (asserted / resized above),
+            // and only this task touches rows r0..r1 of token ti; the products above wrote them first.
+            let (gv, uv, hv) = unsafe {
+                (
+                    std::slice::from_raw_parts(gp.0.add(a), b - a),
+                    std::slice::from_raw_parts(up.0.add(a), b - a),
+                    std::slice::from_raw_parts_mut(hp.0.add(a), b - a),
+                )
+            };
+            for ((h, &gx), &ux) in hv.iter_mut().zip(gv).zip(uv) {
+                *h = silu(gx) * ux;
+            }
+            if rows % 32 == 0 {
+                // SAFETY: rows, r0 and r1 are multiples of 32 here, so blocks a/32 .. b/32 are this task's alone
+                // and lie inside h's `x.t × rows / 32` blocks.
+                let q = unsafe { std::slice::from_raw_parts_mut(hq.0.add(a / 32), (b - a) / 32) };
+                quantize_q8(hv, q);
+            }
+        }
+    };
+    pool.run_with(tasks, body, side);
+}
+
+/// A shareable raw pointer to Q8 blocks (tasks write disjoint ranges).
+#[derive(Clone, Copy)]
+struct SyncQ8(*mut BlockQ8);
+// SAFETY: only used for disjoint writes from pool tasks while the owner waits in `pool.run`.
+unsafe impl Send for SyncQ8 {}
+// SAFETY: as above.
+unsafe impl Sync for SyncQ8 {}
 
 /// Rows `r0..r1` of one product into `p` (its `out`, `x.t × w.rows`).
 fn rows_into(w: &MatRef<'_>, x: &Act, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
@@ -253,6 +362,83 @@ mod tests {
             for i in 0..t * rows {
                 let d = (full[i] - head[i] - tail[i]).abs();
                 assert!(d <= 1e-5 * scale, "{ty:?} [{i}]: {} vs {} + {}", full[i], head[i], tail[i]);
+            }
+        }
+    }
+
+    fn mat(data: &[u8], ty: GgmlType, rows: usize, cols: usize) -> MatRef<'_> {
+        MatRef { data, ty, rows, cols, stride: 0 }
+    }
+
+    /// Test activations: `t` rows of `n` values in [-2, 2).
+    fn act(t: usize, n: usize, salt: usize) -> Act {
+        let mut x = Act::default();
+        x.resize(t, n);
+        for (i, v) in x.f.iter_mut().enumerate() {
+            *v = (((i + salt) * 37 % 101) as f32 - 50.0) / 25.0;
+        }
+        x.quantize();
+        x
+    }
+
+    #[test]
+    fn glu_batch_gives_the_bits_of_separate_products_silu_and_quantization() {
+        let mut seed = 11u64;
+        for threads in [1, 3] {
+            let pool = WorkerPool::new(threads).expect("pool");
+            for precision in [Precision::Q8Activations, Precision::Q8Scalar, Precision::F32] {
+                for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
+                    // experts of different widths and token counts in one batch (96 rows: three Q8 blocks of h)
+                    let shapes = [(96usize, 256usize, 1usize), (64, 256, 3), (288, 256, 2)];
+                    let ws: Vec<(Vec<u8>, Vec<u8>)> = shapes
+                        .iter()
+                        .map(|&(r, c, _)| (random_blocks(ty, r, c, &mut seed), random_blocks(ty, r, c, &mut seed)))
+                        .collect();
+                    let xs: Vec<Act> = shapes.iter().enumerate().map(|(i, &(_, c, t))| act(t, c, i)).collect();
+                    let mut bufs: Vec<(Vec<f32>, Vec<f32>, Act)> = shapes
+                        .iter()
+                        .map(|&(r, _, t)| (vec![0f32; r * t], vec![0f32; r * t], Act::default()))
+                        .collect();
+                    {
+                        let mut jobs: Vec<GluJob> = bufs
+                            .iter_mut()
+                            .zip(&ws)
+                            .zip(&xs)
+                            .zip(&shapes)
+                            .map(|((((g, u, h), (wg, wu)), x), &(r, c, _))| GluJob {
+                                gate: mat(wg, ty, r, c),
+                                up: mat(wu, ty, r, c),
+                                x,
+                                g,
+                                u,
+                                h,
+                            })
+                            .collect();
+                        let mut ran = 0;
+                        glu_batch(&pool, &mut jobs, precision, || ran += 1);
+                        assert_eq!(ran, 1);
+                    }
+                    for (((_, _, h), (wg, wu)), (x, &(r, c, t))) in bufs.iter().zip(&ws).zip(xs.iter().zip(&shapes)) {
+                        let (mut g, mut u) = (vec![0f32; r * t], vec![0f32; r * t]);
+                        matmul_with(&pool, mat(wg, ty, r, c), x, &mut g, precision);
+                        matmul_with(&pool, mat(wu, ty, r, c), x, &mut u, precision);
+                        let mut want = Act::default();
+                        want.resize(t, r);
+                        for ((w, gv), uv) in want.f.iter_mut().zip(&g).zip(&u) {
+                            *w = silu(*gv) * uv;
+                        }
+                        want.quantize();
+                        assert_eq!((h.t, h.n), (t, r));
+                        assert!(
+                            h.f.iter().zip(&want.f).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{ty:?} {precision:?}"
+                        );
+                        assert_eq!(h.q.len(), want.q.len());
+                        for (a, b) in h.q.iter().zip(&want.q) {
+                            assert_eq!((a.d.to_bits(), a.s.to_bits(), a.qs), (b.d.to_bits(), b.s.to_bits(), b.qs));
+                        }
+                    }
+                }
             }
         }
     }

@@ -79,10 +79,16 @@ impl WorkerPool {
     /// Calls `f(i)` for every `i` in `0..n`, spread over the pool; returns
     /// when all calls are done. Calls from several threads are serialised.
     pub fn run<F: Fn(usize) + Sync>(&self, n: usize, f: F) {
-        if n == 0 {
-            return;
-        }
-        if self.threads == 1 || n == 1 {
+        self.run_with(n, f, || {})
+    }
+
+    /// [`WorkerPool::run`], with `side` run once on the calling thread while the workers start on the tasks
+    /// (the caller joins them when `side` returns). For work that must stay on the caller — e.g. GPU calls on
+    /// a thread with the device context bound — to overlap a region instead of delaying it. With no workers
+    /// (one thread, or `n` ≤ 1) `side` runs first, then the tasks.
+    pub fn run_with<F: Fn(usize) + Sync, G: FnOnce()>(&self, n: usize, f: F, side: G) {
+        if self.threads == 1 || n <= 1 {
+            side();
             (0..n).for_each(f);
             return;
         }
@@ -101,6 +107,7 @@ impl WorkerPool {
             let _m = s.mutex.lock().unwrap_or_else(|e| e.into_inner());
             s.cv.notify_all();
         }
+        side();
         loop {
             let i = s.next.fetch_add(1, Ordering::AcqRel);
             if i >= n {
@@ -184,6 +191,26 @@ impl Drop for WorkerPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn side_work_runs_once_on_the_caller_beside_the_tasks() {
+        for threads in [1, 3] {
+            let p = WorkerPool::new(threads).unwrap();
+            for n in [0usize, 1, 5, 64] {
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                let mut side_thread = None;
+                p.run_with(
+                    n,
+                    |i| {
+                        hits[i].fetch_add(1, Ordering::SeqCst);
+                    },
+                    || side_thread = Some(std::thread::current().id()),
+                );
+                assert_eq!(side_thread, Some(std::thread::current().id()), "threads {threads}, n {n}");
+                assert!(hits.iter().all(|h| h.load(Ordering::SeqCst) == 1), "threads {threads}, n {n}");
+            }
+        }
+    }
 
     #[test]
     fn runs_every_task_once() {

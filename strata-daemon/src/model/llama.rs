@@ -14,10 +14,13 @@ use std::sync::Arc;
 
 use super::config::{ModelConfig, ModelError};
 use super::kv::KvCache;
-use crate::compute::cpu::{matmul_batch, matmul_with, Act, MatJob, MatRef, Precision, SyncPtr};
+use crate::compute::cpu::{
+    glu_batch, matmul_batch, matmul_with, silu, Act, GluJob, MatJob, MatRef, Precision, SyncPtr,
+};
 use crate::compute::pool::WorkerPool;
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::quant::{dequantize_row, GgmlType};
+use crate::tiers::arena::HostArena;
 use crate::tiers::store::{ExpertStore, Source};
 
 /// A weight tensor located in the mapped file: byte range, format and 2-D shape.
@@ -519,7 +522,7 @@ impl LlamaModel {
         self.record_routes(layer, pos0, &routes, s);
         let by_expert = self.by_expert(&routes);
         let src = self.plan_sources(layer, &by_expert, s.decode);
-        self.experts_cpu(layer, ex, &by_expert, src, None, s);
+        self.experts_cpu(layer, ex, &by_expert, src, None, s, |_| {});
         for (xv, a) in s.x.iter_mut().zip(&s.moe_acc) {
             *xv += a;
         }
@@ -565,7 +568,11 @@ impl LlamaModel {
     /// normalized, quantized activations. File-tier blobs of the layer are read together first.
     /// `from[x]` (when given): expert x's intermediate rows `from[x] .. n_ff_exp` only (a multiple of 32; the
     /// rest is computed elsewhere and added to the same output) — gate/up rows and the matching block range of
-    /// every down row.
+    /// every down row. `side` runs once on the calling thread while the pool works on the first experts (or
+    /// before the file reads; at once when there is nothing to compute): work of the caller's that should not
+    /// delay the CPU experts, such as a hybrid layer's GPU copies and launches. It gets the RAM copy when this
+    /// function holds its read lock (the lock is not re-entrant), `None` when it does not.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn experts_cpu(
         &self,
         layer: usize,
@@ -574,7 +581,9 @@ impl LlamaModel {
         mut src: Vec<Source>,
         from: Option<&[usize]>,
         s: &mut Scratch,
+        side: impl FnOnce(Option<&HostArena>),
     ) {
+        let mut side = Some(side);
         let cfg = &self.cfg;
         let (e, ne, ff) = (cfg.n_embd, cfg.n_expert, cfg.n_ff_exp);
         let t = s.xn.t;
@@ -585,6 +594,11 @@ impl LlamaModel {
         let arena = self.experts.as_ref().map(|st| {
             // this layer's file-tier blobs, read together over the worker pool before any expert is computed
             let files: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty() && src[x] == Source::File).collect();
+            if !files.is_empty() {
+                if let Some(f) = side.take() {
+                    f(None);
+                }
+            }
             let blob = 2 * gb + db;
             let ok = st.read_blobs(layer, &files, &mut s.blobs, &self.pool);
             for (j, (&x, ok)) in files.iter().zip(ok).enumerate() {
@@ -662,35 +676,24 @@ impl LlamaModel {
                     )
                 })
                 .collect();
-            // gate and up of the whole batch
+            // gate, up and SwiGLU (quantized) of the whole batch in one fork-join; the caller's side work (e.g.
+            // the GPU's launches of a hybrid layer) runs beside the first one
             s.gate.resize(floats, 0.0);
             s.up.resize(floats, 0.0);
+            hs.resize_with(batch.len(), Act::default);
             {
-                let mut jobs = Vec::with_capacity(2 * batch.len());
+                let mut jobs = Vec::with_capacity(batch.len());
                 let (mut g_rest, mut u_rest) = (&mut s.gate[..], &mut s.up[..]);
-                for (b, v) in views.iter().enumerate() {
-                    let n = subs[b].t * v.0.rows;
+                for ((v, x), h) in views.iter().zip(&subs).zip(hs.iter_mut()) {
+                    let n = x.t * v.0.rows;
                     let (g, gr) = std::mem::take(&mut g_rest).split_at_mut(n);
                     let (u, ur) = std::mem::take(&mut u_rest).split_at_mut(n);
                     g_rest = gr;
                     u_rest = ur;
-                    jobs.push(MatJob { w: v.0, x: &subs[b], out: g });
-                    jobs.push(MatJob { w: v.1, x: &subs[b], out: u });
+                    jobs.push(GluJob { gate: v.0, up: v.1, x, g, u, h });
                 }
-                matmul_batch(&self.pool, &mut jobs, self.precision);
-            }
-            // SwiGLU, quantized, per expert
-            hs.resize_with(batch.len(), Act::default);
-            let mut off = 0;
-            for (b, v) in views.iter().enumerate() {
-                let (n, fr) = (subs[b].t, v.0.rows);
-                let h = &mut hs[b];
-                h.resize(n, fr);
-                for ((hv, gv), uv) in h.f.iter_mut().zip(&s.gate[off..off + n * fr]).zip(&s.up[off..off + n * fr]) {
-                    *hv = silu(*gv) * uv;
-                }
-                h.quantize();
-                off += n * fr;
+                let side = side.take();
+                glu_batch(&self.pool, &mut jobs, self.precision, || side.into_iter().for_each(|f| f(arena.as_deref())));
             }
             // down of the whole batch
             let outs: usize = subs[..batch.len()].iter().map(|a| a.t * e).sum();
@@ -716,6 +719,9 @@ impl LlamaModel {
                 }
                 off += by_expert[x].len() * e;
             }
+        }
+        if let Some(f) = side.take() {
+            f(arena.as_deref()); // no expert for the CPU
         }
         drop(arena);
         s.blobs = blobs;
@@ -756,9 +762,4 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     }
     let tail: f32 = a[n8..].iter().zip(&b[n8..]).map(|(x, y)| x * y).sum();
     (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7]) + tail
-}
-
-#[inline]
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
 }

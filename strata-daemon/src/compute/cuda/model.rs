@@ -19,6 +19,7 @@ use crate::model::kv::KvCache;
 use crate::model::llama::{Ffn, LlamaModel, Logits, Scratch, Weight};
 use crate::model::ModelConfig;
 use crate::quant::{dequantize_row, GgmlType};
+use crate::tiers::arena::HostArena;
 use crate::tiers::store::{ExpertStore, Source};
 use crate::tiers::vram::{auto_slots, shrink_slots, slot_bytes, CacheSize};
 
@@ -104,9 +105,11 @@ struct HybridProf {
     layers: usize,
     /// Waiting for the GPU's routing (the layer's attention and router, plus the copy back).
     wait: f64,
-    /// Planning and staging (PCIe copies enqueued, groups built, GPU expert launches).
+    /// Planning: routing read, sources chosen, PCIe share, groups built.
     plan: f64,
-    /// The CPU pool's experts.
+    /// Issuing the GPU's share (staging copies, expert launches), on the caller beside the CPU pool's work.
+    issue: f64,
+    /// The CPU pool's experts (issuing included) and the copy of their sum.
     cpu: f64,
     /// CPU-computed experts.
     cpu_experts: usize,
@@ -542,15 +545,16 @@ impl GpuModel {
             let p = host.prof;
             tracing::info!(
                 "GPU timing: {t} tokens at {pos0}: layers enqueued in {enqueued:.3} ms (host), {:.3} ms on the GPU, \
-                 {:.3} ms wall; {} hybrid layers: {:.3} ms waiting for routing, {:.3} ms planning/staging, {:.3} ms \
-                 CPU experts ({})",
+                 {:.3} ms wall; {} hybrid layers: {:.3} ms waiting for routing, {:.3} ms planning, {:.3} ms CPU \
+                 experts ({}) with {:.3} ms of GPU calls beside them",
                 e1.since_ms(e0)?,
                 t_start.elapsed().as_secs_f64() * 1000.0,
                 p.layers,
                 p.wait * 1000.0,
                 p.plan * 1000.0,
                 p.cpu * 1000.0,
-                p.cpu_experts
+                p.cpu_experts,
+                p.issue * 1000.0
             );
         }
         let Some((_, rows)) = rows else {
@@ -750,49 +754,42 @@ impl GpuModel {
         // miss is split at intermediate row k (a multiple of 256): rows 0..k are uploaded (packed) and computed
         // on the GPU, rows k.. on the CPU, both adding into the expert's output — so PCIe and the CPU pool share
         // every miss, even a layer's single one. Widths that do not split send whole experts (error diffusion).
+        // Only the plan is made here; the copies are issued below, beside the CPU pool's work.
         let frac = m.experts.as_ref().and_then(|st| st.knobs.get("pcie_frac").ok()).unwrap_or(0.0) as f32;
         let mut split: Vec<(usize, u32)> = Vec::new();
         let mut from = vec![0usize; c.n_expert];
         let mut geom = None;
+        // (layer, expert, RAM offset) of the staged misses, and whether they are split
+        let mut staged: Vec<(usize, usize, usize)> = Vec::new();
         if let (Some(cache), true) = (cache, frac > 0.0) {
             ram_miss.sort_by(|a, b| by_expert[b.0].len().cmp(&by_expert[a.0].len()).then(a.0.cmp(&b.0)));
-            let st = m.experts.as_ref().expect("store");
             let k = split_rows(frac, ff);
             let mut entries = 0u64;
-            if k > 0 && k < ff {
-                let g = super::slots::SplitGeom {
-                    k,
-                    gate_row: gate_ty.row_bytes(e),
-                    ff,
-                    down_row: down_ty.row_bytes(ff),
-                    down_part: down_ty.row_bytes(k),
-                    e,
-                };
-                let n = ram_miss.len().min(cache.n_staging);
-                let items: Vec<(usize, usize, usize)> = ram_miss[..n].iter().map(|&(x, off)| (l, x, off)).collect();
-                let staged = cache.stage_split(st, &items, &g, &self.s)?;
-                for (&(x, _), slot) in ram_miss[..n].iter().zip(staged) {
-                    entries += by_expert[x].len() as u64;
-                    split.push((x, slot));
-                    from[x] = k;
-                }
-                geom = Some(g);
+            let n = if k > 0 && k < ff {
+                geom = Some(super::slots::SplitGeom::new(k, gate_ty.row_bytes(e), ff, down_ty.row_bytes(ff), e));
+                ram_miss.len().min(cache.n_staging)
             } else {
                 // error diffusion across layers: over a window, `frac` of the RAM misses go over PCIe
                 host.pcie_carry += ram_miss.len() as f32 * frac.min(1.0);
                 let n = (host.pcie_carry.floor() as usize).min(ram_miss.len()).min(cache.n_staging);
                 host.pcie_carry -= n as f32;
-                if n > 0 {
-                    let items: Vec<(usize, usize, usize)> = ram_miss[..n].iter().map(|&(x, off)| (l, x, off)).collect();
-                    let staged = cache.stage(st, &items, &self.s)?;
-                    for (&(x, _), slot) in ram_miss[..n].iter().zip(staged) {
-                        entries += by_expert[x].len() as u64;
-                        gpu.push((x, slot));
-                    }
+                n
+            };
+            for (j, &(x, off)) in ram_miss[..n].iter().enumerate() {
+                let slot = cache.staging_slot(j);
+                entries += by_expert[x].len() as u64;
+                staged.push((l, x, off));
+                if geom.is_some() {
+                    split.push((x, slot));
+                    from[x] = k;
+                } else {
+                    gpu.push((x, slot));
                 }
             }
             if s.decode {
-                st.counters.pcie_entries.fetch_add(entries, std::sync::atomic::Ordering::Relaxed);
+                if let Some(st) = &m.experts {
+                    st.counters.pcie_entries.fetch_add(entries, std::sync::atomic::Ordering::Relaxed);
+                }
             }
         }
         // groups of up to MAX_NT tokens per expert (whole experts first, then split ones); flags per routing
@@ -824,31 +821,61 @@ impl GpuModel {
         for &(x, _) in &gpu {
             by_expert[x].clear(); // not for the CPU (split experts keep their tokens: the CPU does rows k..)
         }
-        if n_groups + n_split > 0 {
-            // SAFETY: host.groups is next written in the next MoE layer, after that layer's stream sync (or in
-            // the next pass, after its final sync), so it outlives the copy. Asynchronous: the CPU pool below
-            // starts on the misses while the GPU works.
-            unsafe { self.s.htod_raw(b.groups.ptr, host.groups.as_ptr(), host.groups.len())? };
-            let one = t == 1;
-            if n_groups > 0 {
-                self.experts_gpu((gate_ty, down_ty), one, b.groups.ptr, n_groups, n_pairs, ff, down_off, e)?;
-            }
-            if let Some(g) = geom.filter(|_| n_split > 0) {
-                // the split experts' rows 0..k, as experts of width k (h and hq reused after the launches above)
-                let gp = b.groups.at(n_groups * GROUP_BYTES);
-                self.experts_gpu((gate_ty, down_ty), one, gp, n_split, n_pairs, g.k, g.down_off(), e)?;
-            }
-        }
-        // SAFETY: as for host.groups above.
-        unsafe { self.s.htod_raw(b.flag.ptr, host.flag.as_ptr() as *const u8, host.flag.len() * 4)? };
-        // CPU misses meanwhile (the launches above run on the GPU while the pool works)
-        let any_cpu = by_expert.iter().any(|v| !v.is_empty());
         let t2 = self.timing.then(std::time::Instant::now);
+        // the GPU's share: staging copies, groups, expert launches, flags — issued on this thread while the
+        // CPU pool starts on the misses (the copies and launches are asynchronous; issuing them takes tens of
+        // microseconds per layer that would otherwise delay the CPU experts)
+        let mut issued: Result<f64, GpuError> = Ok(0.0);
+        let mut issue = |held: Option<&HostArena>| {
+            issued = (|| {
+                let ti = std::time::Instant::now();
+                if let (Some(cache), Some(st), false) = (cache, m.experts.as_ref(), staged.is_empty()) {
+                    // the RAM copy's read lock: the one experts_cpu holds, else our own
+                    let guard;
+                    let arena = match held {
+                        Some(a) => a,
+                        None => {
+                            guard = st.arena();
+                            &*guard
+                        }
+                    };
+                    let slots = match &geom {
+                        Some(g) => cache.stage_split(arena, &staged, g, &self.s)?,
+                        None => cache.stage(arena, &staged, &self.s)?,
+                    };
+                    debug_assert!(slots.iter().enumerate().all(|(j, &sl)| sl == cache.staging_slot(j)));
+                }
+                if n_groups + n_split > 0 {
+                    // SAFETY: host.groups is next written in the next MoE layer, after that layer's stream sync
+                    // (or in the next pass, after its final sync), so it outlives the copy.
+                    unsafe { self.s.htod_raw(b.groups.ptr, host.groups.as_ptr(), host.groups.len())? };
+                    let one = t == 1;
+                    if n_groups > 0 {
+                        self.experts_gpu((gate_ty, down_ty), one, b.groups.ptr, n_groups, n_pairs, ff, down_off, e)?;
+                    }
+                    if let Some(g) = geom.filter(|_| n_split > 0) {
+                        // the split experts' rows 0..k, as experts of width k (h and hq reused after the
+                        // launches above)
+                        let gp = b.groups.at(n_groups * GROUP_BYTES);
+                        self.experts_gpu((gate_ty, down_ty), one, gp, n_split, n_pairs, g.k, g.down_off(), e)?;
+                    }
+                }
+                // SAFETY: as for host.groups above.
+                unsafe { self.s.htod_raw(b.flag.ptr, host.flag.as_ptr() as *const u8, host.flag.len() * 4)? };
+                Ok(ti.elapsed().as_secs_f64())
+            })();
+        };
+        let any_cpu = by_expert.iter().any(|v| !v.is_empty());
         if any_cpu {
             s.xn.resize(t, e);
             s.xn.f.copy_from_slice(&host.xn);
             s.xn.quantize();
-            m.experts_cpu(l, ex, &by_expert, src, Some(&from), s);
+            m.experts_cpu(l, ex, &by_expert, src, Some(&from), s, issue);
+        } else {
+            issue(None);
+        }
+        let issue_s = issued?;
+        if any_cpu {
             // SAFETY: s.moe_acc is next written by the next layer's CPU experts, after that layer's stream sync.
             unsafe { self.s.htod_raw(b.cpu.ptr, s.moe_acc.as_ptr() as *const u8, s.moe_acc.len() * 4)? };
         }
@@ -857,6 +884,7 @@ impl GpuModel {
             p.layers += 1;
             p.wait += (t1 - t0).as_secs_f64();
             p.plan += (t2 - t1).as_secs_f64();
+            p.issue += issue_s;
             p.cpu += t2.elapsed().as_secs_f64();
             p.cpu_experts += by_expert.iter().filter(|v| !v.is_empty()).count();
         }
