@@ -49,7 +49,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,0.5,0.25")]
     fracs: Vec<f64>,
     /// PCIe shares to run for each partial cache (besides 0).
-    #[arg(long, value_delimiter = ',', default_value = "0.5")]
+    #[arg(long, value_delimiter = ',', default_value = "0.33,0.5")]
     pcie: Vec<f64>,
     /// Write the results as JSON here.
     #[arg(long)]

@@ -5,7 +5,7 @@
 use std::num::NonZeroUsize;
 use std::ptr::NonNull;
 
-use nix::sys::mman::{mlock, mmap_anonymous, munlock, munmap, MapFlags, ProtFlags};
+use nix::sys::mman::{madvise, mlock, mmap_anonymous, munlock, munmap, MapFlags, MmapAdvise, ProtFlags};
 use nix::sys::resource::{getrlimit, Resource, RLIM_INFINITY};
 
 /// Whether the arena is locked in RAM.
@@ -42,6 +42,15 @@ impl HostArena {
             mmap_anonymous(None, nz, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_PRIVATE)
                 .map_err(std::io::Error::from)?
         };
+        // transparent huge pages where the kernel allows them (`madvise` mode included): the pool streams
+        // gigabytes of expert weights from here, and 4 KiB pages cost it TLB misses (H200 host, Qwen3-30B-A3B
+        // geometry, CPU experts: 11.7 -> 10.4 ms per token). `STRATA_ARENA_THP=0` leaves the default pages.
+        if std::env::var_os("STRATA_ARENA_THP").is_none_or(|v| v != "0") {
+            // SAFETY: advice on this fresh mapping only.
+            if let Err(e) = unsafe { madvise(p, len, MmapAdvise::MADV_HUGEPAGE) } {
+                tracing::debug!("MADV_HUGEPAGE on the RAM copy: {e}");
+            }
+        }
         let mut a = HostArena { ptr: p.cast(), len, lock: Lock::Pageable };
         if try_lock {
             a.lock = a.try_lock();
