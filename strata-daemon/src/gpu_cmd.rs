@@ -488,22 +488,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     // host RAM read bandwidth over the RAM copy (all threads)
     let ram_bw = {
         let arena = st.arena();
-        let len = arena.len().min(8 << 30);
-        let t = Instant::now();
-        let chunk = len.div_ceil(threads);
-        let sum: u64 = std::thread::scope(|sc| {
-            let hs: Vec<_> = (0..threads)
-                .map(|i| {
-                    let sl = arena.slice(i * chunk, chunk.min(len - (i * chunk).min(len)));
-                    sc.spawn(move || {
-                        sl.chunks_exact(8).fold(0u64, |acc, c| acc ^ u64::from_le_bytes(c.try_into().unwrap()))
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).fold(0, |a, b| a ^ b)
-        });
-        std::hint::black_box(sum);
-        len as f64 / t.elapsed().as_secs_f64() / 1e9
+        crate::bench_experts_cmd::host_read_gbps(arena.slice(0, arena.len().min(8 << 30)), threads)
     };
     println!("H2D pinned {pinned:.1} GB/s, pageable {pageable:.1} GB/s; host RAM read {ram_bw:.1} GB/s; blob {:.2} MiB; {total} experts", blob as f64 / 1048576.0);
     let mut arms = Vec::new();

@@ -21,6 +21,7 @@ use strata::tiers::vram::CacheSize;
 use strata_proto::v1::strata_server::StrataServer;
 use tokio_stream::wrappers::UnixListenerStream;
 
+mod bench_experts_cmd;
 #[cfg(feature = "cuda")]
 mod gpu_cmd;
 mod perplexity_cmd;
@@ -129,6 +130,9 @@ enum Command {
     /// Write a GGUF of a real MoE geometry with random weights (Mixtral-8x7B, OLMoE, Qwen3-30B-A3B, tiny) for
     /// scale benchmarks.
     SynthMoe(synth_cmd::SynthArgs),
+    /// CPU expert throughput: one token through a half-cached layer's experts, from random blobs of a preset's
+    /// geometry in RAM (µs per layer, GB/s, share of the host RAM read rate); no model or GPU needed.
+    BenchExperts(bench_experts_cmd::BenchExpertsArgs),
     /// Check the GPU kernels and forward pass against the CPU path (needs a GPU).
     #[cfg(feature = "cuda")]
     GpuCheck(gpu_cmd::CheckArgs),
@@ -159,6 +163,7 @@ fn main() -> Result<()> {
         Some(Command::Replay(r)) => return replay_cmd::run(r),
         Some(Command::Perplexity(p)) => return perplexity_cmd::run(p),
         Some(Command::SynthMoe(a)) => return synth_cmd::run(a),
+        Some(Command::BenchExperts(a)) => return bench_experts_cmd::run(a),
         #[cfg(feature = "cuda")]
         Some(Command::GpuCheck(a)) => return gpu_cmd::check(a),
         #[cfg(feature = "cuda")]

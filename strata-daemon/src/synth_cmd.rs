@@ -37,19 +37,21 @@ pub struct SynthArgs {
     seed: u64,
 }
 
-struct Geo {
-    layers: usize,
-    embd: usize,
-    ff_exp: usize,
-    experts: usize,
-    top_k: usize,
+/// A preset's geometry (counts; `embd` and `ff_exp` in elements).
+pub(crate) struct Geo {
+    pub(crate) layers: usize,
+    pub(crate) embd: usize,
+    pub(crate) ff_exp: usize,
+    pub(crate) experts: usize,
+    pub(crate) top_k: usize,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
     vocab: usize,
 }
 
-fn preset(name: &str) -> Result<Geo> {
+/// The geometry of preset `name` (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, tiny); errors on other names.
+pub(crate) fn preset(name: &str) -> Result<Geo> {
     Ok(match name {
         "mixtral-8x7b" => Geo {
             layers: 32,
@@ -100,7 +102,7 @@ fn preset(name: &str) -> Result<Geo> {
 }
 
 /// xorshift64* stream.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 impl Rng {
     fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
@@ -111,7 +113,7 @@ impl Rng {
     fn unit(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32
     }
-    fn normal(&mut self) -> f32 {
+    pub(crate) fn normal(&mut self) -> f32 {
         let (u, v) = (self.unit().max(1e-7), self.unit());
         (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
     }
@@ -119,7 +121,7 @@ impl Rng {
 
 /// Random rows of a block format: codes uniform, each block's scale so that an element's standard deviation is
 /// `std`.
-fn fill_blocks(ty: GgmlType, buf: &mut [u8], std: f32, rng: &mut Rng) {
+pub(crate) fn fill_blocks(ty: GgmlType, buf: &mut [u8], std: f32, rng: &mut Rng) {
     let (bs, code_std) = match ty {
         GgmlType::Q4_0 => (18, 4.61f32), // uniform 0..15 minus 8
         _ => (34, 73.6f32),              // uniform −127..127
