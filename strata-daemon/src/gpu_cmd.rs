@@ -569,7 +569,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }) {
             Some(ex) if k > 0 && k < ff => {
                 let (e, gt, dt) = (m.cfg.n_embd, ex.gate.ty, ex.down.ty);
-                let g = strata::compute::cuda::slots::SplitGeom::new(k, gt.row_bytes(e), ff, dt.row_bytes(ff), e);
+                let g = strata::compute::cuda::slots::SplitGeom::new(k, gt.row_bytes(e), ff, dt, e);
                 (1.0 - k as f64 / ff as f64, g.bytes() as f64 / blob as f64)
             }
             _ => (0.0, 1.0),

@@ -196,10 +196,10 @@ pub struct GluJob<'a> {
 }
 
 /// The SwiGLU hidden layer of several experts in one fork-join of `pool`: each task computes a range of rows
-/// (a multiple of 32) of one expert's gate and up products for its tokens, then SiLU · up and the Q8 blocks of
-/// that range — the same bits as two [`matmul_with`] calls, the element-wise product and [`Act::quantize`], with
-/// no serial SwiGLU between the products. `side` runs on the caller as in [`WorkerPool::run_with`]. Panics on
-/// shape mismatches.
+/// of one expert's gate and up products for its tokens (a multiple of 32 rows when h is quantized), then
+/// SiLU · up and the Q8 blocks of that range — the same bits as two [`matmul_with`] calls, the element-wise
+/// product and [`Act::quantize`], with no serial SwiGLU between the products. `side` runs on the caller as in
+/// [`WorkerPool::run_with`]. Panics on shape mismatches.
 pub fn glu_batch(pool: &WorkerPool, jobs: &mut [GluJob<'_>], precision: Precision, side: impl FnOnce()) {
     let threads = pool.threads();
     // (first task, rows per task, gate, up, x, g, u, h values, h blocks) per job
@@ -215,9 +215,10 @@ pub fn glu_batch(pool: &WorkerPool, jobs: &mut [GluJob<'_>], precision: Precisio
             assert_eq!(x.q.len(), x.t * x.n / 32, "glu: activations not quantized");
         }
         j.h.resize(x.t, rows);
-        j.h.q.resize(x.t * rows / 32, BlockQ8::default());
-        // whole Q8 blocks per task when h is quantized
-        let chunk = if rows % 32 == 0 { chunking(threads, g).0.next_multiple_of(32).min(rows) } else { rows.max(1) };
+        j.h.q.resize(x.t * (rows / 32), BlockQ8::default()); // as Act::quantize sizes it
+                                                             // whole Q8 blocks per task when h is quantized
+        let chunk = chunking(threads, g).0;
+        let chunk = if rows % 32 == 0 { chunk.next_multiple_of(32).min(rows) } else { chunk }.max(1);
         let n = rows.div_ceil(chunk);
         plan.push((
             tasks,
@@ -269,7 +270,7 @@ pub fn glu_batch(pool: &WorkerPool, jobs: &mut [GluJob<'_>], precision: Precisio
 /// A shareable raw pointer to Q8 blocks (tasks write disjoint ranges).
 #[derive(Clone, Copy)]
 struct SyncQ8(*mut BlockQ8);
-// SAFETY: only used for disjoint writes from pool tasks while the owner waits in `pool.run`.
+// SAFETY: only used for disjoint writes from pool tasks while the owner waits in `WorkerPool::run_with`.
 unsafe impl Send for SyncQ8 {}
 // SAFETY: as above.
 unsafe impl Sync for SyncQ8 {}
@@ -379,6 +380,32 @@ mod tests {
         }
         x.quantize();
         x
+    }
+
+    #[test]
+    fn glu_batch_takes_an_expert_with_no_rows_and_unquantized_widths() {
+        let pool = WorkerPool::new(3).expect("pool");
+        let mut seed = 5u64;
+        let x = act(2, 64, 0);
+        for rows in [0usize, 48] {
+            let (wg, wu) = (
+                random_blocks(GgmlType::Q8_0, rows, 64, &mut seed),
+                random_blocks(GgmlType::Q8_0, rows, 64, &mut seed),
+            );
+            let (mut g, mut u, mut h) = (vec![0f32; 2 * rows], vec![0f32; 2 * rows], Act::default());
+            let gate = mat(&wg, GgmlType::Q8_0, rows, 64);
+            let up = mat(&wu, GgmlType::Q8_0, rows, 64);
+            glu_batch(
+                &pool,
+                &mut [GluJob { gate, up, x: &x, g: &mut g, u: &mut u, h: &mut h }],
+                Precision::Q8Activations,
+                || {},
+            );
+            assert_eq!((h.t, h.n, h.f.len(), h.q.len()), (2, rows, 2 * rows, 2 * (rows / 32)));
+            let mut want = vec![0f32; 2 * rows];
+            matmul_with(&pool, gate, &x, &mut want, Precision::Q8Activations);
+            assert!(want.iter().zip(&g).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
     }
 
     #[test]

@@ -85,7 +85,9 @@ impl WorkerPool {
     /// [`WorkerPool::run`], with `side` run once on the calling thread while the workers start on the tasks
     /// (the caller joins them when `side` returns). For work that must stay on the caller — e.g. GPU calls on
     /// a thread with the device context bound — to overlap a region instead of delaying it. With no workers
-    /// (one thread, or `n` ≤ 1) `side` runs first, then the tasks.
+    /// (one thread, or `n` ≤ 1) `side` runs first, then the tasks. `side` must not start a region on this
+    /// same pool (the pool is busy with this one: it would wait forever). A panic in `side` or in the caller's
+    /// tasks stops the region (no further tasks start), waits for the workers' running tasks, then unwinds.
     pub fn run_with<F: Fn(usize) + Sync, G: FnOnce()>(&self, n: usize, f: F, side: G) {
         if self.threads == 1 || n <= 1 {
             side();
@@ -95,14 +97,15 @@ impl WorkerPool {
         let _g = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
         let s = &*self.shared;
         let fref: &(dyn Fn(usize) + Sync + '_) = &f;
-        // SAFETY: erase the closure's lifetime; it outlives every use because this
-        // function waits below until all workers are done (active == 0).
+        // SAFETY: erase the closure's lifetime; it outlives every use because `join` below (declared after `f`,
+        // so dropped before it, on return and on unwind alike) waits until all workers are done (active == 0).
         let fptr: *const TaskFn = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync + '_), &'static TaskFn>(fref) };
         // SAFETY: all workers are idle (the previous run waited for active == 0), so no one reads `job`.
         unsafe { *s.job.get() = (fptr, n) };
         s.next.store(0, Ordering::SeqCst);
         s.active.store(self.threads - 1, Ordering::SeqCst);
         s.generation.fetch_add(1, Ordering::SeqCst);
+        let join = Join { s, n };
         if s.sleeping.load(Ordering::SeqCst) > 0 {
             let _m = s.mutex.lock().unwrap_or_else(|e| e.into_inner());
             s.cv.notify_all();
@@ -115,8 +118,25 @@ impl WorkerPool {
             }
             f(i);
         }
+        drop(join);
+    }
+}
+
+/// The end of a region: waits until every worker has left it. On unwind (a panic in the caller's side work or
+/// tasks) it first stops the hand-out of tasks, so the wait covers only tasks already running.
+struct Join<'a> {
+    s: &'a Shared,
+    n: usize,
+}
+
+impl Drop for Join<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // every index at or past n means "no task left"
+            self.s.next.store(self.n, Ordering::SeqCst);
+        }
         let mut spins = 0u32;
-        while s.active.load(Ordering::Acquire) != 0 {
+        while self.s.active.load(Ordering::Acquire) != 0 {
             spins = spins.wrapping_add(1);
             // When the machine is oversubscribed a worker may be descheduled: let it run.
             if spins % 4096 == 0 {
@@ -210,6 +230,33 @@ mod tests {
                 assert!(hits.iter().all(|h| h.load(Ordering::SeqCst) == 1), "threads {threads}, n {n}");
             }
         }
+    }
+
+    #[test]
+    fn a_panic_in_the_side_work_waits_for_the_running_tasks_and_leaves_the_pool_usable() {
+        let p = WorkerPool::new(3).unwrap();
+        let done = AtomicUsize::new(0);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let local = vec![1usize; 64]; // borrowed by the tasks, freed by the unwind
+            p.run_with(
+                64,
+                |i| {
+                    std::thread::sleep(Duration::from_micros(200));
+                    done.fetch_add(local[i], Ordering::SeqCst);
+                },
+                || panic!("side work failed"),
+            );
+        }));
+        assert!(r.is_err());
+        // every task that started has finished (none runs on after the unwind), and the pool still works
+        let after = done.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(done.load(Ordering::SeqCst), after);
+        let sum = AtomicUsize::new(0);
+        p.run(10, |i| {
+            sum.fetch_add(i, Ordering::SeqCst);
+        });
+        assert_eq!(sum.load(Ordering::SeqCst), 45);
     }
 
     #[test]

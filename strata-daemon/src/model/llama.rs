@@ -143,8 +143,9 @@ pub struct Scratch {
     rope: Vec<(f32, f32)>,
     router: Vec<f32>,
     pub(crate) moe_acc: Vec<f32>,
-    /// Per expert of a layer's batch: its tokens' activations, and its SwiGLU output.
+    /// Per expert of a layer's batch: its tokens' activations.
     subs: Vec<Act>,
+    /// Per expert of a layer's batch: its SwiGLU output (`tokens × rows`, quantized).
     hs: Vec<Act>,
     /// When `Some`, every routing decision of the forward passes is appended
     /// here (the caller drains it, e.g. for `--dump-routing`).
@@ -615,8 +616,9 @@ impl LlamaModel {
         let mut subs = std::mem::take(&mut s.subs);
         let mut hs = std::mem::take(&mut s.hs);
         let blobs = std::mem::take(&mut s.blobs);
-        // the layer's experts with tokens, in batches whose gate/up outputs stay under BATCH_FLOATS: each batch
-        // is one pool fork-join for gate+up and one for down (not three per expert)
+        // the layer's experts with tokens, in batches whose scratch (gate, up and h rows, the tokens' activations
+        // and down outputs) stays under BATCH_FLOATS values: each batch is one pool fork-join for gate+up+SwiGLU
+        // and one for down (not three per expert)
         const BATCH_FLOATS: usize = 1 << 22;
         let list: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty()).collect();
         let f0 = |x: usize| from.map_or(0, |f| f[x]);
@@ -624,14 +626,15 @@ impl LlamaModel {
         let mut i = 0;
         while i < list.len() {
             let mut j = i;
-            let mut floats = 0;
+            let (mut floats, mut gu) = (0, 0);
             while j < list.len() {
                 let x = list[j];
-                let add = by_expert[x].len() * (ff - f0(x));
+                let add = by_expert[x].len() * (3 * (ff - f0(x)) + 2 * e);
                 if j > i && floats + add > BATCH_FLOATS {
                     break;
                 }
                 floats += add;
+                gu += by_expert[x].len() * (ff - f0(x));
                 j += 1;
             }
             let batch = &list[i..j];
@@ -678,8 +681,8 @@ impl LlamaModel {
                 .collect();
             // gate, up and SwiGLU (quantized) of the whole batch in one fork-join; the caller's side work (e.g.
             // the GPU's launches of a hybrid layer) runs beside the first one
-            s.gate.resize(floats, 0.0);
-            s.up.resize(floats, 0.0);
+            s.gate.resize(gu, 0.0);
+            s.up.resize(gu, 0.0);
             hs.resize_with(batch.len(), Act::default);
             {
                 let mut jobs = Vec::with_capacity(batch.len());

@@ -759,14 +759,14 @@ impl GpuModel {
         let mut split: Vec<(usize, u32)> = Vec::new();
         let mut from = vec![0usize; c.n_expert];
         let mut geom = None;
-        // (layer, expert, RAM offset) of the staged misses, and whether they are split
+        // (layer, expert, RAM offset) of the staged misses (split ones when `geom` is set)
         let mut staged: Vec<(usize, usize, usize)> = Vec::new();
         if let (Some(cache), true) = (cache, frac > 0.0) {
             ram_miss.sort_by(|a, b| by_expert[b.0].len().cmp(&by_expert[a.0].len()).then(a.0.cmp(&b.0)));
             let k = split_rows(frac, ff);
             let mut entries = 0u64;
             let n = if k > 0 && k < ff {
-                geom = Some(super::slots::SplitGeom::new(k, gate_ty.row_bytes(e), ff, down_ty.row_bytes(ff), e));
+                geom = Some(super::slots::SplitGeom::new(k, gate_ty.row_bytes(e), ff, down_ty, e));
                 ram_miss.len().min(cache.n_staging)
             } else {
                 // error diffusion across layers: over a window, `frac` of the RAM misses go over PCIe
@@ -825,11 +825,14 @@ impl GpuModel {
         // the GPU's share: staging copies, groups, expert launches, flags — issued on this thread while the
         // CPU pool starts on the misses (the copies and launches are asynchronous; issuing them takes tens of
         // microseconds per layer that would otherwise delay the CPU experts)
-        let mut issued: Result<f64, GpuError> = Ok(0.0);
+        let mut issued: Option<Result<f64, GpuError>> = None;
         let mut issue = |held: Option<&HostArena>| {
-            issued = (|| {
+            issued = Some((|| {
                 let ti = std::time::Instant::now();
-                if let (Some(cache), Some(st), false) = (cache, m.experts.as_ref(), staged.is_empty()) {
+                if !staged.is_empty() {
+                    let (Some(cache), Some(st)) = (cache, m.experts.as_ref()) else {
+                        unreachable!("staged misses come from the cache and the store")
+                    };
                     // the RAM copy's read lock: the one experts_cpu holds, else our own
                     let guard;
                     let arena = match held {
@@ -863,7 +866,7 @@ impl GpuModel {
                 // SAFETY: as for host.groups above.
                 unsafe { self.s.htod_raw(b.flag.ptr, host.flag.as_ptr() as *const u8, host.flag.len() * 4)? };
                 Ok(ti.elapsed().as_secs_f64())
-            })();
+            })());
         };
         let any_cpu = by_expert.iter().any(|v| !v.is_empty());
         if any_cpu {
@@ -874,7 +877,7 @@ impl GpuModel {
         } else {
             issue(None);
         }
-        let issue_s = issued?;
+        let issue_s = issued.expect("experts_cpu runs its side work exactly once")?;
         if any_cpu {
             // SAFETY: s.moe_acc is next written by the next layer's CPU experts, after that layer's stream sync.
             unsafe { self.s.htod_raw(b.cpu.ptr, s.moe_acc.as_ptr() as *const u8, s.moe_acc.len() * 4)? };

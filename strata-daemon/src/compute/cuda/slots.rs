@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use super::driver::{DevBuf, Device, Event, PinnedBuf, Stream};
 use super::GpuError;
+use crate::quant::GgmlType;
 use crate::tiers::arena::HostArena;
 use crate::tiers::policy::Swap;
 use crate::tiers::store::ExpertStore;
@@ -317,9 +318,9 @@ impl SlotCache {
         (self.n_slots + j) as u32
     }
 
-    /// Uploads the blobs of PCIe-served misses into staging slots on `s` from `arena` (the page-locked RAM copy,
-    /// already read-locked by the caller). `items` = (layer, expert, arena offset); returns the staging slot index
-    /// of each ([`SlotCache::staging_slot`] of its position).
+    /// Uploads the blobs of PCIe-served misses into staging slots on `s` from `arena` (the RAM copy, registered
+    /// with the driver; read-locked by the caller). `items` = (layer, expert, arena offset); returns the staging
+    /// slot index of each ([`SlotCache::staging_slot`] of its position).
     pub fn stage(&self, arena: &HostArena, items: &[(usize, usize, usize)], s: &Stream) -> Result<Vec<u32>, GpuError> {
         let mut out = Vec::with_capacity(items.len());
         for (j, &(_, _, off)) in items.iter().enumerate().take(self.n_staging) {
@@ -355,9 +356,10 @@ pub struct SplitGeom {
 
 impl SplitGeom {
     /// The geometry of a split at `k` of an expert with `ff` intermediate rows, gate/up rows of `gate_row`
-    /// bytes, and `e` down rows of `down_row` bytes (block formats: `down_row` × k / ff bytes of each are used).
-    pub fn new(k: usize, gate_row: usize, ff: usize, down_row: usize, e: usize) -> SplitGeom {
-        SplitGeom { k, gate_row, ff, down_row, down_part: down_row / (ff / 32) * (k / 32), e }
+    /// bytes, and `e` down rows of `down_ty` (`down_ty.row_bytes(ff)` bytes, of which the first
+    /// `down_ty.row_bytes(k)` are used; k must be a multiple of the format's block size).
+    pub fn new(k: usize, gate_row: usize, ff: usize, down_ty: GgmlType, e: usize) -> SplitGeom {
+        SplitGeom { k, gate_row, ff, down_row: down_ty.row_bytes(ff), down_part: down_ty.row_bytes(k), e }
     }
     /// Offset of the packed down part in the sub-blob (bytes).
     pub fn down_off(&self) -> usize {
@@ -371,10 +373,10 @@ impl SplitGeom {
 
 impl SlotCache {
     /// Uploads the first `g.k` intermediate rows of PCIe-served misses, packed (see [`SplitGeom`]), into staging
-    /// slots on `s` from `arena` (the page-locked RAM copy, read-locked by the caller): the gate and up rows as
-    /// one pitched copy of two pieces, the down columns as one pitched copy of `e` pieces (288-byte pieces ran
-    /// at 48.8 GB/s on the H200 machine, 4032-byte ones at 55.1, as fast as a plain copy). `items` = (layer,
-    /// expert, arena offset); returns each one's staging slot.
+    /// slots on `s` from `arena` (the RAM copy, registered with the driver; read-locked by the caller): the gate
+    /// and up rows as one pitched copy of two pieces, the down columns as one pitched copy of `e` pieces
+    /// (288-byte pieces ran at 48.8 GB/s on the H200 machine, 4032-byte ones at 55.1, as fast as a plain copy).
+    /// `items` = (layer, expert, arena offset); returns each one's staging slot.
     pub fn stage_split(
         &self,
         arena: &HostArena,
@@ -483,7 +485,7 @@ mod tests {
         // Mixtral-8x7B expert in Q4_0: n_embd 4096, n_ff_exp 14336
         let (e, ff, k) = (4096, 14336, 7168);
         let ty = GgmlType::Q4_0;
-        let g = SplitGeom::new(k, ty.row_bytes(e), ff, ty.row_bytes(ff), e);
+        let g = SplitGeom::new(k, ty.row_bytes(e), ff, ty, e);
         assert_eq!(g.down_part, ty.row_bytes(k));
         let blob = 2 * ff * ty.row_bytes(e) + e * ty.row_bytes(ff);
         assert_eq!(blob, 99_090_432);
