@@ -139,7 +139,7 @@ impl Drop for Join<'_> {
         while self.s.active.load(Ordering::Acquire) != 0 {
             spins = spins.wrapping_add(1);
             // When the machine is oversubscribed a worker may be descheduled: let it run.
-            if spins % 4096 == 0 {
+            if spins.is_multiple_of(4096) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -163,7 +163,7 @@ fn worker(s: Arc<Shared>) {
                 break;
             }
             spins += 1;
-            if spins % 1024 == 0 && t0.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && t0.elapsed() > SPIN {
                 let mut m = s.mutex.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleeping.fetch_add(1, Ordering::SeqCst);
                 while s.generation.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::SeqCst) {
@@ -173,7 +173,7 @@ fn worker(s: Arc<Shared>) {
                 drop(m);
                 continue;
             }
-            if spins % 4096 == 0 {
+            if spins.is_multiple_of(4096) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
