@@ -17,6 +17,7 @@ use strata::tiers::arena::HostArena;
 
 use crate::synth_cmd::{fill_blocks, preset, Rng};
 
+/// Arguments of `strata-daemon bench-experts`.
 #[derive(ClapArgs, Debug)]
 pub struct BenchExpertsArgs {
     /// Geometry, as for synth-moe: mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, tiny.
@@ -102,6 +103,8 @@ fn layer(pool: &WorkerPool, ty: GgmlType, (e, ff): (usize, usize), blobs: &[&[u8
     matmul_batch(pool, &mut jobs, Precision::Q8Activations);
 }
 
+/// Runs the benchmark and prints its table (and the JSON file when asked). Errors: an unknown preset or format,
+/// zero threads or experts per layer, the RAM copy not mapped (out of memory), the JSON not written.
 pub fn run(a: BenchExpertsArgs) -> Result<()> {
     let g = preset(&a.preset)?;
     let ty = match a.r#type.as_str() {
