@@ -138,12 +138,6 @@ fn chunking(threads: usize, w: &MatRef<'_>) -> (usize, usize) {
 /// as [`matmul_with`] chunks a single product, so every output has the same bits as there). For many small
 /// products — the experts of a layer — this saves a pool dispatch per product. Panics on shape mismatches.
 pub fn matmul_batch(pool: &WorkerPool, jobs: &mut [MatJob<'_>], precision: Precision) {
-    matmul_batch_with(pool, jobs, precision, || {})
-}
-
-/// [`matmul_batch`] with `side` run on the calling thread while the workers start (see
-/// [`WorkerPool::run_with`]).
-pub fn matmul_batch_with(pool: &WorkerPool, jobs: &mut [MatJob<'_>], precision: Precision, side: impl FnOnce()) {
     let threads = pool.threads();
     // (first task, chunk, out pointer, weights, activations) per job
     let mut plan = Vec::with_capacity(jobs.len());
@@ -168,7 +162,7 @@ pub fn matmul_batch_with(pool: &WorkerPool, jobs: &mut [MatJob<'_>], precision: 
         let r0 = (task - first) * chunk;
         rows_into(&w, x, p, r0, (r0 + chunk).min(w.rows), precision);
     };
-    pool.run_with(tasks, body, side);
+    pool.run(tasks, body);
 }
 
 /// SiLU, `x · σ(x)`, as the CPU path computes it (`x / (1 + e^-x)`).
@@ -215,8 +209,9 @@ pub fn glu_batch(pool: &WorkerPool, jobs: &mut [GluJob<'_>], precision: Precisio
             assert_eq!(x.q.len(), x.t * x.n / 32, "glu: activations not quantized");
         }
         j.h.resize(x.t, rows);
-        j.h.q.resize(x.t * (rows / 32), BlockQ8::default()); // as Act::quantize sizes it
-                                                             // whole Q8 blocks per task when h is quantized
+        // as Act::quantize sizes it
+        j.h.q.resize(x.t * (rows / 32), BlockQ8::default());
+        // whole Q8 blocks per task when h is quantized
         let chunk = chunking(threads, g).0;
         let chunk = if rows % 32 == 0 { chunk.next_multiple_of(32).min(rows) } else { chunk }.max(1);
         let n = rows.div_ceil(chunk);
