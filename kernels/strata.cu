@@ -58,14 +58,25 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // Programmatic dependent launch (sm_90+, when the host launches with programmatic stream serialization): every
 // kernel first lets the next kernel in the stream start launching (its blocks then wait here too), then waits
-// until the previous kernel has finished and its memory is visible. So no kernel reads or writes anything
-// before the previous one is done, and the launch latency of the next overlaps this one. Without the launch
-// attribute (or before sm_90) both are no-ops.
-__device__ __forceinline__ void pdl_entry() {
+// until the previous kernel has finished and its memory is visible. So no kernel reads data of the previous
+// one or writes anything before the previous one is done, and the launch latency of the next overlaps this
+// one. Kernels with a prologue (`pdl_trigger`, reads of weights no kernel writes, `pdl_wait`) also overlap
+// their first weight reads with the previous kernel: the dense products stage their rows' first chunk into
+// shared memory there, the norms load their weights. Without the launch attribute (or before sm_90) these
+// are no-ops.
+__device__ __forceinline__ void pdl_trigger() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void pdl_entry() {
+    pdl_trigger();
+    pdl_wait();
 }
 
 __device__ __forceinline__ float h2f(const u8* p) {
@@ -188,8 +199,10 @@ __device__ __forceinline__ void row_dot(const u8* row, int cols, const Q8* const
 // asynchronous copies (cp.async, sm_80+), then each lane takes pairs of blocks from there with aligned 32-bit
 // reads (a pair of 18/34/20-byte blocks is 9/17/10 words, so the lanes' strides hit distinct banks). The weight
 // bytes then cross the memory system in 16-byte pieces instead of 2-byte ones, and one read of a token's
-// activation block serves all NR rows. Applies when the rows and activations are 16-byte aligned and the row's
-// block count is a multiple of 8 (the usual case: cols % 256 == 0); otherwise `row_dot` runs.
+// activation block serves all NR rows. Applies when the rows and activations are 16-byte aligned, the row stride
+// `rb` is a multiple of 16 bytes and the row's block count is even (the usual case: cols % 256 == 0; the packed
+// down parts of a PCIe split are padded to 16 bytes for it); a chunk's copy is rounded up to 16 bytes, which stays
+// inside the stride. Otherwise `row_dot` runs.
 #define CB 128
 #define RPW 2
 #define IS_BLOCK(F) ((F) >= FMT_Q8_0)
@@ -223,8 +236,8 @@ __device__ __forceinline__ void stage_wait() {
 }
 
 template <int FMT, int NT, int NR>
-__device__ __forceinline__ bool can_stage(const u8* const* rows, int nb, const Q8* const* xq) {
-    if (!IS_BLOCK(FMT) || nb % 8 != 0) return false;
+__device__ __forceinline__ bool can_stage(const u8* const* rows, int nb, size_t rb, const Q8* const* xq) {
+    if (!IS_BLOCK(FMT) || nb % 2 != 0 || rb % 16 != 0) return false;
     size_t a = 0;
 #pragma unroll
     for (int r = 0; r < NR; r++) a |= (size_t)rows[r];
@@ -233,8 +246,18 @@ __device__ __forceinline__ bool can_stage(const u8* const* rows, int nb, const Q
     return (a & 15) == 0;
 }
 
+// Starts staging the first chunk of each of the NR rows (what rows_dot_staged<..., true> expects done).
+template <int FMT, int NR>
+__device__ __forceinline__ void stage_first(const u8* const* rows, int nb, int lane, u8* sm) {
+    constexpr int BB = BLK_BYTES(FMT);
+    const int n = min(CB, nb);
+#pragma unroll
+    for (int r = 0; r < NR; r++) stage_async(sm + r * CB * BB, rows[r], (n * BB + 15) / 16, lane);
+}
+
 // acc[r][t] += rows[r] · x_t (lane-strided partial sums; the caller reduces). `sm`: this warp's NR*CB*BB bytes.
-template <int FMT, int NT, int NR>
+// FIRST: the first chunk's copies were started by `stage_first` (before the kernel's wait on the previous one).
+template <int FMT, int NT, int NR, bool FIRST = false>
 __device__ __forceinline__ void rows_dot_staged(const u8* const* rows, int nb, const Q8* const* xq, int lane,
                                                 u8* sm, float (&acc)[NR][NT]) {
     constexpr int BB = BLK_BYTES(FMT);
@@ -242,8 +265,11 @@ __device__ __forceinline__ void rows_dot_staged(const u8* const* rows, int nb, c
     for (int c0 = 0; c0 < nb; c0 += CB) {
         const int n = min(CB, nb - c0);
         __syncwarp();  // every lane is done with the previous chunk
+        if (!FIRST || c0 > 0) {
 #pragma unroll
-        for (int r = 0; r < NR; r++) stage_async(sm + r * CB * BB, rows[r] + (size_t)c0 * BB, n * BB / 16, lane);
+            for (int r = 0; r < NR; r++)
+                stage_async(sm + r * CB * BB, rows[r] + (size_t)c0 * BB, (n * BB + 15) / 16, lane);
+        }
         stage_wait();
 #pragma unroll(NT == 1 ? 2 : 1)
         for (int p = lane; p < n / 2; p += 32) {
@@ -318,11 +344,12 @@ __device__ __forceinline__ void rows_dot_staged(const u8* const* rows, int nb, c
     }
 }
 
-// acc[r][t] += rows[r] · x_t, staged when it can be, else row by row.
+// acc[r][t] += rows[r] · x_t, staged when it can be, else row by row. `rb`: bytes from one row to the next
+// (at least row_bytes(FMT, cols)).
 template <int FMT, int NT, int NR>
-__device__ __forceinline__ void rows_dot(const u8* const* rows, int cols, const Q8* const* xq,
+__device__ __forceinline__ void rows_dot(const u8* const* rows, int cols, size_t rb, const Q8* const* xq,
                                          const float* const* xf, int lane, u8* sm, float (&acc)[NR][NT]) {
-    if (IS_BLOCK(FMT) && can_stage<FMT, NT, NR>(rows, cols / 32, xq)) {
+    if (IS_BLOCK(FMT) && can_stage<FMT, NT, NR>(rows, cols / 32, rb, xq)) {
         rows_dot_staged<FMT, NT, NR>(rows, cols / 32, xq, lane, sm, acc);
     } else {
 #pragma unroll
@@ -352,7 +379,9 @@ __device__ __forceinline__ void stacked_rows(const u8* w0, const u8* w1, const u
 // Float formats: each block computes RPW adjacent rows, its WARPS warps splitting the columns (warp w takes the
 // 64-column pieces w, w + WARPS, ...); the partial sums meet in shared memory. Grid: ceil(rows / RPW) blocks.
 // (A warp per row pair left a small product such as an f32 router, 128 × 2048, to 16 blocks and its latency.)
-template <int FMT, int NT>
+// PRE: the kernel has not waited for the previous one yet (pdl_trigger only): the block's rows are asked of L2
+// first, then it waits.
+template <int FMT, int NT, bool PRE = false>
 __device__ void mmv_float_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
                                const float* xf, int x_stride, float* out, int out_stride, int accumulate) {
     __shared__ float part[WARPS][RPW][MAX_NT];
@@ -363,6 +392,14 @@ __device__ void mmv_float_body(const u8* w0, const u8* w1, const u8* w2, int row
     const size_t rb = row_bytes(FMT, cols);
     const u8* rp[RPW];
     stacked_rows(w0, w1, w2, rows0, rows1, rows, r0, rb, rp);
+    if (PRE) {
+        const int lines = (int)((rb + 127) / 128);
+#pragma unroll
+        for (int j = 0; j < RPW; j++)
+            for (int i = threadIdx.x; i < lines; i += blockDim.x)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(rp[j] + (size_t)i * 128));
+        pdl_wait();
+    }
     float acc[RPW][NT];
 #pragma unroll
     for (int j = 0; j < RPW; j++)
@@ -411,12 +448,15 @@ __device__ void mmv_float_body(const u8* w0, const u8* w1, const u8* w2, int row
     __syncthreads();  // `part` is free for the next tokens' call
 }
 
-template <int FMT, int NT>
+// PRE: the kernel has not waited for the previous one yet (pdl_trigger only): the warp starts staging its rows'
+// first chunk, then waits (weights are never written by kernels; the activations and `out` are).
+template <int FMT, int NT, bool PRE = false>
 __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
                          const Q8* xq, const float* xf, int x_stride, float* out, int out_stride, int accumulate,
                          u8* stage) {
     if (!IS_BLOCK(FMT)) {
-        mmv_float_body<FMT, NT>(w0, w1, w2, rows0, rows1, rows2, cols, xf, x_stride, out, out_stride, accumulate);
+        mmv_float_body<FMT, NT, PRE>(w0, w1, w2, rows0, rows1, rows2, cols, xf, x_stride, out, out_stride,
+                                     accumulate);
         return;
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -438,7 +478,16 @@ __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     for (int j = 0; j < RPW; j++)
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[j][t] = 0.f;
-    rows_dot<FMT, NT, RPW>(rp, cols, xqs, xfs, lane, stage + warp * (STAGE_BYTES(FMT) / WARPS), acc);
+    u8* sm = stage + warp * (STAGE_BYTES(FMT) / WARPS);
+    if (PRE) {
+        const bool staged = can_stage<FMT, NT, RPW>(rp, cols / 32, rb, xqs);
+        if (staged) stage_first<FMT, RPW>(rp, cols / 32, lane, sm);
+        pdl_wait();
+        if (staged) rows_dot_staged<FMT, NT, RPW, true>(rp, cols / 32, xqs, lane, sm, acc);
+        else rows_dot<FMT, NT, RPW>(rp, cols, rb, xqs, xfs, lane, sm, acc);
+    } else {
+        rows_dot<FMT, NT, RPW>(rp, cols, rb, xqs, xfs, lane, sm, acc);
+    }
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
 #pragma unroll
@@ -479,9 +528,9 @@ __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     extern "C" __global__ void NAME##_t1(const u8* __restrict__ w0, const u8* __restrict__ w1,                  \
                                          const u8* __restrict__ w2, int rows0, int rows1, int rows2, int cols,  \
                                          const Q8* xq, const float* xf, int x_stride, int nt, float* out,       \
-                                         int out_stride, int accumulate) { pdl_entry();                                      \
+                                         int out_stride, int accumulate) { pdl_trigger();                                    \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                    \
-        mmv_body<FMT, 1>(w0, w1, w2, rows0, rows1, rows2, cols, xq, xf, x_stride, out, out_stride, accumulate, stage); \
+        mmv_body<FMT, 1, true>(w0, w1, w2, rows0, rows1, rows2, cols, xq, xf, x_stride, out, out_stride, accumulate, stage); \
     }
 
 MMV_KERNEL(mmv_f32, FMT_F32)
@@ -555,19 +604,13 @@ __device__ __forceinline__ void quantize_block_thread(const float (&v)[32], Q8* 
 #define NORM_MAX 8192
 extern "C" __global__ void rms_norm_q8(float* x, const float* w, float eps, int n, float* out, Q8* outq,
                                        const float* y, const float* cw, const int* flag, const float* cpu, int k) {
-    pdl_entry();
+    pdl_trigger();
     __shared__ float xs[NORM_MAX + NORM_MAX / 32];
     __shared__ double red[NORM_THREADS / 32];
     __shared__ float cws[32];  // the combine's weights, 0 where the GPU did not compute the entry
     __shared__ int fl[32];
     const int row = blockIdx.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    if (y && tid < k) {
-        const int p = row * k + tid;
-        fl[tid] = flag[p];
-        cws[tid] = cw[p];
-    }
-    __syncthreads();
-    float* xr = x + (size_t)row * n;
+    // the norm's weights (no kernel writes them) while the previous kernel finishes
     const bool mine = tid < n / 32;  // n / 32 <= NORM_THREADS: one Q8 block per thread at most
     float wv[32];
     if (mine) {
@@ -578,6 +621,14 @@ extern "C" __global__ void rms_norm_q8(float* x, const float* w, float eps, int 
             wv[4 * q] = b.x, wv[4 * q + 1] = b.y, wv[4 * q + 2] = b.z, wv[4 * q + 3] = b.w;
         }
     }
+    pdl_wait();
+    if (y && tid < k) {
+        const int p = row * k + tid;
+        fl[tid] = flag[p];
+        cws[tid] = cw[p];
+    }
+    __syncthreads();
+    float* xr = x + (size_t)row * n;
     double ss = 0.0;
     for (int i = 4 * tid; i < n; i += 4 * NORM_THREADS) {
         const float4 a = *(const float4*)(xr + i);
@@ -881,7 +932,7 @@ __device__ void gate_up_body(const Group& g, const u8* blob, int ff, int e, cons
     float acc[2][NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[0][t] = acc[1][t] = 0.f;
-    rows_dot<FMT, NT, 2>(rp, e, xqs, xfs, lane, stage + warp * (STAGE_BYTES(FMT) / WARPS), acc);
+    rows_dot<FMT, NT, 2>(rp, e, rb, xqs, xfs, lane, stage + warp * (STAGE_BYTES(FMT) / WARPS), acc);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         float gv = warp_sum(acc[0][t]);
@@ -890,16 +941,16 @@ __device__ void gate_up_body(const Group& g, const u8* blob, int ff, int e, cons
     }
 }
 
-// out[pair, r] = down_r · h_pair for r < e (down rows start at `down_off` bytes into the blob); each warp RPW
-// adjacent rows. Grid: (ceil(e / (WARPS * RPW)), n_groups). `own` != null (NT == 1): the token's Q8 row of h,
-// quantized by this block (instead of hq's row).
+// out[pair, r] = down_r · h_pair for r < e (down rows start at `down_off` bytes into the blob, `rb` bytes
+// apart: row_bytes(FMT, ff), or more for the padded parts of a PCIe split); each warp RPW adjacent rows. Grid:
+// (ceil(e / (WARPS * RPW)), n_groups). `own` != null (NT == 1): the token's Q8 row of h, quantized by this
+// block (instead of hq's row).
 template <int FMT, int NT>
-__device__ void down_body(const Group& g, const u8* blob, size_t down_off, int ff, int e, const Q8* hq,
+__device__ void down_body(const Group& g, const u8* blob, size_t down_off, size_t rb, int ff, int e, const Q8* hq,
                           const float* hf, float* out, u8* stage, const Q8* own = nullptr) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int r0 = (blockIdx.x * WARPS + warp) * RPW;
     if (r0 >= e) return;
-    const size_t rb = row_bytes(FMT, ff);
     const u8* rp[RPW];
 #pragma unroll
     for (int j = 0; j < RPW; j++) rp[j] = blob + down_off + (size_t)min(r0 + j, e - 1) * rb;
@@ -915,7 +966,7 @@ __device__ void down_body(const Group& g, const u8* blob, size_t down_off, int f
     for (int j = 0; j < RPW; j++)
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[j][t] = 0.f;
-    rows_dot<FMT, NT, RPW>(rp, ff, xqs, xfs, lane, stage + warp * (STAGE_BYTES(FMT) / WARPS), acc);
+    rows_dot<FMT, NT, RPW>(rp, ff, rb, xqs, xfs, lane, stage + warp * (STAGE_BYTES(FMT) / WARPS), acc);
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
 #pragma unroll
@@ -980,12 +1031,12 @@ __device__ __forceinline__ void prefetch_down_rows(const u8* down, size_t rb, in
         NT_SWITCH(gate_up_body, FMT, g, blob, ff, e, xq, xf, h, stage)                                                   \
     }                                                                                                             \
     extern "C" __global__ void expert_down_##SUFFIX(const Group* groups, const u8* __restrict__ slots, size_t slot_bytes, \
-                                                    size_t down_off, int ff, int e, const Q8* hq, const float* hf, \
-                                                    float* out) { pdl_entry();                                                 \
+                                                    size_t down_off, size_t down_rb, int ff, int e, const Q8* hq, \
+                                                    const float* hf, float* out) { pdl_entry();                    \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
         const Group g = groups[blockIdx.y];                                                                       \
         const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
-        NT_SWITCH(down_body, FMT, g, blob, down_off, ff, e, hq, hf, out, stage)                                          \
+        NT_SWITCH(down_body, FMT, g, blob, down_off, down_rb, ff, e, hq, hf, out, stage)                                          \
     }                                                                                                             \
     /* groups of at most one token (decode windows) */                                                            \
     extern "C" __global__ void expert_gate_up_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,    \
@@ -997,16 +1048,17 @@ __device__ __forceinline__ void prefetch_down_rows(const u8* down, size_t rb, in
         gate_up_body<FMT, 1>(g, slots + (size_t)g.slot * slot_bytes, ff, e, xq, xf, h, stage);                    \
     }                                                                                                             \
     extern "C" __global__ void expert_down_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,       \
-                                                         size_t slot_bytes, size_t down_off, int ff, int e,       \
+                                                         size_t slot_bytes, size_t down_off, size_t down_rb,      \
+                                                         int ff, int e,                                           \
                                                          const Q8* hq, const float* hf, float* out) { pdl_entry();             \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
         __shared__ __align__(16) Q8 hs[DOWN_OWN_MAX / 32];                                                        \
         const Group g = groups[blockIdx.y];                                                                       \
         if (g.nt == 0) return;                                                                                    \
         const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
-        if (!hq) prefetch_down_rows(blob + down_off, row_bytes(FMT, ff), e);                                      \
+        if (!hq) prefetch_down_rows(blob + down_off, down_rb, e);                                      \
         const Q8* own = hq ? nullptr : quantize_row_block(hf + (size_t)g.pair[0] * ff, ff, hs);                   \
-        down_body<FMT, 1>(g, blob, down_off, ff, e, hq, hf, out, stage, own);                                     \
+        down_body<FMT, 1>(g, blob, down_off, down_rb, ff, e, hq, hf, out, stage, own);                                     \
     }
 
 EXPERT_KERNELS(f32, FMT_F32)

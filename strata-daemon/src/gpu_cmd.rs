@@ -48,12 +48,35 @@ pub struct BenchArgs {
     /// Expert-cache sizes as shares of all experts.
     #[arg(long, value_delimiter = ',', default_value = "1,0.5,0.25")]
     fracs: Vec<f64>,
-    /// PCIe shares to run for each partial cache (besides 0).
-    #[arg(long, value_delimiter = ',', default_value = "0.33,0.5")]
-    pcie: Vec<f64>,
+    /// PCIe shares to run for each partial cache (besides 0); `auto` runs the balanced share (`pcie_auto`,
+    /// starting from 0.5).
+    #[arg(long, value_delimiter = ',', default_value = "0.33,0.5,auto")]
+    pcie: Vec<PcieArm>,
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// One `bench-gpu --pcie` arm: a fixed share in [0, 1] or `auto` (the balanced share).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PcieArm {
+    /// `pcie_frac` = this share.
+    Share(f64),
+    /// `pcie_auto` on, starting from 0.5.
+    Auto,
+}
+
+impl std::str::FromStr for PcieArm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(PcieArm::Auto);
+        }
+        match s.parse::<f64>() {
+            Ok(v) if (0.0..=1.0).contains(&v) => Ok(PcieArm::Share(v)),
+            _ => Err(format!("{s:?}: a share in [0, 1] or \"auto\"")),
+        }
+    }
 }
 
 fn rng(seed: &mut u64) -> u64 {
@@ -198,8 +221,9 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// One random expert (gate | up | down blob of `ty`, width `e`, hidden `ff`) in slot 1 of a two-slot arena, `t`
-/// tokens routed to it in one group: the device's gate/up + down against the CPU's products. Returns the
-/// relative error of the expert's output rows.
+/// tokens routed to it in one group: the device's gate/up + down against the CPU's products. `pad`: the down
+/// rows lie 16-byte padded apart, as in a PCIe split's packed sub-blob. Returns the relative error of the
+/// expert's output rows.
 fn check_expert(
     ops: &strata::compute::cuda::ops::Ops,
     pool: &WorkerPool,
@@ -207,6 +231,7 @@ fn check_expert(
     e: usize,
     ff: usize,
     t: usize,
+    pad: bool,
     seed: &mut u64,
 ) -> Result<f64> {
     use strata::compute::cuda::driver::DevBuf;
@@ -233,7 +258,13 @@ fn check_expert(
     let mut cpu = vec![0f32; t * e];
     matmul_with(pool, MatRef { data: &down, ty, rows: e, cols: ff, stride: 0 }, &h, &mut cpu, Precision::Q8Activations);
     // device: the blob in slot 1 (slot 0 zeros), one group of t tokens
-    let blob: Vec<u8> = [gate, up, down].concat();
+    let drb = ty.row_bytes(ff);
+    let pitch = if pad { drb.next_multiple_of(16) } else { drb };
+    let mut down_padded = vec![0xA5u8; e * pitch]; // padding bytes that must not count
+    for (r, row) in down.chunks(drb).enumerate() {
+        down_padded[r * pitch..r * pitch + drb].copy_from_slice(row);
+    }
+    let blob: Vec<u8> = [gate, up, down_padded].concat();
     let sb = blob.len();
     let slots = DevBuf::from_slice(&[vec![0u8; sb], blob].concat())?;
     let mut group = vec![1i32, t as i32];
@@ -248,7 +279,8 @@ fn check_expert(
     let down_off = 2 * ff * ty.row_bytes(e);
     ops.expert_gate_up(ty, t == 1, groups.ptr, 1, slots.ptr, sb, ff, e, xq.ptr, xf.ptr, hf.ptr)?;
     // narrow one-token experts: the down kernel quantizes h itself (as in decode); else a quantize launch
-    ops.expert_down(ty, t == 1, groups.ptr, 1, slots.ptr, sb, down_off, ff, e, (hq.ptr, hf.ptr, t), y.ptr)?;
+    let down = (down_off, pitch);
+    ops.expert_down(ty, t == 1, groups.ptr, 1, slots.ptr, sb, down, ff, e, (hq.ptr, hf.ptr, t), y.ptr)?;
     ops.s.sync()?;
     let mut gpu = vec![0f32; t * e];
     y.read_sync(0, &mut gpu)?;
@@ -322,12 +354,21 @@ pub fn check(a: CheckArgs) -> Result<()> {
     // 1b. expert gate/up + down from a VRAM slot (staged and row-by-row shapes, one and several tokens)
     println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "expert", "e", "ff", "t", "rel_err_cpu");
     for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F16] {
-        for &(e, ff, t) in &[(256usize, 512usize, 1usize), (512, 4608, 3), (96, 160, 1), (256, 768, 8)] {
-            let rc = check_expert(&ops, &pool, ty, e, ff, t, &mut seed)?;
+        // the last two: PCIe split parts (k = 384 of a Qwen3-like expert; 64 rows) with 16-byte padded down rows
+        let shapes = [
+            (256usize, 512usize, 1usize, false),
+            (512, 4608, 3, false),
+            (96, 160, 1, false),
+            (256, 768, 8, false),
+            (2048, 384, 1, true),
+            (256, 64, 3, true),
+        ];
+        for &(e, ff, t, pad) in &shapes {
+            let rc = check_expert(&ops, &pool, ty, e, ff, t, pad, &mut seed)?;
             worst = worst.max(rc);
-            println!("{:<6} {e:>6} {ff:>6} {t:>3} {rc:>12.2e}", format!("{ty:?}"));
+            println!("{:<6} {e:>6} {ff:>6} {t:>3} {rc:>12.2e}{}", format!("{ty:?}"), if pad { " padded" } else { "" });
             kern.push(serde_json::json!({"format": format!("{ty:?}"), "expert_e": e, "expert_ff": ff, "t": t,
-                "rel_err_vs_cpu": rc}));
+                "down_padded": pad, "rel_err_vs_cpu": rc}));
         }
     }
     report.insert("kernels".into(), kern.into());
@@ -366,14 +407,19 @@ pub fn check(a: CheckArgs) -> Result<()> {
         }
         let q = CacheSize::Slots(total / 4);
         for (name, cache, every, asyn, pcie, ram) in [
-            ("all experts in VRAM", CacheSize::Auto, 0u32, 0u8, 0.0f64, None),
-            ("cache 25%, static", q, 0, 0, 0.0, None),
-            ("cache 25%, static, repeat", q, 0, 0, 0.0, None),
-            ("cache 25%, adaptive blocking", q, 1, 0, 0.0, None),
-            ("cache 25%, adaptive async", q, 1, 1, 0.0, None),
-            ("cache 25%, pcie-frac 0.5", q, 0, 0, 0.5, None),
-            ("cache 25%, RAM 50%, ram-adapt 8", q, 1, 0, 0.0, Some(0.5)),
+            ("all experts in VRAM", CacheSize::Auto, 0u32, 0u8, PcieArm::Share(0.0), None),
+            ("cache 25%, static", q, 0, 0, PcieArm::Share(0.0), None),
+            ("cache 25%, static, repeat", q, 0, 0, PcieArm::Share(0.0), None),
+            ("cache 25%, adaptive blocking", q, 1, 0, PcieArm::Share(0.0), None),
+            ("cache 25%, adaptive async", q, 1, 1, PcieArm::Share(0.0), None),
+            ("cache 25%, pcie-frac 0.5", q, 0, 0, PcieArm::Share(0.5), None),
+            ("cache 25%, pcie auto", q, 0, 0, PcieArm::Auto, None),
+            ("cache 25%, RAM 50%, ram-adapt 8", q, 1, 0, PcieArm::Share(0.0), Some(0.5)),
         ] {
+            let (pcie, auto) = match pcie {
+                PcieArm::Share(p) => (p, "0"),
+                PcieArm::Auto => (0.5, "1"),
+            };
             let knobs = Arc::new(Knobs::default());
             if ram.is_some() {
                 knobs.set("ram_adapt", "8").map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -381,6 +427,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
             knobs.set("adapt_every", &every.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("adapt_async", &asyn.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("pcie_frac", &pcie.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
+            knobs.set("pcie_auto", auto).map_err(|e| anyhow::anyhow!("{e}"))?;
             let mut m = load_with(path, knobs, 8, ram)?;
             let opts =
                 GpuOptions { enabled: true, device: 0, cache, reserve_mib: 700, n_ctx: toks.len() + 8, max_chunk: 64 };
@@ -498,13 +545,13 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         "{:<34} {:>8} {:>8} {:>7} {:>7} {:>9} {:>8} {:>9}",
         "arm", "prompt/s", "decode/s", "hit%", "swaps", "pcie/tok", "blob/tok", "bound/s"
     );
-    let mut plan: Vec<(f64, &str, f64)> = Vec::new();
+    let mut plan: Vec<(f64, &str, PcieArm)> = Vec::new();
     for &f in &a.fracs {
         if f >= 1.0 {
-            plan.push((f, "off", 0.0));
+            plan.push((f, "off", PcieArm::Share(0.0)));
         } else {
             for mode in ["off", "blocking", "async"] {
-                plan.push((f, mode, 0.0));
+                plan.push((f, mode, PcieArm::Share(0.0)));
             }
             for &p in &a.pcie {
                 plan.push((f, "off", p));
@@ -517,7 +564,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let n = ((total as f64 * f).round() as usize).min(total);
         knobs.set("adapt_every", if mode == "off" { "0" } else { "4" }).map_err(|e| anyhow::anyhow!("{e}"))?;
         knobs.set("adapt_async", if mode == "async" { "1" } else { "0" }).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let (pcie, auto) = match pcie {
+            PcieArm::Share(p) => (p, false),
+            PcieArm::Auto => (0.5, true),
+        };
         knobs.set("pcie_frac", &pcie.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
+        knobs.set("pcie_auto", if auto { "1" } else { "0" }).map_err(|e| anyhow::anyhow!("{e}"))?;
         st.reset_usage();
         if first {
             let opts = GpuOptions {
@@ -561,12 +613,17 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         // over the pinned link, in parallel with the CPU's share; both read host RAM, so together they cannot
         // beat its bandwidth. A split miss leaves rows k.. to the CPU and puts its packed sub-blob (SplitGeom:
         // rows 0..k) on the link.
+        // the balanced arm: the bound at the share it settled on
+        let share = if auto { m.gpu.as_ref().and_then(|g| g.pcie_share()) } else { None };
+        let pcie = share.map_or(pcie, |s| s as f64);
         let ff = m.cfg.n_ff_exp;
-        let k = strata::compute::cuda::model::split_rows(pcie as f32, ff);
-        let (cpu_share, link_share) = match m.blocks.iter().find_map(|b| match &b.ffn {
+        let moe = m.blocks.iter().find_map(|b| match &b.ffn {
             strata::model::llama::Ffn::Moe(ex) => Some(ex),
             _ => None,
-        }) {
+        });
+        let block = moe.map_or(32, |ex| ex.gate.ty.block_size().max(ex.down.ty.block_size()));
+        let k = strata::compute::cuda::model::split_rows(pcie as f32, ff, block);
+        let (cpu_share, link_share) = match moe {
             Some(ex) if k > 0 && k < ff => {
                 let (e, gt, dt) = (m.cfg.n_embd, ex.gate.ty, ex.down.ty);
                 let g = strata::compute::cuda::slots::SplitGeom::new(k, gt.row_bytes(e), ff, dt, e);
@@ -586,7 +643,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let name = format!(
             "cache {:>3.0}%, adaptive {mode}{}",
             f * 100.0,
-            if pcie > 0.0 { format!(", pcie {pcie}") } else { String::new() }
+            match share {
+                Some(s) => format!(", pcie auto {s:.3}"),
+                None if auto => ", pcie auto (no split)".to_string(),
+                None if pcie > 0.0 => format!(", pcie {pcie}"),
+                None => String::new(),
+            }
         );
         let (pt, dt) = (a.prompt as f64 / prompt_s, a.gen as f64 / decode_s);
         println!(
@@ -595,6 +657,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             d.swaps
         );
         arms.push(serde_json::json!({"arm": name, "cache_frac": f, "slots": n, "adaptive": mode, "pcie_frac": pcie,
+            "pcie_auto": auto,
             "prompt_tok_s": pt, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,
             "pcie_entries_per_token": pcie_per_tok, "blob_reads_per_token": blob_per_tok, "bound_tok_s": bound}));
     }

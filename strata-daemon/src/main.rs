@@ -109,10 +109,15 @@ struct Args {
     #[arg(long, default_value_t = 700, value_name = "MIB")]
     vram_reserve_mib: u64,
     /// Share of the RAM-resident misses' bytes served over PCIe, in [0, 1] (live knob `pcie_frac`): each miss's
-    /// first F × n_ff_exp intermediate rows (multiple of 256) are uploaded and computed on the GPU, the rest on
-    /// the CPU pool.
+    /// first F × n_ff_exp intermediate rows (in steps of 64, 256 for K-quants) are uploaded and computed on the
+    /// GPU, the rest on the CPU pool.
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pcie_frac: f64,
+    /// Balance the PCIe share while decoding (1; live knob `pcie_auto`): starting from `--pcie-frac` (0.5 when
+    /// that is 0), the share moves toward the point where the uploads with their GPU kernels and the CPU pool
+    /// finish a layer together.
+    #[arg(long, default_value_t = 0, value_name = "0|1")]
+    pcie_auto: u8,
     /// Adaptive tier rounds asynchronous (1: copies run on a helper thread between windows; not bit-exact run
     /// to run) or blocking (0).
     #[arg(long, default_value_t = 0, value_name = "0|1")]
@@ -214,6 +219,7 @@ fn main() -> Result<()> {
         ("adapt_decay", args.adapt_decay.to_string()),
         ("expert_profile_save_every", args.expert_profile_save_every.to_string()),
         ("pcie_frac", args.pcie_frac.to_string()),
+        ("pcie_auto", args.pcie_auto.to_string()),
         ("adapt_async", args.adapt_async.to_string()),
     ] {
         knobs.set(name, &v).map_err(|e| anyhow::anyhow!("--{}: {e}", name.replace('_', "-")))?;

@@ -102,6 +102,12 @@ pub const SPECS: &[KnobSpec] = &[
         doc: "share of a layer's misses computed on the GPU over PCIe",
     },
     KnobSpec {
+        name: "pcie_auto",
+        default: 0.0,
+        range: Range::Int(0, 1),
+        doc: "balance the PCIe share between link and CPU pool while decoding, from pcie_frac (0/1)",
+    },
+    KnobSpec {
         name: "route_tail_skip",
         default: 0.0,
         range: Range::Int(0, 1024),
@@ -119,7 +125,7 @@ pub const SPECS: &[KnobSpec] = &[
 pub const ACTIVE: &[&str] = &["ram_adapt", "adapt_every", "adapt_decay", "expert_profile_save_every"];
 
 /// Knobs that act only when a GPU expert cache runs ([`GPU_TIER`]).
-pub const GPU_ACTIVE: &[&str] = &["adapt_swaps", "adapt_async", "pcie_frac"];
+pub const GPU_ACTIVE: &[&str] = &["adapt_swaps", "adapt_async", "pcie_frac", "pcie_auto"];
 
 /// Set once a VRAM expert cache is attached (makes [`GPU_ACTIVE`] knobs active).
 pub static GPU_TIER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

@@ -81,10 +81,28 @@ pub fn compile(src: &str, arch: &str) -> Result<Vec<u8>, GpuError> {
     }
 }
 
+/// The kernel source to compile: [`SOURCE`], or for kernel development the file named by
+/// `STRATA_KERNEL_SOURCE` (it must define every kernel with the same parameters; errors if it cannot be read).
+fn source() -> Result<std::borrow::Cow<'static, str>, GpuError> {
+    match std::env::var_os("STRATA_KERNEL_SOURCE") {
+        Some(p) => std::fs::read_to_string(&p)
+            .map(|s| {
+                tracing::warn!(
+                    "kernel source from STRATA_KERNEL_SOURCE={} (not the embedded one)",
+                    p.to_string_lossy()
+                );
+                s.into()
+            })
+            .map_err(|e| GpuError::Nvrtc(format!("STRATA_KERNEL_SOURCE={}: {e}", p.to_string_lossy()))),
+        None => Ok(SOURCE.into()),
+    }
+}
+
 /// The CUBIN for `arch`, from the disk cache or compiled (and then cached; a cache that cannot be written is
 /// only a warning). Returns the image and whether it came from the cache.
 pub fn cubin(arch: &str) -> Result<(Vec<u8>, bool), GpuError> {
-    let key = fnv1a(&[SOURCE.as_bytes(), OPTIONS.join(" ").as_bytes(), arch.as_bytes()]);
+    let src = source()?;
+    let key = fnv1a(&[src.as_bytes(), OPTIONS.join(" ").as_bytes(), arch.as_bytes()]);
     let path = cache_dir().join(format!("{key:016x}-{arch}.cubin"));
     if let Ok(b) = std::fs::read(&path) {
         if b.len() > 4 && &b[..4] == b"\x7fELF" {
@@ -92,7 +110,7 @@ pub fn cubin(arch: &str) -> Result<(Vec<u8>, bool), GpuError> {
         }
     }
     let t = std::time::Instant::now();
-    let img = compile(SOURCE, arch)?;
+    let img = compile(&src, arch)?;
     tracing::info!("kernels compiled by NVRTC for {arch} in {:.2} s", t.elapsed().as_secs_f64());
     let tmp = path.with_extension("tmp");
     let write = std::fs::create_dir_all(cache_dir())

@@ -4,6 +4,7 @@
 //! absent); [`GpuModel`] holds the dense weights, the KV cache and the VRAM expert cache on the card and runs
 //! the forward pass (hybrid per layer: the GPU computes hit experts, the CPU pool the misses).
 
+pub mod balance;
 pub mod driver;
 pub mod kernels;
 pub mod model;

@@ -89,6 +89,12 @@ struct Host {
     /// Fractional PCIe share carried from layer to layer (a layer has few misses; rounding each layer alone
     /// would send all or none).
     pcie_carry: f32,
+    /// The PCIe share balanced while decoding (live knob `pcie_auto`), and the `pcie_frac` it started from
+    /// (a change of that knob, or of the cache, starts it again).
+    balance: super::balance::PcieBalance,
+    balance_from: f32,
+    /// Records the end of a split layer's GPU share (queried when the CPU's share ends; `pcie_auto`).
+    split_done: Option<super::driver::Event>,
     cs: Vec<f32>,
     /// RoPE (cos, sin) pairs of the pass.
     rope: Vec<(f32, f32)>,
@@ -391,6 +397,7 @@ impl GpuModel {
         self.s.sync()?;
         // captured graphs name the old slots
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.host.lock().unwrap_or_else(|e| e.into_inner()).balance = Default::default();
         let old = self.cache.take().expect("cache");
         let (n_staging, sb, blob, entries, pinned) =
             (old.n_staging, old.slot_bytes, old.blob_bytes, store.slot_table().len(), old.async_ok);
@@ -567,7 +574,8 @@ impl GpuModel {
     }
 
     /// Expert gate/up (SwiGLU) → Q8 → down for `n_groups` groups at `groups` (device address) over the VRAM
-    /// slots, experts of width `ff` whose down rows start `down_off` bytes into their slot, into `b.y` (rows by
+    /// slots, experts of width `ff` whose down rows start `down.0` bytes into their slot, `down.1` bytes apart
+    /// (see [`super::ops::Ops::expert_down`]), into `b.y` (rows by
     /// routing entry; `n_pairs` entries bound the hidden buffer). `one`: no group holds more than one token.
     #[allow(clippy::too_many_arguments)]
     fn experts_gpu(
@@ -578,7 +586,7 @@ impl GpuModel {
         n_groups: usize,
         n_pairs: usize,
         ff: usize,
-        down_off: usize,
+        down: (usize, usize),
         e: usize,
     ) -> Result<(), GpuError> {
         let ops = Ops { k: &self.k, s: &self.s };
@@ -587,7 +595,7 @@ impl GpuModel {
         let (slots, sb) = (cache.slots.ptr, cache.slot_bytes);
         ops.expert_gate_up(gate_ty, one, groups, n_groups, slots, sb, ff, e, b.xq.ptr, b.xn.ptr, b.h.ptr)?;
         let h = (b.hq.ptr, b.h.ptr, n_pairs);
-        ops.expert_down(down_ty, one, groups, n_groups, slots, sb, down_off, ff, e, h, b.y.ptr)
+        ops.expert_down(down_ty, one, groups, n_groups, slots, sb, down, ff, e, h, b.y.ptr)
     }
 
     /// Whether decode tokens may replay CUDA graphs (`STRATA_GPU_GRAPHS=0` at load turns them off; a failed
@@ -675,7 +683,8 @@ impl GpuModel {
                         let win = if s.decode { b.win_ids.at(l * n_pairs * 4) } else { 0 };
                         ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, Some(fast_groups), win)?;
                         // decode windows: one entry per group, so at most one token per group
-                        self.experts_gpu((*gate_ty, *down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, *down_off, e)?;
+                        let down = (*down_off, (*down_ty).row_bytes(ff));
+                        self.experts_gpu((*gate_ty, *down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, down, e)?;
                         pend = Some(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: 0, k: kk });
                     } else {
                         ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, None, 0)?;
@@ -755,7 +764,22 @@ impl GpuModel {
         // on the GPU, rows k.. on the CPU, both adding into the expert's output — so PCIe and the CPU pool share
         // every miss, even a layer's single one. Widths that do not split send whole experts (error diffusion).
         // Only the plan is made here; the copies are issued below, beside the CPU pool's work.
-        let frac = m.experts.as_ref().and_then(|st| st.knobs.get("pcie_frac").ok()).unwrap_or(0.0) as f32;
+        let knob = |name: &str| m.experts.as_ref().and_then(|st| st.knobs.get(name).ok()).unwrap_or(0.0);
+        let block = gate_ty.block_size().max(down_ty.block_size());
+        // pcie_auto: the balanced share (starting from pcie_frac, or 0.5 when that is 0), moved by decode tokens
+        let auto = knob("pcie_auto") >= 1.0 && split_rows(0.5, ff, block) > 0;
+        let min_step = block.max(64) as f32 / ff as f32;
+        let frac = if auto {
+            let start = knob("pcie_frac") as f32;
+            let start = if start > 0.0 { start } else { 0.5 };
+            if host.balance_from != start {
+                host.balance = Default::default();
+                host.balance_from = start;
+            }
+            host.balance.share(start, min_step)
+        } else {
+            knob("pcie_frac") as f32
+        };
         let mut split: Vec<(usize, u32)> = Vec::new();
         let mut from = vec![0usize; c.n_expert];
         let mut geom = None;
@@ -763,7 +787,7 @@ impl GpuModel {
         let mut staged: Vec<(usize, usize, usize)> = Vec::new();
         if let (Some(cache), true) = (cache, frac > 0.0) {
             ram_miss.sort_by(|a, b| by_expert[b.0].len().cmp(&by_expert[a.0].len()).then(a.0.cmp(&b.0)));
-            let k = split_rows(frac, ff);
+            let k = split_rows(frac, ff, block);
             let mut entries = 0u64;
             let n = if k > 0 && k < ff {
                 geom = Some(super::slots::SplitGeom::new(k, gate_ty.row_bytes(e), ff, down_ty, e));
@@ -822,6 +846,11 @@ impl GpuModel {
             by_expert[x].clear(); // not for the CPU (split experts keep their tokens: the CPU does rows k..)
         }
         let t2 = self.timing.then(std::time::Instant::now);
+        // pcie_auto: an event at the end of the GPU's share, asked about when the CPU's share is done
+        let measure = auto && s.decode && n_split > 0;
+        if measure && host.split_done.is_none() {
+            host.split_done = Some(super::driver::Event::new()?);
+        }
         // the GPU's share: staging copies, groups, expert launches, flags — issued on this thread while the
         // CPU pool starts on the misses (the copies and launches are asynchronous; issuing them takes tens of
         // microseconds per layer that would otherwise delay the CPU experts)
@@ -854,17 +883,22 @@ impl GpuModel {
                     unsafe { self.s.htod_raw(b.groups.ptr, host.groups.as_ptr(), host.groups.len())? };
                     let one = t == 1;
                     if n_groups > 0 {
-                        self.experts_gpu((gate_ty, down_ty), one, b.groups.ptr, n_groups, n_pairs, ff, down_off, e)?;
+                        let down = (down_off, down_ty.row_bytes(ff));
+                        self.experts_gpu((gate_ty, down_ty), one, b.groups.ptr, n_groups, n_pairs, ff, down, e)?;
                     }
                     if let Some(g) = geom.filter(|_| n_split > 0) {
                         // the split experts' rows 0..k, as experts of width k (h and hq reused after the
                         // launches above)
                         let gp = b.groups.at(n_groups * GROUP_BYTES);
-                        self.experts_gpu((gate_ty, down_ty), one, gp, n_split, n_pairs, g.k, g.down_off(), e)?;
+                        let down = (g.down_off(), g.down_pitch);
+                        self.experts_gpu((gate_ty, down_ty), one, gp, n_split, n_pairs, g.k, down, e)?;
                     }
                 }
                 // SAFETY: as for host.groups above.
                 unsafe { self.s.htod_raw(b.flag.ptr, host.flag.as_ptr() as *const u8, host.flag.len() * 4)? };
+                if let (true, Some(ev)) = (measure, &host.split_done) {
+                    ev.record(&self.s)?;
+                }
                 Ok(ti.elapsed().as_secs_f64())
             })());
         };
@@ -878,6 +912,10 @@ impl GpuModel {
             issue(None);
         }
         let issue_s = issued.expect("experts_cpu runs its side work exactly once")?;
+        if let (true, Some(ev)) = (measure && any_cpu, &host.split_done) {
+            let gpu_done = ev.done()?;
+            host.balance.vote(gpu_done, c.n_layer as u32, min_step);
+        }
         if any_cpu {
             // SAFETY: s.moe_acc is next written by the next layer's CPU experts, after that layer's stream sync.
             unsafe { self.s.htod_raw(b.cpu.ptr, s.moe_acc.as_ptr() as *const u8, s.moe_acc.len() * 4)? };
@@ -915,6 +953,12 @@ impl GpuModel {
         Ok(())
     }
 
+    /// The PCIe share that `pcie_auto` has settled on so far (a fraction of a miss's intermediate rows; `None`
+    /// before a split layer ran with it on).
+    pub fn pcie_share(&self) -> Option<f32> {
+        self.host.lock().unwrap_or_else(|e| e.into_inner()).balance.current()
+    }
+
     /// At a request's start: waits for an asynchronous round in flight and admits it.
     pub fn drain(&self, store: &ExpertStore) -> Result<(), GpuError> {
         if let Some(cache) = &self.cache {
@@ -925,13 +969,17 @@ impl GpuModel {
     }
 }
 
-/// Intermediate rows of a RAM-resident miss that go over PCIe for the share `frac`: a multiple of 256 (so the
-/// packed parts stay 16-byte aligned for the staged kernels), 0 when `ff` is not a multiple of 256.
-pub fn split_rows(frac: f32, ff: usize) -> usize {
-    if !ff.is_multiple_of(256) || frac <= 0.0 {
+/// Intermediate rows of a RAM-resident miss that go over PCIe for the share `frac`, rounded to the nearest
+/// step of `max(64, block)` rows (`block`: the larger block size of the gate and down formats, 32 or 256 for the
+/// quantized ones). 64 rows keep a down part an even number of 32-wide blocks, as the staged kernels and h's Q8
+/// rows need (the parts are padded to 16 bytes, [`super::slots::SplitGeom`]). 0 (send whole experts) when `ff`
+/// is not a multiple of the step or the share rounds to nothing.
+pub fn split_rows(frac: f32, ff: usize, block: usize) -> usize {
+    let step = block.max(64);
+    if !step.is_multiple_of(64) || !ff.is_multiple_of(step) || frac <= 0.0 {
         return 0;
     }
-    ((frac.min(1.0) * (ff / 256) as f32).round() as usize * 256).min(ff)
+    ((frac.min(1.0) * (ff / step) as f32).round() as usize * step).min(ff)
 }
 
 #[cfg(test)]
@@ -939,13 +987,21 @@ mod tests {
     use super::split_rows;
 
     #[test]
-    fn split_rows_are_whole_256_row_groups_of_the_share() {
-        assert_eq!(split_rows(0.5, 14336), 7168);
-        assert_eq!(split_rows(0.3, 14336), 17 * 256); // 16.8 groups → 17
-        assert_eq!(split_rows(1.0, 1536), 1536);
-        assert_eq!(split_rows(2.0, 1536), 1536);
-        assert_eq!(split_rows(0.01, 1536), 0);
-        assert_eq!(split_rows(0.0, 1536), 0);
-        assert_eq!(split_rows(0.5, 1000), 0); // not a multiple of 256: whole experts instead
+    fn split_rows_are_whole_steps_of_the_share() {
+        // 32-wide blocks (Q4_0, Q8_0): steps of 64 rows
+        assert_eq!(split_rows(0.5, 14336, 32), 7168);
+        assert_eq!(split_rows(0.3, 14336, 32), 67 * 64); // 67.2 steps → 67
+        assert_eq!(split_rows(0.5, 768, 32), 384); // Qwen3-30B-A3B: half of 768 (was 512 in 256-row steps)
+        assert_eq!(split_rows(0.45, 768, 32), 320); // 5.4 steps → 5
+        assert_eq!(split_rows(1.0, 1536, 32), 1536);
+        assert_eq!(split_rows(2.0, 1536, 32), 1536);
+        assert_eq!(split_rows(0.01, 1536, 32), 0);
+        assert_eq!(split_rows(0.0, 1536, 32), 0);
+        assert_eq!(split_rows(0.5, 1000, 32), 0); // not a multiple of 64: whole experts instead
+                                                  // 256-wide blocks (K-quants): steps of 256 rows
+        assert_eq!(split_rows(0.5, 768, 256), 512); // 1.5 steps → 2
+        assert_eq!(split_rows(0.3, 768, 256), 256);
+        // float formats: 64
+        assert_eq!(split_rows(0.25, 512, 1), 128);
     }
 }

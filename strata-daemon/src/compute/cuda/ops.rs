@@ -294,8 +294,10 @@ impl Ops<'_> {
     }
 
     /// Expert down over `n_groups` groups (`one`: no group has more than one token) from h (`hf`: `h_rows`
-    /// f32 rows of `ff`). Its Q8 rows come from the kernel itself where [`down_quantizes`], else from a quantize
-    /// launch into `hq` (scratch of `h_rows × ff / 32` Q8 blocks).
+    /// f32 rows of `ff`). The `e` down rows start `down_off` bytes into each slot, `down_rb` bytes apart
+    /// (`ty.row_bytes(ff)` in a whole blob; a PCIe split's packed parts are padded to 16 bytes). Its Q8 rows come
+    /// from the kernel itself where [`down_quantizes`], else from a quantize launch into `hq` (scratch of
+    /// `h_rows × ff / 32` Q8 blocks).
     #[allow(clippy::too_many_arguments)]
     pub fn expert_down(
         &self,
@@ -305,7 +307,7 @@ impl Ops<'_> {
         n_groups: usize,
         slots: u64,
         slot_bytes: usize,
-        down_off: usize,
+        (down_off, down_rb): (usize, usize),
         ff: usize,
         e: usize,
         (hq, hf, h_rows): (u64, u64, usize),
@@ -322,6 +324,7 @@ impl Ops<'_> {
             .ptr(slots)
             .usize(slot_bytes)
             .usize(down_off)
+            .usize(down_rb)
             .i32(ff as i32)
             .i32(e as i32)
             .ptr(hq)

@@ -337,10 +337,12 @@ impl SlotCache {
 
 /// Where an expert's first `k` intermediate rows go when split between the GPU and the CPU: geometry of the
 /// packed sub-blob `gate[0..k) | up[0..k) | down[:, 0..k)` in a staging slot (row counts in rows, sizes in
-/// bytes; verbatim GGUF blocks, so k must be a multiple of the format's block size).
+/// bytes; verbatim GGUF blocks, so k must be a multiple of the format's block size). The down parts are
+/// `down_pitch` bytes apart, `down_part` rounded up to 16, so that the staged kernels' 16-byte copies apply to
+/// every k that is a multiple of 64 (see [`super::model::split_rows`]).
 #[derive(Clone, Copy, Debug)]
 pub struct SplitGeom {
-    /// Intermediate rows on the GPU (k, a multiple of 256).
+    /// Intermediate rows on the GPU (k, a multiple of 64).
     pub k: usize,
     /// Bytes of one gate/up row (width n_embd).
     pub gate_row: usize,
@@ -350,6 +352,8 @@ pub struct SplitGeom {
     pub down_row: usize,
     /// Bytes of the first k columns of a down row.
     pub down_part: usize,
+    /// Bytes from one packed down part to the next (`down_part` rounded up to a multiple of 16).
+    pub down_pitch: usize,
     /// Down rows (n_embd).
     pub e: usize,
 }
@@ -359,7 +363,16 @@ impl SplitGeom {
     /// bytes, and `e` down rows of `down_ty` (`down_ty.row_bytes(ff)` bytes, of which the first
     /// `down_ty.row_bytes(k)` are used; k must be a multiple of the format's block size).
     pub fn new(k: usize, gate_row: usize, ff: usize, down_ty: GgmlType, e: usize) -> SplitGeom {
-        SplitGeom { k, gate_row, ff, down_row: down_ty.row_bytes(ff), down_part: down_ty.row_bytes(k), e }
+        let down_part = down_ty.row_bytes(k);
+        SplitGeom {
+            k,
+            gate_row,
+            ff,
+            down_row: down_ty.row_bytes(ff),
+            down_part,
+            down_pitch: down_part.next_multiple_of(16),
+            e,
+        }
     }
     /// Offset of the packed down part in the sub-blob (bytes).
     pub fn down_off(&self) -> usize {
@@ -367,7 +380,7 @@ impl SplitGeom {
     }
     /// Size of the packed sub-blob (bytes); at most a slot.
     pub fn bytes(&self) -> usize {
-        self.down_off() + self.e * self.down_part
+        self.down_off() + self.e * self.down_pitch
     }
 }
 
@@ -375,6 +388,7 @@ impl SlotCache {
     /// Uploads the first `g.k` intermediate rows of PCIe-served misses, packed (see [`SplitGeom`]), into staging
     /// slots on `s` from `arena` (the RAM copy, registered with the driver; read-locked by the caller): the gate
     /// and up rows as one pitched copy of two pieces, the down columns as one pitched copy of `e` pieces
+    /// (`down_part` bytes each, `down_pitch` apart in the slot)
     /// (288-byte pieces ran at 48.8 GB/s on the H200 machine, 4032-byte ones at 55.1, as fast as a plain copy).
     /// `items` = (layer, expert, arena offset); returns each one's staging slot.
     pub fn stage_split(
@@ -396,7 +410,7 @@ impl SlotCache {
             // blob (k ≤ ff, down_part ≤ down_row) and inside the slot (asserted above).
             unsafe {
                 s.htod_2d_raw(dst, part, src.as_ptr(), g.ff * g.gate_row, part, 2)?;
-                s.htod_2d_raw(dst + g.down_off() as u64, g.down_part, down.as_ptr(), g.down_row, g.down_part, g.e)?;
+                s.htod_2d_raw(dst + g.down_off() as u64, g.down_pitch, down.as_ptr(), g.down_row, g.down_part, g.e)?;
             }
             out.push(slot);
         }
@@ -493,6 +507,21 @@ mod tests {
         // the staged kernels need 16-byte aligned rows in the packed sub-blob
         assert_eq!(g.down_off() % 16, 0);
         assert_eq!(g.down_part % 16, 0);
+        assert_eq!(g.down_pitch, g.down_part);
         assert_eq!(g.gate_row % 16, 0);
+    }
+
+    #[test]
+    fn a_split_off_the_256_row_grid_pads_its_down_parts_to_16_bytes() {
+        // Qwen3-30B-A3B expert in Q4_0: n_embd 2048, n_ff_exp 768, split in half (k = 384: 12 blocks, 216 bytes)
+        let (e, ff, k) = (2048, 768, 384);
+        let ty = GgmlType::Q4_0;
+        let g = SplitGeom::new(k, ty.row_bytes(e), ff, ty, e);
+        assert_eq!((g.down_part, g.down_pitch), (216, 224));
+        assert_eq!(g.bytes(), 2 * 384 * 1152 + 2048 * 224);
+        assert_eq!(g.down_off() % 16, 0);
+        // Q8_0 at k = 64: 2 blocks of 34 bytes → 80
+        let g8 = SplitGeom::new(64, GgmlType::Q8_0.row_bytes(e), ff, GgmlType::Q8_0, e);
+        assert_eq!((g8.down_part, g8.down_pitch), (68, 80));
     }
 }
