@@ -682,6 +682,126 @@ extern "C" __global__ void rms_norm_q8(float* x, const float* w, float eps, int 
     quantize_block_thread(v, outq + (size_t)row * (n / 32) + tid);
 }
 
+// The same RMSNorm (+ combine) + Q8 over a cluster of NORM_CLUSTER blocks per row (sm_90+): one block cannot
+// use the card, and this small kernel sat on every layer's critical path twice. Block r of a row's cluster takes
+// Q8 blocks [r * nb / C, (r + 1) * nb / C) of the row (nb = n / 32): it does the combine of that slice, keeps
+// it in shared memory with the norm's weights (loaded before waiting on the previous kernel), sums its squares
+// (double), then reads the other blocks' sums through distributed shared memory; its warps scale and quantize
+// one Q8 block per pass (quantize_block_warp: the same arithmetic as quantize_block_thread). Grid: (C, t);
+// block: NORM_CLUSTER_THREADS threads; n % 32 == 0, n <= NORM_MAX, rows 16-byte aligned.
+#define NORM_CLUSTER 8
+#define NORM_CLUSTER_THREADS 128
+#define NORM_SLICE_MAX (NORM_MAX / NORM_CLUSTER + 32)
+#if __CUDA_ARCH__ >= 900
+#define CLUSTER_DIMS __cluster_dims__(NORM_CLUSTER, 1, 1)
+#else
+#define CLUSTER_DIMS
+#endif
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+__device__ __forceinline__ void cluster_sync_all() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// The double at `p` (this block's shared memory) in the shared memory of cluster block `rank`.
+__device__ __forceinline__ double ld_cluster_f64(const double* p, unsigned rank) {
+    double v = 0.0;
+#if __CUDA_ARCH__ >= 900
+    unsigned a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(a) : "memory");
+#endif
+    return v;
+}
+extern "C" __global__ void CLUSTER_DIMS rms_norm_q8_cluster(float* x, const float* w, float eps, int n, float* out,
+                                                           Q8* outq, const float* y, const float* cw,
+                                                           const int* flag, const float* cpu, int k) {
+#if __CUDA_ARCH__ >= 900
+    pdl_trigger();
+    __shared__ __align__(16) float xs[NORM_SLICE_MAX];
+    __shared__ __align__(16) float ws[NORM_SLICE_MAX];
+    __shared__ double red[NORM_CLUSTER_THREADS / 32];
+    __shared__ double part;
+    __shared__ float cws[32];
+    __shared__ int fl[32];
+    const unsigned rank = cluster_rank();
+    const int row = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int nb = n / 32;
+    const int b0 = (int)rank * nb / NORM_CLUSTER, b1 = ((int)rank + 1) * nb / NORM_CLUSTER;
+    const int e0 = 32 * b0, m = 32 * (b1 - b0);  // this block's elements: [e0, e0 + m)
+    // the norm's weights (no kernel writes them) while the previous kernel finishes
+    for (int i = 4 * tid; i < m; i += 4 * NORM_CLUSTER_THREADS)
+        *(float4*)(ws + i) = *(const float4*)(w + e0 + i);
+    pdl_wait();
+    if (y && tid < k) {
+        const int p = row * k + tid;
+        fl[tid] = flag[p];
+        cws[tid] = cw[p];
+    }
+    __syncthreads();
+    float* xr = x + (size_t)row * n + e0;
+    double ss = 0.0;
+    for (int i = 4 * tid; i < m; i += 4 * NORM_CLUSTER_THREADS) {
+        const float4 a = *(const float4*)(xr + i);
+        float v[4] = {a.x, a.y, a.z, a.w};
+        if (y) {
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 8
+            for (int r = 0; r < k; r++) {
+                const int p = row * k + r;
+                if (!fl[r]) continue;
+                const float cwp = cws[r];
+                const float4 b = *(const float4*)(y + (size_t)p * n + e0 + i);
+                acc[0] += cwp * b.x;
+                acc[1] += cwp * b.y;
+                acc[2] += cwp * b.z;
+                acc[3] += cwp * b.w;
+            }
+            if (cpu) {
+                const float4 c = *(const float4*)(cpu + (size_t)row * n + e0 + i);
+                acc[0] += c.x;
+                acc[1] += c.y;
+                acc[2] += c.z;
+                acc[3] += c.w;
+            }
+#pragma unroll
+            for (int q = 0; q < 4; q++) v[q] += acc[q];
+            *(float4*)(xr + i) = make_float4(v[0], v[1], v[2], v[3]);
+        }
+        *(float4*)(xs + i) = make_float4(v[0], v[1], v[2], v[3]);
+#pragma unroll
+        for (int q = 0; q < 4; q++) ss += (double)v[q] * (double)v[q];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (tid == 0) {
+        double t = 0.0;
+#pragma unroll
+        for (int i = 0; i < NORM_CLUSTER_THREADS / 32; i++) t += red[i];
+        part = t;
+    }
+    cluster_sync_all();  // every block's `part` is written
+    double tot = 0.0;
+#pragma unroll
+    for (int r = 0; r < NORM_CLUSTER; r++) tot += ld_cluster_f64(&part, r);
+    cluster_sync_all();  // no block leaves while another still reads its `part`
+    const float scale = 1.0f / sqrtf((float)(tot / (double)n) + eps);
+    for (int j = warp; j < b1 - b0; j += NORM_CLUSTER_THREADS / 32) {
+        const float v = xs[32 * j + lane] * scale * ws[32 * j + lane];
+        out[(size_t)row * n + e0 + 32 * j + lane] = v;
+        quantize_block_warp(v, outq + (size_t)row * nb + b0 + j, lane);
+    }
+#endif
+}
+
 // RoPE (adjacent pairs, llama.cpp's "normal" mode) on q and k, then q rounded to f16 precision into `q`,
 // (rounded products, no fused multiply-add: the CPU path's arithmetic),
 // k and v stored as f16 into the KV cache at positions pos0 + i.

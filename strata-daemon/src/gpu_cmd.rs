@@ -220,6 +220,61 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     }
 }
 
+/// RMSNorm + Q8 of `t` random rows of `n` values after a combine of `k` random expert rows per token (random
+/// flags and weights, plus a CPU sum): the device's kernel (the cluster one on sm_90+) against the CPU's
+/// arithmetic (combine in rank order, `rms_norm`, Q8). Returns the relative error of the normalized rows and
+/// of the written-back residual, and whether the Q8 bytes match.
+fn check_norm(
+    ops: &strata::compute::cuda::ops::Ops,
+    n: usize,
+    t: usize,
+    k: usize,
+    seed: &mut u64,
+) -> Result<(f64, f64, bool)> {
+    use strata::compute::cuda::driver::DevBuf;
+    let mut r = |scale: f32| (rng(seed) % 20001) as f32 / 10000.0 * scale - scale / 2.0;
+    let x: Vec<f32> = (0..t * n).map(|_| r(4.0)).collect();
+    let w: Vec<f32> = (0..n).map(|_| 1.0 + r(0.5)).collect();
+    let y: Vec<f32> = (0..t * k * n).map(|_| r(2.0)).collect();
+    let cw: Vec<f32> = (0..t * k).map(|_| r(1.0) + 0.5).collect();
+    let flag: Vec<i32> = (0..t * k).map(|i| (i % 3 != 1) as i32).collect();
+    let cpu: Vec<f32> = (0..t * n).map(|_| r(1.0)).collect();
+    // CPU: the combine as the kernel orders it, then the norm and Q8
+    let mut xr = x.clone();
+    for i in 0..t {
+        for c in 0..n {
+            let mut acc = 0f32;
+            for j in 0..k {
+                let p = i * k + j;
+                if flag[p] != 0 {
+                    acc += cw[p] * y[p * n + c];
+                }
+            }
+            acc += cpu[i * n + c];
+            xr[i * n + c] += acc;
+        }
+    }
+    let mut act = Act::default();
+    act.resize(t, n);
+    for i in 0..t {
+        strata::model::llama::rms_norm(&xr[i * n..(i + 1) * n], &w, 1e-6, &mut act.f[i * n..(i + 1) * n]);
+    }
+    act.quantize();
+    let (dx, dw, dy) = (DevBuf::from_slice(&x)?, DevBuf::from_slice(&w)?, DevBuf::from_slice(&y)?);
+    let (dcw, dfl, dcpu) = (DevBuf::from_slice(&cw)?, DevBuf::from_slice(&flag)?, DevBuf::from_slice(&cpu)?);
+    let out = DevBuf::from_slice(&vec![f32::NAN; t * n])?;
+    let q = q8_bytes(&act);
+    let outq = DevBuf::from_slice(&vec![0xFFu8; q.len()])?;
+    let comb = strata::compute::cuda::ops::Combine { y: dy.ptr, w: dcw.ptr, flag: dfl.ptr, cpu: dcpu.ptr, k };
+    ops.rms_norm_q8(dx.ptr, dw.ptr, 1e-6, n, t, out.ptr, outq.ptr, Some(comb))?;
+    ops.s.sync()?;
+    let (mut go, mut gx, mut gq) = (vec![0f32; t * n], vec![0f32; t * n], vec![0u8; q.len()]);
+    out.read_sync(0, &mut go)?;
+    dx.read_sync(0, &mut gx)?;
+    outq.read_sync(0, &mut gq)?;
+    Ok((rel_err(&go, &act.f), rel_err(&gx, &xr), gq == q))
+}
+
 /// One random expert (gate | up | down blob of `ty`, width `e`, hidden `ff`) in slot 1 of a two-slot arena, `t`
 /// tokens routed to it in one group: the device's gate/up + down against the CPU's products. `pad`: the down
 /// rows lie 16-byte padded apart, as in a PCIe split's packed sub-blob. Returns the relative error of the
@@ -300,6 +355,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
         &img,
         dev.max_smem_optin,
         strata::compute::cuda::kernels::pdl_wanted(dev.cc),
+        strata::compute::cuda::kernels::cluster_norm_wanted(dev.cc),
     )?;
     let stream = strata::compute::cuda::driver::Stream::new()?;
     let ops = strata::compute::cuda::ops::Ops { k: &k, s: &stream };
@@ -350,6 +406,20 @@ pub fn check(a: CheckArgs) -> Result<()> {
             kern.push(serde_json::json!({"format": format!("{ty:?}"), "rows": rows, "cols": cols, "t": t,
                 "rel_err_vs_cpu": rc, "rel_err_vs_f64": rf, "q8_bytes_match": qmatch}));
         }
+    }
+    // 1a. RMSNorm + Q8 after the MoE combine
+    println!("{:<6} {:>6} {:>6} {:>3} {:>12} {:>12}", "norm", "n", "k", "t", "rel_err_out", "rel_err_x");
+    for &(n, k, t) in &[(576usize, 4usize, 1usize), (2048, 8, 1), (4096, 2, 3), (2048, 8, 5), (8192, 8, 1), (64, 4, 2)]
+    {
+        let (ro, rx, qm) = check_norm(&ops, n, t, k, &mut seed)?;
+        worst = worst.max(ro).max(rx);
+        println!(
+            "{:<6} {n:>6} {k:>6} {t:>3} {ro:>12.2e} {rx:>12.2e}{}",
+            "norm",
+            if qm { "" } else { "  (Q8 differs)" }
+        );
+        kern.push(serde_json::json!({"kernel": "rms_norm_q8", "n": n, "k": k, "t": t, "rel_err_vs_cpu": ro,
+            "residual_rel_err_vs_cpu": rx, "q8_bytes_match": qm}));
     }
     // 1b. expert gate/up + down from a VRAM slot (staged and row-by-row shapes, one and several tokens)
     println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "expert", "e", "ff", "t", "rel_err_cpu");

@@ -139,6 +139,8 @@ pub struct Kernels {
     pub quantize_q8: Func,
     /// `rms_norm_q8`.
     pub rms_norm_q8: Func,
+    /// `rms_norm_q8_cluster` where it applies (see [`cluster_norm_wanted`]).
+    pub rms_norm_q8_cluster: Option<Func>,
     /// `rope_store`.
     pub rope_store: Func,
     /// `attention`.
@@ -158,6 +160,12 @@ unsafe impl Sync for Kernels {}
 /// `griddepcontrol` instructions) unless `STRATA_GPU_PDL=0`.
 pub fn pdl_wanted(cc: (i32, i32)) -> bool {
     cc.0 >= 9 && !std::env::var("STRATA_GPU_PDL").is_ok_and(|v| v == "0")
+}
+
+/// Whether the norms run as thread-block clusters of `NORM_CLUSTER` blocks per row (`rms_norm_q8_cluster`):
+/// compute capability 9.0 or newer unless `STRATA_GPU_NORM_CLUSTER=0` (then one block per row).
+pub fn cluster_norm_wanted(cc: (i32, i32)) -> bool {
+    cc.0 >= 9 && !std::env::var("STRATA_GPU_NORM_CLUSTER").is_ok_and(|v| v == "0")
 }
 
 /// Format index used by the kernels (FMT_* in strata.cu). Errors: a format without GPU kernels.
@@ -181,8 +189,9 @@ fn leak(s: String) -> &'static str {
 
 impl Kernels {
     /// Loads `image` (a CUBIN) into the current context and looks every kernel up; `pdl`: launch them with
-    /// programmatic dependent launch (see [`pdl_wanted`]).
-    pub fn load(image: &[u8], max_smem_optin: i32, pdl: bool) -> Result<Kernels, GpuError> {
+    /// programmatic dependent launch (see [`pdl_wanted`]); `cluster_norm`: use the cluster norm (see
+    /// [`cluster_norm_wanted`]).
+    pub fn load(image: &[u8], max_smem_optin: i32, pdl: bool, cluster_norm: bool) -> Result<Kernels, GpuError> {
         let mut module = std::ptr::null_mut();
         // SAFETY: image is a complete CUBIN produced by NVRTC (checked ELF magic or just compiled).
         unsafe { check("cuModuleLoadData", sys::cuModuleLoadData(&mut module, image.as_ptr() as *const _))? };
@@ -210,6 +219,7 @@ impl Kernels {
             down1: per("expert_down_", "_t1")?,
             quantize_q8: get("quantize_q8")?,
             rms_norm_q8: get("rms_norm_q8")?,
+            rms_norm_q8_cluster: if cluster_norm { Some(get("rms_norm_q8_cluster")?) } else { None },
             rope_store: get("rope_store")?,
             attention: get("attention")?,
             route_topk: get("route_topk")?,

@@ -95,6 +95,11 @@ struct Host {
     balance_from: f32,
     /// Records the end of a split layer's GPU share (queried when the CPU's share ends; `pcie_auto`).
     split_done: Option<super::driver::Event>,
+    /// Page-locked staging of a hybrid layer's small copies (copies from pageable memory are staged by the
+    /// driver, and the device → host ones return only when done): `down` receives the routing (ids | weights |
+    /// normalized activations), `up` sends groups | flags | the CPU experts' sum. Grown on demand.
+    pin_down: Option<super::driver::PinnedBuf>,
+    pin_up: Option<super::driver::PinnedBuf>,
     cs: Vec<f32>,
     /// RoPE (cos, sin) pairs of the pass.
     rope: Vec<(f32, f32)>,
@@ -173,6 +178,18 @@ fn check_ty(w: &Weight) -> Result<(), GpuError> {
         .map_err(|_| GpuError::Unsupported(format!("tensor {} is {:?}, which has no GPU kernel", w.name, w.ty)))
 }
 
+/// `buf`, grown to at least `bytes` (a power of two) when smaller or absent. No copy may be in flight from or
+/// to the old buffer (callers grow after a stream sync). Errors: the driver refused the allocation.
+fn grow_pinned(
+    buf: &mut Option<super::driver::PinnedBuf>,
+    bytes: usize,
+) -> Result<&mut super::driver::PinnedBuf, GpuError> {
+    if buf.as_ref().is_none_or(|p| p.bytes < bytes) {
+        *buf = Some(super::driver::PinnedBuf::alloc(bytes.next_power_of_two().max(4096))?);
+    }
+    Ok(buf.as_mut().expect("just set"))
+}
+
 fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
 }
@@ -185,7 +202,7 @@ impl GpuModel {
         dev.bind()?;
         let (img, cached) = cubin(&dev.arch())?;
         let pdl = super::kernels::pdl_wanted(dev.cc);
-        let k = Kernels::load(&img, dev.max_smem_optin, pdl)?;
+        let k = Kernels::load(&img, dev.max_smem_optin, pdl, super::kernels::cluster_norm_wanted(dev.cc))?;
         tracing::info!(
             "kernels for {} {} ({} bytes){}",
             dev.arch(),
@@ -717,13 +734,27 @@ impl GpuModel {
         host.w.resize(n_pairs, 0.0);
         host.xn.resize(t * e, 0.0);
         let t0 = self.timing.then(std::time::Instant::now);
-        // SAFETY: the host vectors are not touched until the stream sync below.
+        let (ni, nx) = (n_pairs * 4, t * e * 4);
+        let down = grow_pinned(&mut host.pin_down, 2 * ni + nx)?;
+        // SAFETY: the staging buffer is read only after the stream sync below; no other copy uses it.
         unsafe {
-            self.s.dtoh_raw(host.ids.as_mut_ptr() as *mut u8, b.ids.ptr, n_pairs * 4)?;
-            self.s.dtoh_raw(host.w.as_mut_ptr() as *mut u8, b.w.ptr, n_pairs * 4)?;
-            self.s.dtoh_raw(host.xn.as_mut_ptr() as *mut u8, b.xn.ptr, t * e * 4)?;
+            self.s.dtoh_raw(down.ptr(), b.ids.ptr, ni)?;
+            self.s.dtoh_raw(down.ptr().add(ni), b.w.ptr, ni)?;
+            self.s.dtoh_raw(down.ptr().add(2 * ni), b.xn.ptr, nx)?;
         }
         self.s.sync()?;
+        {
+            let d = down.as_mut_slice();
+            for (v, c) in host.ids.iter_mut().zip(d[..ni].chunks_exact(4)) {
+                *v = i32::from_ne_bytes(c.try_into().expect("4 bytes"));
+            }
+            for (v, c) in host.w.iter_mut().zip(d[ni..2 * ni].chunks_exact(4)) {
+                *v = f32::from_ne_bytes(c.try_into().expect("4 bytes"));
+            }
+            for (v, c) in host.xn.iter_mut().zip(d[2 * ni..2 * ni + nx].chunks_exact(4)) {
+                *v = f32::from_ne_bytes(c.try_into().expect("4 bytes"));
+            }
+        }
         let t1 = self.timing.then(std::time::Instant::now);
         if let Some(bad) = host.ids.iter().position(|&v| v < 0 || v as usize >= c.n_expert) {
             let nan = host.xn.iter().filter(|v| !v.is_finite()).count();
@@ -845,6 +876,18 @@ impl GpuModel {
         for &(x, _) in &gpu {
             by_expert[x].clear(); // not for the CPU (split experts keep their tokens: the CPU does rows k..)
         }
+        // groups and flags into the page-locked upload staging (the CPU experts' sum follows, 16-byte aligned)
+        let (glen, flen) = (host.groups.len(), host.flag.len() * 4);
+        let (f_off, acc_off) = (glen.next_multiple_of(16), (glen.next_multiple_of(16) + flen).next_multiple_of(16));
+        let up = grow_pinned(&mut host.pin_up, acc_off + t * e * 4)?;
+        {
+            let u = up.as_mut_slice();
+            u[..glen].copy_from_slice(&host.groups);
+            for (c, v) in u[f_off..f_off + flen].chunks_exact_mut(4).zip(&host.flag) {
+                c.copy_from_slice(&v.to_ne_bytes());
+            }
+        }
+        let up_ptr = up.ptr();
         let t2 = self.timing.then(std::time::Instant::now);
         // pcie_auto: an event at the end of the GPU's share, asked about when the CPU's share is done
         let measure = auto && s.decode && n_split > 0;
@@ -878,9 +921,9 @@ impl GpuModel {
                     debug_assert!(slots.iter().enumerate().all(|(j, &sl)| sl == cache.staging_slot(j)));
                 }
                 if n_groups + n_split > 0 {
-                    // SAFETY: host.groups is next written in the next MoE layer, after that layer's stream sync
-                    // (or in the next pass, after its final sync), so it outlives the copy.
-                    unsafe { self.s.htod_raw(b.groups.ptr, host.groups.as_ptr(), host.groups.len())? };
+                    // SAFETY: the upload staging is next written in the next MoE layer, after that layer's stream
+                    // sync (or in the next pass, after its final sync), so it outlives the copy.
+                    unsafe { self.s.htod_raw(b.groups.ptr, up_ptr, glen)? };
                     let one = t == 1;
                     if n_groups > 0 {
                         let down = (down_off, down_ty.row_bytes(ff));
@@ -894,8 +937,8 @@ impl GpuModel {
                         self.experts_gpu((gate_ty, down_ty), one, gp, n_split, n_pairs, g.k, down, e)?;
                     }
                 }
-                // SAFETY: as for host.groups above.
-                unsafe { self.s.htod_raw(b.flag.ptr, host.flag.as_ptr() as *const u8, host.flag.len() * 4)? };
+                // SAFETY: as for the groups above.
+                unsafe { self.s.htod_raw(b.flag.ptr, up_ptr.add(f_off), flen)? };
                 if let (true, Some(ev)) = (measure, &host.split_done) {
                     ev.record(&self.s)?;
                 }
@@ -917,8 +960,13 @@ impl GpuModel {
             host.balance.vote(gpu_done, c.n_layer as u32, min_step);
         }
         if any_cpu {
-            // SAFETY: s.moe_acc is next written by the next layer's CPU experts, after that layer's stream sync.
-            unsafe { self.s.htod_raw(b.cpu.ptr, s.moe_acc.as_ptr() as *const u8, s.moe_acc.len() * 4)? };
+            let up = host.pin_up.as_mut().expect("grown above");
+            let u = &mut up.as_mut_slice()[acc_off..acc_off + s.moe_acc.len() * 4];
+            for (c, v) in u.chunks_exact_mut(4).zip(&s.moe_acc) {
+                c.copy_from_slice(&v.to_ne_bytes());
+            }
+            // SAFETY: as for the groups above (the sum's part of the staging is written once per layer, here).
+            unsafe { self.s.htod_raw(b.cpu.ptr, up.ptr().add(acc_off), s.moe_acc.len() * 4)? };
         }
         if let (Some(t0), Some(t1), Some(t2)) = (t0, t1, t2) {
             let p = &mut host.prof;

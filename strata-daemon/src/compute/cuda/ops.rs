@@ -14,6 +14,9 @@ pub const GROUP_BYTES: usize = 72;
 pub const MAX_NT: usize = 8;
 /// Threads per block of `rms_norm_q8` (NORM_THREADS in kernels/strata.cu).
 pub const NORM_THREADS: u32 = 256;
+/// Blocks per row and threads per block of `rms_norm_q8_cluster` (NORM_CLUSTER, NORM_CLUSTER_THREADS).
+pub const NORM_CLUSTER: u32 = 8;
+const NORM_CLUSTER_THREADS: u32 = 128;
 /// Warps per block of the product kernels.
 pub const WARPS: u32 = 4;
 /// Rows one warp computes in the dense and expert-down products (gate/up: the gate and up row of one index).
@@ -137,6 +140,7 @@ impl Ops<'_> {
 
     /// RMSNorm of `t` rows of `n` values (`n % 32 == 0`, `n ≤ 8192`) with weights `w`, into f32 `out` and Q8
     /// `outq`; with `combine`, the previous MoE layer's outputs are first added into `x` (see [`Combine`]).
+    /// On sm_90+ a cluster of [`NORM_CLUSTER`] blocks per row, else one block per row.
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_q8(
         &self,
@@ -162,7 +166,10 @@ impl Ops<'_> {
             .ptr(c.flag)
             .ptr(c.cpu)
             .i32(c.k as i32);
-        self.k.rms_norm_q8.launch(self.s, (t as u32, 1, 1), NORM_THREADS, 0, args)
+        match &self.k.rms_norm_q8_cluster {
+            Some(f) => f.launch(self.s, (NORM_CLUSTER, t as u32, 1), NORM_CLUSTER_THREADS, 0, args),
+            None => self.k.rms_norm_q8.launch(self.s, (t as u32, 1, 1), NORM_THREADS, 0, args),
+        }
     }
 
     /// RoPE + KV store (see the kernel); `pos` is the device address of pos0 (an `int`).
