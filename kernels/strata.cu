@@ -600,6 +600,34 @@ __device__ __forceinline__ void quantize_block_thread(const float (&v)[32], Q8* 
 // weights read before phase 1). Rows must be 16-byte aligned.
 // y != null: the previous MoE layer's combine first, x[row] += Σ_r (flag[p] ? cw[p] * y[p] : 0) (+ cpu[row] when
 // cpu != null) over the routing entries p = row * k + r in rank order, written back to x (the residual stream).
+// The MoE combine of four values at column c of token `row`: v += Σ_r (fl[r] ? cws[r] * y[row * k + r][c..c+4]
+// : 0) (+ cpu[row][c..c+4]), summed in rank order before the add (the CPU path's order). Predicated loads from
+// the shared flags, unrolled so that the rows' reads are in flight together.
+__device__ __forceinline__ void combine4(float (&v)[4], const float* y, const float* cpu, const int* fl,
+                                         const float* cws, int row, int k, int n, int c) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 8
+    for (int r = 0; r < k; r++) {
+        const int p = row * k + r;
+        if (!fl[r]) continue;
+        const float cwp = cws[r];
+        const float4 b = *(const float4*)(y + (size_t)p * n + c);
+        acc[0] += cwp * b.x;
+        acc[1] += cwp * b.y;
+        acc[2] += cwp * b.z;
+        acc[3] += cwp * b.w;
+    }
+    if (cpu) {
+        const float4 b = *(const float4*)(cpu + (size_t)row * n + c);
+        acc[0] += b.x;
+        acc[1] += b.y;
+        acc[2] += b.z;
+        acc[3] += b.w;
+    }
+#pragma unroll
+    for (int q = 0; q < 4; q++) v[q] += acc[q];
+}
+
 #define NORM_THREADS 256
 #define NORM_MAX 8192
 extern "C" __global__ void rms_norm_q8(float* x, const float* w, float eps, int n, float* out, Q8* outq,
@@ -634,28 +662,7 @@ extern "C" __global__ void rms_norm_q8(float* x, const float* w, float eps, int 
         const float4 a = *(const float4*)(xr + i);
         float v[4] = {a.x, a.y, a.z, a.w};
         if (y) {
-            float acc[4] = {0.f, 0.f, 0.f, 0.f};
-            // predicated loads from shared flags (unrolled: the rows' reads are in flight together)
-#pragma unroll 8
-            for (int r = 0; r < k; r++) {
-                const int p = row * k + r;
-                if (!fl[r]) continue;
-                const float cwp = cws[r];
-                const float4 b = *(const float4*)(y + (size_t)p * n + i);
-                acc[0] += cwp * b.x;
-                acc[1] += cwp * b.y;
-                acc[2] += cwp * b.z;
-                acc[3] += cwp * b.w;
-            }
-            if (cpu) {
-                const float4 c = *(const float4*)(cpu + (size_t)row * n + i);
-                acc[0] += c.x;
-                acc[1] += c.y;
-                acc[2] += c.z;
-                acc[3] += c.w;
-            }
-#pragma unroll
-            for (int q = 0; q < 4; q++) v[q] += acc[q];
+            combine4(v, y, cpu, fl, cws, row, k, n, i);
             *(float4*)(xr + i) = make_float4(v[0], v[1], v[2], v[3]);
         }
 #pragma unroll
@@ -751,27 +758,7 @@ extern "C" __global__ void CLUSTER_DIMS rms_norm_q8_cluster(float* x, const floa
         const float4 a = *(const float4*)(xr + i);
         float v[4] = {a.x, a.y, a.z, a.w};
         if (y) {
-            float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 8
-            for (int r = 0; r < k; r++) {
-                const int p = row * k + r;
-                if (!fl[r]) continue;
-                const float cwp = cws[r];
-                const float4 b = *(const float4*)(y + (size_t)p * n + e0 + i);
-                acc[0] += cwp * b.x;
-                acc[1] += cwp * b.y;
-                acc[2] += cwp * b.z;
-                acc[3] += cwp * b.w;
-            }
-            if (cpu) {
-                const float4 c = *(const float4*)(cpu + (size_t)row * n + e0 + i);
-                acc[0] += c.x;
-                acc[1] += c.y;
-                acc[2] += c.z;
-                acc[3] += c.w;
-            }
-#pragma unroll
-            for (int q = 0; q < 4; q++) v[q] += acc[q];
+            combine4(v, y, cpu, fl, cws, row, k, n, e0 + i);
             *(float4*)(xr + i) = make_float4(v[0], v[1], v[2], v[3]);
         }
         *(float4*)(xs + i) = make_float4(v[0], v[1], v[2], v[3]);
