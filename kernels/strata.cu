@@ -957,17 +957,16 @@ __device__ __forceinline__ u32 warp_min_u32(u32 v) { return ~warp_max_u32(~v); }
 // table != null (decode windows with every expert looked up on the device): also one group per routing entry,
 // slot from the layer's residency table (-1 = not in VRAM: the group is empty and the CPU computes it), and
 // flag[p] = 1 when the group is computed here. win != null: the ids are also stored there (the window's record).
-extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, int* ids, float* w, const int* table,
-                                      Group* groups, int* flag, int* win) {
-    pdl_entry();
-    const int i = blockIdx.x;
-    const int lane = threadIdx.x;
-    const float* lg = logits + (size_t)i * n_expert;
+// The top-k of one token's logits `ls` (n_expert values in shared memory, written and synced by the caller) by
+// one warp (see route_topk below); token i's entries are p = i * k + r.
+__device__ __forceinline__ void topk_warp(const float* ls, int n_expert, int k, int i, int* ids, float* w,
+                                          const int* table, Group* groups, int* flag, int* win) {
+    const int lane = threadIdx.x % 32;
     float mx = -INFINITY;
-    for (int e = lane; e < n_expert; e += 32) mx = fmaxf(mx, lg[e]);
+    for (int e = lane; e < n_expert; e += 32) mx = fmaxf(mx, ls[e]);
     mx = warp_max(mx);
     float sum = 0.f;
-    for (int e = lane; e < n_expert; e += 32) sum += expf(lg[e] - mx);
+    for (int e = lane; e < n_expert; e += 32) sum += expf(ls[e] - mx);
     sum = warp_sum(sum);
     u32 taken = 0;  // bit j: this lane's expert lane + 32 * j was taken (n_expert <= 1024)
     u32 bkey = 0;
@@ -981,7 +980,7 @@ extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, 
             bidx = 0x7fffffff;
             for (int j = 0, e = lane; e < n_expert; j++, e += 32) {
                 if (taken & (1u << j)) continue;
-                const u32 kv = ord_key(lg[e]);
+                const u32 kv = ord_key(ls[e]);
                 if (kv > bkey) {  // ascending e: the first of equal keys stays
                     bkey = kv;
                     bidx = e;
@@ -995,7 +994,7 @@ extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, 
             taken |= 1u << (be / 32);
             rescan = true;
         }
-        const float p = expf(lg[be] - mx) / sum;
+        const float p = expf(ls[be] - mx) / sum;
         if (lane == r) {
             my_id = be;
             my_p = p;
@@ -1017,6 +1016,17 @@ extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, 
             flag[p] = slot >= 0 ? 1 : 0;
         }
     }
+}
+
+#define TOPK_MAX_EXPERTS 1024
+extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, int* ids, float* w, const int* table,
+                                      Group* groups, int* flag, int* win) {
+    pdl_entry();
+    __shared__ float ls[TOPK_MAX_EXPERTS];
+    const int i = blockIdx.x;
+    for (int e = threadIdx.x; e < n_expert; e += 32) ls[e] = logits[(size_t)i * n_expert + e];
+    __syncwarp();
+    topk_warp(ls, n_expert, k, i, ids, w, table, groups, flag, win);
 }
 
 // h[pair, r] = silu(gate_r · x_tok) * (up_r · x_tok) for r < ff (one warp: gate and up of one r).

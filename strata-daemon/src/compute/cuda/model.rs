@@ -148,6 +148,10 @@ pub struct GpuModel {
     registered: std::sync::atomic::AtomicUsize,
     /// Captured decode-token graphs by attention size class (positions the shared memory holds).
     graphs: Mutex<Vec<(usize, super::driver::GraphExec)>>,
+    /// Captured attention segments of hybrid decode layers by (layer, attention size class): the layer's norm
+    /// (with the previous layer's combine), attention, router and top-k, and the routing's copy to the host —
+    /// one launch instead of ~9 between a layer's host round trips.
+    layer_graphs: Mutex<std::collections::HashMap<(usize, usize), super::driver::GraphExec>>,
     /// No CUDA graphs: `STRATA_GPU_GRAPHS=0` at load, or a capture failed (plain launches from then on).
     graphs_off: std::sync::atomic::AtomicBool,
     /// `STRATA_GPU_TIMING` was set at load: log host and GPU time per pass.
@@ -159,6 +163,7 @@ impl Drop for GpuModel {
         let _ = self.dev.bind();
         let _ = self.s.sync();
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         let p = self.registered.load(std::sync::atomic::Ordering::SeqCst);
         if p != 0 {
             // SAFETY: registered in make_cache; the stream is idle, so no copy from it is in flight.
@@ -319,6 +324,7 @@ impl GpuModel {
             said_fallback: std::sync::atomic::AtomicBool::new(false),
             registered: std::sync::atomic::AtomicUsize::new(0),
             graphs: Mutex::new(Vec::new()),
+            layer_graphs: Mutex::new(std::collections::HashMap::new()),
             graphs_off: std::sync::atomic::AtomicBool::new(std::env::var("STRATA_GPU_GRAPHS").is_ok_and(|v| v == "0")),
             timing: std::env::var_os("STRATA_GPU_TIMING").is_some(),
         };
@@ -414,6 +420,7 @@ impl GpuModel {
         self.s.sync()?;
         // captured graphs name the old slots
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.host.lock().unwrap_or_else(|e| e.into_inner()).balance = Default::default();
         let old = self.cache.take().expect("cache");
         let (n_staging, sb, blob, entries, pinned) =
@@ -546,7 +553,13 @@ impl GpuModel {
                 self.enqueue_output(c, rows.expect("rows"), pend)?;
             }
         } else {
-            let pend = self.enqueue_layers(m, t, pos0, pos0 + t, fast, s, host)?;
+            // hybrid decode tokens replay captured attention segments: their size class, as above
+            let cap = if s.decode && t == 1 && !fast && self.graphs_on() {
+                (pos0 + t).next_power_of_two().max(256).min(self.n_ctx.max(pos0 + t))
+            } else {
+                pos0 + t
+            };
+            let pend = self.enqueue_layers(m, t, pos0, cap, fast, s, host)?;
             if let Some(r) = rows {
                 self.enqueue_output(c, r, pend)?;
             }
@@ -658,26 +671,34 @@ impl GpuModel {
         let ops = Ops { k: &self.k, s: &self.s };
         let b = &self.b;
         let mut pend: Option<Combine> = None;
+        // hybrid decode tokens: each MoE layer's attention segment is replayed from a captured graph
+        let segments = s.decode && t == 1 && !fast && self.graphs_on();
         for (l, g) in self.layers.iter().enumerate() {
-            ops.rms_norm_q8(b.x.ptr, g.attn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, pend.take())?;
-            ops.mmv(&[&g.q, &g.k, &g.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false)?;
-            ops.rope_store(
-                b.qkv.ptr,
-                b.cs.at(8),
-                nh,
-                nkv,
-                hd,
-                c.n_rot,
-                b.cs.ptr,
-                t,
-                b.q.ptr,
-                self.kc[l].ptr,
-                self.vc[l].ptr,
-            )?;
-            let (kc, vc) = (self.kc[l].ptr, self.vc[l].ptr);
-            ops.attention(b.q.ptr, kc, vc, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr)?;
-            ops.mmv(&[&g.o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?;
-            ops.rms_norm_q8(b.x.ptr, g.ffn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, None)?;
+            // the layer up to its FFN input (norm with the previous layer's combine, attention, FFN norm)
+            let attention = |pend: Option<Combine>| -> Result<(), GpuError> {
+                ops.rms_norm_q8(b.x.ptr, g.attn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, pend)?;
+                ops.mmv(&[&g.q, &g.k, &g.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false)?;
+                let (kc, vc) = (self.kc[l].ptr, self.vc[l].ptr);
+                ops.rope_store(b.qkv.ptr, b.cs.at(8), nh, nkv, hd, c.n_rot, b.cs.ptr, t, b.q.ptr, kc, vc)?;
+                ops.attention(b.q.ptr, kc, vc, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr)?;
+                ops.mmv(&[&g.o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?;
+                ops.rms_norm_q8(b.x.ptr, g.ffn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, None)
+            };
+            if let (true, GFfn::Moe { router, gate_ty, down_ty, down_off }) = (segments, &g.ffn) {
+                let kk = c.n_expert_used;
+                let routing = self.routing_staging(host, kk, e)?;
+                let p = pend.take();
+                let segment = || -> Result<(), GpuError> {
+                    attention(p)?;
+                    self.route(&ops, router, t, kk, None, 0)?;
+                    self.routing_dtoh(routing, t * kk, t * e)
+                };
+                self.replay_segment((l, cap), segment)?;
+                let tys = (*gate_ty, *down_ty, *down_off);
+                pend = Some(self.hybrid_moe(m, l, t, pos0, s, host, tys, true)?);
+                continue;
+            }
+            attention(pend.take())?;
             match &g.ffn {
                 GFfn::Dense { gate, up, down } => {
                     let ff = gate.rows;
@@ -690,7 +711,6 @@ impl GpuModel {
                     let kk = c.n_expert_used;
                     let ff = c.n_ff_exp;
                     let ne = c.n_expert;
-                    ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false)?;
                     let n_pairs = t * kk;
                     if fast {
                         let cache = self.cache.as_ref().expect("cache");
@@ -698,14 +718,15 @@ impl GpuModel {
                         // device and read once after the window (no per-layer round trip)
                         let fast_groups = (cache.table.at(l * ne * 4), b.groups.ptr, b.flag.ptr);
                         let win = if s.decode { b.win_ids.at(l * n_pairs * 4) } else { 0 };
-                        ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, Some(fast_groups), win)?;
+                        self.route(&ops, router, t, kk, Some(fast_groups), win)?;
                         // decode windows: one entry per group, so at most one token per group
                         let down = (*down_off, (*down_ty).row_bytes(ff));
                         self.experts_gpu((*gate_ty, *down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, down, e)?;
                         pend = Some(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: 0, k: kk });
                     } else {
-                        ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, None, 0)?;
-                        pend = Some(self.hybrid_moe(m, l, t, pos0, s, host, (*gate_ty, *down_ty, *down_off))?);
+                        self.route(&ops, router, t, kk, None, 0)?;
+                        let tys = (*gate_ty, *down_ty, *down_off);
+                        pend = Some(self.hybrid_moe(m, l, t, pos0, s, host, tys, false)?);
                     }
                 }
             }
@@ -713,8 +734,66 @@ impl GpuModel {
         Ok(pend)
     }
 
+    /// The router product and top-k of `t` tokens into `b.ids` / `b.w` (arguments as [`Ops::route_topk`]).
+    fn route(
+        &self,
+        ops: &Ops,
+        router: &DMat,
+        t: usize,
+        kk: usize,
+        fast: Option<(u64, u64, u64)>,
+        win: u64,
+    ) -> Result<(), GpuError> {
+        let b = &self.b;
+        let ne = router.rows;
+        ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false)?;
+        ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, fast, win)
+    }
+
+    /// The page-locked staging of the routing's copy to the host (ids | weights | normalized activations),
+    /// sized for `max_t` tokens once, so that its address stays fixed for captured segments.
+    fn routing_staging(&self, host: &mut Host, kk: usize, e: usize) -> Result<*mut u8, GpuError> {
+        Ok(grow_pinned(&mut host.pin_down, self.max_t * (2 * kk + e) * 4)?.ptr())
+    }
+
+    /// Enqueues the copy of `n_pairs` routing entries (ids, weights) and `n_x` normalized activations into the
+    /// routing staging at `dst` (see [`GpuModel::routing_staging`]).
+    fn routing_dtoh(&self, dst: *mut u8, n_pairs: usize, n_x: usize) -> Result<(), GpuError> {
+        let b = &self.b;
+        let ni = n_pairs * 4;
+        // SAFETY: `dst` holds 2 * ni + 4 * n_x bytes (routing_staging sizes it for max_t tokens); the host reads
+        // it only after the stream sync that follows, and nothing else writes it.
+        unsafe {
+            self.s.dtoh_raw(dst, b.ids.ptr, ni)?;
+            self.s.dtoh_raw(dst.add(ni), b.w.ptr, ni)?;
+            self.s.dtoh_raw(dst.add(2 * ni), b.xn.ptr, n_x * 4)
+        }
+    }
+
+    /// Runs a hybrid decode layer's attention segment (`enqueue`) from its captured graph for `key` (layer,
+    /// attention size class), capturing it first; plain launches when a capture fails (graphs then off).
+    fn replay_segment(&self, key: (usize, usize), enqueue: impl Fn() -> Result<(), GpuError>) -> Result<(), GpuError> {
+        let mut graphs = self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner());
+        if !graphs.contains_key(&key) {
+            match self.s.capture(&enqueue) {
+                Ok(g) => {
+                    graphs.insert(key, g);
+                }
+                Err(err) => {
+                    tracing::warn!("CUDA graph capture failed ({err}); decoding with plain launches");
+                    self.graphs_off.store(true, std::sync::atomic::Ordering::Relaxed);
+                    return enqueue();
+                }
+            }
+        }
+        graphs[&key].launch(&self.s)
+    }
+
     /// One MoE layer with the routing on the host: VRAM hits (and PCIe-staged misses) on the GPU, the other
-    /// misses on the CPU pool, overlapped. Returns the combine of the results (done on the GPU by the next norm).
+    /// misses on the CPU pool, overlapped. `routed`: the routing's copy to the host is already enqueued
+    /// (a replayed segment); else it is enqueued here. Returns the combine of the results (done on the GPU by
+    /// the next norm; its CPU rows are always uploaded, zeros when the CPU computed nothing, so that the next
+    /// segment's combine is the same every token).
     #[allow(clippy::too_many_arguments)]
     fn hybrid_moe(
         &self,
@@ -725,6 +804,7 @@ impl GpuModel {
         s: &mut Scratch,
         host: &mut Host,
         (gate_ty, down_ty, down_off): (GgmlType, GgmlType, usize),
+        routed: bool,
     ) -> Result<Combine, GpuError> {
         let c = &m.cfg;
         let (e, kk, ff) = (c.n_embd, c.n_expert_used, c.n_ff_exp);
@@ -735,15 +815,13 @@ impl GpuModel {
         host.xn.resize(t * e, 0.0);
         let t0 = self.timing.then(std::time::Instant::now);
         let (ni, nx) = (n_pairs * 4, t * e * 4);
-        let down = grow_pinned(&mut host.pin_down, 2 * ni + nx)?;
-        // SAFETY: the staging buffer is read only after the stream sync below; no other copy uses it.
-        unsafe {
-            self.s.dtoh_raw(down.ptr(), b.ids.ptr, ni)?;
-            self.s.dtoh_raw(down.ptr().add(ni), b.w.ptr, ni)?;
-            self.s.dtoh_raw(down.ptr().add(2 * ni), b.xn.ptr, nx)?;
+        let staging = self.routing_staging(host, kk, e)?;
+        if !routed {
+            self.routing_dtoh(staging, n_pairs, t * e)?;
         }
         self.s.sync()?;
         {
+            let down = host.pin_down.as_mut().expect("sized by routing_staging");
             let d = down.as_mut_slice();
             for (v, c) in host.ids.iter_mut().zip(d[..ni].chunks_exact(4)) {
                 *v = i32::from_ne_bytes(c.try_into().expect("4 bytes"));
@@ -959,14 +1037,19 @@ impl GpuModel {
             let gpu_done = ev.done()?;
             host.balance.vote(gpu_done, c.n_layer as u32, min_step);
         }
-        if any_cpu {
+        {
+            // the CPU experts' sum (zeros when there were none)
             let up = host.pin_up.as_mut().expect("grown above");
-            let u = &mut up.as_mut_slice()[acc_off..acc_off + s.moe_acc.len() * 4];
-            for (c, v) in u.chunks_exact_mut(4).zip(&s.moe_acc) {
-                c.copy_from_slice(&v.to_ne_bytes());
+            let u = &mut up.as_mut_slice()[acc_off..acc_off + t * e * 4];
+            if any_cpu {
+                for (c, v) in u.chunks_exact_mut(4).zip(&s.moe_acc) {
+                    c.copy_from_slice(&v.to_ne_bytes());
+                }
+            } else {
+                u.fill(0);
             }
             // SAFETY: as for the groups above (the sum's part of the staging is written once per layer, here).
-            unsafe { self.s.htod_raw(b.cpu.ptr, up.ptr().add(acc_off), s.moe_acc.len() * 4)? };
+            unsafe { self.s.htod_raw(b.cpu.ptr, up.ptr().add(acc_off), t * e * 4)? };
         }
         if let (Some(t0), Some(t1), Some(t2)) = (t0, t1, t2) {
             let p = &mut host.prof;
@@ -977,8 +1060,7 @@ impl GpuModel {
             p.cpu += t2.elapsed().as_secs_f64();
             p.cpu_experts += by_expert.iter().filter(|v| !v.is_empty()).count();
         }
-        let cpu = if any_cpu { b.cpu.ptr } else { 0 };
-        Ok(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu, k: kk })
+        Ok(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: b.cpu.ptr, k: kk })
     }
 
     /// Between decode windows: carries out an adaptive round's swaps (blocking, or started asynchronously)
