@@ -869,7 +869,7 @@ impl GpuModel {
         }
         let cache = self.cache.as_ref();
         // live knob `pcie_frac` (--pcie-frac): that share of the RAM-resident misses' bytes goes over PCIe. Each
-        // miss is split at intermediate row k (a multiple of 256): rows 0..k are uploaded (packed) and computed
+        // miss is split at intermediate row k (steps of 64 rows, `split_rows`): rows 0..k are uploaded (packed) and computed
         // on the GPU, rows k.. on the CPU, both adding into the expert's output — so PCIe and the CPU pool share
         // every miss, even a layer's single one. Widths that do not split send whole experts (error diffusion).
         // Only the plan is made here; the copies are issued below, beside the CPU pool's work.
@@ -1127,8 +1127,9 @@ mod tests {
         assert_eq!(split_rows(2.0, 1536, 32), 1536);
         assert_eq!(split_rows(0.01, 1536, 32), 0);
         assert_eq!(split_rows(0.0, 1536, 32), 0);
-        assert_eq!(split_rows(0.5, 1000, 32), 0); // not a multiple of 64: whole experts instead
-                                                  // 256-wide blocks (K-quants): steps of 256 rows
+        // not a multiple of 64: whole experts instead
+        assert_eq!(split_rows(0.5, 1000, 32), 0);
+        // 256-wide blocks (K-quants): steps of 256 rows
         assert_eq!(split_rows(0.5, 768, 256), 512); // 1.5 steps → 2
         assert_eq!(split_rows(0.3, 768, 256), 256);
         // float formats: 64
