@@ -41,6 +41,10 @@ impl PcieBalance {
     /// split (a share of 0 or 1 would leave one side idle and nothing to measure).
     pub fn share(&mut self, start: f32, min_step: f32) -> f32 {
         let lo = min_step.clamp(0.0, 0.5);
+        if self.share.is_none() {
+            // a step below one row step would not move the split
+            self.step = self.step.clamp(lo.max(1e-4), MAX_STEP.max(lo));
+        }
         *self.share.get_or_insert(start.clamp(lo, 1.0 - lo))
     }
 
@@ -142,6 +146,16 @@ mod tests {
             b.vote(i % 2 == 0, 32, step);
         }
         assert_eq!(b.current(), before.current());
+    }
+
+    #[test]
+    fn the_first_move_is_at_least_one_row_step() {
+        // Qwen3-like: one 64-row step is 1/12 of the rows, more than the default first step (1/16)
+        let step = 64.0 / 768.0;
+        let mut b = PcieBalance::default();
+        assert_eq!(b.share(0.5, step), 0.5);
+        b.vote(true, 1, step);
+        assert!((b.current().unwrap() - (0.5 + step)).abs() < 1e-6);
     }
 
     #[test]

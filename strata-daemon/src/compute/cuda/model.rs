@@ -752,8 +752,14 @@ impl GpuModel {
 
     /// The page-locked staging of the routing's copy to the host (ids | weights | normalized activations),
     /// sized for `max_t` tokens once, so that its address stays fixed for captured segments.
+    /// No copy into it is in flight when called (each routing copy is followed by a stream sync before the next
+    /// layer); should it ever have to move, the captured segments naming the old address are dropped first.
     fn routing_staging(&self, host: &mut Host, kk: usize, e: usize) -> Result<*mut u8, GpuError> {
-        Ok(grow_pinned(&mut host.pin_down, self.max_t * (2 * kk + e) * 4)?.ptr())
+        let bytes = self.max_t * (2 * kk + e) * 4;
+        if host.pin_down.as_ref().is_some_and(|p| p.bytes < bytes) {
+            self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        }
+        Ok(grow_pinned(&mut host.pin_down, bytes)?.ptr())
     }
 
     /// Enqueues the copy of `n_pairs` routing entries (ids, weights) and `n_x` normalized activations into the
@@ -773,6 +779,9 @@ impl GpuModel {
     /// Runs a hybrid decode layer's attention segment (`enqueue`) from its captured graph for `key` (layer,
     /// attention size class), capturing it first; plain launches when a capture fails (graphs then off).
     fn replay_segment(&self, key: (usize, usize), enqueue: impl Fn() -> Result<(), GpuError>) -> Result<(), GpuError> {
+        if !self.graphs_on() {
+            return enqueue(); // a capture failed earlier in this pass
+        }
         let mut graphs = self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner());
         if !graphs.contains_key(&key) {
             match self.s.capture(&enqueue) {
@@ -1035,7 +1044,9 @@ impl GpuModel {
         let issue_s = issued.expect("experts_cpu runs its side work exactly once")?;
         if let (true, Some(ev)) = (measure && any_cpu, &host.split_done) {
             let gpu_done = ev.done()?;
-            host.balance.vote(gpu_done, c.n_layer as u32, min_step);
+            // a token's worth of votes: one per MoE layer
+            let moe_layers = self.layers.iter().filter(|g| matches!(g.ffn, GFfn::Moe { .. })).count();
+            host.balance.vote(gpu_done, moe_layers as u32, min_step);
         }
         {
             // the CPU experts' sum (zeros when there were none)
