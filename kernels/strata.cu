@@ -628,6 +628,18 @@ __device__ __forceinline__ void combine4(float (&v)[4], const float* y, const fl
     for (int q = 0; q < 4; q++) v[q] += acc[q];
 }
 
+// The combine's per-entry flags and router weights of token `row` into shared `fl` / `cws` (threads 0..k-1;
+// nothing without a combine), then a block barrier.
+__device__ __forceinline__ void load_combine_entries(const float* y, const float* cw, const int* flag, int row, int k,
+                                                     int* fl, float* cws) {
+    if (y && (int)threadIdx.x < k) {
+        const int p = row * k + threadIdx.x;
+        fl[threadIdx.x] = flag[p];
+        cws[threadIdx.x] = cw[p];
+    }
+    __syncthreads();
+}
+
 #define NORM_THREADS 256
 #define NORM_MAX 8192
 extern "C" __global__ void rms_norm_q8(float* x, const float* w, float eps, int n, float* out, Q8* outq,
@@ -650,12 +662,7 @@ extern "C" __global__ void rms_norm_q8(float* x, const float* w, float eps, int 
         }
     }
     pdl_wait();
-    if (y && tid < k) {
-        const int p = row * k + tid;
-        fl[tid] = flag[p];
-        cws[tid] = cw[p];
-    }
-    __syncthreads();
+    load_combine_entries(y, cw, flag, row, k, fl, cws);
     float* xr = x + (size_t)row * n;
     double ss = 0.0;
     for (int i = 4 * tid; i < n; i += 4 * NORM_THREADS) {
@@ -746,12 +753,7 @@ extern "C" __global__ void CLUSTER_DIMS rms_norm_q8_cluster(float* x, const floa
     for (int i = 4 * tid; i < m; i += 4 * NORM_CLUSTER_THREADS)
         *(float4*)(ws + i) = *(const float4*)(w + e0 + i);
     pdl_wait();
-    if (y && tid < k) {
-        const int p = row * k + tid;
-        fl[tid] = flag[p];
-        cws[tid] = cw[p];
-    }
-    __syncthreads();
+    load_combine_entries(y, cw, flag, row, k, fl, cws);
     float* xr = x + (size_t)row * n + e0;
     double ss = 0.0;
     for (int i = 4 * tid; i < m; i += 4 * NORM_CLUSTER_THREADS) {
