@@ -738,3 +738,18 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::PcieArm;
+
+    #[test]
+    fn pcie_arms_parse_shares_and_auto_and_refuse_the_rest() {
+        assert_eq!("0.5".parse::<PcieArm>(), Ok(PcieArm::Share(0.5)));
+        assert_eq!("0".parse::<PcieArm>(), Ok(PcieArm::Share(0.0)));
+        assert_eq!("auto".parse::<PcieArm>(), Ok(PcieArm::Auto));
+        assert!("1.5".parse::<PcieArm>().is_err());
+        assert!("-0.1".parse::<PcieArm>().is_err());
+        assert!("half".parse::<PcieArm>().is_err());
+    }
+}

@@ -438,6 +438,22 @@ impl PinnedBuf {
     pub fn ptr(&self) -> *mut u8 {
         self.ptr
     }
+    /// Copies `src` (plain numbers) to byte offset `off` (no device copy may be in flight over that range).
+    /// Panics when the range is outside the buffer.
+    pub fn write<T: Copy>(&mut self, off: usize, src: &[T]) {
+        let n = std::mem::size_of_val(src);
+        assert!(off + n <= self.bytes, "pinned write of {n} bytes at {off} outside {} bytes", self.bytes);
+        // SAFETY: the range is inside the allocation (checked); exclusive through &mut self; src is n live bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr() as *const u8, self.ptr.add(off), n) };
+    }
+    /// Copies the bytes at offset `off` into `dst` (plain numbers; every bit pattern of the bytes the device
+    /// wrote there is a valid value of `T`: i32 / f32). Panics when the range is outside the buffer.
+    pub fn read<T: Copy>(&self, off: usize, dst: &mut [T]) {
+        let n = std::mem::size_of_val(dst);
+        assert!(off + n <= self.bytes, "pinned read of {n} bytes at {off} outside {} bytes", self.bytes);
+        // SAFETY: the range is inside the allocation (checked); dst is n writable bytes.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr() as *mut u8, n) };
+    }
     /// The bytes, mutable (no device copy from them may be in flight).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, exclusive through &mut self.

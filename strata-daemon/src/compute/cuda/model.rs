@@ -156,6 +156,8 @@ pub struct GpuModel {
     graphs_off: std::sync::atomic::AtomicBool,
     /// `STRATA_GPU_TIMING` was set at load: log host and GPU time per pass.
     timing: bool,
+    /// MoE layers of the model (a token's worth of `pcie_auto` votes).
+    n_moe_layers: usize,
 }
 
 impl Drop for GpuModel {
@@ -307,6 +309,7 @@ impl GpuModel {
             win_ids: f4(c.n_layer * t * kk)?,
         };
         let s = Stream::new()?;
+        let n_moe_layers = layers.iter().filter(|g| matches!(g.ffn, GFfn::Moe { .. })).count();
         let mut g = GpuModel {
             dev,
             k,
@@ -327,6 +330,7 @@ impl GpuModel {
             layer_graphs: Mutex::new(std::collections::HashMap::new()),
             graphs_off: std::sync::atomic::AtomicBool::new(std::env::var("STRATA_GPU_GRAPHS").is_ok_and(|v| v == "0")),
             timing: std::env::var_os("STRATA_GPU_TIMING").is_some(),
+            n_moe_layers,
         };
         if let Some(store) = &model.experts {
             g.cache = g.make_cache(model, store, cfg)?;
@@ -823,24 +827,17 @@ impl GpuModel {
         host.w.resize(n_pairs, 0.0);
         host.xn.resize(t * e, 0.0);
         let t0 = self.timing.then(std::time::Instant::now);
-        let (ni, nx) = (n_pairs * 4, t * e * 4);
+        let ni = n_pairs * 4;
         let staging = self.routing_staging(host, kk, e)?;
         if !routed {
             self.routing_dtoh(staging, n_pairs, t * e)?;
         }
         self.s.sync()?;
         {
-            let down = host.pin_down.as_mut().expect("sized by routing_staging");
-            let d = down.as_mut_slice();
-            for (v, c) in host.ids.iter_mut().zip(d[..ni].chunks_exact(4)) {
-                *v = i32::from_ne_bytes(c.try_into().expect("4 bytes"));
-            }
-            for (v, c) in host.w.iter_mut().zip(d[ni..2 * ni].chunks_exact(4)) {
-                *v = f32::from_ne_bytes(c.try_into().expect("4 bytes"));
-            }
-            for (v, c) in host.xn.iter_mut().zip(d[2 * ni..2 * ni + nx].chunks_exact(4)) {
-                *v = f32::from_ne_bytes(c.try_into().expect("4 bytes"));
-            }
+            let down = host.pin_down.as_ref().expect("sized by routing_staging");
+            down.read(0, &mut host.ids);
+            down.read(ni, &mut host.w);
+            down.read(2 * ni, &mut host.xn);
         }
         let t1 = self.timing.then(std::time::Instant::now);
         if let Some(bad) = host.ids.iter().position(|&v| v < 0 || v as usize >= c.n_expert) {
@@ -886,7 +883,7 @@ impl GpuModel {
         let block = gate_ty.block_size().max(down_ty.block_size());
         // pcie_auto: the balanced share (starting from pcie_frac, or 0.5 when that is 0), moved by decode tokens
         let auto = knob("pcie_auto") >= 1.0 && split_rows(0.5, ff, block) > 0;
-        let min_step = block.max(64) as f32 / ff as f32;
+        let min_step = split_step(block) as f32 / ff as f32;
         let frac = if auto {
             let start = knob("pcie_frac") as f32;
             let start = if start > 0.0 { start } else { 0.5 };
@@ -967,13 +964,8 @@ impl GpuModel {
         let (glen, flen) = (host.groups.len(), host.flag.len() * 4);
         let (f_off, acc_off) = (glen.next_multiple_of(16), (glen.next_multiple_of(16) + flen).next_multiple_of(16));
         let up = grow_pinned(&mut host.pin_up, acc_off + t * e * 4)?;
-        {
-            let u = up.as_mut_slice();
-            u[..glen].copy_from_slice(&host.groups);
-            for (c, v) in u[f_off..f_off + flen].chunks_exact_mut(4).zip(&host.flag) {
-                c.copy_from_slice(&v.to_ne_bytes());
-            }
-        }
+        up.write(0, &host.groups);
+        up.write(f_off, &host.flag);
         let up_ptr = up.ptr();
         let t2 = self.timing.then(std::time::Instant::now);
         // pcie_auto: an event at the end of the GPU's share, asked about when the CPU's share is done
@@ -1045,19 +1037,15 @@ impl GpuModel {
         if let (true, Some(ev)) = (measure && any_cpu, &host.split_done) {
             let gpu_done = ev.done()?;
             // a token's worth of votes: one per MoE layer
-            let moe_layers = self.layers.iter().filter(|g| matches!(g.ffn, GFfn::Moe { .. })).count();
-            host.balance.vote(gpu_done, moe_layers as u32, min_step);
+            host.balance.vote(gpu_done, self.n_moe_layers as u32, min_step);
         }
         {
             // the CPU experts' sum (zeros when there were none)
             let up = host.pin_up.as_mut().expect("grown above");
-            let u = &mut up.as_mut_slice()[acc_off..acc_off + t * e * 4];
             if any_cpu {
-                for (c, v) in u.chunks_exact_mut(4).zip(&s.moe_acc) {
-                    c.copy_from_slice(&v.to_ne_bytes());
-                }
+                up.write(acc_off, &s.moe_acc[..t * e]);
             } else {
-                u.fill(0);
+                up.as_mut_slice()[acc_off..acc_off + t * e * 4].fill(0);
             }
             // SAFETY: as for the groups above (the sum's part of the staging is written once per layer, here).
             unsafe { self.s.htod_raw(b.cpu.ptr, up.ptr().add(acc_off), t * e * 4)? };
@@ -1110,13 +1098,18 @@ impl GpuModel {
     }
 }
 
+/// Rows per step of a PCIe split for formats of `block`-wide blocks: `max(64, block)` (see [`split_rows`]).
+pub fn split_step(block: usize) -> usize {
+    block.max(64)
+}
+
 /// Intermediate rows of a RAM-resident miss that go over PCIe for the share `frac`, rounded to the nearest
 /// step of `max(64, block)` rows (`block`: the larger block size of the gate and down formats, 32 or 256 for the
 /// quantized ones). 64 rows keep a down part an even number of 32-wide blocks, as the staged kernels and h's Q8
 /// rows need (the parts are padded to 16 bytes, [`super::slots::SplitGeom`]). 0 (send whole experts) when `ff`
 /// is not a multiple of the step or the share rounds to nothing.
 pub fn split_rows(frac: f32, ff: usize, block: usize) -> usize {
-    let step = block.max(64);
+    let step = split_step(block);
     if !step.is_multiple_of(64) || !ff.is_multiple_of(step) || frac <= 0.0 {
         return 0;
     }
