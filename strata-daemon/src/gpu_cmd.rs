@@ -279,6 +279,7 @@ fn check_norm(
 /// tokens routed to it in one group: the device's gate/up + down against the CPU's products. `pad`: the down
 /// rows lie 16-byte padded apart, as in a PCIe split's packed sub-blob. Returns the relative error of the
 /// expert's output rows.
+#[allow(clippy::too_many_arguments)]
 fn check_expert(
     ops: &strata::compute::cuda::ops::Ops,
     pool: &WorkerPool,

@@ -787,19 +787,18 @@ impl GpuModel {
             return enqueue(); // a capture failed earlier in this pass
         }
         let mut graphs = self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner());
-        if !graphs.contains_key(&key) {
-            match self.s.capture(&enqueue) {
-                Ok(g) => {
-                    graphs.insert(key, g);
-                }
+        let g = match graphs.entry(key) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => match self.s.capture(&enqueue) {
+                Ok(g) => v.insert(g),
                 Err(err) => {
                     tracing::warn!("CUDA graph capture failed ({err}); decoding with plain launches");
                     self.graphs_off.store(true, std::sync::atomic::Ordering::Relaxed);
                     return enqueue();
                 }
-            }
-        }
-        graphs[&key].launch(&self.s)
+            },
+        };
+        g.launch(&self.s)
     }
 
     /// One MoE layer with the routing on the host: VRAM hits (and PCIe-staged misses) on the GPU, the other
