@@ -246,99 +246,132 @@ __device__ __forceinline__ bool can_stage(const u8* const* rows, int nb, size_t 
     return (a & 15) == 0;
 }
 
-// Starts staging the first chunk of each of the NR rows (what rows_dot_staged<..., true> expects done).
-template <int FMT, int NR>
+// Starts staging the first chunk (CBT blocks) of each of the NR rows (what rows_dot_staged<..., true, CBT>
+// expects done).
+template <int FMT, int NR, int CBT = CB>
 __device__ __forceinline__ void stage_first(const u8* const* rows, int nb, int lane, u8* sm) {
     constexpr int BB = BLK_BYTES(FMT);
-    const int n = min(CB, nb);
+    const int n = min(CBT, nb);
 #pragma unroll
-    for (int r = 0; r < NR; r++) stage_async(sm + r * CB * BB, rows[r], (n * BB + 15) / 16, lane);
+    for (int r = 0; r < NR; r++) stage_async(sm + r * CBT * BB, rows[r], (n * BB + 15) / 16, lane);
 }
 
-// acc[r][t] += rows[r] · x_t (lane-strided partial sums; the caller reduces). `sm`: this warp's NR*CB*BB bytes.
-// FIRST: the first chunk's copies were started by `stage_first` (before the kernel's wait on the previous one).
-template <int FMT, int NT, int NR, bool FIRST = false>
+// Two Q8 blocks (ib, ib + 1) of a token's activation, read as five 16-byte words.
+struct XPair {
+    float da, sa, db, sb;
+    int qa[8], qb[8];
+    int sxa, sxb;  // Q4_0: the sums of the quants (for the -8 offset)
+};
+
+template <int FMT>
+__device__ __forceinline__ XPair load_xpair(const Q8* xq, int ib) {
+    // two Q8 blocks (2 x 40 bytes): d, s, qs[8] | d, s, qs[8]
+    const int4* xp = (const int4*)(xq + ib);
+    const int4 x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3], x4 = xp[4];
+    XPair x;
+    x.da = __int_as_float(x0.x), x.sa = __int_as_float(x0.y);
+    x.db = __int_as_float(x2.z), x.sb = __int_as_float(x2.w);
+    const int qa[8] = {x0.z, x0.w, x1.x, x1.y, x1.z, x1.w, x2.x, x2.y};
+    const int qb[8] = {x3.x, x3.y, x3.z, x3.w, x4.x, x4.y, x4.z, x4.w};
+    x.sxa = 0, x.sxb = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        x.qa[j] = qa[j];
+        x.qb[j] = qb[j];
+        if (FMT == FMT_Q4_0) {
+            x.sxa = __dp4a(0x01010101, qa[j], x.sxa);
+            x.sxb = __dp4a(0x01010101, qb[j], x.sxb);
+        }
+    }
+    return x;
+}
+
+// acc += a pair of weight blocks (w: its BB / 2 32-bit words as staged) · x.
+template <int FMT>
+__device__ __forceinline__ void pair_dot(const u32* w, const XPair& x, float& acc) {
+    if (FMT == FMT_Q8_0) {
+        int s0 = 0, s1 = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            s0 = __dp4a((int)__funnelshift_r(w[j], w[j + 1], 16), x.qa[j], s0);
+            s1 = __dp4a((int)w[9 + j], x.qb[j], s1);
+        }
+        acc += half_to_float((u16)(w[0] & 0xffff)) * x.da * (float)s0;
+        acc += half_to_float((u16)(w[8] >> 16)) * x.db * (float)s1;
+    } else if (FMT == FMT_Q4_0) {
+        int s0 = 0, s1 = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int v0 = (int)__funnelshift_r(w[j], w[j + 1], 16);
+            const int v1 = (int)w[5 + j];
+            s0 = __dp4a(v0 & 0x0F0F0F0F, x.qa[j], s0);
+            s0 = __dp4a((v0 >> 4) & 0x0F0F0F0F, x.qa[j + 4], s0);
+            s1 = __dp4a(v1 & 0x0F0F0F0F, x.qb[j], s1);
+            s1 = __dp4a((v1 >> 4) & 0x0F0F0F0F, x.qb[j + 4], s1);
+        }
+        acc += half_to_float((u16)(w[0] & 0xffff)) * x.da * (float)(s0 - 8 * x.sxa);
+        acc += half_to_float((u16)(w[4] >> 16)) * x.db * (float)(s1 - 8 * x.sxb);
+    } else {  // Q4_1
+        int s0 = 0, s1 = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int v0 = (int)w[1 + j];
+            const int v1 = (int)w[6 + j];
+            s0 = __dp4a(v0 & 0x0F0F0F0F, x.qa[j], s0);
+            s0 = __dp4a((v0 >> 4) & 0x0F0F0F0F, x.qa[j + 4], s0);
+            s1 = __dp4a(v1 & 0x0F0F0F0F, x.qb[j], s1);
+            s1 = __dp4a((v1 >> 4) & 0x0F0F0F0F, x.qb[j + 4], s1);
+        }
+        acc += half_to_float((u16)(w[0] & 0xffff)) * x.da * (float)s0 + half_to_float((u16)(w[0] >> 16)) * x.sa;
+        acc += half_to_float((u16)(w[5] & 0xffff)) * x.db * (float)s1 + half_to_float((u16)(w[5] >> 16)) * x.sb;
+    }
+}
+
+// acc[r][t] += rows[r] · x_t (lane-strided partial sums; the caller reduces). `sm`: this warp's NR*CBT*BB bytes
+// (chunks of CBT blocks per row). FIRST: the first chunk's copies were started by `stage_first` (before the
+// kernel's wait on the previous one). With more than two rows (one token) each row's words are read from
+// shared memory just before its dot product, which keeps the registers of eight rows' pairs free.
+template <int FMT, int NT, int NR, bool FIRST = false, int CBT = CB>
 __device__ __forceinline__ void rows_dot_staged(const u8* const* rows, int nb, const Q8* const* xq, int lane,
                                                 u8* sm, float (&acc)[NR][NT]) {
     constexpr int BB = BLK_BYTES(FMT);
     constexpr int PW = BB / 2;  // 32-bit words per pair of blocks
-    for (int c0 = 0; c0 < nb; c0 += CB) {
-        const int n = min(CB, nb - c0);
+    for (int c0 = 0; c0 < nb; c0 += CBT) {
+        const int n = min(CBT, nb - c0);
         __syncwarp();  // every lane is done with the previous chunk
         if (!FIRST || c0 > 0) {
 #pragma unroll
             for (int r = 0; r < NR; r++)
-                stage_async(sm + r * CB * BB, rows[r] + (size_t)c0 * BB, (n * BB + 15) / 16, lane);
+                stage_async(sm + r * CBT * BB, rows[r] + (size_t)c0 * BB, (n * BB + 15) / 16, lane);
         }
         stage_wait();
 #pragma unroll(NT == 1 ? 2 : 1)
         for (int p = lane; p < n / 2; p += 32) {
+            const int ib = c0 + 2 * p;
+            if (NT == 1 && NR > 2) {
+                const XPair x = load_xpair<FMT>(xq[0], ib);
+#pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    u32 w[PW];
+                    const u32* s = (const u32*)(sm + r * CBT * BB) + p * PW;
+#pragma unroll
+                    for (int j = 0; j < PW; j++) w[j] = s[j];
+                    pair_dot<FMT>(w, x, acc[r][0]);
+                }
+                continue;
+            }
             u32 w[NR][PW];
 #pragma unroll
             for (int r = 0; r < NR; r++) {
-                const u32* s = (const u32*)(sm + r * CB * BB) + p * PW;
+                const u32* s = (const u32*)(sm + r * CBT * BB) + p * PW;
 #pragma unroll
                 for (int j = 0; j < PW; j++) w[r][j] = s[j];
             }
-            const int ib = c0 + 2 * p;
 #pragma unroll
             for (int t = 0; t < NT; t++) {
-                // two Q8 blocks (2 x 40 bytes): d, s, qs[8] | d, s, qs[8]
-                const int4* xp = (const int4*)(xq[t] + ib);
-                const int4 x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3], x4 = xp[4];
-                const float da = __int_as_float(x0.x), sa = __int_as_float(x0.y);
-                const float db = __int_as_float(x2.z), sb = __int_as_float(x2.w);
-                const int qa[8] = {x0.z, x0.w, x1.x, x1.y, x1.z, x1.w, x2.x, x2.y};
-                const int qb[8] = {x3.x, x3.y, x3.z, x3.w, x4.x, x4.y, x4.z, x4.w};
-                int sxa = 0, sxb = 0;
-                if (FMT == FMT_Q4_0) {
+                const XPair x = load_xpair<FMT>(xq[t], ib);
 #pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        sxa = __dp4a(0x01010101, qa[j], sxa);
-                        sxb = __dp4a(0x01010101, qb[j], sxb);
-                    }
-                }
-#pragma unroll
-                for (int r = 0; r < NR; r++) {
-                    if (FMT == FMT_Q8_0) {
-                        int s0 = 0, s1 = 0;
-#pragma unroll
-                        for (int j = 0; j < 8; j++) {
-                            s0 = __dp4a((int)__funnelshift_r(w[r][j], w[r][j + 1], 16), qa[j], s0);
-                            s1 = __dp4a((int)w[r][9 + j], qb[j], s1);
-                        }
-                        acc[r][t] += half_to_float((u16)(w[r][0] & 0xffff)) * da * (float)s0;
-                        acc[r][t] += half_to_float((u16)(w[r][8] >> 16)) * db * (float)s1;
-                    } else if (FMT == FMT_Q4_0) {
-                        int s0 = 0, s1 = 0;
-#pragma unroll
-                        for (int j = 0; j < 4; j++) {
-                            const int v0 = (int)__funnelshift_r(w[r][j], w[r][j + 1], 16);
-                            const int v1 = (int)w[r][5 + j];
-                            s0 = __dp4a(v0 & 0x0F0F0F0F, qa[j], s0);
-                            s0 = __dp4a((v0 >> 4) & 0x0F0F0F0F, qa[j + 4], s0);
-                            s1 = __dp4a(v1 & 0x0F0F0F0F, qb[j], s1);
-                            s1 = __dp4a((v1 >> 4) & 0x0F0F0F0F, qb[j + 4], s1);
-                        }
-                        acc[r][t] += half_to_float((u16)(w[r][0] & 0xffff)) * da * (float)(s0 - 8 * sxa);
-                        acc[r][t] += half_to_float((u16)(w[r][4] >> 16)) * db * (float)(s1 - 8 * sxb);
-                    } else {  // Q4_1
-                        int s0 = 0, s1 = 0;
-#pragma unroll
-                        for (int j = 0; j < 4; j++) {
-                            const int v0 = (int)w[r][1 + j];
-                            const int v1 = (int)w[r][6 + j];
-                            s0 = __dp4a(v0 & 0x0F0F0F0F, qa[j], s0);
-                            s0 = __dp4a((v0 >> 4) & 0x0F0F0F0F, qa[j + 4], s0);
-                            s1 = __dp4a(v1 & 0x0F0F0F0F, qb[j], s1);
-                            s1 = __dp4a((v1 >> 4) & 0x0F0F0F0F, qb[j + 4], s1);
-                        }
-                        acc[r][t] += half_to_float((u16)(w[r][0] & 0xffff)) * da * (float)s0 +
-                                     half_to_float((u16)(w[r][0] >> 16)) * sa;
-                        acc[r][t] += half_to_float((u16)(w[r][5] & 0xffff)) * db * (float)s1 +
-                                     half_to_float((u16)(w[r][5] >> 16)) * sb;
-                    }
-                }
+                for (int r = 0; r < NR; r++) pair_dot<FMT>(w[r], x, acc[r][t]);
             }
         }
     }
@@ -1060,6 +1093,39 @@ __device__ void gate_up_body(const Group& g, const u8* blob, int ff, int e, cons
     }
 }
 
+// The one-token gate/up product of narrow experts (e / 32 <= NARROW_GU_CB blocks per row, block formats): each
+// warp takes the gate and up rows of two adjacent indices r0, r0 + 1 (four rows staged in chunks of NARROW_GU_CB
+// blocks), twice gate_up_body's bytes in flight per warp and half its blocks. Same sums in the same order.
+// Grid: (ceil(ff / (2 * WARPS)), n_groups).
+#define NARROW_GU_CB (RPW * CB / 4)
+template <int FMT>
+__device__ void gate_up_narrow_body(const Group& g, const u8* blob, int ff, int e, const Q8* xq, const float* xf,
+                                    float* h, u8* stage) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r0 = (blockIdx.x * WARPS + warp) * 2;
+    if (r0 >= ff) return;
+    const size_t rb = row_bytes(FMT, e);
+    const int r1 = min(r0 + 1, ff - 1);
+    const u8* rp[4] = {blob + (size_t)r0 * rb, blob + (size_t)ff * rb + (size_t)r0 * rb, blob + (size_t)r1 * rb,
+                       blob + (size_t)ff * rb + (size_t)r1 * rb};
+    const Q8* xqs[1] = {xq + (size_t)g.tok[0] * (e / 32)};
+    const float* xfs[1] = {xf + (size_t)g.tok[0] * e};
+    float acc[4][1] = {{0.f}, {0.f}, {0.f}, {0.f}};
+    u8* sm = stage + warp * (STAGE_BYTES(FMT) / WARPS);
+    if (can_stage<FMT, 1, 4>(rp, e / 32, rb, xqs)) {
+        rows_dot_staged<FMT, 1, 4, false, NARROW_GU_CB>(rp, e / 32, xqs, lane, sm, acc);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; j++) row_dot<FMT, 1>(rp[j], e, xqs, xfs, lane, acc[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const float gv = warp_sum(acc[2 * j][0]);
+        const float uv = warp_sum(acc[2 * j + 1][0]);
+        if (lane == 0 && r0 + j < ff) h[(size_t)g.pair[0] * ff + r0 + j] = gv / (1.0f + expf(-gv)) * uv;
+    }
+}
+
 // out[pair, r] = down_r · h_pair for r < e (down rows start at `down_off` bytes into the blob, `rb` bytes
 // apart: row_bytes(FMT, ff), or more for the padded parts of a PCIe split); each warp RPW adjacent rows. Grid:
 // (ceil(e / (WARPS * RPW)), n_groups). `own` != null (NT == 1): the token's Q8 row of h, quantized by this
@@ -1139,6 +1205,50 @@ __device__ __forceinline__ void prefetch_down_rows(const u8* down, size_t rb, in
     }
 }
 
+// The one-token down product of narrow experts (ff / 32 <= NARROW_CB blocks per row, block formats): each warp
+// takes NARROW_RPW adjacent rows and starts copying all their bytes into shared memory before it waits on the
+// gate/up kernel (expert weights are no kernel's output, and the groups are final once that kernel runs: it
+// lets this one launch only after its own wait), then the block quantizes its token's row of h into `hs`.
+// With two rows of 24 blocks per warp (Qwen3-30B-A3B's 768-wide experts) the kernel had a quarter of each warp's
+// staging space in flight and two dependent round trips per block. Same sums in the same order as down_body.
+// Grid: (ceil(e / (WARPS * NARROW_RPW)), n_groups).
+#define NARROW_RPW 8
+#define NARROW_CB (RPW * CB / NARROW_RPW)
+template <int FMT>
+__device__ void down_narrow_body(const Group& g, const u8* blob, size_t down_off, size_t rb, int ff, int e,
+                                 const float* hf, float* out, u8* stage, Q8* hs) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r0 = (blockIdx.x * WARPS + warp) * NARROW_RPW;
+    const int nb = ff / 32;
+    const u8* rp[NARROW_RPW];
+#pragma unroll
+    for (int j = 0; j < NARROW_RPW; j++) rp[j] = blob + down_off + (size_t)min(r0 + j, e - 1) * rb;
+    const Q8* xqs[1] = {hs};
+    const float* xfs[1] = {hf + (size_t)g.pair[0] * ff};
+    u8* sm = stage + warp * (STAGE_BYTES(FMT) / WARPS);
+    // warps past the last row still take part in quantizing h (it ends in a block-wide barrier)
+    const bool live = r0 < e;
+    const bool staged = live && nb <= NARROW_CB && can_stage<FMT, 1, NARROW_RPW>(rp, nb, rb, xqs);
+    if (staged) stage_first<FMT, NARROW_RPW, NARROW_CB>(rp, nb, lane, sm);
+    pdl_wait();
+    quantize_row_block(xfs[0], ff, hs);
+    if (!live) return;
+    float acc[NARROW_RPW][1];
+#pragma unroll
+    for (int j = 0; j < NARROW_RPW; j++) acc[j][0] = 0.f;
+    if (staged) {
+        rows_dot_staged<FMT, 1, NARROW_RPW, true, NARROW_CB>(rp, nb, xqs, lane, sm, acc);
+    } else {
+#pragma unroll
+        for (int j = 0; j < NARROW_RPW; j++) row_dot<FMT, 1>(rp[j], ff, xqs, xfs, lane, acc[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < NARROW_RPW; j++) {
+        const float v = warp_sum(acc[j][0]);
+        if (lane == 0 && r0 + j < e) out[(size_t)g.pair[0] * e + r0 + j] = v;
+    }
+}
+
 // Decode (`_t1`) down kernels called with hq == null quantize their token's row of h themselves (ff <=
 // DOWN_OWN_MAX): one launch less per MoE layer for narrow experts.
 #define EXPERT_KERNELS(SUFFIX, FMT)                                                                               \
@@ -1160,7 +1270,10 @@ __device__ __forceinline__ void prefetch_down_rows(const u8* down, size_t rb, in
     /* groups of at most one token (decode windows) */                                                            \
     extern "C" __global__ void expert_gate_up_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,    \
                                                             size_t slot_bytes, int ff, int e, const Q8* xq,       \
-                                                            const float* xf, float* h) { pdl_entry();             \
+                                                            const float* xf, float* h) {                          \
+        /* waits before it lets the down kernel launch: that one reads the groups in its prologue */             \
+        pdl_wait();                                                                                               \
+        pdl_trigger();                                                                                            \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
         const Group g = groups[blockIdx.y];                                                                       \
         if (g.nt == 0) return;                                                                                    \
@@ -1180,12 +1293,40 @@ __device__ __forceinline__ void prefetch_down_rows(const u8* down, size_t rb, in
         down_body<FMT, 1>(g, blob, down_off, down_rb, ff, e, hq, hf, out, stage, own);                                     \
     }
 
+// The narrow one-token kernels (gate_up_narrow_body, down_narrow_body) of the block formats; the down kernel
+// always quantizes h (ff <= DOWN_OWN_MAX) itself. The gate/up kernel waits before it lets the down kernel launch.
+#define EXPERT_NARROW_KERNEL(SUFFIX, FMT)                                                                         \
+    extern "C" __global__ void expert_gate_up_##SUFFIX##_t1n(const Group* groups, const u8* __restrict__ slots,   \
+                                                             size_t slot_bytes, int ff, int e, const Q8* xq,      \
+                                                             const float* xf, float* h) {                         \
+        pdl_wait();                                                                                               \
+        pdl_trigger();                                                                                            \
+        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
+        const Group g = groups[blockIdx.y];                                                                       \
+        if (g.nt == 0) return;                                                                                    \
+        gate_up_narrow_body<FMT>(g, slots + (size_t)g.slot * slot_bytes, ff, e, xq, xf, h, stage);                \
+    }                                                                                                             \
+    extern "C" __global__ void expert_down_##SUFFIX##_t1n(const Group* groups, const u8* __restrict__ slots,      \
+                                                          size_t slot_bytes, size_t down_off, size_t down_rb,     \
+                                                          int ff, int e, const Q8* hq, const float* hf,           \
+                                                          float* out) {                                           \
+        pdl_trigger();                                                                                            \
+        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
+        __shared__ __align__(16) Q8 hs[DOWN_OWN_MAX / 32];                                                        \
+        const Group g = groups[blockIdx.y];                                                                       \
+        if (g.nt == 0) return;                                                                                    \
+        down_narrow_body<FMT>(g, slots + (size_t)g.slot * slot_bytes, down_off, down_rb, ff, e, hf, out, stage, hs); \
+    }
+
 EXPERT_KERNELS(f32, FMT_F32)
 EXPERT_KERNELS(f16, FMT_F16)
 EXPERT_KERNELS(bf16, FMT_BF16)
 EXPERT_KERNELS(q8_0, FMT_Q8_0)
 EXPERT_KERNELS(q4_0, FMT_Q4_0)
 EXPERT_KERNELS(q4_1, FMT_Q4_1)
+EXPERT_NARROW_KERNEL(q8_0, FMT_Q8_0)
+EXPERT_NARROW_KERNEL(q4_0, FMT_Q4_0)
+EXPERT_NARROW_KERNEL(q4_1, FMT_Q4_1)
 
 // Dense FFN activation: h[i] = silu(g[i]) * u[i] where gu holds t rows of [g (ff) | u (ff)].
 extern "C" __global__ void swiglu(const float* gu, int ff, int t, float* h) {

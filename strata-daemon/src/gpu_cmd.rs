@@ -352,14 +352,21 @@ pub fn check(a: CheckArgs) -> Result<()> {
     dev.bind()?;
     // 1. dense products against the CPU path on random inputs
     let (img, _) = strata::compute::cuda::kernels::cubin(&dev.arch())?;
-    let k = strata::compute::cuda::kernels::Kernels::load(
-        &img,
-        dev.max_smem_optin,
-        strata::compute::cuda::kernels::pdl_wanted(dev.cc),
-        strata::compute::cuda::kernels::cluster_norm_wanted(dev.cc),
-    )?;
+    let load_kernels = |narrow_down: bool| {
+        strata::compute::cuda::kernels::Kernels::load(
+            &img,
+            dev.max_smem_optin,
+            strata::compute::cuda::kernels::pdl_wanted(dev.cc),
+            strata::compute::cuda::kernels::cluster_norm_wanted(dev.cc),
+            narrow_down,
+        )
+    };
+    let k = load_kernels(true)?;
+    // the one-token expert checks run through both down kernels of narrow experts
+    let k_wide = load_kernels(false)?;
     let stream = strata::compute::cuda::driver::Stream::new()?;
     let ops = strata::compute::cuda::ops::Ops { k: &k, s: &stream };
+    let ops_wide = strata::compute::cuda::ops::Ops { k: &k_wide, s: &stream };
     let pool = WorkerPool::new(4)?;
     let mut seed = 0x1234_5678_9abc_def1u64;
     let mut kern = Vec::new();
@@ -431,15 +438,27 @@ pub fn check(a: CheckArgs) -> Result<()> {
             (512, 4608, 3, false),
             (96, 160, 1, false),
             (256, 768, 8, false),
+            (2048, 768, 1, false),
             (2048, 384, 1, true),
             (256, 64, 3, true),
         ];
         for &(e, ff, t, pad) in &shapes {
-            let rc = check_expert(&ops, &pool, ty, e, ff, t, pad, &mut seed)?;
-            worst = worst.max(rc);
-            println!("{:<6} {e:>6} {ff:>6} {t:>3} {rc:>12.2e}{}", format!("{ty:?}"), if pad { " padded" } else { "" });
-            kern.push(serde_json::json!({"format": format!("{ty:?}"), "expert_e": e, "expert_ff": ff, "t": t,
-                "down_padded": pad, "rel_err_vs_cpu": rc}));
+            // one token, block formats: the narrow kernels where they apply (gate/up: e ≤ 2048, down: ff ≤ 1024),
+            // then the others
+            let arms: &[(&strata::compute::cuda::ops::Ops, &str)] =
+                if t == 1 && ty != GgmlType::F16 { &[(&ops, "narrow"), (&ops_wide, "wide")] } else { &[(&ops, "")] };
+            for &(o, kernel) in arms {
+                let rc = check_expert(o, &pool, ty, e, ff, t, pad, &mut seed)?;
+                worst = worst.max(rc);
+                println!(
+                    "{:<6} {e:>6} {ff:>6} {t:>3} {rc:>12.2e}{}{}",
+                    format!("{ty:?}"),
+                    if pad { " padded" } else { "" },
+                    if kernel.is_empty() { String::new() } else { format!(" {kernel} kernels") }
+                );
+                kern.push(serde_json::json!({"format": format!("{ty:?}"), "expert_e": e, "expert_ff": ff, "t": t,
+                    "down_padded": pad, "kernels": kernel, "rel_err_vs_cpu": rc}));
+            }
         }
     }
     report.insert("kernels".into(), kern.into());
@@ -667,7 +686,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let prompt_s = tp.elapsed().as_secs_f64();
         let td = Instant::now();
         for _ in 0..a.gen {
-            let next = logits.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map(|x| x.0 as u32).unwrap_or(0);
+            // greedy, as the daemon's sampler picks at temperature 0
+            let next = strata::engine::sampler::argmax(&logits);
             s.decode = true;
             logits = m.forward(&[next], &mut kv, Logits::Last, &mut s);
             s.decode = false;

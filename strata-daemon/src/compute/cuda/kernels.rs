@@ -135,6 +135,9 @@ pub struct Kernels {
     mmv1: [Func; 6],
     gate_up1: [Func; 6],
     down1: [Func; 6],
+    /// The narrow one-token gate/up and down kernels (`_t1n`, block formats; see [`narrow_wanted`]).
+    gate_up1n: [Option<Func>; 6],
+    down1n: [Option<Func>; 6],
     /// `quantize_q8`.
     pub quantize_q8: Func,
     /// `rms_norm_q8`.
@@ -168,6 +171,13 @@ pub fn cluster_norm_wanted(cc: (i32, i32)) -> bool {
     cc.0 >= 9 && !std::env::var("STRATA_GPU_NORM_CLUSTER").is_ok_and(|v| v == "0")
 }
 
+/// Whether one-token expert products of narrow experts use the `_t1n` kernels (gate/up: two indices per warp;
+/// down: NARROW_RPW rows per warp, staged before the wait on the gate/up kernel): unless `STRATA_GPU_NARROW=0`
+/// (for A/B measurements).
+pub fn narrow_wanted() -> bool {
+    !std::env::var("STRATA_GPU_NARROW").is_ok_and(|v| v == "0")
+}
+
 /// Format index used by the kernels (FMT_* in strata.cu). Errors: a format without GPU kernels.
 pub fn fmt_index(ty: GgmlType) -> Result<usize, GpuError> {
     Ok(match ty {
@@ -190,8 +200,14 @@ fn leak(s: String) -> &'static str {
 impl Kernels {
     /// Loads `image` (a CUBIN) into the current context and looks every kernel up; `pdl`: launch them with
     /// programmatic dependent launch (see [`pdl_wanted`]); `cluster_norm`: use the cluster norm (see
-    /// [`cluster_norm_wanted`]).
-    pub fn load(image: &[u8], max_smem_optin: i32, pdl: bool, cluster_norm: bool) -> Result<Kernels, GpuError> {
+    /// [`cluster_norm_wanted`]); `narrow`: use the narrow expert kernels (see [`narrow_wanted`]).
+    pub fn load(
+        image: &[u8],
+        max_smem_optin: i32,
+        pdl: bool,
+        cluster_norm: bool,
+        narrow: bool,
+    ) -> Result<Kernels, GpuError> {
         let mut module = std::ptr::null_mut();
         // SAFETY: image is a complete CUBIN produced by NVRTC (checked ELF magic or just compiled).
         unsafe { check("cuModuleLoadData", sys::cuModuleLoadData(&mut module, image.as_ptr() as *const _))? };
@@ -209,6 +225,16 @@ impl Kernels {
             }
             Ok([v[0], v[1], v[2], v[3], v[4], v[5]])
         };
+        // the block formats' narrow kernels, when on
+        let narrow_per = |prefix: &str| -> Result<[Option<Func>; 6], GpuError> {
+            let mut v = [None; 6];
+            if narrow {
+                for (i, s) in SUFFIX.iter().enumerate().skip(3) {
+                    v[i] = Some(get(leak(format!("{prefix}{s}_t1n")))?);
+                }
+            }
+            Ok(v)
+        };
         let k = Kernels {
             module,
             mmv: per("mmv_", "")?,
@@ -217,6 +243,8 @@ impl Kernels {
             mmv1: per("mmv_", "_t1")?,
             gate_up1: per("expert_gate_up_", "_t1")?,
             down1: per("expert_down_", "_t1")?,
+            gate_up1n: narrow_per("expert_gate_up_")?,
+            down1n: narrow_per("expert_down_")?,
             quantize_q8: get("quantize_q8")?,
             rms_norm_q8: get("rms_norm_q8")?,
             rms_norm_q8_cluster: if cluster_norm { Some(get("rms_norm_q8_cluster")?) } else { None },
@@ -244,6 +272,14 @@ impl Kernels {
     pub fn down(&self, ty: GgmlType, one: bool) -> Result<Func, GpuError> {
         let i = fmt_index(ty)?;
         Ok(if one { self.down1[i] } else { self.down[i] })
+    }
+    /// The narrow one-token gate/up kernel for `ty`, if it has one (block formats) and it is on.
+    pub fn gate_up_narrow(&self, ty: GgmlType) -> Option<Func> {
+        fmt_index(ty).ok().and_then(|i| self.gate_up1n[i])
+    }
+    /// The narrow one-token down kernel for `ty`, if it has one (block formats) and it is on.
+    pub fn down_narrow(&self, ty: GgmlType) -> Option<Func> {
+        fmt_index(ty).ok().and_then(|i| self.down1n[i])
     }
 }
 

@@ -100,6 +100,11 @@ struct Host {
     /// normalized activations), `up` sends groups | flags | the CPU experts' sum. Grown on demand.
     pin_down: Option<super::driver::PinnedBuf>,
     pin_up: Option<super::driver::PinnedBuf>,
+    /// Page-locked staging of a pass's outputs: the decode window's expert ids (all-VRAM decode) | the logits
+    /// rows, copied with one wait at the end of the pass. Grown on demand.
+    pin_out: Option<super::driver::PinnedBuf>,
+    /// Page-locked staging of a pass's inputs: embeddings | RoPE table (`cs`). Grown on demand.
+    pin_in: Option<super::driver::PinnedBuf>,
     cs: Vec<f32>,
     /// RoPE (cos, sin) pairs of the pass.
     rope: Vec<(f32, f32)>,
@@ -209,7 +214,13 @@ impl GpuModel {
         dev.bind()?;
         let (img, cached) = cubin(&dev.arch())?;
         let pdl = super::kernels::pdl_wanted(dev.cc);
-        let k = Kernels::load(&img, dev.max_smem_optin, pdl, super::kernels::cluster_norm_wanted(dev.cc))?;
+        let k = Kernels::load(
+            &img,
+            dev.max_smem_optin,
+            pdl,
+            super::kernels::cluster_norm_wanted(dev.cc),
+            super::kernels::narrow_wanted(),
+        )?;
         tracing::info!(
             "kernels for {} {} ({} bytes){}",
             dev.arch(),
@@ -509,13 +520,22 @@ impl GpuModel {
             let tok = (tok as usize).min(c.n_vocab - 1);
             dequantize_row(emb.ty, emb.row(tok), &mut host.x[i * e..(i + 1) * e]).expect("embedding row");
         }
-        self.s.htod_sync(b.x.ptr, &host.x)?;
         m.rope_table(pos0, t, &mut host.rope);
         // [pos0 (int bits), pad, (cos, sin) pairs]: the kernels read pos0 from the device (graph replays)
         host.cs.clear();
         host.cs.extend([f32::from_bits(pos0 as u32), 0.0]);
         host.cs.extend(host.rope.iter().flat_map(|&(cv, sv)| [cv, sv]));
-        self.s.htod_sync(b.cs.ptr, &host.cs)?;
+        // both through page-locked staging, stream-ordered before the pass's kernels (no wait here)
+        let cs_off = (host.x.len() * 4).next_multiple_of(16);
+        let inp = grow_pinned(&mut host.pin_in, cs_off + host.cs.len() * 4)?;
+        inp.write(0, &host.x);
+        inp.write(cs_off, &host.cs);
+        // SAFETY: the staging holds both (grown above); it is rewritten only by the next pass, after this pass's
+        // final wait.
+        unsafe {
+            self.s.htod_raw(b.x.ptr, inp.ptr(), host.x.len() * 4)?;
+            self.s.htod_raw(b.cs.ptr, inp.ptr().add(cs_off), host.cs.len() * 4)?;
+        }
         let timing = self.timing;
         let t_start = std::time::Instant::now();
         let ev0 = if timing { Some(super::driver::Event::timed()?) } else { None };
@@ -568,16 +588,33 @@ impl GpuModel {
                 self.enqueue_output(c, r, pend)?;
             }
         }
-        if fast && s.decode {
-            if let Some(st) = &m.experts {
-                let kk = c.n_expert_used;
-                host.deferred.resize(c.n_layer * t * kk, 0);
-                self.s.dtoh_sync(&mut host.deferred, b.win_ids.ptr)?;
-                for (l, ids) in host.deferred.chunks_exact(t * kk).enumerate() {
-                    st.record_vram_window(l, ids.iter().map(|&v| v as usize));
-                }
+        // the outputs into page-locked staging, one wait: the window's expert ids (all-VRAM decode keeps the
+        // routing on the device; the store counts it from here) and the logits rows
+        let ids_n = if fast && s.decode && m.experts.is_some() { c.n_layer * t * c.n_expert_used } else { 0 };
+        let ids_bytes = (ids_n * 4).next_multiple_of(16);
+        let logits_n = rows.map_or(0, |(_, r)| r * c.n_vocab);
+        let out = grow_pinned(&mut host.pin_out, ids_bytes + logits_n * 4)?;
+        // SAFETY: the staging holds ids_bytes + 4 * logits_n bytes (grown above, after the previous pass's wait,
+        // so no copy into the old buffer is in flight); it is read only after the sync below.
+        unsafe {
+            if ids_n > 0 {
+                self.s.dtoh_raw(out.ptr(), b.win_ids.ptr, ids_n * 4)?;
+            }
+            if logits_n > 0 {
+                self.s.dtoh_raw(out.ptr().add(ids_bytes), b.logits.ptr, logits_n * 4)?;
             }
         }
+        self.s.sync()?;
+        if ids_n > 0 {
+            host.deferred.resize(ids_n, 0);
+            out.read(0, &mut host.deferred);
+            let st = m.experts.as_ref().expect("experts");
+            for (l, ids) in host.deferred.chunks_exact(t * c.n_expert_used).enumerate() {
+                st.record_vram_window(l, ids.iter().map(|&v| v as usize));
+            }
+        }
+        let mut logits = vec![0f32; logits_n];
+        out.read(ids_bytes, &mut logits);
         if let Some(e0) = &ev0 {
             let enqueued = t_start.elapsed().as_secs_f64() * 1000.0;
             let e1 = super::driver::Event::timed()?;
@@ -598,12 +635,6 @@ impl GpuModel {
                 p.issue * 1000.0
             );
         }
-        let Some((_, rows)) = rows else {
-            self.s.sync()?;
-            return Ok(Vec::new());
-        };
-        let mut logits = vec![0f32; rows * c.n_vocab];
-        self.s.dtoh_sync(&mut logits, b.logits.ptr)?;
         Ok(logits)
     }
 

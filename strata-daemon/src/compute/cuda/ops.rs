@@ -22,6 +22,14 @@ pub const WARPS: u32 = 4;
 /// Rows one warp computes in the dense and expert-down products (gate/up: the gate and up row of one index).
 pub const RPW: usize = 2;
 
+/// Rows one warp computes in the narrow one-token down kernel (`NARROW_RPW` in kernels/strata.cu).
+pub const NARROW_RPW: usize = 8;
+/// Widest row, in 32-value blocks, that the narrow down kernel stages whole (`NARROW_CB`): ff ≤ 1024.
+pub const NARROW_CB: usize = RPW * 128 / NARROW_RPW;
+
+/// Widest row, in 32-value blocks, of the narrow one-token gate/up kernel (`NARROW_GU_CB`): e ≤ 2048.
+pub const NARROW_GU_CB: usize = RPW * 128 / 4;
+
 /// Widest expert (`ff`) whose one-token down kernel quantizes its input row itself (`DOWN_OWN_MAX` in
 /// kernels/strata.cu).
 pub const DOWN_OWN_MAX: usize = 2048;
@@ -273,7 +281,8 @@ impl Ops<'_> {
     }
 
     /// Expert gate/up (SwiGLU) over `n_groups` groups (`one`: no group has more than one token) into `h` (f32,
-    /// one row of `ff` per routing entry).
+    /// one row of `ff` per routing entry); one-token groups of experts of width e ≤ 32 × [`NARROW_GU_CB`] in a
+    /// block format run the narrow kernel (two indices per warp).
     #[allow(clippy::too_many_arguments)]
     pub fn expert_gate_up(
         &self,
@@ -291,17 +300,18 @@ impl Ops<'_> {
     ) -> Result<(), GpuError> {
         let args =
             Args::new().ptr(groups).ptr(slots).usize(slot_bytes).i32(ff as i32).i32(e as i32).ptr(xq).ptr(xf).ptr(h);
-        self.k.gate_up(ty, one)?.launch(
-            self.s,
-            (ff.div_ceil(WARPS as usize) as u32, n_groups as u32, 1),
-            32 * WARPS,
-            0,
-            args,
-        )
+        let narrow =
+            if one && e.is_multiple_of(32) && e / 32 <= NARROW_GU_CB { self.k.gate_up_narrow(ty) } else { None };
+        let (f, per_warp) = match narrow {
+            Some(f) => (f, 2),
+            None => (self.k.gate_up(ty, one)?, 1),
+        };
+        f.launch(self.s, (ff.div_ceil(WARPS as usize * per_warp) as u32, n_groups as u32, 1), 32 * WARPS, 0, args)
     }
 
     /// Expert down over `n_groups` groups (`one`: no group has more than one token) from h (`hf`: `h_rows`
-    /// f32 rows of `ff`). The `e` down rows start `down_off` bytes into each slot, `down_rb` bytes apart
+    /// f32 rows of `ff`); one-token groups of narrow experts (ff / 32 ≤ [`NARROW_CB`]) in a block format run the
+    /// narrow kernel (eight rows per warp, staged while the gate/up kernel still runs). The `e` down rows start `down_off` bytes into each slot, `down_rb` bytes apart
     /// (`ty.row_bytes(ff)` in a whole blob; a PCIe split's packed parts are padded to 16 bytes). Its Q8 rows come
     /// from the kernel itself where [`down_quantizes`], else from a quantize launch into `hq` (scratch of
     /// `h_rows × ff / 32` Q8 blocks).
@@ -320,6 +330,7 @@ impl Ops<'_> {
         (hq, hf, h_rows): (u64, u64, usize),
         out: u64,
     ) -> Result<(), GpuError> {
+        let narrow = if down_quantizes(one, ff) && ff / 32 <= NARROW_CB { self.k.down_narrow(ty) } else { None };
         let hq = if down_quantizes(one, ff) {
             0 // the kernel quantizes its row of h itself
         } else {
@@ -337,13 +348,11 @@ impl Ops<'_> {
             .ptr(hq)
             .ptr(hf)
             .ptr(out);
-        self.k.down(ty, one)?.launch(
-            self.s,
-            (e.div_ceil(WARPS as usize * RPW) as u32, n_groups as u32, 1),
-            32 * WARPS,
-            0,
-            args,
-        )
+        let (f, rows_per_warp) = match narrow {
+            Some(f) => (f, NARROW_RPW),
+            None => (self.k.down(ty, one)?, RPW),
+        };
+        f.launch(self.s, (e.div_ceil(WARPS as usize * rows_per_warp) as u32, n_groups as u32, 1), 32 * WARPS, 0, args)
     }
 
     /// Dense SwiGLU: `h = silu(g) * u` from t rows of `[g | u]`.
