@@ -430,7 +430,7 @@ impl GpuModel {
     pub fn rebuild_cache(&mut self, store: &Arc<ExpertStore>, size: CacheSize) -> Result<(), GpuError> {
         self.dev.bind()?;
         if let Some(c) = &self.cache {
-            c.poll(store, &self.s, true)?;
+            c.poll(store, true)?;
         }
         self.s.sync()?;
         // captured graphs name the old slots
@@ -543,6 +543,10 @@ impl GpuModel {
             e.record(&self.s)?;
         }
         let fast = self.cache.is_some() && m.experts.as_ref().is_some_and(|st| st.all_in_vram()) && s.routes.is_none();
+        if let (true, Some(cache), Some(st)) = (fast, &self.cache, &m.experts) {
+            // this pass's top-k builds the groups from the device's residency table: bring it up to date
+            cache.sync_table(st, &self.s)?;
+        }
         let any_moe = self.layers.iter().any(|g| matches!(g.ffn, GFfn::Moe { .. }));
         host.deferred.clear();
         host.prof = HybridProf::default();
@@ -881,7 +885,7 @@ impl GpuModel {
         // an asynchronous adaptive round's experts that landed meanwhile are used from this layer on
         if let (Some(cache), Some(st)) = (&self.cache, &m.experts) {
             if cache.round_in_flight() {
-                cache.poll(st, &self.s, false)?;
+                cache.poll(st, false)?;
             }
         }
         let routes: Vec<Vec<(usize, f32)>> =
@@ -1106,7 +1110,7 @@ impl GpuModel {
         }
         let asynchronous = want && cache.async_ok;
         if asynchronous {
-            cache.poll(store, &self.s, false)?;
+            cache.poll(store, false)?;
         }
         cache.run_round(store, plan, &self.s, asynchronous)?;
         Ok(())
@@ -1122,7 +1126,7 @@ impl GpuModel {
     pub fn drain(&self, store: &ExpertStore) -> Result<(), GpuError> {
         if let Some(cache) = &self.cache {
             self.dev.bind()?;
-            cache.poll(store, &self.s, true)?;
+            cache.poll(store, true)?;
         }
         Ok(())
     }

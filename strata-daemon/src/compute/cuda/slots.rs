@@ -69,6 +69,11 @@ pub struct SlotCache {
     /// Blobs the bounce buffer holds.
     bounce_blobs: usize,
     in_flight: Mutex<Option<InFlight>>,
+    /// The device table lags the store's residency (moves since the last upload). Only the all-in-VRAM path
+    /// reads the device table (its top-k builds the groups from it); hybrid layers plan from the store, so
+    /// rounds mark it stale instead of uploading it (a synchronous copy per admission, up to one per layer
+    /// while an asynchronous round lands) and [`SlotCache::sync_table`] uploads it before such a pass.
+    table_stale: std::sync::atomic::AtomicBool,
     /// Asynchronous rounds on (`adapt_async`), and whether they can apply.
     pub async_ok: bool,
 }
@@ -99,6 +104,7 @@ impl SlotCache {
             bounce: Arc::new(Mutex::new(PinnedBuf::alloc(bounce_blobs * blob_bytes)?)),
             bounce_blobs,
             in_flight: Mutex::new(None),
+            table_stale: std::sync::atomic::AtomicBool::new(false),
             async_ok,
         })
     }
@@ -110,7 +116,17 @@ impl SlotCache {
 
     /// Uploads the store's residency table (stream-ordered on `s`, then waits).
     pub fn upload_table(&self, store: &ExpertStore, s: &Stream) -> Result<(), GpuError> {
+        self.table_stale.store(false, Ordering::Release);
         s.htod_sync(self.table.ptr, &store.slot_table())
+    }
+
+    /// Uploads the residency table if a round changed it since the last upload; called before a pass that reads
+    /// it (all experts in VRAM). No kernel that reads the table may be in flight on another stream.
+    pub fn sync_table(&self, store: &ExpertStore, s: &Stream) -> Result<(), GpuError> {
+        if self.table_stale.load(Ordering::Acquire) {
+            self.upload_table(store, s)?;
+        }
+        Ok(())
     }
 
     /// Fills the cache hottest-first (profile order) at start: each expert's bytes from the RAM copy, else the
@@ -179,7 +195,7 @@ impl SlotCache {
         if moves.is_empty() {
             return Ok(0);
         }
-        self.upload_table(store, compute)?;
+        self.table_stale.store(true, Ordering::Release);
         // the GPU work that may still read the victims' slots was issued on `compute` before this event
         let ready = Event::new()?;
         ready.record(compute)?;
@@ -195,7 +211,7 @@ impl SlotCache {
                 self.release(store, &moves);
                 return Err(e);
             }
-            self.admit(store, &moves, compute)?;
+            self.admit(store, &moves);
             return Ok(plan.len());
         }
         store.set_exchange_staged(true);
@@ -246,21 +262,22 @@ impl SlotCache {
         );
     }
 
-    fn admit(&self, store: &ExpertStore, moves: &[Move], compute: &Stream) -> Result<(), GpuError> {
+    /// Marks `moves` resident in the store (their copies have landed) and counts them.
+    fn admit(&self, store: &ExpertStore, moves: &[Move]) {
         let n = moves.len() as u64;
         for m in moves {
             store.admit_slot(m.layer, m.incoming, m.slot);
         }
         store.counters.swaps.fetch_add(n, Ordering::Relaxed);
         store.counters.swap_bytes.fetch_add(n * self.blob_bytes as u64, Ordering::Relaxed);
-        self.upload_table(store, compute)
+        self.table_stale.store(true, Ordering::Release);
     }
 
     /// Step 3 of an asynchronous round: marks the experts whose copies have landed resident (step 4, the offset
     /// flip, has nothing to move: evicted experts keep their RAM places or the file) — each as soon as its own
     /// copy is done. `wait` blocks until the whole round is done (a request start drains the round). Returns
     /// whether any expert was admitted. Errors: the helper failed (its unissued moves give their slots back).
-    pub fn poll(&self, store: &ExpertStore, compute: &Stream, wait: bool) -> Result<bool, GpuError> {
+    pub fn poll(&self, store: &ExpertStore, wait: bool) -> Result<bool, GpuError> {
         let mut g = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
         let Some(f) = g.as_mut() else { return Ok(false) };
         // the helper's reports so far (all of them when waiting)
@@ -290,7 +307,7 @@ impl SlotCache {
                 Err(e) => {
                     let f = g.take().expect("in flight");
                     store.set_exchange_staged(false);
-                    self.admit(store, &f.moves[first..f.admitted], compute)?;
+                    self.admit(store, &f.moves[first..f.admitted]);
                     self.release(store, &f.moves[f.admitted..]);
                     return Err(e);
                 }
@@ -298,7 +315,7 @@ impl SlotCache {
         }
         let any = f.admitted > first;
         if any {
-            self.admit(store, &f.moves[first..f.admitted], compute)?;
+            self.admit(store, &f.moves[first..f.admitted]);
         }
         if f.finished.is_some() && f.admitted == f.recorded {
             let f = g.take().expect("in flight");
