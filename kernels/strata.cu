@@ -56,9 +56,10 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Programmatic dependent launch (sm_90+, when the host launches with programmatic stream serialization): every
-// kernel first lets the next kernel in the stream start launching (its blocks then wait here too), then waits
-// until the previous kernel has finished and its memory is visible. So no kernel reads data of the previous
+// Programmatic dependent launch (sm_90+, when the host launches with programmatic stream serialization): most
+// kernels first let the next kernel in the stream start launching (its blocks then wait here too), then wait
+// until the previous kernel has finished and its memory is visible (the one-token expert gate/up kernels wait
+// first, then trigger: the narrow down kernel after them reads its groups and stages weights before its wait). So no kernel reads data of the previous
 // one or writes anything before the previous one is done, and the launch latency of the next overlaps this
 // one. Kernels with a prologue (`pdl_trigger`, reads of weights no kernel writes, `pdl_wait`) also overlap
 // their first weight reads with the previous kernel: the dense products stage their rows' first chunk into

@@ -316,7 +316,8 @@ mod avx2 {
 
     /// Eight i32 partial sums of `(w[j] - 8) * x[j]` for unsigned nibbles `w` (0..15) and signed `x`, given
     /// `x8` = 8 × the same partial sums of `x` ([`sum_x8`]): `maddubs` takes the nibbles as they are (pairs reach
-    /// at most 2 × 15 × 127, no saturation), so the integers equal [`mul_sum_i8`]'s of `w - 8` — the same floats —
+    /// at most 2 × 15 × 128, no saturation), so the integers equal [`mul_sum_i8`]'s of `w - 8` (for `x` in −127..=127,
+    /// all the quantizer makes; the sign trick itself is off at −128) — the same floats —
     /// with three byte operations less per block and row than the sign trick.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]

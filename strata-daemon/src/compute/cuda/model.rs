@@ -105,6 +105,9 @@ struct Host {
     pin_out: Option<super::driver::PinnedBuf>,
     /// Page-locked staging of a pass's inputs: embeddings | RoPE table (`cs`). Grown on demand.
     pin_in: Option<super::driver::PinnedBuf>,
+    /// A pass enqueued work and has not reached its final wait (it failed on the way): the next pass waits for
+    /// the stream before it rewrites or moves any staging a copy may still read.
+    pass_open: bool,
     cs: Vec<f32>,
     /// RoPE (cos, sin) pairs of the pass.
     rope: Vec<(f32, f32)>,
@@ -189,6 +192,10 @@ fn check_ty(w: &Weight) -> Result<(), GpuError> {
         .map(|_| ())
         .map_err(|_| GpuError::Unsupported(format!("tensor {} is {:?}, which has no GPU kernel", w.name, w.ty)))
 }
+
+/// Most logits bytes a pass returns through page-locked staging (one decode row of a 152k vocabulary is 0.6 MB; a
+/// prompt's every row would pin hundreds of MiB for good).
+const PIN_OUT_MAX: usize = 16 << 20;
 
 /// `buf`, grown to at least `bytes` (a power of two) when smaller or absent. No copy may be in flight from or
 /// to the old buffer (callers grow after a stream sync). Errors: the driver refused the allocation.
@@ -512,9 +519,14 @@ impl GpuModel {
         let e = c.n_embd;
         let b = &self.b;
         let mut host = self.host.lock().unwrap_or_else(|e| e.into_inner());
+        let host = &mut *host;
+        if host.pass_open {
+            // the previous pass failed between enqueueing and its final wait: let its copies finish first
+            let _ = self.s.sync();
+        }
+        host.pass_open = true;
         // embeddings (host dequantization of the rows) and RoPE angles
         let emb = m.mat(&m.tok_embd);
-        let host = &mut *host;
         host.x.resize(t * e, 0.0);
         for (i, &tok) in tokens.iter().enumerate() {
             let tok = (tok as usize).min(c.n_vocab - 1);
@@ -594,21 +606,28 @@ impl GpuModel {
         }
         // the outputs into page-locked staging, one wait: the window's expert ids (all-VRAM decode keeps the
         // routing on the device; the store counts it from here) and the logits rows
+        // (many rows of logits — a perplexity pass — go straight into the pageable result instead, so the
+        // staging stays small)
         let ids_n = if fast && s.decode && m.experts.is_some() { c.n_layer * t * c.n_expert_used } else { 0 };
         let ids_bytes = (ids_n * 4).next_multiple_of(16);
         let logits_n = rows.map_or(0, |(_, r)| r * c.n_vocab);
-        let out = grow_pinned(&mut host.pin_out, ids_bytes + logits_n * 4)?;
-        // SAFETY: the staging holds ids_bytes + 4 * logits_n bytes (grown above, after the previous pass's wait,
-        // so no copy into the old buffer is in flight); it is read only after the sync below.
+        let staged = logits_n * 4 <= PIN_OUT_MAX;
+        let mut logits = vec![0f32; logits_n];
+        let out = grow_pinned(&mut host.pin_out, ids_bytes + if staged { logits_n * 4 } else { 0 })?;
+        // SAFETY: the staging holds ids_bytes (+ 4 * logits_n when staged) bytes (grown above, after the previous
+        // pass's wait, so no copy into the old buffer is in flight) and `logits` holds logits_n values; both are
+        // read only after the sync below.
         unsafe {
             if ids_n > 0 {
                 self.s.dtoh_raw(out.ptr(), b.win_ids.ptr, ids_n * 4)?;
             }
             if logits_n > 0 {
-                self.s.dtoh_raw(out.ptr().add(ids_bytes), b.logits.ptr, logits_n * 4)?;
+                let dst = if staged { out.ptr().add(ids_bytes) } else { logits.as_mut_ptr() as *mut u8 };
+                self.s.dtoh_raw(dst, b.logits.ptr, logits_n * 4)?;
             }
         }
         self.s.sync()?;
+        host.pass_open = false;
         if ids_n > 0 {
             host.deferred.resize(ids_n, 0);
             out.read(0, &mut host.deferred);
@@ -617,8 +636,9 @@ impl GpuModel {
                 st.record_vram_window(l, ids.iter().map(|&v| v as usize));
             }
         }
-        let mut logits = vec![0f32; logits_n];
-        out.read(ids_bytes, &mut logits);
+        if staged {
+            out.read(ids_bytes, &mut logits);
+        }
         if let Some(e0) = &ev0 {
             let enqueued = t_start.elapsed().as_secs_f64() * 1000.0;
             let e1 = super::driver::Event::timed()?;

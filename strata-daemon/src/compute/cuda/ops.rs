@@ -311,7 +311,10 @@ impl Ops<'_> {
 
     /// Expert down over `n_groups` groups (`one`: no group has more than one token) from h (`hf`: `h_rows`
     /// f32 rows of `ff`); one-token groups of narrow experts (ff / 32 ≤ [`NARROW_CB`]) in a block format run the
-    /// narrow kernel (eight rows per warp, staged while the gate/up kernel still runs). The `e` down rows start `down_off` bytes into each slot, `down_rb` bytes apart
+    /// narrow kernel (eight rows per warp, staged while the gate/up kernel still runs). Invariant: the launch
+    /// before a one-token down launch on this stream is [`Ops::expert_gate_up`]'s (the narrow kernel reads its
+    /// groups and weights before it waits, relying on the gate/up kernel having waited before it let this one
+    /// launch); `experts_gpu` and gpu-check issue them back to back. The `e` down rows start `down_off` bytes into each slot, `down_rb` bytes apart
     /// (`ty.row_bytes(ff)` in a whole blob; a PCIe split's packed parts are padded to 16 bytes). Its Q8 rows come
     /// from the kernel itself where [`down_quantizes`], else from a quantize launch into `hq` (scratch of
     /// `h_rows × ff / 32` Q8 blocks).

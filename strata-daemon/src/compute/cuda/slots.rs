@@ -116,8 +116,13 @@ impl SlotCache {
 
     /// Uploads the store's residency table (stream-ordered on `s`, then waits).
     pub fn upload_table(&self, store: &ExpertStore, s: &Stream) -> Result<(), GpuError> {
+        // cleared before the snapshot: a move admitted meanwhile marks it stale again
         self.table_stale.store(false, Ordering::Release);
-        s.htod_sync(self.table.ptr, &store.slot_table())
+        let r = s.htod_sync(self.table.ptr, &store.slot_table());
+        if r.is_err() {
+            self.table_stale.store(true, Ordering::Release);
+        }
+        r
     }
 
     /// Uploads the residency table if a round changed it since the last upload; called before a pass that reads
