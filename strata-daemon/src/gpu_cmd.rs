@@ -276,12 +276,13 @@ fn check_norm(
 }
 
 /// One random expert (gate | up | down blob of `ty`, width `e`, hidden `ff`) in slot 1 of a two-slot arena, `t`
-/// tokens routed to it in one group: the device's gate/up + down against the CPU's products. `pad`: the down
-/// rows lie 16-byte padded apart, as in a PCIe split's packed sub-blob. Returns the relative error of the
-/// expert's output rows.
+/// tokens routed to it in one group: the device's gate/up + down against the CPU's products, through each of
+/// `ops` (kernel sets) on the same data. `pad`: the down rows lie 16-byte padded apart, as in a PCIe split's
+/// packed sub-blob. Returns the relative error of the expert's output rows per kernel set, and whether all sets
+/// gave the same bits.
 #[allow(clippy::too_many_arguments)]
 fn check_expert(
-    ops: &strata::compute::cuda::ops::Ops,
+    ops: &[&strata::compute::cuda::ops::Ops],
     pool: &WorkerPool,
     ty: GgmlType,
     e: usize,
@@ -289,7 +290,7 @@ fn check_expert(
     t: usize,
     pad: bool,
     seed: &mut u64,
-) -> Result<f64> {
+) -> Result<(Vec<f64>, bool)> {
     use strata::compute::cuda::driver::DevBuf;
     let gate = random_rows(ty, ff, e, seed);
     let up = random_rows(ty, ff, e, seed);
@@ -331,16 +332,24 @@ fn check_expert(
     let xq = DevBuf::from_slice(&q8_bytes(&x))?;
     let hf = DevBuf::from_slice(&vec![f32::NAN; t * ff])?;
     let hq = DevBuf::alloc(t * ff / 32 * strata::compute::cuda::ops::Q8_BYTES)?;
-    let y = DevBuf::from_slice(&vec![f32::NAN; t * e])?;
+    let y = DevBuf::alloc(t * e * 4)?;
     let down_off = 2 * ff * ty.row_bytes(e);
-    ops.expert_gate_up(ty, t == 1, groups.ptr, 1, slots.ptr, sb, ff, e, xq.ptr, xf.ptr, hf.ptr)?;
-    // narrow one-token experts: the down kernel quantizes h itself (as in decode); else a quantize launch
     let down = (down_off, pitch);
-    ops.expert_down(ty, t == 1, groups.ptr, 1, slots.ptr, sb, down, ff, e, (hq.ptr, hf.ptr, t), y.ptr)?;
-    ops.s.sync()?;
-    let mut gpu = vec![0f32; t * e];
-    y.read_sync(0, &mut gpu)?;
-    Ok(rel_err(&gpu, &cpu))
+    let (mut errs, mut outs) = (Vec::new(), Vec::<Vec<f32>>::new());
+    for o in ops {
+        hf.write_sync(0, &vec![f32::NAN; t * ff])?;
+        y.write_sync(0, &vec![f32::NAN; t * e])?;
+        o.expert_gate_up(ty, t == 1, groups.ptr, 1, slots.ptr, sb, ff, e, xq.ptr, xf.ptr, hf.ptr)?;
+        // narrow one-token experts: the down kernel quantizes h itself (as in decode); else a quantize launch
+        o.expert_down(ty, t == 1, groups.ptr, 1, slots.ptr, sb, down, ff, e, (hq.ptr, hf.ptr, t), y.ptr)?;
+        o.s.sync()?;
+        let mut gpu = vec![0f32; t * e];
+        y.read_sync(0, &mut gpu)?;
+        errs.push(rel_err(&gpu, &cpu));
+        outs.push(gpu);
+    }
+    let same = outs.windows(2).all(|w| w[0].iter().zip(&w[1]).all(|(a, b)| a.to_bits() == b.to_bits()));
+    Ok((errs, same))
 }
 
 pub fn check(a: CheckArgs) -> Result<()> {
@@ -443,21 +452,29 @@ pub fn check(a: CheckArgs) -> Result<()> {
             (256, 64, 3, true),
         ];
         for &(e, ff, t, pad) in &shapes {
-            // one token, block formats: the narrow kernels where they apply (gate/up: e ≤ 2048, down: ff ≤ 1024),
-            // then the others
-            let arms: &[(&strata::compute::cuda::ops::Ops, &str)] =
-                if t == 1 && ty != GgmlType::F16 { &[(&ops, "narrow"), (&ops_wide, "wide")] } else { &[(&ops, "")] };
-            for &(o, kernel) in arms {
-                let rc = check_expert(o, &pool, ty, e, ff, t, pad, &mut seed)?;
+            // one token, block formats: the narrow kernels where they apply (gate/up: e ≤ 2048, down: ff ≤ 1024)
+            // and the others on the same data (same sums in the same order: the same bits)
+            let (arms, names): (Vec<&strata::compute::cuda::ops::Ops>, &[&str]) = if t == 1 && ty != GgmlType::F16 {
+                (vec![&ops, &ops_wide], &["narrow", "wide"])
+            } else {
+                (vec![&ops], &[""])
+            };
+            let (errs, same) = check_expert(&arms, &pool, ty, e, ff, t, pad, &mut seed)?;
+            for (&rc, &kernel) in errs.iter().zip(names) {
                 worst = worst.max(rc);
                 println!(
                     "{:<6} {e:>6} {ff:>6} {t:>3} {rc:>12.2e}{}{}",
                     format!("{ty:?}"),
                     if pad { " padded" } else { "" },
-                    if kernel.is_empty() { String::new() } else { format!(" {kernel} kernels") }
+                    if kernel.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" {kernel} kernels{}", if same { " (bits equal)" } else { " (BITS DIFFER)" })
+                    }
                 );
                 kern.push(serde_json::json!({"format": format!("{ty:?}"), "expert_e": e, "expert_ff": ff, "t": t,
-                    "down_padded": pad, "kernels": kernel, "rel_err_vs_cpu": rc}));
+                    "down_padded": pad, "kernels": kernel, "rel_err_vs_cpu": rc,
+                    "same_bits_across_kernels": same}));
             }
         }
     }
