@@ -1250,6 +1250,21 @@ __device__ void down_narrow_body(const Group& g, const u8* blob, size_t down_off
     }
 }
 
+// The one-token gate/up kernels (`_t1`: one index per warp, `_t1n`: NARROW, two): each waits before it lets the
+// next kernel launch, because the down kernel after it (the narrow one) reads its groups in its prologue.
+template <int FMT, bool NARROW>
+__device__ __forceinline__ void gate_up_one(const Group* groups, const u8* slots, size_t slot_bytes, int ff, int e,
+                                            const Q8* xq, const float* xf, float* h) {
+    pdl_wait();
+    pdl_trigger();
+    __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];
+    const Group g = groups[blockIdx.y];
+    if (g.nt == 0) return;
+    const u8* blob = slots + (size_t)g.slot * slot_bytes;
+    if (NARROW) gate_up_narrow_body<FMT>(g, blob, ff, e, xq, xf, h, stage);
+    else gate_up_body<FMT, 1>(g, blob, ff, e, xq, xf, h, stage);
+}
+
 // Decode (`_t1`) down kernels called with hq == null quantize their token's row of h themselves (ff <=
 // DOWN_OWN_MAX): one launch less per MoE layer for narrow experts.
 #define EXPERT_KERNELS(SUFFIX, FMT)                                                                               \
@@ -1272,13 +1287,7 @@ __device__ void down_narrow_body(const Group& g, const u8* blob, size_t down_off
     extern "C" __global__ void expert_gate_up_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,    \
                                                             size_t slot_bytes, int ff, int e, const Q8* xq,       \
                                                             const float* xf, float* h) {                          \
-        /* waits before it lets the down kernel launch: that one reads the groups in its prologue */             \
-        pdl_wait();                                                                                               \
-        pdl_trigger();                                                                                            \
-        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
-        const Group g = groups[blockIdx.y];                                                                       \
-        if (g.nt == 0) return;                                                                                    \
-        gate_up_body<FMT, 1>(g, slots + (size_t)g.slot * slot_bytes, ff, e, xq, xf, h, stage);                    \
+        gate_up_one<FMT, false>(groups, slots, slot_bytes, ff, e, xq, xf, h);                                     \
     }                                                                                                             \
     extern "C" __global__ void expert_down_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,       \
                                                          size_t slot_bytes, size_t down_off, size_t down_rb,      \
@@ -1300,12 +1309,7 @@ __device__ void down_narrow_body(const Group& g, const u8* blob, size_t down_off
     extern "C" __global__ void expert_gate_up_##SUFFIX##_t1n(const Group* groups, const u8* __restrict__ slots,   \
                                                              size_t slot_bytes, int ff, int e, const Q8* xq,      \
                                                              const float* xf, float* h) {                         \
-        pdl_wait();                                                                                               \
-        pdl_trigger();                                                                                            \
-        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
-        const Group g = groups[blockIdx.y];                                                                       \
-        if (g.nt == 0) return;                                                                                    \
-        gate_up_narrow_body<FMT>(g, slots + (size_t)g.slot * slot_bytes, ff, e, xq, xf, h, stage);                \
+        gate_up_one<FMT, true>(groups, slots, slot_bytes, ff, e, xq, xf, h);                                      \
     }                                                                                                             \
     extern "C" __global__ void expert_down_##SUFFIX##_t1n(const Group* groups, const u8* __restrict__ slots,      \
                                                           size_t slot_bytes, size_t down_off, size_t down_rb,     \
