@@ -52,6 +52,11 @@ pub struct BenchArgs {
     /// starting from 0.5).
     #[arg(long, value_delimiter = ',', default_value = "0.33,0.5,auto")]
     pcie: Vec<PcieArm>,
+    /// Every this many generated tokens, the next input is a random token instead of the greedy pick (the same
+    /// sequence in every arm): the routing's working set moves, as when a conversation changes topic, so the
+    /// adaptive tier runs several rounds per arm instead of one. 0: greedy throughout.
+    #[arg(long, default_value_t = 0)]
+    shift: usize,
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -702,9 +707,15 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let mut logits = m.forward(&prompt, &mut kv, Logits::Last, &mut s);
         let prompt_s = tp.elapsed().as_secs_f64();
         let td = Instant::now();
-        for _ in 0..a.gen {
-            // greedy, as the daemon's sampler picks at temperature 0
-            let next = strata::engine::sampler::argmax(&logits);
+        let mut shift_seed = 0x5EED_u64;
+        for i in 0..a.gen {
+            // greedy, as the daemon's sampler picks at temperature 0 (or, with --shift, a random token now and
+            // then)
+            let next = if a.shift > 0 && i > 0 && i % a.shift == 0 {
+                (rng(&mut shift_seed) % m.cfg.n_vocab as u64) as u32
+            } else {
+                strata::engine::sampler::argmax(&logits)
+            };
             s.decode = true;
             logits = m.forward(&[next], &mut kv, Logits::Last, &mut s);
             s.decode = false;
@@ -769,7 +780,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "prompt_tok_s": pt, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,
             "pcie_entries_per_token": pcie_per_tok, "blob_reads_per_token": blob_per_tok, "bound_tok_s": bound}));
     }
-    let report = serde_json::json!({"model": a.model.display().to_string(), "h2d_pinned_gbps": pinned,
+    let report = serde_json::json!({"model": a.model.display().to_string(), "shift": a.shift, "h2d_pinned_gbps": pinned,
         "h2d_pageable_gbps": pageable, "host_ram_read_gbps": ram_bw, "blob_bytes": blob, "experts": total, "arms": arms});
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
