@@ -1265,6 +1265,28 @@ __device__ __forceinline__ void gate_up_one(const Group* groups, const u8* slots
     else gate_up_body<FMT, 1>(g, blob, ff, e, xq, xf, h, stage);
 }
 
+// The one-token down kernels. `_t1`: waits on the previous kernel first; with hq == null it asks L2 for its rows
+// and quantizes its token's row of h itself. NARROW (`_t1n`, down_narrow_body): reads its group and starts
+// staging its rows before the wait (the gate/up kernel before it waited before letting it launch).
+template <int FMT, bool NARROW>
+__device__ __forceinline__ void down_one(const Group* groups, const u8* slots, size_t slot_bytes, size_t down_off,
+                                         size_t down_rb, int ff, int e, const Q8* hq, const float* hf, float* out) {
+    if (NARROW) pdl_trigger();
+    else pdl_entry();
+    __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];
+    __shared__ __align__(16) Q8 hs[DOWN_OWN_MAX / 32];
+    const Group g = groups[blockIdx.y];
+    if (g.nt == 0) return;
+    const u8* blob = slots + (size_t)g.slot * slot_bytes;
+    if (NARROW) {
+        down_narrow_body<FMT>(g, blob, down_off, down_rb, ff, e, hf, out, stage, hs);
+    } else {
+        if (!hq) prefetch_down_rows(blob + down_off, down_rb, e);
+        const Q8* own = hq ? nullptr : quantize_row_block(hf + (size_t)g.pair[0] * ff, ff, hs);
+        down_body<FMT, 1>(g, blob, down_off, down_rb, ff, e, hq, hf, out, stage, own);
+    }
+}
+
 // Decode (`_t1`) down kernels called with hq == null quantize their token's row of h themselves (ff <=
 // DOWN_OWN_MAX): one launch less per MoE layer for narrow experts.
 #define EXPERT_KERNELS(SUFFIX, FMT)                                                                               \
@@ -1292,15 +1314,8 @@ __device__ __forceinline__ void gate_up_one(const Group* groups, const u8* slots
     extern "C" __global__ void expert_down_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,       \
                                                          size_t slot_bytes, size_t down_off, size_t down_rb,      \
                                                          int ff, int e,                                           \
-                                                         const Q8* hq, const float* hf, float* out) { pdl_entry();             \
-        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
-        __shared__ __align__(16) Q8 hs[DOWN_OWN_MAX / 32];                                                        \
-        const Group g = groups[blockIdx.y];                                                                       \
-        if (g.nt == 0) return;                                                                                    \
-        const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
-        if (!hq) prefetch_down_rows(blob + down_off, down_rb, e);                                      \
-        const Q8* own = hq ? nullptr : quantize_row_block(hf + (size_t)g.pair[0] * ff, ff, hs);                   \
-        down_body<FMT, 1>(g, blob, down_off, down_rb, ff, e, hq, hf, out, stage, own);                                     \
+                                                         const Q8* hq, const float* hf, float* out) {             \
+        down_one<FMT, false>(groups, slots, slot_bytes, down_off, down_rb, ff, e, hq, hf, out);                   \
     }
 
 // The narrow one-token kernels (gate_up_narrow_body, down_narrow_body) of the block formats; the down kernel
@@ -1315,12 +1330,7 @@ __device__ __forceinline__ void gate_up_one(const Group* groups, const u8* slots
                                                           size_t slot_bytes, size_t down_off, size_t down_rb,     \
                                                           int ff, int e, const Q8* hq, const float* hf,           \
                                                           float* out) {                                           \
-        pdl_trigger();                                                                                            \
-        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
-        __shared__ __align__(16) Q8 hs[DOWN_OWN_MAX / 32];                                                        \
-        const Group g = groups[blockIdx.y];                                                                       \
-        if (g.nt == 0) return;                                                                                    \
-        down_narrow_body<FMT>(g, slots + (size_t)g.slot * slot_bytes, down_off, down_rb, ff, e, hf, out, stage, hs); \
+        down_one<FMT, true>(groups, slots, slot_bytes, down_off, down_rb, ff, e, hq, hf, out);                    \
     }
 
 EXPERT_KERNELS(f32, FMT_F32)
