@@ -1,15 +1,17 @@
 //! Activation quantization to 8-bit blocks and dot products of a weight row
-//! with quantized activations: scalar reference and AVX2/FMA/F16C, chosen once
-//! at run time.
+//! with quantized activations: scalar reference, AVX2/FMA/F16C and, for Q4_0,
+//! AVX-512 VNNI ([`super::q4_wide`]), chosen once at run time.
 //!
 //! As in ggml, activations multiplied by Q8_0/Q4_0 rows are quantized to Q8_0
 //! (scale `d = amax/127` stored as f16) and by Q4_1 rows to Q8_1 (Q8_0 plus
 //! `s = d * Σq` as f16); [`BlockQ8`] carries both so one quantization per
 //! token serves every format.
 
+use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use super::dequant::{bf16_to_f32, f16_to_f32, rd16};
+use super::q4_wide::{self, Q8Quads};
 use super::GgmlType;
 
 /// 32 activations quantized to i8: `x[j] ≈ d * qs[j]`; `s = d * Σ qs` (both
@@ -32,24 +34,53 @@ pub enum SimdLevel {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// AVX2 as above, and Q4_0 rows through the AVX-512 F/BW/VNNI/VBMI kernel ([`super::q4_wide`]).
+    Avx512,
+}
+
+impl SimdLevel {
+    /// Whether the AVX2 kernels run (both SIMD levels).
+    pub fn avx2(self) -> bool {
+        self != SimdLevel::Scalar
+    }
 }
 
 static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
 
-/// The SIMD level in use: AVX2 when the CPU has AVX2, FMA and F16C, unless
-/// `STRATA_SIMD=scalar` forces the scalar path.
+/// The SIMD level in use: AVX-512 when the CPU has AVX2, FMA, F16C and
+/// [`q4_wide::supported`]'s AVX-512 set, AVX2 with the first three only, else
+/// scalar. `STRATA_SIMD=scalar` or `STRATA_SIMD=avx2` caps the level (A/B runs,
+/// or results bit-identical to a machine without AVX-512).
 pub fn simd_level() -> SimdLevel {
     *LEVEL.get_or_init(|| {
-        if std::env::var("STRATA_SIMD").map(|v| v == "scalar").unwrap_or(false) {
+        let cap = std::env::var("STRATA_SIMD").unwrap_or_default();
+        if cap == "scalar" {
             return SimdLevel::Scalar;
         }
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                if cap != "avx2" && q4_wide::supported() {
+                    return SimdLevel::Avx512;
+                }
                 return SimdLevel::Avx2;
             }
         }
         SimdLevel::Scalar
+    })
+}
+
+thread_local! {
+    /// Activations rearranged for the wide Q4_0 kernel by [`dot_q8`] / [`dot_q8_x4`] (one row at a time).
+    static QUADS: RefCell<Q8Quads> = RefCell::new(Q8Quads::default());
+}
+
+/// Runs `f` on `x` rearranged for the wide Q4_0 kernel (a per-thread buffer, filled by this call).
+fn with_quads<R>(x: &[BlockQ8], f: impl FnOnce(&Q8Quads) -> R) -> R {
+    QUADS.with(|q| {
+        let mut q = q.borrow_mut();
+        q.prepare(x);
+        f(&q)
     })
 }
 
@@ -62,7 +93,7 @@ fn f16_round(x: f32) -> f32 {
 pub fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
     assert_eq!(x.len(), out.len() * 32);
     #[cfg(target_arch = "x86_64")]
-    if simd_level() == SimdLevel::Avx2 {
+    if simd_level().avx2() {
         // SAFETY: AVX2/FMA/F16C detected; lengths asserted above.
         unsafe { avx2::quantize_q8(x, out) };
         return;
@@ -92,8 +123,11 @@ pub fn quantize_q8_scalar(x: &[f32], out: &mut [BlockQ8]) {
 #[inline]
 pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     debug_assert_eq!(row.len(), ty.row_bytes(x.len() * 32));
+    if ty == GgmlType::Q4_0 && simd_level() == SimdLevel::Avx512 {
+        return with_quads(x, |q| q.dot(row));
+    }
     #[cfg(target_arch = "x86_64")]
-    if simd_level() == SimdLevel::Avx2 {
+    if simd_level().avx2() {
         // SAFETY: simd_level() returned Avx2 only after detecting avx2, fma and f16c;
         // the kernels read `x.len()` whole blocks from `row`, whose length was checked above
         // (debug) and is guaranteed by the callers that slice rows with `row_bytes`.
@@ -115,8 +149,11 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
 /// chains side by side).
 #[inline]
 pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
+    if ty == GgmlType::Q4_0 && simd_level() == SimdLevel::Avx512 {
+        return with_quads(x, |q| q.dot_x4(rows));
+    }
     #[cfg(target_arch = "x86_64")]
-    if simd_level() == SimdLevel::Avx2 {
+    if simd_level().avx2() {
         let rb = ty.row_bytes(x.len() * 32);
         assert!(rows.iter().all(|r| r.len() == rb), "dot_q8_x4: row length");
         // SAFETY: AVX2/FMA/F16C detected; each row holds x.len() blocks (asserted above).
@@ -461,7 +498,7 @@ mod tests {
     #[test]
     fn q4_nibble_sums_equal_the_sign_trick() {
         use std::arch::x86_64::*;
-        if simd_level() != SimdLevel::Avx2 {
+        if !simd_level().avx2() {
             return;
         }
         let mut seed = 11u64;

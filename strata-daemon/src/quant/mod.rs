@@ -1,11 +1,12 @@
 //! GGML tensor formats: type table, dequantization, activation quantization
-//! and dot products (scalar reference + AVX2/FMA chosen at run time).
+//! and dot products (scalar reference, AVX2/FMA and AVX-512 VNNI, chosen at run time).
 //!
 //! Block layouts follow ggml (`ggml-common.h` in the ggml/llama.cpp
 //! repositories): e.g. Q4_0 = f16 scale + 16 bytes of nibbles per 32 values.
 
 mod dequant;
 mod dot;
+pub mod q4_wide;
 mod types;
 
 pub use dequant::{bf16_to_f32, dequantize_row, f16_to_f32};
