@@ -130,11 +130,12 @@ pub fn run(a: BenchExpertsArgs) -> Result<()> {
     let ram = host_read_gbps(arena.slice(0, set * blob), threads);
     println!(
         "{}: {set} experts of {:.2} MiB ({:.0} MiB, filled in {:.1} s), {per} per layer; host RAM read {ram:.1} GB/s \
-         ({threads} threads)",
+         ({threads} threads); CPU kernels {:?}",
         a.preset,
         blob as f64 / 1048576.0,
         (set * blob) as f64 / 1048576.0,
-        t0.elapsed().as_secs_f64()
+        t0.elapsed().as_secs_f64(),
+        strata::quant::simd_level()
     );
     let mut x = Act::default();
     x.resize(1, e);
@@ -183,7 +184,8 @@ pub fn run(a: BenchExpertsArgs) -> Result<()> {
     }
     if let Some(p) = &a.json {
         let doc = serde_json::json!({"preset": a.preset, "type": a.r#type, "blob_bytes": blob, "set": set,
-            "per_layer": per, "threads": threads, "host_ram_read_gbps": ram, "arms": arms});
+            "per_layer": per, "threads": threads, "host_ram_read_gbps": ram,
+            "simd": format!("{:?}", strata::quant::simd_level()), "arms": arms});
         std::fs::write(p, serde_json::to_string_pretty(&doc)?)?;
     }
     Ok(())

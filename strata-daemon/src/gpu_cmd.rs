@@ -649,7 +649,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let arena = st.arena();
         crate::bench_experts_cmd::host_read_gbps(arena.slice(0, arena.len().min(8 << 30)), threads)
     };
-    println!("H2D pinned {pinned:.1} GB/s, pageable {pageable:.1} GB/s; host RAM read {ram_bw:.1} GB/s; blob {:.2} MiB; {total} experts", blob as f64 / 1048576.0);
+    println!(
+        "H2D pinned {pinned:.1} GB/s, pageable {pageable:.1} GB/s; host RAM read {ram_bw:.1} GB/s; blob {:.2} MiB; {total} experts; CPU kernels {:?}",
+        blob as f64 / 1048576.0,
+        strata::quant::simd_level()
+    );
     let mut arms = Vec::new();
     let mut seed = 42u64;
     let prompt: Vec<u32> = (0..a.prompt).map(|_| (rng(&mut seed) % m.cfg.n_vocab as u64) as u32).collect();
@@ -780,7 +784,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "prompt_tok_s": pt, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,
             "pcie_entries_per_token": pcie_per_tok, "blob_reads_per_token": blob_per_tok, "bound_tok_s": bound}));
     }
-    let report = serde_json::json!({"model": a.model.display().to_string(), "shift": a.shift, "h2d_pinned_gbps": pinned,
+    let report = serde_json::json!({"model": a.model.display().to_string(), "shift": a.shift,
+        "simd": format!("{:?}", strata::quant::simd_level()), "h2d_pinned_gbps": pinned,
         "h2d_pageable_gbps": pageable, "host_ram_read_gbps": ram_bw, "blob_bytes": blob, "experts": total, "arms": arms});
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&report)?)?;

@@ -240,8 +240,7 @@ pub fn glu_batch(pool: &WorkerPool, jobs: &mut [GluJob<'_>], precision: Precisio
         let rows = g.rows;
         let r0 = (task - first) * chunk;
         let r1 = (r0 + chunk).min(rows);
-        rows_into(&g, x, gp, r0, r1, precision);
-        rows_into(&u, x, up, r0, r1, precision);
+        rows_into_each(&[(&g, gp), (&u, up)], x, r0, r1, precision);
         for ti in 0..x.t {
             let (a, b) = (ti * rows + r0, ti * rows + r1);
             // SAFETY: [a, b) lies inside this job's `x.t × rows` g, u and h values (asserted / resized above),
@@ -282,33 +281,51 @@ thread_local! {
 
 /// Rows `r0..r1` of one product into `p` (its `out`, `x.t × w.rows`).
 fn rows_into(w: &MatRef<'_>, x: &Act, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
-    let rows = w.rows;
-    let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
+    rows_into_each(&[(w, p)], x, r0, r1, precision)
+}
+
+/// Rows `r0..r1` of several products of the same activations (gate and up) into their outputs: each token's
+/// activations are rearranged once for all of them where the wide Q4_0 kernel runs. Every output has the bits
+/// of a lone [`rows_into`].
+fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &Act, r0: usize, r1: usize, precision: Precision) {
     let simd = precision == Precision::Q8Activations;
-    if simd && w.ty == GgmlType::Q4_0 && simd_level() == SimdLevel::Avx512 {
+    if simd && simd_level() == SimdLevel::Avx512 && mats.iter().all(|(w, _)| w.ty == GgmlType::Q4_0) {
         // the same bits as dot_q8 / dot_q8_x4 there, with the activations rearranged once per token, not per call
         QUADS.with(|q| {
             let mut q = q.borrow_mut();
             for ti in 0..x.t {
                 q.prepare(x.qrow(ti));
-                let mut r = r0;
-                while r + 4 <= r1 {
-                    let v = q.dot_x4([w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)]);
-                    for (j, vj) in v.into_iter().enumerate() {
-                        // SAFETY: ti < t and r + j < rows: inside `out` (asserted by the caller); each
-                        // (ti, row) is written by exactly one task (row ranges are disjoint).
-                        unsafe { *p.0.add(ti * rows + r + j) = vj };
+                for &(w, p) in mats {
+                    let rows = w.rows;
+                    let mut r = r0;
+                    while r + 4 <= r1 {
+                        let v = q.dot_x4([w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)]);
+                        for (j, vj) in v.into_iter().enumerate() {
+                            // SAFETY: ti < t and r + j < rows: inside `out` (asserted by the caller); each
+                            // (ti, row) is written by exactly one task (row ranges are disjoint).
+                            unsafe { *p.0.add(ti * rows + r + j) = vj };
+                        }
+                        r += 4;
                     }
-                    r += 4;
-                }
-                for r in r..r1 {
-                    // SAFETY: as above.
-                    unsafe { *p.0.add(ti * rows + r) = q.dot(w.row(r)) };
+                    for r in r..r1 {
+                        // SAFETY: as above.
+                        unsafe { *p.0.add(ti * rows + r) = q.dot(w.row(r)) };
+                    }
                 }
             }
         });
         return;
     }
+    for &(w, p) in mats {
+        rows_general(w, x, p, r0, r1, precision);
+    }
+}
+
+/// [`rows_into`] through [`dot_q8_x4`] / [`dot_q8`] (or the scalar and f32 references).
+fn rows_general(w: &MatRef<'_>, x: &Act, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
+    let rows = w.rows;
+    let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
+    let simd = precision == Precision::Q8Activations;
     for ti in 0..x.t {
         let mut r = r0;
         if q8 && simd {
