@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Args as ClapArgs;
-use strata::compute::cpu::{glu_batch, matmul_batch, Act, GluJob, MatJob, MatRef, Precision};
+use strata::compute::cpu::{experts_batch, glu_batch, matmul_batch, Act, ExpertJob, GluJob, MatJob, MatRef, Precision};
 use strata::compute::pool::WorkerPool;
 use strata::quant::GgmlType;
 use strata::tiers::arena::HostArena;
@@ -38,6 +38,10 @@ pub struct BenchExpertsArgs {
     /// Weight bytes streamed per arm (MiB).
     #[arg(long, default_value_t = 4096)]
     work_mib: usize,
+    /// Run the SwiGLU and the down products as two regions of the pool with a barrier between them (as the
+    /// engine did before `experts_batch`), for an A/B in one run.
+    #[arg(long)]
+    two_regions: bool,
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -70,36 +74,62 @@ struct Layer {
     out: Vec<f32>,
 }
 
-/// One layer: the experts whose blobs are `blobs` (gate | up | down, `e` × `ff` each) on the token `x`.
-fn layer(pool: &WorkerPool, ty: GgmlType, (e, ff): (usize, usize), blobs: &[&[u8]], x: &Act, s: &mut Layer) {
+/// One layer: the experts whose blobs are `blobs` (gate | up | down, `e` × `ff` each) on the token `x` — in one
+/// region of the pool as the engine runs them ([`experts_batch`]), or with `two_regions` as a [`glu_batch`] then a
+/// [`matmul_batch`] (a barrier between the SwiGLU and the down products; the same bits).
+fn layer(
+    pool: &WorkerPool,
+    ty: GgmlType,
+    (e, ff): (usize, usize),
+    blobs: &[&[u8]],
+    x: &Act,
+    s: &mut Layer,
+    two_regions: bool,
+) {
     let gb = ff * ty.row_bytes(e);
     let n = blobs.len();
     s.g.resize(n * ff, 0.0);
     s.u.resize(n * ff, 0.0);
     s.out.resize(n * e, 0.0);
     s.hs.resize_with(n, Act::default);
-    let mut jobs: Vec<GluJob> = blobs
-        .iter()
-        .zip(s.g.chunks_mut(ff))
-        .zip(s.u.chunks_mut(ff))
-        .zip(s.hs.iter_mut())
-        .map(|(((b, g), u), h)| GluJob {
-            gate: MatRef { data: &b[..gb], ty, rows: ff, cols: e, stride: 0 },
-            up: MatRef { data: &b[gb..2 * gb], ty, rows: ff, cols: e, stride: 0 },
-            x,
-            g,
-            u,
-            h,
-        })
-        .collect();
+    // gate, up and down of expert i
+    let mats = |i: usize| {
+        let b: &[u8] = blobs[i];
+        (
+            MatRef { data: &b[..gb], ty, rows: ff, cols: e, stride: 0 },
+            MatRef { data: &b[gb..2 * gb], ty, rows: ff, cols: e, stride: 0 },
+            MatRef { data: &b[2 * gb..], ty, rows: e, cols: ff, stride: 0 },
+        )
+    };
+    if !two_regions {
+        let mut jobs: Vec<ExpertJob> =
+            s.g.chunks_mut(ff)
+                .zip(s.u.chunks_mut(ff))
+                .zip(s.hs.iter_mut())
+                .zip(s.out.chunks_mut(e))
+                .enumerate()
+                .map(|(i, (((g, u), h), out))| {
+                    let (gate, up, down) = mats(i);
+                    ExpertJob { glu: GluJob { gate, up, x, g, u, h }, down, out }
+                })
+                .collect();
+        experts_batch(pool, &mut jobs, Precision::Q8Activations, || {});
+        return;
+    }
+    let mut jobs: Vec<GluJob> =
+        s.g.chunks_mut(ff)
+            .zip(s.u.chunks_mut(ff))
+            .zip(s.hs.iter_mut())
+            .enumerate()
+            .map(|(i, ((g, u), h))| {
+                let (gate, up, _) = mats(i);
+                GluJob { gate, up, x, g, u, h }
+            })
+            .collect();
     glu_batch(pool, &mut jobs, Precision::Q8Activations, || {});
     drop(jobs);
-    let mut jobs: Vec<MatJob> = blobs
-        .iter()
-        .zip(s.out.chunks_mut(e))
-        .zip(&s.hs)
-        .map(|((b, out), h)| MatJob { w: MatRef { data: &b[2 * gb..], ty, rows: e, cols: ff, stride: 0 }, x: h, out })
-        .collect();
+    let mut jobs: Vec<MatJob> =
+        s.out.chunks_mut(e).zip(&s.hs).enumerate().map(|(i, (out, h))| MatJob { w: mats(i).2, x: h, out }).collect();
     matmul_batch(pool, &mut jobs, Precision::Q8Activations);
 }
 
@@ -170,10 +200,10 @@ pub fn run(a: BenchExpertsArgs) -> Result<()> {
                 .collect()
         };
         // one warm-up layer (page tables, pool threads)
-        layer(&pool, ty, (e, ff), &pick(&mut next), &x, &mut s);
+        layer(&pool, ty, (e, ff), &pick(&mut next), &x, &mut s, a.two_regions);
         let t = Instant::now();
         for _ in 0..layers {
-            layer(&pool, ty, (e, ff), &pick(&mut next), &x, &mut s);
+            layer(&pool, ty, (e, ff), &pick(&mut next), &x, &mut s, a.two_regions);
         }
         let secs = t.elapsed().as_secs_f64();
         let us = secs / layers as f64 * 1e6;

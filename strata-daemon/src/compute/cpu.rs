@@ -9,6 +9,7 @@
 use super::pool::WorkerPool;
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::quant::q4_wide::Q8Quads;
 use crate::quant::{
@@ -82,6 +83,38 @@ impl Act {
     pub fn qrow(&self, i: usize) -> &[BlockQ8] {
         let nb = self.n / 32;
         &self.q[i * nb..(i + 1) * nb]
+    }
+}
+
+/// A borrowed view of [`Act`]: `t` rows of `n` values and, where quantized, their `t * n / 32` blocks.
+#[derive(Clone, Copy)]
+pub struct ActRef<'a> {
+    /// Tokens (rows).
+    pub t: usize,
+    /// Values per row.
+    pub n: usize,
+    /// `t * n` values, row-major.
+    pub f: &'a [f32],
+    /// `t * n / 32` blocks (empty when not quantized).
+    pub q: &'a [BlockQ8],
+}
+
+impl<'a> ActRef<'a> {
+    /// Row `i` of the f32 values.
+    pub fn row(&self, i: usize) -> &'a [f32] {
+        &self.f[i * self.n..(i + 1) * self.n]
+    }
+    /// Row `i` of the quantized blocks.
+    pub fn qrow(&self, i: usize) -> &'a [BlockQ8] {
+        let nb = self.n / 32;
+        &self.q[i * nb..(i + 1) * nb]
+    }
+}
+
+impl Act {
+    /// This activation set as an [`ActRef`].
+    pub fn view(&self) -> ActRef<'_> {
+        ActRef { t: self.t, n: self.n, f: &self.f, q: &self.q }
     }
 }
 
@@ -165,7 +198,7 @@ pub fn matmul_batch(pool: &WorkerPool, jobs: &mut [MatJob<'_>], precision: Preci
         let ji = plan.partition_point(|&(first, ..)| first <= task) - 1;
         let (first, chunk, p, w, x) = plan[ji];
         let r0 = (task - first) * chunk;
-        rows_into(&w, x, p, r0, (r0 + chunk).min(w.rows), precision);
+        rows_into_each(&[(&w, p)], &x.view(), r0, (r0 + chunk).min(w.rows), precision);
     };
     pool.run(tasks, body);
 }
@@ -200,56 +233,185 @@ pub struct GluJob<'a> {
 /// product and [`Act::quantize`], with no serial SwiGLU between the products. `side` runs on the caller as in
 /// [`WorkerPool::run_with`]. Panics on shape mismatches.
 pub fn glu_batch(pool: &WorkerPool, jobs: &mut [GluJob<'_>], precision: Precision, side: impl FnOnce()) {
-    let threads = pool.threads();
-    // (first task, rows per task, gate, up, x, g, u, h values, h blocks) per job
-    let mut plan = Vec::with_capacity(jobs.len());
-    let mut tasks = 0;
-    for j in jobs.iter_mut() {
-        let (g, u, x) = (&j.gate, &j.up, j.x);
-        let rows = g.rows;
-        assert!(u.rows == rows && u.cols == g.cols && u.ty == g.ty, "glu: gate and up differ");
-        assert_eq!(x.n, g.cols, "glu: activation width {} != matrix cols {}", x.n, g.cols);
-        assert!(j.g.len() >= x.t * rows && j.u.len() >= x.t * rows, "glu: scratch too small");
-        if g.ty.uses_q8_activations() && precision != Precision::F32 {
-            assert_eq!(x.q.len(), x.t * x.n / 32, "glu: activations not quantized");
-        }
-        j.h.resize(x.t, rows);
-        // as Act::quantize sizes it
-        j.h.q.resize(x.t * (rows / 32), BlockQ8::default());
-        // whole Q8 blocks per task when h is quantized
-        let chunk = chunking(threads, g).0;
-        let chunk = if rows % 32 == 0 { chunk.next_multiple_of(32).min(rows) } else { chunk }.max(1);
-        let n = rows.div_ceil(chunk);
-        plan.push((
-            tasks,
-            chunk,
-            *g,
-            *u,
-            x,
-            SyncPtr(j.g.as_mut_ptr()),
-            SyncPtr(j.u.as_mut_ptr()),
-            SyncPtr(j.h.f.as_mut_ptr()),
-            SyncQ8(j.h.q.as_mut_ptr()),
-        ));
-        tasks += n;
-    }
-    let plan = &plan;
+    let plan = GluPlan::new(pool.threads(), jobs, precision);
     let body = |task: usize| {
-        let ji = plan.partition_point(|&(first, ..)| first <= task) - 1;
-        let (first, chunk, g, u, x, gp, up, hp, hq) = plan[ji];
-        let rows = g.rows;
-        let r0 = (task - first) * chunk;
-        let r1 = (r0 + chunk).min(rows);
-        rows_into_each(&[(&g, gp), (&u, up)], x, r0, r1, precision);
+        plan.task(task, precision);
+    };
+    pool.run_with(plan.tasks, body, side);
+}
+
+/// One expert of an [`experts_batch`]: its SwiGLU ([`GluJob`]; `glu.h` is the hidden layer, `x.t × ff`) and
+/// then its down product `out[t * down.rows + r] = Σ_c down[r, c] * h[t, c]` (`down.cols == glu.gate.rows`).
+pub struct ExpertJob<'a> {
+    /// Gate, up and SwiGLU.
+    pub glu: GluJob<'a>,
+    /// The down weights (`rows × ff`).
+    pub down: MatRef<'a>,
+    /// At least `x.t × down.rows` outputs.
+    pub out: &'a mut [f32],
+}
+
+/// Several experts' SwiGLU and down products in one fork-join of `pool` (instead of a [`glu_batch`] and a
+/// [`matmul_batch`], with a barrier between them): the gate/up tasks of every expert come first, then the
+/// down tasks, each of which starts as soon as its own expert's gate/up tasks are done (tasks are taken in
+/// order, so every gate/up task is running or done when a down task waits for it). The same bits as the two
+/// batches. `side` runs on the caller as in [`WorkerPool::run_with`]. Panics on shape mismatches.
+pub fn experts_batch(pool: &WorkerPool, jobs: &mut [ExpertJob<'_>], precision: Precision, side: impl FnOnce()) {
+    let threads = pool.threads();
+    // (first down task, chunk, down weights, outputs) per expert, checked before the glu plan borrows the jobs
+    let mut downs = Vec::with_capacity(jobs.len());
+    for j in jobs.iter_mut() {
+        let (w, t) = (&j.down, j.glu.x.t);
+        assert_eq!(w.cols, j.glu.gate.rows, "experts: down cols {} != ff {}", w.cols, j.glu.gate.rows);
+        assert!(j.out.len() >= t * w.rows, "experts: down output too small");
+        if w.ty.uses_q8_activations() && precision != Precision::F32 {
+            assert_eq!(w.cols % 32, 0, "experts: h ({} wide) cannot be quantized for {:?} down weights", w.cols, w.ty);
+        }
+        downs.push((chunking(threads, w), j.down, SyncPtr(j.out.as_mut_ptr())));
+    }
+    let mut glu: Vec<GluJob<'_>> = jobs
+        .iter_mut()
+        .map(|j| GluJob {
+            gate: j.glu.gate,
+            up: j.glu.up,
+            x: j.glu.x,
+            g: &mut *j.glu.g,
+            u: &mut *j.glu.u,
+            h: &mut *j.glu.h,
+        })
+        .collect();
+    let plan = GluPlan::new(threads, &mut glu, precision);
+    let mut first = Vec::with_capacity(downs.len());
+    let mut n_down = 0;
+    for &((_, n), ..) in &downs {
+        first.push(plan.tasks + n_down);
+        n_down += n;
+    }
+    let done: Vec<AtomicUsize> = (0..downs.len()).map(|_| AtomicUsize::new(0)).collect();
+    let failed = AtomicBool::new(false);
+    let body = |task: usize| {
+        if task < plan.tasks {
+            // a panicking gate/up task must not leave the down tasks waiting for it
+            struct Poison<'a>(&'a AtomicBool);
+            impl Drop for Poison<'_> {
+                fn drop(&mut self) {
+                    if std::thread::panicking() {
+                        self.0.store(true, Ordering::Release);
+                    }
+                }
+            }
+            let _p = Poison(&failed);
+            let ji = plan.task(task, precision);
+            done[ji].fetch_add(1, Ordering::Release);
+            return;
+        }
+        let ji = first.partition_point(|&f| f <= task) - 1;
+        let ((chunk, _), w, out) = downs[ji];
+        let e = &plan.jobs[ji];
+        let mut spins = 0u32;
+        while done[ji].load(Ordering::Acquire) < e.n {
+            if failed.load(Ordering::Acquire) {
+                return;
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(4096) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        // SAFETY: every task of this expert's SwiGLU is done (the Acquire load above pairs with their Release
+        // increments), so nothing writes its h any more; the buffers were sized by GluPlan::new and are not
+        // reallocated while the region runs.
+        let h = unsafe {
+            let (t, n) = (e.t, e.rows);
+            let q = if n % 32 == 0 { std::slice::from_raw_parts(e.hq.0, t * n / 32) } else { &[][..] };
+            ActRef { t, n, f: std::slice::from_raw_parts(e.hp.0, t * n), q }
+        };
+        let r0 = (task - first[ji]) * chunk;
+        rows_into_each(&[(&w, out)], &h, r0, (r0 + chunk).min(w.rows), precision);
+    };
+    pool.run_with(plan.tasks + n_down, body, side);
+}
+
+/// One expert of a [`GluPlan`]: its first task, rows per task, task count and raw views of its buffers.
+struct GluEntry<'a> {
+    first: usize,
+    chunk: usize,
+    n: usize,
+    t: usize,
+    rows: usize,
+    gate: MatRef<'a>,
+    up: MatRef<'a>,
+    x: ActRef<'a>,
+    gp: SyncPtr,
+    up_p: SyncPtr,
+    hp: SyncPtr,
+    hq: SyncQ8,
+}
+
+/// The tasks of a batch of SwiGLU jobs (h resized; shapes checked).
+struct GluPlan<'a> {
+    jobs: Vec<GluEntry<'a>>,
+    tasks: usize,
+}
+
+impl<'a> GluPlan<'a> {
+    fn new(threads: usize, jobs: &mut [GluJob<'a>], precision: Precision) -> GluPlan<'a> {
+        let mut plan = Vec::with_capacity(jobs.len());
+        let mut tasks = 0;
+        for j in jobs.iter_mut() {
+            let (g, u, x) = (&j.gate, &j.up, j.x);
+            let rows = g.rows;
+            assert!(u.rows == rows && u.cols == g.cols && u.ty == g.ty, "glu: gate and up differ");
+            assert_eq!(x.n, g.cols, "glu: activation width {} != matrix cols {}", x.n, g.cols);
+            assert!(j.g.len() >= x.t * rows && j.u.len() >= x.t * rows, "glu: scratch too small");
+            if g.ty.uses_q8_activations() && precision != Precision::F32 {
+                assert_eq!(x.q.len(), x.t * x.n / 32, "glu: activations not quantized");
+            }
+            j.h.resize(x.t, rows);
+            // as Act::quantize sizes it
+            j.h.q.resize(x.t * (rows / 32), BlockQ8::default());
+            // whole Q8 blocks per task when h is quantized
+            let chunk = chunking(threads, g).0;
+            let chunk = if rows % 32 == 0 { chunk.next_multiple_of(32).min(rows) } else { chunk }.max(1);
+            let n = rows.div_ceil(chunk);
+            plan.push(GluEntry {
+                first: tasks,
+                chunk,
+                n,
+                t: x.t,
+                rows,
+                gate: *g,
+                up: *u,
+                x: x.view(),
+                gp: SyncPtr(j.g.as_mut_ptr()),
+                up_p: SyncPtr(j.u.as_mut_ptr()),
+                hp: SyncPtr(j.h.f.as_mut_ptr()),
+                hq: SyncQ8(j.h.q.as_mut_ptr()),
+            });
+            tasks += n;
+        }
+        GluPlan { jobs: plan, tasks }
+    }
+
+    /// Runs task `task` (< `self.tasks`); returns its job's index.
+    fn task(&self, task: usize, precision: Precision) -> usize {
+        let ji = self.jobs.partition_point(|e| e.first <= task) - 1;
+        let e = &self.jobs[ji];
+        let (rows, x) = (e.rows, &e.x);
+        let r0 = (task - e.first) * e.chunk;
+        let r1 = (r0 + e.chunk).min(rows);
+        rows_into_each(&[(&e.gate, e.gp), (&e.up, e.up_p)], x, r0, r1, precision);
         for ti in 0..x.t {
             let (a, b) = (ti * rows + r0, ti * rows + r1);
-            // SAFETY: [a, b) lies inside this job's `x.t × rows` g, u and h values (asserted / resized above),
-            // and only this task touches rows r0..r1 of token ti; the products above wrote them first.
+            // SAFETY: [a, b) lies inside this job's `x.t × rows` g, u and h values (asserted / resized in
+            // GluPlan::new), and only this task touches rows r0..r1 of token ti; the products above wrote them.
             let (gv, uv, hv) = unsafe {
                 (
-                    std::slice::from_raw_parts(gp.0.add(a), b - a),
-                    std::slice::from_raw_parts(up.0.add(a), b - a),
-                    std::slice::from_raw_parts_mut(hp.0.add(a), b - a),
+                    std::slice::from_raw_parts(e.gp.0.add(a), b - a),
+                    std::slice::from_raw_parts(e.up_p.0.add(a), b - a),
+                    std::slice::from_raw_parts_mut(e.hp.0.add(a), b - a),
                 )
             };
             for ((h, &gx), &ux) in hv.iter_mut().zip(gv).zip(uv) {
@@ -258,12 +420,12 @@ pub fn glu_batch(pool: &WorkerPool, jobs: &mut [GluJob<'_>], precision: Precisio
             if rows % 32 == 0 {
                 // SAFETY: rows, r0 and r1 are multiples of 32 here, so blocks a/32 .. b/32 are this task's alone
                 // and lie inside h's `x.t × rows / 32` blocks.
-                let q = unsafe { std::slice::from_raw_parts_mut(hq.0.add(a / 32), (b - a) / 32) };
+                let q = unsafe { std::slice::from_raw_parts_mut(e.hq.0.add(a / 32), (b - a) / 32) };
                 quantize_q8(hv, q);
             }
         }
-    };
-    pool.run_with(tasks, body, side);
+        ji
+    }
 }
 
 /// A shareable raw pointer to Q8 blocks (tasks write disjoint ranges).
@@ -279,15 +441,11 @@ thread_local! {
     static QUADS: RefCell<Q8Quads> = RefCell::new(Q8Quads::default());
 }
 
-/// Rows `r0..r1` of one product into `p` (its `out`, `x.t × w.rows`).
-fn rows_into(w: &MatRef<'_>, x: &Act, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
-    rows_into_each(&[(w, p)], x, r0, r1, precision)
-}
-
-/// Rows `r0..r1` of several products of the same activations (gate and up) into their outputs: each token's
+/// Rows `r0..r1` of several products of the same activations (each output `x.t × w.rows`, written through its
+/// pointer) (gate and up) into their outputs: each token's
 /// activations are rearranged once for all of them where the wide Q4_0 kernel runs. Every output has the bits
-/// of a lone [`rows_into`].
-fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &Act, r0: usize, r1: usize, precision: Precision) {
+/// of a lone product's rows.
+fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1: usize, precision: Precision) {
     let simd = precision == Precision::Q8Activations;
     if simd && simd_level() == SimdLevel::Avx512 && mats.iter().all(|(w, _)| w.ty == GgmlType::Q4_0) {
         // the same bits as dot_q8 / dot_q8_x4 there, with the activations rearranged once per token, not per call
@@ -321,8 +479,8 @@ fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &Act, r0: usize, r1: usize
     }
 }
 
-/// [`rows_into`] through [`dot_q8_x4`] / [`dot_q8`] (or the scalar and f32 references).
-fn rows_general(w: &MatRef<'_>, x: &Act, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
+/// One product's rows through [`dot_q8_x4`] / [`dot_q8`] (or the scalar and f32 references).
+fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
     let rows = w.rows;
     let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
     let simd = precision == Precision::Q8Activations;
@@ -510,6 +668,81 @@ mod tests {
                         for (a, b) in h.q.iter().zip(&want.q) {
                             assert_eq!((a.d.to_bits(), a.s.to_bits(), a.qs), (b.d.to_bits(), b.s.to_bits(), b.qs));
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn experts_batch_gives_the_bits_of_a_glu_batch_then_a_matmul_batch() {
+        let mut seed = 23u64;
+        for threads in [1, 2, 5] {
+            let pool = WorkerPool::new(threads).expect("pool");
+            for precision in [Precision::Q8Activations, Precision::Q8Scalar, Precision::F32] {
+                for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
+                    // (ff, e, tokens): experts of different widths and token counts, one with a single task
+                    let shapes = [(96usize, 256usize, 1usize), (64, 256, 3), (288, 256, 2), (32, 256, 1)];
+                    let ws: Vec<[Vec<u8>; 3]> = shapes
+                        .iter()
+                        .map(|&(f, e, _)| {
+                            [
+                                random_blocks(ty, f, e, &mut seed),
+                                random_blocks(ty, f, e, &mut seed),
+                                random_blocks(ty, e, f, &mut seed),
+                            ]
+                        })
+                        .collect();
+                    let xs: Vec<Act> = shapes.iter().enumerate().map(|(i, &(_, e, t))| act(t, e, i)).collect();
+                    let scratch = |&(f, e, t): &(usize, usize, usize)| {
+                        (vec![0f32; f * t], vec![0f32; f * t], Act::default(), vec![0f32; e * t])
+                    };
+                    let mut fused: Vec<_> = shapes.iter().map(scratch).collect();
+                    let mut apart: Vec<_> = shapes.iter().map(scratch).collect();
+                    {
+                        let mut jobs: Vec<ExpertJob> = fused
+                            .iter_mut()
+                            .zip(&ws)
+                            .zip(&xs)
+                            .zip(&shapes)
+                            .map(|((((g, u, h, out), w), x), &(f, e, _))| ExpertJob {
+                                glu: GluJob { gate: mat(&w[0], ty, f, e), up: mat(&w[1], ty, f, e), x, g, u, h },
+                                down: mat(&w[2], ty, e, f),
+                                out,
+                            })
+                            .collect();
+                        let mut ran = 0;
+                        experts_batch(&pool, &mut jobs, precision, || ran += 1);
+                        assert_eq!(ran, 1);
+                    }
+                    {
+                        let mut jobs: Vec<GluJob> = apart
+                            .iter_mut()
+                            .zip(&ws)
+                            .zip(&xs)
+                            .zip(&shapes)
+                            .map(|((((g, u, h, _), w), x), &(f, e, _))| GluJob {
+                                gate: mat(&w[0], ty, f, e),
+                                up: mat(&w[1], ty, f, e),
+                                x,
+                                g,
+                                u,
+                                h,
+                            })
+                            .collect();
+                        glu_batch(&pool, &mut jobs, precision, || {});
+                    }
+                    for (i, (_, _, h, out)) in apart.iter_mut().enumerate() {
+                        let (f, e, _) = shapes[i];
+                        matmul_batch(&pool, &mut [MatJob { w: mat(&ws[i][2], ty, e, f), x: h, out }], precision);
+                    }
+                    for ((a, b), sh) in fused.iter().zip(&apart).zip(&shapes) {
+                        assert!(a.2.f.iter().zip(&b.2.f).all(|(p, q)| p.to_bits() == q.to_bits()), "h {sh:?}");
+                        assert!(
+                            a.3.iter().zip(&b.3).all(|(p, q)| p.to_bits() == q.to_bits()),
+                            "{ty:?} {precision:?} {sh:?}"
+                        );
+                        assert!(a.3.iter().any(|v| *v != 0.0), "{sh:?}: no output");
                     }
                 }
             }

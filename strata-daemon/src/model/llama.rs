@@ -14,9 +14,7 @@ use std::sync::Arc;
 
 use super::config::{ModelConfig, ModelError};
 use super::kv::KvCache;
-use crate::compute::cpu::{
-    glu_batch, matmul_batch, matmul_with, silu, Act, GluJob, MatJob, MatRef, Precision, SyncPtr,
-};
+use crate::compute::cpu::{experts_batch, matmul_with, silu, Act, ExpertJob, GluJob, MatRef, Precision, SyncPtr};
 use crate::compute::pool::WorkerPool;
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::quant::{dequantize_row, GgmlType};
@@ -679,37 +677,32 @@ impl LlamaModel {
                     )
                 })
                 .collect();
-            // gate, up and SwiGLU (quantized) of the whole batch in one fork-join; the caller's side work (e.g.
-            // the GPU's launches of a hybrid layer) runs beside the first one
+            // gate, up, SwiGLU (quantized) and down of the whole batch in one fork-join (each expert's down tasks
+            // start when its own gate/up tasks are done); the caller's side work (e.g. the GPU's launches of a
+            // hybrid layer) runs beside it
             s.gate.resize(gu, 0.0);
             s.up.resize(gu, 0.0);
             hs.resize_with(batch.len(), Act::default);
-            {
-                let mut jobs = Vec::with_capacity(batch.len());
-                let (mut g_rest, mut u_rest) = (&mut s.gate[..], &mut s.up[..]);
-                for ((v, x), h) in views.iter().zip(&subs).zip(hs.iter_mut()) {
-                    let n = x.t * v.0.rows;
-                    let (g, gr) = std::mem::take(&mut g_rest).split_at_mut(n);
-                    let (u, ur) = std::mem::take(&mut u_rest).split_at_mut(n);
-                    g_rest = gr;
-                    u_rest = ur;
-                    jobs.push(GluJob { gate: v.0, up: v.1, x, g, u, h });
-                }
-                let side = side.take();
-                glu_batch(&self.pool, &mut jobs, self.precision, || side.into_iter().for_each(|f| f(arena.as_deref())));
-            }
-            // down of the whole batch
             let outs: usize = subs[..batch.len()].iter().map(|a| a.t * e).sum();
             s.tmp.resize(outs, 0.0);
             {
                 let mut jobs = Vec::with_capacity(batch.len());
-                let mut rest = &mut s.tmp[..];
-                for (b, v) in views.iter().enumerate() {
-                    let (o, r) = std::mem::take(&mut rest).split_at_mut(subs[b].t * e);
-                    rest = r;
-                    jobs.push(MatJob { w: v.2, x: &hs[b], out: o });
+                let (mut g_rest, mut u_rest) = (&mut s.gate[..], &mut s.up[..]);
+                let mut o_rest = &mut s.tmp[..];
+                for ((v, x), h) in views.iter().zip(&subs).zip(hs.iter_mut()) {
+                    let n = x.t * v.0.rows;
+                    let (g, gr) = std::mem::take(&mut g_rest).split_at_mut(n);
+                    let (u, ur) = std::mem::take(&mut u_rest).split_at_mut(n);
+                    let (out, or) = std::mem::take(&mut o_rest).split_at_mut(x.t * e);
+                    g_rest = gr;
+                    u_rest = ur;
+                    o_rest = or;
+                    jobs.push(ExpertJob { glu: GluJob { gate: v.0, up: v.1, x, g, u, h }, down: v.2, out });
                 }
-                matmul_batch(&self.pool, &mut jobs, self.precision);
+                let side = side.take();
+                experts_batch(&self.pool, &mut jobs, self.precision, || {
+                    side.into_iter().for_each(|f| f(arena.as_deref()))
+                });
             }
             // weighted sum into the tokens' rows, expert by expert in id order
             let mut off = 0;
