@@ -291,7 +291,8 @@ pub fn experts_batch(pool: &WorkerPool, jobs: &mut [ExpertJob<'_>], precision: P
     let failed = AtomicBool::new(false);
     let body = |task: usize| {
         if task < plan.tasks {
-            // a panicking gate/up task must not leave the down tasks waiting for it
+            // a gate/up task panicking on the caller's thread must not leave the down tasks on the workers waiting
+            // for it (the caller then stops handing out tasks and waits for the running ones)
             struct Poison<'a>(&'a AtomicBool);
             impl Drop for Poison<'_> {
                 fn drop(&mut self) {

@@ -615,8 +615,8 @@ impl LlamaModel {
         let mut hs = std::mem::take(&mut s.hs);
         let blobs = std::mem::take(&mut s.blobs);
         // the layer's experts with tokens, in batches whose scratch (gate, up and h rows, the tokens' activations
-        // and down outputs) stays under BATCH_FLOATS values: each batch is one pool fork-join for gate+up+SwiGLU
-        // and one for down (not three per expert)
+        // and down outputs) stays under BATCH_FLOATS values: each batch is one pool fork-join for gate, up,
+        // SwiGLU and down (not three per expert)
         const BATCH_FLOATS: usize = 1 << 22;
         let list: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty()).collect();
         let f0 = |x: usize| from.map_or(0, |f| f[x]);

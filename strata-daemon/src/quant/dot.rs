@@ -128,7 +128,7 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     }
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {
-        // SAFETY: simd_level() returned Avx2 only after detecting avx2, fma and f16c;
+        // SAFETY: simd_level() returned Avx2 or Avx512 only after detecting avx2, fma and f16c;
         // the kernels read `x.len()` whole blocks from `row`, whose length was checked above
         // (debug) and is guaranteed by the callers that slice rows with `row_bytes`.
         return unsafe {

@@ -59,12 +59,15 @@ pub fn supported() -> bool {
 pub struct Q8Quads {
     quads: Vec<Quad>,
     blocks: usize,
+    /// Set by `prepare` once it checked the CPU's features (the kernels run only then).
+    checked: bool,
 }
 
 impl Q8Quads {
     /// Rearranges `x` (one row of Q8 blocks). Panics when the CPU lacks [`supported`]'s features.
     pub fn prepare(&mut self, x: &[BlockQ8]) {
         assert!(supported(), "Q8Quads: the CPU lacks AVX-512 F/BW/VNNI/VBMI");
+        self.checked = true;
         self.blocks = x.len();
         self.quads.clear();
         self.quads.resize(x.len().div_ceil(4), Quad::default());
@@ -81,8 +84,9 @@ impl Q8Quads {
     }
 
     /// Dot product of one Q4_0 row (`self.blocks()` blocks, 18 bytes each) with the prepared activations.
-    /// Panics on a row of another length.
+    /// Panics on a row of another length, or before any [`Q8Quads::prepare`].
     pub fn dot(&self, row: &[u8]) -> f32 {
+        assert!(self.checked, "Q8Quads::dot before prepare");
         assert_eq!(row.len(), self.blocks * 18, "Q8Quads::dot: row length");
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `prepare` checked the features; the row holds `blocks` Q4_0 blocks (asserted).
@@ -93,6 +97,7 @@ impl Q8Quads {
 
     /// Four rows at once (shared activation loads); `out[j]` has the bits of `self.dot(rows[j])`.
     pub fn dot_x4(&self, rows: [&[u8]; 4]) -> [f32; 4] {
+        assert!(self.checked, "Q8Quads::dot_x4 before prepare");
         assert!(rows.iter().all(|r| r.len() == self.blocks * 18), "Q8Quads::dot_x4: row length");
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot`, for each of the four rows.
@@ -340,5 +345,11 @@ mod tests {
             assert_eq!(q.dot(&r) as f64, e, "nibbles {nib:#x} x {xv}");
             assert_eq!(q.dot_x4([&r, &r, &r, &r]), [e as f32; 4]);
         }
+    }
+
+    #[test]
+    #[should_panic(expected = "before prepare")]
+    fn a_dot_before_prepare_panics_instead_of_running_unchecked_instructions() {
+        Q8Quads::default().dot(&[]);
     }
 }
