@@ -69,8 +69,10 @@ fn exact_fixture_matches_llama_cpp() {
 
 /// The split fixture is chaotic (docs/FIXTURES.md: llama.cpp's own two paths differ by 1 nat), so it is checked
 /// by perplexity over the same tokens: strata's against llama.cpp's on the first two chunks of 512 tokens of the
-/// evaluation text (tests/data/perplexity_moe_split.json, tools/perplexity-report), within 3%. Computing a wrong
-/// expert's bytes moves the perplexity far more.
+/// evaluation text (tests/data/perplexity_moe_split.json, tools/perplexity-report), within 8%. Summation order
+/// alone moves it by several percent here: our three CPU kernel paths, the same integers summed in different
+/// orders, give ratios 1.007 (AVX2), 0.964 (scalar reference) and 0.949 (AVX-512) on these two chunks. Computing
+/// a wrong expert's bytes moves it far more (the same fixture built for top-4 instead of top-8: ~190×).
 #[test]
 fn split_fixture_perplexity_matches_llama_cpp() {
     let d = json("perplexity_moe_split.json");
@@ -83,7 +85,7 @@ fn split_fixture_perplexity_matches_llama_cpp() {
     let theirs = (ref_nll.iter().sum::<f64>() / ref_nll.len() as f64).exp();
     let ratio = ours.ppl / theirs;
     println!("split: perplexity strata {:.3}, llama.cpp {theirs:.3} (ratio {ratio:.4})", ours.ppl);
-    assert!((ratio - 1.0).abs() <= 0.03, "perplexity ratio {ratio:.4}");
+    assert!((ratio - 1.0).abs() <= 0.08, "perplexity ratio {ratio:.4}");
 }
 
 /// In f32 (no 8-bit activation rounding) the exact fixture computes the dense FFN: every expert holds the same

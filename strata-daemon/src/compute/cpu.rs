@@ -12,9 +12,7 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::quant::q4_wide::Q8Quads;
-use crate::quant::{
-    dot_q8, dot_q8_scalar, dot_q8_x4, quantize_q8, simd_level, vec_dot_f32_row, BlockQ8, GgmlType, SimdLevel,
-};
+use crate::quant::{dot_q8, dot_q8_scalar, dot_q8_x4, quantize_q8, vec_dot_f32_row, wide, BlockQ8, GgmlType};
 
 /// A weight matrix view: `rows` × `cols` elements of `ty` in `data` (`rows * ty.row_bytes(cols)` bytes when the
 /// rows are packed; with a `stride`, row r starts at `r * stride`).
@@ -438,17 +436,17 @@ unsafe impl Send for SyncQ8 {}
 unsafe impl Sync for SyncQ8 {}
 
 thread_local! {
-    /// A pool thread's activations rearranged for the wide Q4_0 kernel (one token row at a time).
+    /// A pool thread's activations rearranged for the wide Q4_0/Q4_1 kernel (one token row at a time).
     static QUADS: RefCell<Q8Quads> = RefCell::new(Q8Quads::default());
 }
 
 /// Rows `r0..r1` of several products of the same activations (each output `x.t × w.rows`, written through its
 /// pointer) (gate and up) into their outputs: each token's
-/// activations are rearranged once for all of them where the wide Q4_0 kernel runs. Every output has the bits
+/// activations are rearranged once for all of them where the wide Q4_0/Q4_1 kernel runs. Every output has the bits
 /// of a lone product's rows.
 fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1: usize, precision: Precision) {
     let simd = precision == Precision::Q8Activations;
-    if simd && simd_level() == SimdLevel::Avx512 && mats.iter().all(|(w, _)| w.ty == GgmlType::Q4_0) {
+    if simd && mats.iter().all(|(w, _)| wide(w.ty)) {
         // the same bits as dot_q8 / dot_q8_x4 there, with the activations rearranged once per token, not per call
         QUADS.with(|q| {
             let mut q = q.borrow_mut();
@@ -458,7 +456,7 @@ fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1
                     let rows = w.rows;
                     let mut r = r0;
                     while r + 4 <= r1 {
-                        let v = q.dot_x4([w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)]);
+                        let v = q.dot_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)]);
                         for (j, vj) in v.into_iter().enumerate() {
                             // SAFETY: ti < t and r + j < rows: inside `out` (asserted by the caller); each
                             // (ti, row) is written by exactly one task (row ranges are disjoint).
@@ -468,7 +466,7 @@ fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1
                     }
                     for r in r..r1 {
                         // SAFETY: as above.
-                        unsafe { *p.0.add(ti * rows + r) = q.dot(w.row(r)) };
+                        unsafe { *p.0.add(ti * rows + r) = q.dot(w.ty, w.row(r)) };
                     }
                 }
             }

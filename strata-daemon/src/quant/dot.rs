@@ -1,5 +1,5 @@
 //! Activation quantization to 8-bit blocks and dot products of a weight row
-//! with quantized activations: scalar reference, AVX2/FMA/F16C and, for Q4_0,
+//! with quantized activations: scalar reference, AVX2/FMA/F16C and, for Q4_0 and Q4_1,
 //! AVX-512 VNNI ([`super::q4_wide`]), chosen once at run time.
 //!
 //! As in ggml, activations multiplied by Q8_0/Q4_0 rows are quantized to Q8_0
@@ -34,7 +34,7 @@ pub enum SimdLevel {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
-    /// AVX2 as above, and Q4_0 rows through the AVX-512 F/BW/VNNI/VBMI kernel ([`super::q4_wide`]).
+    /// AVX2 as above, and Q4_0 and Q4_1 rows through the AVX-512 F/BW/VNNI/VBMI kernel ([`super::q4_wide`]).
     Avx512,
 }
 
@@ -71,11 +71,17 @@ pub fn simd_level() -> SimdLevel {
 }
 
 thread_local! {
-    /// Activations rearranged for the wide Q4_0 kernel by [`dot_q8`] / [`dot_q8_x4`] (one row at a time).
+    /// Activations rearranged for the wide Q4_0/Q4_1 kernel by [`dot_q8`] / [`dot_q8_x4`] (one row at a time).
     static QUADS: RefCell<Q8Quads> = RefCell::new(Q8Quads::default());
 }
 
-/// Runs `f` on `x` rearranged for the wide Q4_0 kernel (a per-thread buffer, filled by this call).
+/// Whether rows of `ty` go through the AVX-512 kernel ([`super::q4_wide`]): Q4_0 and Q4_1 at
+/// [`SimdLevel::Avx512`].
+pub fn wide(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1) && simd_level() == SimdLevel::Avx512
+}
+
+/// Runs `f` on `x` rearranged for the wide Q4_0/Q4_1 kernel (a per-thread buffer, filled by this call).
 fn with_quads<R>(x: &[BlockQ8], f: impl FnOnce(&Q8Quads) -> R) -> R {
     QUADS.with(|q| {
         let mut q = q.borrow_mut();
@@ -123,8 +129,8 @@ pub fn quantize_q8_scalar(x: &[f32], out: &mut [BlockQ8]) {
 #[inline]
 pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     debug_assert_eq!(row.len(), ty.row_bytes(x.len() * 32));
-    if ty == GgmlType::Q4_0 && simd_level() == SimdLevel::Avx512 {
-        return with_quads(x, |q| q.dot(row));
+    if wide(ty) {
+        return with_quads(x, |q| q.dot(ty, row));
     }
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {
@@ -149,8 +155,8 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
 /// chains side by side).
 #[inline]
 pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
-    if ty == GgmlType::Q4_0 && simd_level() == SimdLevel::Avx512 {
-        return with_quads(x, |q| q.dot_x4(rows));
+    if wide(ty) {
+        return with_quads(x, |q| q.dot_x4(ty, rows));
     }
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {
