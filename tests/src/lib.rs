@@ -71,6 +71,11 @@ impl Daemon {
 
     /// Same with an explicit model and socket.
     pub fn start_with(model: &Path, socket: &Path, extra: &[&str]) -> Daemon {
+        Self::start_env(model, socket, extra, &[])
+    }
+
+    /// Same with extra environment variables for the daemon (e.g. `STRATA_SIMD`).
+    pub fn start_env(model: &Path, socket: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         let child = Command::new(bin("strata-daemon"))
             .arg("--model")
             .arg(model)
@@ -79,6 +84,7 @@ impl Daemon {
             .args(["--threads", "2"])
             .args(extra)
             .env("STRATA_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
