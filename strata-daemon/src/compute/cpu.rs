@@ -453,21 +453,8 @@ fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1
             for ti in 0..x.t {
                 q.prepare(x.qrow(ti));
                 for &(w, p) in mats {
-                    let rows = w.rows;
-                    let mut r = r0;
-                    while r + 4 <= r1 {
-                        let v = q.dot_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)]);
-                        for (j, vj) in v.into_iter().enumerate() {
-                            // SAFETY: ti < t and r + j < rows: inside `out` (asserted by the caller); each
-                            // (ti, row) is written by exactly one task (row ranges are disjoint).
-                            unsafe { *p.0.add(ti * rows + r + j) = vj };
-                        }
-                        r += 4;
-                    }
-                    for r in r..r1 {
-                        // SAFETY: as above.
-                        unsafe { *p.0.add(ti * rows + r) = q.dot(w.ty, w.row(r)) };
-                    }
+                    let x4 = |r: usize| q.dot_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)]);
+                    put_rows(p, ti * w.rows, r0, r1, Some(x4), |r| q.dot(w.ty, w.row(r)));
                 }
             }
         });
@@ -480,33 +467,48 @@ fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1
 
 /// One product's rows through [`dot_q8_x4`] / [`dot_q8`] (or the scalar and f32 references).
 fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
-    let rows = w.rows;
     let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
     let simd = precision == Precision::Q8Activations;
     for ti in 0..x.t {
-        let mut r = r0;
-        if q8 && simd {
-            let xq = x.qrow(ti);
-            while r + 4 <= r1 {
-                let v = dot_q8_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], xq);
-                for (j, vj) in v.into_iter().enumerate() {
-                    // SAFETY: ti < t and r + j < rows: inside `out` (asserted by the caller); each
-                    // (ti, row) is written by exactly one task (row ranges are disjoint).
-                    unsafe { *p.0.add(ti * rows + r + j) = vj };
-                }
-                r += 4;
-            }
-        }
-        for r in r..r1 {
+        let x4 = (q8 && simd)
+            .then_some(|r: usize| dot_q8_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], x.qrow(ti)));
+        let one = |r: usize| {
             let row = w.row(r);
-            let v = match (q8, simd) {
+            match (q8, simd) {
                 (true, true) => dot_q8(w.ty, row, x.qrow(ti)),
                 (true, false) => dot_q8_scalar(w.ty, row, x.qrow(ti)),
                 _ => vec_dot_f32_row(w.ty, row, x.row(ti)),
-            };
-            // SAFETY: as above.
-            unsafe { *p.0.add(ti * rows + r) = v };
+            }
+        };
+        put_rows(p, ti * w.rows, r0, r1, x4, one);
+    }
+}
+
+/// Writes rows `r0..r1` of one token's output at `p[base + r]`: four at a time through `x4` (rows r..r+4) while
+/// it is given and four remain, the rest through `one`.
+fn put_rows(
+    p: SyncPtr,
+    base: usize,
+    r0: usize,
+    r1: usize,
+    x4: Option<impl Fn(usize) -> [f32; 4]>,
+    one: impl Fn(usize) -> f32,
+) {
+    let mut r = r0;
+    if let Some(x4) = x4 {
+        while r + 4 <= r1 {
+            for (j, v) in x4(r).into_iter().enumerate() {
+                // SAFETY: the callers pass base = ti * rows with ti < t and rows r0..r1 within the matrix, so
+                // base + r + j lies inside `out` (`t × rows`, asserted where the job was planned); each (ti, row)
+                // is written by exactly one task (row ranges are disjoint).
+                unsafe { *p.0.add(base + r + j) = v };
+            }
+            r += 4;
         }
+    }
+    for r in r..r1 {
+        // SAFETY: as above.
+        unsafe { *p.0.add(base + r) = one(r) };
     }
 }
 

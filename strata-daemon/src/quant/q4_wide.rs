@@ -76,7 +76,7 @@ impl Q8Quads {
         assert!(supported(), "Q8Quads: the CPU lacks AVX-512 F/BW/VNNI/VBMI");
         self.checked = true;
         self.blocks = x.len();
-        self.quads.clear();
+        // every field of every group is written by imp::prepare: only new groups need a value first
         self.quads.resize(x.len().div_ceil(4), Quad::default());
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the features were checked above; `quads` holds x.len().div_ceil(4) groups.
