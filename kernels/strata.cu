@@ -825,22 +825,108 @@ extern "C" __global__ void CLUSTER_DIMS rms_norm_q8_cluster(float* x, const floa
 #endif
 }
 
-// RoPE (adjacent pairs, llama.cpp's "normal" mode) on q and k, then q rounded to f16 precision into `q`,
+// Before RoPE, for the architectures that have them (one block of QKV_PREP_THREADS threads per token row of
+// qkv, in place): the projection biases `bias` (qd + 2 * kvd values laid out as the row, [q | k | v]; null =
+// none) are added, then the queries and keys are RMS-normalized — mode 1: each head's hd values with the
+// weights qn / kn (hd each, Qwen3); mode 2: the whole q (qd) and k (kvd) parts with weights of those widths
+// (OLMoE); mode 0: no norm. Sums of squares in double, scale 1 / sqrt(mean + eps) as the CPU path's norm.
+#define QKV_PREP_THREADS 256
+extern "C" __global__ void qkv_prep(float* qkv, const float* bias, const float* qn, const float* kn, int mode,
+                                    int n_head, int n_head_kv, int hd, float eps) {
+    pdl_entry();
+    __shared__ double red[QKV_PREP_THREADS / 32];
+    const int qd = n_head * hd, kvd = n_head_kv * hd, n = qd + 2 * kvd;
+    float* row = qkv + (size_t)blockIdx.x * n;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    if (bias) {
+        for (int j = tid; j < n; j += QKV_PREP_THREADS) row[j] = __fadd_rn(row[j], bias[j]);
+        __syncthreads();
+    }
+    if (mode == 1) {
+        // one warp per head, q heads then k heads
+        for (int h = warp; h < n_head + n_head_kv; h += QKV_PREP_THREADS / 32) {
+            float* x = row + (size_t)h * hd;  // k heads follow the q heads in the row
+            const float* wv = h < n_head ? qn : kn;
+            double ss = 0.0;
+            for (int j = lane; j < hd; j += 32) ss += (double)x[j] * (double)x[j];
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            const float scale = 1.0f / sqrtf((float)(ss / hd) + eps);
+            for (int j = lane; j < hd; j += 32) x[j] = __fmul_rn(__fmul_rn(x[j], scale), wv[j]);
+        }
+    } else if (mode == 2) {
+        for (int part = 0; part < 2; part++) {
+            float* x = row + (part ? qd : 0);
+            const int m = part ? kvd : qd;
+            const float* wv = part ? kn : qn;
+            double ss = 0.0;
+            for (int j = tid; j < m; j += QKV_PREP_THREADS) ss += (double)x[j] * (double)x[j];
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (lane == 0) red[warp] = ss;
+            __syncthreads();
+            double tot = 0.0;
+            for (int i = 0; i < QKV_PREP_THREADS / 32; i++) tot += red[i];
+            const float scale = 1.0f / sqrtf((float)(tot / m) + eps);
+            for (int j = tid; j < m; j += QKV_PREP_THREADS) x[j] = __fmul_rn(__fmul_rn(x[j], scale), wv[j]);
+            __syncthreads();  // red is reused by the k part
+        }
+    }
+}
+
+// One RoPE rotation of (a, b) by (cos, sin) r, with rounded products (no fused multiply-add: the CPU path's
+// arithmetic).
+__device__ __forceinline__ float2 rotate(float a, float b, float2 r) {
+    return make_float2(__fsub_rn(__fmul_rn(a, r.x), __fmul_rn(b, r.y)), __fadd_rn(__fmul_rn(a, r.y), __fmul_rn(b, r.x)));
+}
+
+// RoPE on q and k — neox = 0: adjacent pairs (llama.cpp's "normal" mode); neox = 1: the pairs (i, i + n_rot/2)
+// of each head (GPT-NeoX mode) — then q rounded to f16 precision into `q`,
 // (rounded products, no fused multiply-add: the CPU path's arithmetic),
 // k and v stored as f16 into the KV cache at positions pos0 + i.
 // qkv: t rows of (n_head + 2*n_head_kv) * hd values [q | k | v]; cs: t * (n_rot/2) (cos, sin) pairs.
 // `pos` points at pos0 (a device scalar, so a captured CUDA graph replays at any position).
 // Grid: (t, any); block: 128 threads.
 extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_head, int n_head_kv, int hd,
-                                      int n_rot, const int* pos, float* q, u16* kcache, u16* vcache) {
+                                      int n_rot, const int* pos, float* q, u16* kcache, u16* vcache, int neox) {
     pdl_entry();
     const int i = blockIdx.x;
     const int pos0 = *pos;
     const int qd = n_head * hd, kvd = n_head_kv * hd;
     const float* src = qkv + (size_t)i * (qd + 2 * kvd);
     const float2* c = cs + (size_t)i * (n_rot / 2);
-    // q
     const int j0 = blockIdx.y * blockDim.x + threadIdx.x, js = gridDim.y * blockDim.x;
+    if (neox) {
+        // pair j of head h: (i, i + n_rot/2) for i = j % (hd/2) < n_rot/2; the unrotated tail is copied in pairs
+        const int half = n_rot / 2, hh = hd / 2;
+        u16* kc = kcache + (size_t)(pos0 + i) * kvd;
+        u16* vc = vcache + (size_t)(pos0 + i) * kvd;
+        for (int j = j0; j < (qd + kvd) / 2; j += js) {
+            const bool is_k = j >= qd / 2;
+            const int jj = is_k ? j - qd / 2 : j;
+            const int h = jj / hh, r = jj % hh;
+            const float* x = src + (is_k ? qd : 0) + (size_t)h * hd;
+            int pa, pb;
+            float2 o;
+            if (r < half) {
+                pa = r;
+                pb = r + half;
+                o = rotate(x[pa], x[pb], c[r]);
+            } else {
+                pa = n_rot + 2 * (r - half);
+                pb = pa + 1;
+                o = make_float2(x[pa], x[pb]);
+            }
+            if (is_k) {
+                kc[h * hd + pa] = float_to_half(o.x);
+                kc[h * hd + pb] = float_to_half(o.y);
+            } else {
+                q[(size_t)i * qd + h * hd + pa] = f16_round(o.x);
+                q[(size_t)i * qd + h * hd + pb] = f16_round(o.y);
+            }
+        }
+        for (int j = j0; j < kvd; j += js) vc[j] = float_to_half(src[qd + kvd + j]);
+        return;
+    }
+    // q
     for (int j = j0; j < qd / 2; j += js) {
         int h = (2 * j) / hd, p = (2 * j) % hd;  // p even
         float a = src[h * hd + p], b = src[h * hd + p + 1];
@@ -987,7 +1073,8 @@ __device__ __forceinline__ u32 warp_max_u32(u32 v) {
 
 __device__ __forceinline__ u32 warp_min_u32(u32 v) { return ~warp_max_u32(~v); }
 
-// Router: softmax over n_expert logits, top-k (ties: lower expert first), weights renormalised to sum 1.
+// Router: softmax over n_expert logits, top-k (ties: lower expert first), weights renormalised to sum 1 when
+// `norm` (their sum clamped at 2^-14), the softmax probabilities themselves otherwise.
 // One warp per token (grid t, 32 threads); n_expert <= 1024, k <= 32. ids/w: t * k.
 // Each lane keeps the best expert it has not given away; a round is one integer max and one min over the warp.
 // table != null (decode windows with every expert looked up on the device): also one group per routing entry,
@@ -996,7 +1083,7 @@ __device__ __forceinline__ u32 warp_min_u32(u32 v) { return ~warp_max_u32(~v); }
 // The top-k of one token's logits `ls` (n_expert values in shared memory, written and synced by the caller) by
 // one warp (see route_topk below); token i's entries are p = i * k + r.
 __device__ __forceinline__ void topk_warp(const float* ls, int n_expert, int k, int i, int* ids, float* w,
-                                          const int* table, Group* groups, int* flag, int* win) {
+                                          const int* table, Group* groups, int* flag, int* win, int norm) {
     const int lane = threadIdx.x % 32;
     float mx = -INFINITY;
     for (int e = lane; e < n_expert; e += 32) mx = fmaxf(mx, ls[e]);
@@ -1040,7 +1127,7 @@ __device__ __forceinline__ void topk_warp(const float* ls, int n_expert, int k, 
     if (lane < k) {
         const int p = i * k + lane;
         ids[p] = my_id;
-        w[p] = my_p / wsum;
+        w[p] = norm ? my_p / fmaxf(wsum, 6.103515625e-5f) : my_p;
         if (win) win[p] = my_id;
         if (table) {
             const int slot = table[my_id];
@@ -1056,13 +1143,13 @@ __device__ __forceinline__ void topk_warp(const float* ls, int n_expert, int k, 
 
 #define TOPK_MAX_EXPERTS 1024
 extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, int* ids, float* w, const int* table,
-                                      Group* groups, int* flag, int* win) {
+                                      Group* groups, int* flag, int* win, int norm) {
     pdl_entry();
     __shared__ float ls[TOPK_MAX_EXPERTS];
     const int i = blockIdx.x;
     for (int e = threadIdx.x; e < n_expert; e += 32) ls[e] = logits[(size_t)i * n_expert + e];
     __syncwarp();
-    topk_warp(ls, n_expert, k, i, ids, w, table, groups, flag, win);
+    topk_warp(ls, n_expert, k, i, ids, w, table, groups, flag, win, norm);
 }
 
 // h[pair, r] = silu(gate_r · x_tok) * (up_r · x_tok) for r < ff (one warp: gate and up of one r).
@@ -1344,6 +1431,25 @@ EXPERT_NARROW_KERNEL(q4_0, FMT_Q4_0)
 EXPERT_NARROW_KERNEL(q4_1, FMT_Q4_1)
 
 // Dense FFN activation: h[i] = silu(g[i]) * u[i] where gu holds t rows of [g (ff) | u (ff)].
+// A shared expert's output added to the residual (Qwen2-MoE): x[i] += sigmoid(gw · xn[i]) * y[i] for each of
+// the t rows of e values (gw: e weights of ffn_gate_inp_shexp; xn: the normalized FFN input). One block of
+// QKV_PREP_THREADS threads per row.
+extern "C" __global__ void gated_add(float* x, const float* y, const float* gw, const float* xn, int e) {
+    pdl_entry();
+    __shared__ float red[QKV_PREP_THREADS / 32];
+    const size_t i = blockIdx.x;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    float d = 0.f;
+    for (int j = tid; j < e; j += QKV_PREP_THREADS) d += gw[j] * xn[i * e + j];
+    d = warp_sum(d);
+    if (lane == 0) red[warp] = d;
+    __syncthreads();
+    float tot = 0.f;
+    for (int k = 0; k < QKV_PREP_THREADS / 32; k++) tot += red[k];
+    const float g = 1.0f / (1.0f + expf(-tot));
+    for (int j = tid; j < e; j += QKV_PREP_THREADS) x[i * e + j] += g * y[i * e + j];
+}
+
 extern "C" __global__ void swiglu(const float* gu, int ff, int t, float* h) {
     pdl_entry();
     const size_t n = (size_t)ff * t;

@@ -2,13 +2,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 use strata::gguf::GgufFile;
-use strata::model::{llama::Scratch, LlamaModel, Logits, Tokenizer};
+use strata::model::{forward::Scratch, Logits, Model, Tokenizer};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let f = Arc::new(GgufFile::open(&args[1])?);
     let tok = Tokenizer::from_gguf(&f)?;
-    let m = LlamaModel::load(f)?;
+    let m = Model::load(f)?;
     let n: usize = args.get(3).map(|s| s.parse().unwrap()).unwrap_or(32);
     let ids = tok.encode(&args[2], true, true)?;
     println!("prompt ids {:?}", ids);

@@ -1,12 +1,12 @@
 //! Diagnostic: per-position KL against tests/data/parity_logits.json.
 use std::sync::Arc;
 use strata::gguf::GgufFile;
-use strata::model::{llama::Scratch, LlamaModel, Logits};
+use strata::model::{forward::Scratch, Logits, Model};
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let d: serde_json::Value =
         serde_json::from_slice(&std::fs::read("tests/data/parity_logits.json").unwrap()).unwrap();
-    let mut m = LlamaModel::load(Arc::new(GgufFile::open(&args[1]).unwrap())).unwrap();
+    let mut m = Model::load(Arc::new(GgufFile::open(&args[1]).unwrap())).unwrap();
     if std::env::var("KL_F32").is_ok() {
         m.precision = strata::compute::cpu::Precision::F32;
     }

@@ -12,8 +12,8 @@ use strata::compute::cpu::{matmul_with, Act, MatRef, Precision};
 use strata::compute::pool::WorkerPool;
 use strata::compute::{attach_gpu, GpuOptions};
 use strata::gguf::GgufFile;
-use strata::model::llama::Scratch;
-use strata::model::{LlamaModel, Logits, Tokenizer};
+use strata::model::forward::Scratch;
+use strata::model::{Logits, Model, Tokenizer};
 use strata::quant::GgmlType;
 use strata::tiers::knobs::Knobs;
 use strata::tiers::layout::ExpertLayout;
@@ -156,14 +156,14 @@ fn kl_argmax(p_logits: &[f32], q_logits: &[f32], n_vocab: usize) -> (Vec<f64>, u
     (kls, agree)
 }
 
-fn load(path: &PathBuf, knobs: Arc<Knobs>, threads: usize) -> Result<LlamaModel> {
+fn load(path: &PathBuf, knobs: Arc<Knobs>, threads: usize) -> Result<Model> {
     load_with(path, knobs, threads, None)
 }
 
 /// [`load`] with the RAM copy holding only `ram_share` of the experts' bytes (the rest from the file).
-fn load_with(path: &PathBuf, knobs: Arc<Knobs>, threads: usize, ram_share: Option<f64>) -> Result<LlamaModel> {
+fn load_with(path: &PathBuf, knobs: Arc<Knobs>, threads: usize, ram_share: Option<f64>) -> Result<Model> {
     let file = Arc::new(GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?);
-    let mut m = LlamaModel::load(file.clone())?;
+    let mut m = Model::load(file.clone())?;
     m.set_threads(threads)?;
     if let Some(layout) = ExpertLayout::of(&m) {
         let g = geometry_of(&m);
@@ -179,7 +179,7 @@ fn load_with(path: &PathBuf, knobs: Arc<Knobs>, threads: usize, ram_share: Optio
 
 /// Decode-style teacher forcing: a prefill of the first 8 tokens, then one token per window (adaptive rounds
 /// between windows as the engine does). Returns the logits of every position after the prefill.
-fn teacher_force(m: &LlamaModel, toks: &[u32]) -> Vec<f32> {
+fn teacher_force(m: &Model, toks: &[u32]) -> Vec<f32> {
     let mut kv = m.new_kv(toks.len() + 1);
     let mut s = Scratch::default();
     let mut out = m.forward(&toks[..8], &mut kv, Logits::Last, &mut s);
@@ -262,7 +262,7 @@ fn check_norm(
     let mut act = Act::default();
     act.resize(t, n);
     for i in 0..t {
-        strata::model::llama::rms_norm(&xr[i * n..(i + 1) * n], &w, 1e-6, &mut act.f[i * n..(i + 1) * n]);
+        strata::model::forward::rms_norm(&xr[i * n..(i + 1) * n], &w, 1e-6, &mut act.f[i * n..(i + 1) * n]);
     }
     act.quantize();
     let (dx, dw, dy) = (DevBuf::from_slice(&x)?, DevBuf::from_slice(&w)?, DevBuf::from_slice(&y)?);
@@ -741,7 +741,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let pcie = share.map_or(pcie, |s| s as f64);
         let ff = m.cfg.n_ff_exp;
         let moe = m.blocks.iter().find_map(|b| match &b.ffn {
-            strata::model::llama::Ffn::Moe(ex) => Some(ex),
+            strata::model::forward::Ffn::Moe(ex) => Some(ex),
             _ => None,
         });
         let block = moe.map_or(32, |ex| ex.gate.ty.block_size().max(ex.down.ty.block_size()));

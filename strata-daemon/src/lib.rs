@@ -7,6 +7,7 @@
 //! [`service`] (gRPC control plane), [`tiers`] (expert placement).
 #![warn(missing_docs)]
 
+pub mod arch;
 pub mod compute;
 pub mod engine;
 pub mod gguf;

@@ -9,7 +9,7 @@ use clap::Parser;
 use strata::engine::routing_dump::RoutingDump;
 use strata::engine::{Engine, EngineConfig};
 use strata::gguf::GgufFile;
-use strata::model::{LlamaModel, Tokenizer};
+use strata::model::{Model, Tokenizer};
 use strata::service::{socket, StrataService};
 use strata::tiers::fileio::FileIo;
 use strata::tiers::knobs::Knobs;
@@ -208,8 +208,7 @@ fn main() -> Result<()> {
     let t0 = std::time::Instant::now();
     let file =
         Arc::new(GgufFile::open(&model_path).with_context(|| format!("loading model {}", model_path.display()))?);
-    let mut model =
-        LlamaModel::load(file.clone()).with_context(|| format!("loading model {}", model_path.display()))?;
+    let mut model = Model::load(file.clone()).with_context(|| format!("loading model {}", model_path.display()))?;
     model.set_threads(threads)?;
     let knobs = Arc::new(Knobs::default());
     for (name, v) in [
@@ -314,7 +313,7 @@ async fn save_profile_periodically(store: Arc<ExpertStore>, knobs: Arc<Knobs>, p
 
 async fn serve(
     engine: Arc<Engine>,
-    model: Arc<LlamaModel>,
+    model: Arc<Model>,
     tok: Arc<Tokenizer>,
     socket_path: PathBuf,
     knobs: Arc<Knobs>,

@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use strata::gguf::GgufFile;
 use strata::model::perplexity::perplexity;
-use strata::model::{LlamaModel, Tokenizer};
+use strata::model::{Model, Tokenizer};
 
 /// `perplexity` arguments.
 #[derive(Debug, Args)]
@@ -43,7 +43,7 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
         bail!("--ctx must be at least 4");
     }
     let file = Arc::new(GgufFile::open(&a.model).with_context(|| format!("loading model {}", a.model.display()))?);
-    let mut m = LlamaModel::load(file.clone()).with_context(|| format!("loading model {}", a.model.display()))?;
+    let mut m = Model::load(file.clone()).with_context(|| format!("loading model {}", a.model.display()))?;
     m.set_threads(a.threads.unwrap_or_else(num_cpus::get_physical))?;
     if let Some(k) = a.experts_used {
         if m.cfg.n_expert == 0 || k == 0 || k > m.cfg.n_expert {

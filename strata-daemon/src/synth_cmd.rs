@@ -1,5 +1,7 @@
-//! `strata-daemon synth-moe`: writes a GGUF (`llama` architecture with Mixtral-style experts) of a real
-//! model's geometry with random weights, streamed to disk (tens of GB), for scale benchmarks. Block formats
+//! `strata-daemon synth-moe`: writes a GGUF of a real model's geometry with random weights — as the `llama`
+//! architecture with Mixtral-style experts (`--arch llama`, the default), or as the preset's own architecture
+//! (`--arch native`: `qwen3moe` with per-head q/k norms, `olmoe` with full-width q/k norms, `qwen2moe` with
+//! q/k/v biases and a shared expert; Mixtral is `llama` either way) — streamed to disk (tens of GB), for scale benchmarks. Block formats
 //! Q4_0 or Q8_0 for the matrices (random codes, scales set so activations keep their size), F32 norms and
 //! router. `--skew S` gives expert `e` of each layer a router bias of `−S·ln(rank+1)` (a Zipf law of
 //! exponent S over a per-layer random ranking) through a constant channel of the embeddings, so a chosen
@@ -35,6 +37,9 @@ pub struct SynthArgs {
     /// Random seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// `llama` (Mixtral-style experts whatever the preset) or `native` (the preset's own architecture).
+    #[arg(long, default_value = "llama")]
+    arch: String,
 }
 
 /// A preset's geometry (counts; `embd` and `ff_exp` in elements).
@@ -48,9 +53,14 @@ pub(crate) struct Geo {
     kv_heads: usize,
     head_dim: usize,
     vocab: usize,
+    /// The preset's own architecture (`--arch native`).
+    native: &'static str,
+    /// Shared expert width (`qwen2moe`; 0 = none).
+    ff_shexp: usize,
 }
 
-/// The geometry of preset `name` (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, tiny); errors on other names.
+/// The geometry of preset `name` (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, qwen2-57b-a14b, tiny); errors on
+/// other names.
 pub(crate) fn preset(name: &str) -> Result<Geo> {
     Ok(match name {
         "mixtral-8x7b" => Geo {
@@ -63,6 +73,8 @@ pub(crate) fn preset(name: &str) -> Result<Geo> {
             kv_heads: 8,
             head_dim: 128,
             vocab: 32000,
+            native: "llama",
+            ff_shexp: 0,
         },
         "olmoe-1b-7b" => Geo {
             layers: 16,
@@ -74,6 +86,8 @@ pub(crate) fn preset(name: &str) -> Result<Geo> {
             kv_heads: 16,
             head_dim: 128,
             vocab: 50304,
+            native: "olmoe",
+            ff_shexp: 0,
         },
         "qwen3-30b-a3b" => Geo {
             layers: 48,
@@ -85,6 +99,8 @@ pub(crate) fn preset(name: &str) -> Result<Geo> {
             kv_heads: 4,
             head_dim: 128,
             vocab: 151936,
+            native: "qwen3moe",
+            ff_shexp: 0,
         },
         "tiny" => Geo {
             layers: 4,
@@ -96,8 +112,23 @@ pub(crate) fn preset(name: &str) -> Result<Geo> {
             kv_heads: 2,
             head_dim: 64,
             vocab: 512,
+            native: "qwen3moe",
+            ff_shexp: 0,
         },
-        other => bail!("unknown preset {other:?} (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, tiny)"),
+        "qwen2-57b-a14b" => Geo {
+            layers: 28,
+            embd: 3584,
+            ff_exp: 2560,
+            experts: 64,
+            top_k: 8,
+            heads: 28,
+            kv_heads: 4,
+            head_dim: 128,
+            vocab: 151936,
+            native: "qwen2moe",
+            ff_shexp: 20480,
+        },
+        other => bail!("unknown preset {other:?} (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, qwen2-57b-a14b, tiny)"),
     })
 }
 
@@ -157,7 +188,12 @@ pub fn run(a: SynthArgs) -> Result<()> {
     let (e, ff, ne) = (g.embd, g.ff_exp, g.experts);
     let (qd, kvd) = (g.heads * g.head_dim, g.kv_heads * g.head_dim);
     let mut w = GgufWriter::default();
-    let arch = "llama";
+    let arch = match a.arch.as_str() {
+        "llama" => "llama",
+        "native" => g.native,
+        o => bail!("--arch {o}: llama or native"),
+    };
+    let def = strata::arch::lookup(arch).expect("presets name registry architectures");
     w.set("general.architecture", Value::String(arch.into()));
     w.set("general.name", Value::String(format!("synthetic {} ({}, random weights)", a.preset, a.r#type)));
     let u = |v: usize| Value::U32(v as u32);
@@ -175,6 +211,9 @@ pub fn run(a: SynthArgs) -> Result<()> {
     w.set(&format!("{arch}.context_length"), u(32768));
     w.set(&format!("{arch}.rope.freq_base"), Value::F32(1e6));
     w.set(&format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
+    if def.ffn == strata::arch::FfnRule::MoeShared {
+        w.set(&format!("{arch}.expert_shared_feed_forward_length"), u(g.ff_shexp));
+    }
     w.set("tokenizer.ggml.model", Value::String("llama".into()));
     w.set("tokenizer.ggml.tokens", string_array((0..g.vocab).map(|i| format!("<t{i}>"))));
     w.set(
@@ -193,6 +232,8 @@ pub fn run(a: SynthArgs) -> Result<()> {
         Ones,
         Embd,
         Router,
+        /// F32 values of this standard deviation (biases, the shared expert's gate).
+        Small(f32),
     }
     let mut list: Vec<(String, Vec<u64>, GgmlType, Kind)> = Vec::new();
     let std_in = |cols: usize| 1.0 / (cols as f32).sqrt();
@@ -204,6 +245,30 @@ pub fn run(a: SynthArgs) -> Result<()> {
         list.push((n("attn_k"), vec![e as u64, kvd as u64], ty, Kind::Mat(std_in(e))));
         list.push((n("attn_v"), vec![e as u64, kvd as u64], ty, Kind::Mat(std_in(e))));
         list.push((n("attn_output"), vec![qd as u64, e as u64], ty, Kind::Mat(0.5 * std_in(qd))));
+        let v = |d: usize| vec![d as u64];
+        match def.qk_norm {
+            strata::arch::QkNorm::None => {}
+            strata::arch::QkNorm::PerHead => {
+                list.push((n("attn_q_norm"), v(g.head_dim), GgmlType::F32, Kind::Ones));
+                list.push((n("attn_k_norm"), v(g.head_dim), GgmlType::F32, Kind::Ones));
+            }
+            strata::arch::QkNorm::Full => {
+                list.push((n("attn_q_norm"), v(qd), GgmlType::F32, Kind::Ones));
+                list.push((n("attn_k_norm"), v(kvd), GgmlType::F32, Kind::Ones));
+            }
+        }
+        if arch == "qwen2moe" {
+            for (role, d) in [("attn_q", qd), ("attn_k", kvd), ("attn_v", kvd)] {
+                list.push((format!("blk.{l}.{role}.bias"), v(d), GgmlType::F32, Kind::Small(0.1)));
+            }
+        }
+        if def.ffn == strata::arch::FfnRule::MoeShared {
+            let fs = g.ff_shexp as u64;
+            list.push((n("ffn_gate_inp_shexp"), v(e), GgmlType::F32, Kind::Small(std_in(e))));
+            list.push((n("ffn_gate_shexp"), vec![e as u64, fs], ty, Kind::Mat(std_in(e))));
+            list.push((n("ffn_up_shexp"), vec![e as u64, fs], ty, Kind::Mat(std_in(e))));
+            list.push((n("ffn_down_shexp"), vec![fs, e as u64], ty, Kind::Mat(0.5 * std_in(g.ff_shexp))));
+        }
         list.push((n("ffn_norm"), vec![e as u64], GgmlType::F32, Kind::Ones));
         list.push((n("ffn_gate_inp"), vec![e as u64, ne as u64], GgmlType::F32, Kind::Router));
         list.push((n("ffn_gate_exps"), vec![e as u64, ff as u64, ne as u64], ty, Kind::Mat(std_in(e))));
@@ -248,6 +313,12 @@ pub fn run(a: SynthArgs) -> Result<()> {
                         sc.spawn(move || fill_blocks(t, chunk, std, &mut Rng(seed ^ (j as u64 + 1) << 32 | 1)));
                     }
                 });
+            }
+            Kind::Small(std) => {
+                let mut r = Rng(seed | 1);
+                for c in buf.chunks_exact_mut(4) {
+                    c.copy_from_slice(&(r.normal() * std).to_le_bytes());
+                }
             }
             Kind::Ones => {
                 for c in buf.chunks_exact_mut(4) {

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use common::*;
 use strata::compute::cpu::Precision;
 use strata::gguf::GgufFile;
-use strata::model::llama::{Ffn, Scratch};
-use strata::model::{LlamaModel, Logits};
+use strata::model::forward::{Ffn, Scratch};
+use strata::model::{Logits, Model};
 
 #[test]
 fn moe_copy_matches_dense_logits() {
@@ -27,13 +27,13 @@ fn moe_copy_matches_dense_logits() {
     let path = std::env::temp_dir().join(format!("strata-moe-copy-{}.gguf", std::process::id()));
     std::fs::write(&path, &moe_bytes).unwrap();
     drop(moe_bytes);
-    let moe = LlamaModel::load(Arc::new(GgufFile::open(&path).unwrap())).unwrap();
+    let moe = Model::load(Arc::new(GgufFile::open(&path).unwrap())).unwrap();
     std::fs::remove_file(&path).unwrap();
     assert_eq!((moe.cfg.n_expert, moe.cfg.n_expert_used), (4, 2));
     assert!(matches!(moe.blocks[0].ffn, Ffn::Moe(_)));
     let mut moe = moe;
     moe.precision = Precision::F32;
-    let mut dense = LlamaModel::load(dense_file.clone()).unwrap();
+    let mut dense = Model::load(dense_file.clone()).unwrap();
     dense.precision = Precision::F32;
     let ids: Vec<u32> = json("parity_logits.json")["prompts"][0]["ids"]
         .as_array()
@@ -44,7 +44,7 @@ fn moe_copy_matches_dense_logits() {
         .collect();
     let nv = dense.cfg.n_vocab;
     let (a, b) = {
-        let run = |m: &LlamaModel| {
+        let run = |m: &Model| {
             let mut kv = m.new_kv(128);
             let mut s = Scratch::default();
             // a prefill chunk, then single-token decode windows
@@ -69,11 +69,11 @@ fn moe_copy_matches_dense_logits() {
     }
     std::fs::write(&path, w.to_bytes()).unwrap();
     drop(w);
-    let moe0 = LlamaModel::load(Arc::new(GgufFile::open(&path).unwrap())).unwrap();
+    let moe0 = Model::load(Arc::new(GgufFile::open(&path).unwrap())).unwrap();
     std::fs::remove_file(&path).unwrap();
     dense.precision = Precision::Q8Activations;
     let (a, b) = {
-        let run = |m: &LlamaModel| {
+        let run = |m: &Model| {
             let mut kv = m.new_kv(128);
             m.forward(&ids, &mut kv, Logits::All, &mut Scratch::default())
         };

@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use strata::model::llama::Scratch;
-use strata::model::{LlamaModel, Logits, Tokenizer};
+use strata::model::forward::Scratch;
+use strata::model::{Logits, Model, Tokenizer};
 use strata::quant::{dequantize_row, GgmlType};
 
 #[test]
@@ -90,7 +90,7 @@ fn tokenization_matches_llama_cpp() {
 #[test]
 fn logits_match_llama_cpp() {
     let d = json("parity_logits.json");
-    let model = LlamaModel::load(model_file()).unwrap();
+    let model = Model::load(model_file()).unwrap();
     let nv = model.cfg.n_vocab;
     let (mut kl_dec, mut kl_bat, mut self_kl, mut n, mut agree_dec, mut agree_bat) =
         (0f64, 0f64, 0f64, 0usize, 0usize, 0usize);
@@ -142,7 +142,7 @@ fn logits_match_llama_cpp() {
 fn greedy_continuation_matches_llama_cpp() {
     let d = json("parity_logits.json");
     let g = &d["greedy"][0];
-    let model = LlamaModel::load(model_file()).unwrap();
+    let model = Model::load(model_file()).unwrap();
     let tok = Tokenizer::from_gguf(&model.file).unwrap();
     let prompt_ids: Vec<u32> = g["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
     assert_eq!(tok.encode(g["prompt"].as_str().unwrap(), true, true).unwrap(), prompt_ids);
@@ -180,7 +180,7 @@ fn greedy_continuation_matches_llama_cpp() {
 fn simd_and_scalar_paths_agree() {
     use strata::compute::cpu::Precision;
     let d = json("parity_logits.json");
-    let mut model = LlamaModel::load(model_file()).unwrap();
+    let mut model = Model::load(model_file()).unwrap();
     let nv = model.cfg.n_vocab;
     let mut runs = Vec::new();
     for prec in [Precision::Q8Activations, Precision::Q8Scalar] {

@@ -5,7 +5,7 @@ use std::io::Cursor;
 
 use rand::{Rng, SeedableRng};
 use strata::engine::routing_dump::{Phase, RoutingDump};
-use strata::model::llama::RouteRecord;
+use strata::model::forward::RouteRecord;
 use strata::tiers::policy::AdaptKnobs;
 use strata::tiers::replay::{replay, PhaseFilter, Policy, Trace};
 use strata::tiers::stats::{top_share, trace_stats};

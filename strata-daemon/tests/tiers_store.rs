@@ -9,58 +9,31 @@ use std::sync::Arc;
 
 use common::*;
 use strata::gguf::GgufFile;
-use strata::model::llama::Scratch;
-use strata::model::{LlamaModel, Logits};
+use strata::model::Model;
 use strata::tiers::fileio::FileIo;
 use strata::tiers::knobs::Knobs;
 use strata::tiers::layout::ExpertLayout;
 use strata::tiers::profile::{geometry_of, Geometry, Profile, ProfileError};
 use strata::tiers::store::{ExpertStore, Refusal, ResidentMode, StoreConfig, Tier};
 
-fn geometry(m: &LlamaModel) -> Geometry {
+fn geometry(m: &Model) -> Geometry {
     geometry_of(m)
 }
 
-fn model() -> LlamaModel {
-    let mut m = LlamaModel::load(Arc::new(GgufFile::open(fixture_path("split")).unwrap())).unwrap();
+fn model() -> Model {
+    let mut m = Model::load(Arc::new(GgufFile::open(fixture_path("split")).unwrap())).unwrap();
     m.set_threads(2).unwrap();
     m
 }
 
-fn store_for(m: &LlamaModel, path: &Path, mode: ResidentMode, io: FileIo, profile: Option<&Profile>) -> ExpertStore {
+fn store_for(m: &Model, path: &Path, mode: ResidentMode, io: FileIo, profile: Option<&Profile>) -> ExpertStore {
     let layout = ExpertLayout::of(m).unwrap();
     let cfg = StoreConfig { mode, file_io: io, lock: false, ..Default::default() };
     ExpertStore::new(layout, m.file.clone(), path, geometry(m), profile, &cfg, Arc::new(Knobs::default())).unwrap()
 }
 
-fn half(m: &LlamaModel) -> ResidentMode {
+fn half(m: &Model) -> ResidentMode {
     ResidentMode::Budget(ExpertLayout::of(m).unwrap().total_bytes() / 2)
-}
-
-/// Greedy tokens for each prompt, with RAM adapt between decode windows as the engine does.
-fn greedy(m: &LlamaModel, prompts: &[&[u32]], n: usize) -> Vec<Vec<u32>> {
-    prompts
-        .iter()
-        .map(|p| {
-            let mut kv = m.new_kv(256);
-            let mut s = Scratch::default();
-            let mut logits = m.forward(p, &mut kv, Logits::Last, &mut s);
-            let mut out = Vec::new();
-            for w in 0..n {
-                let t = strata::engine::sampler::argmax(&logits);
-                out.push(t);
-                if let Some(st) = &m.experts {
-                    st.ram_adapt(w == 0);
-                }
-                s.decode = true;
-                logits = m.forward(&[t], &mut kv, Logits::Last, &mut s);
-                if let Some(st) = &m.experts {
-                    st.end_decode_window();
-                }
-            }
-            out
-        })
-        .collect()
 }
 
 #[test]
@@ -98,7 +71,7 @@ fn every_mode_gives_the_same_tokens() {
     }
 }
 
-fn file_blob(m: &LlamaModel, layer: usize, e: usize) -> Vec<u8> {
+fn file_blob(m: &Model, layer: usize, e: usize) -> Vec<u8> {
     let l = ExpertLayout::of(m).unwrap();
     let b = m.file.bytes();
     l.layers[layer].file_slices(e).iter().flat_map(|&(o, n)| b[o as usize..o as usize + n].to_vec()).collect()

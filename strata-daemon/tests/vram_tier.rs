@@ -7,8 +7,8 @@ use std::process::Command;
 use std::sync::Arc;
 
 use strata::gguf::GgufFile;
-use strata::model::llama::Scratch;
-use strata::model::{LlamaModel, Logits};
+use strata::model::forward::Scratch;
+use strata::model::{Logits, Model};
 use strata::tiers::knobs::Knobs;
 use strata::tiers::layout::ExpertLayout;
 use strata::tiers::profile::geometry_of;
@@ -31,9 +31,9 @@ fn tmp(test: &str) -> PathBuf {
     d
 }
 
-fn load(path: &Path, knobs: Arc<Knobs>) -> LlamaModel {
+fn load(path: &Path, knobs: Arc<Knobs>) -> Model {
     let file = Arc::new(GgufFile::open(path).unwrap());
-    let mut m = LlamaModel::load(file.clone()).unwrap();
+    let mut m = Model::load(file.clone()).unwrap();
     m.set_threads(2).unwrap();
     let layout = ExpertLayout::of(&m).unwrap();
     let cfg = StoreConfig { lock: false, ..Default::default() };

@@ -6,7 +6,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod pool;
 
-use crate::model::LlamaModel;
+use crate::model::Model;
 use crate::tiers::vram::CacheSize;
 
 /// How the daemon uses a GPU (flags of DESIGN.md §4).
@@ -30,7 +30,7 @@ pub struct GpuOptions {
 /// model on the CPU. Returns the one line to log (what runs where, or why the CPU). Errors: a GPU was found
 /// but loading onto it failed (out of VRAM, a format without kernels): the caller decides whether that is
 /// fatal.
-pub fn attach_gpu(model: &mut LlamaModel, o: &GpuOptions) -> Result<String, String> {
+pub fn attach_gpu(model: &mut Model, o: &GpuOptions) -> Result<String, String> {
     if !o.enabled {
         return Ok("GPU off (--gpu off): running on the CPU".into());
     }
@@ -44,7 +44,13 @@ pub fn attach_gpu(model: &mut LlamaModel, o: &GpuOptions) -> Result<String, Stri
         let (free, total) = d.mem_info().map_err(|e| e.to_string())?;
         let cfg =
             cuda::GpuConfig { cache: o.cache, reserve: o.reserve_mib << 20, max_chunk: o.max_chunk, n_ctx: o.n_ctx };
-        let g = cuda::GpuModel::load(model, d.clone(), &cfg).map_err(|e| format!("loading onto {}: {e}", d.name))?;
+        let g = match cuda::GpuModel::load(model, d.clone(), &cfg) {
+            Ok(g) => g,
+            Err(e @ cuda::GpuError::Architecture { .. }) => {
+                return Ok(format!("GPU {}: {e}: running on the CPU", d.name))
+            }
+            Err(e) => return Err(format!("loading onto {}: {e}", d.name)),
+        };
         let slots = g.cache.as_ref().map(|c| c.n_slots).unwrap_or(0);
         if g.cache.is_some() {
             crate::tiers::knobs::GPU_TIER.store(true, std::sync::atomic::Ordering::SeqCst);

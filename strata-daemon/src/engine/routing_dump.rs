@@ -7,7 +7,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use crate::model::llama::RouteRecord;
+use crate::model::forward::RouteRecord;
 
 /// Phase of the forward pass a record comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

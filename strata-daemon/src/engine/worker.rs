@@ -14,8 +14,8 @@ use super::routing_dump::{Phase, RoutingDump};
 use super::sampler::Sampler;
 use super::stats::{rss_bytes, Counters, Stats};
 use super::stream_text::{Push, TextStream};
-use crate::model::llama::Scratch;
-use crate::model::{KvCache, LlamaModel, Logits, Tokenizer};
+use crate::model::forward::Scratch;
+use crate::model::{KvCache, Logits, Model, Tokenizer};
 
 /// How often the running request's counters are published while it decodes.
 const LIVE_EVERY: Duration = Duration::from_millis(100);
@@ -83,9 +83,9 @@ pub struct Engine {
 
 impl Engine {
     /// Starts the engine thread; the model's worker pool does the compute
-    /// (size it with `LlamaModel::set_threads`). Errors: the thread could not be created.
+    /// (size it with `Model::set_threads`). Errors: the thread could not be created.
     pub fn start(
-        model: Arc<LlamaModel>,
+        model: Arc<Model>,
         tok: Arc<Tokenizer>,
         cfg: EngineConfig,
         dump: Option<RoutingDump>,
@@ -174,7 +174,7 @@ impl Engine {
 }
 
 struct Worker {
-    model: Arc<LlamaModel>,
+    model: Arc<Model>,
     tok: Arc<Tokenizer>,
     kv: KvCache,
     /// Tokens whose K/V are in `kv` (for prefix reuse across requests).

@@ -1,11 +1,9 @@
 //! Hyper-parameters read from GGUF metadata (`{arch}.*` keys, as written by
 //! llama.cpp's `convert_hf_to_gguf.py`). Nothing is hard-coded for one model.
 
+use crate::arch::{ArchSpec, ExpertWidthDefault, FfnKind, FfnRule};
 use crate::gguf::{GgufError, GgufFile};
 use crate::quant::{GgmlType, QuantError};
-
-/// Architectures this build can run.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
 
 /// Errors from loading a model.
 #[derive(Debug, thiserror::Error)]
@@ -14,8 +12,19 @@ pub enum ModelError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
     /// `general.architecture` names an architecture this build cannot run.
-    #[error("unsupported architecture {0:?} (supported: {list})", list = SUPPORTED_ARCHITECTURES.join(", "))]
+    #[error("unsupported architecture {0:?} (supported: {list})", list = crate::arch::supported_list())]
     UnsupportedArchitecture(String),
+    /// A tensor the architecture does not use is in the file (e.g. a shared-expert tensor in an architecture
+    /// without one), so the file and its `general.architecture` disagree.
+    #[error("tensor {tensor:?}: architecture {arch} has no such tensor ({why})")]
+    UnexpectedTensor {
+        /// Tensor name.
+        tensor: String,
+        /// `general.architecture`.
+        arch: String,
+        /// What the architecture lacks.
+        why: String,
+    },
     /// A tensor has a format this build cannot compute with.
     #[error("tensor {tensor:?}: unsupported tensor type {ty:?} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
     UnsupportedTensorType {
@@ -45,11 +54,13 @@ pub enum ModelError {
     Quant(#[from] QuantError),
 }
 
-/// Hyper-parameters of a llama-family model (dense or Mixtral-style MoE).
+/// Hyper-parameters of a model of one of the [`crate::arch::REGISTRY`] architectures.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     /// `general.architecture`.
     pub arch: String,
+    /// The architecture's choices (RoPE kind, q/k norm, FFN kind, gating, renormalisation).
+    pub spec: ArchSpec,
     /// `general.name` (empty if absent).
     pub name: String,
     /// Transformer blocks.
@@ -80,8 +91,11 @@ pub struct ModelConfig {
     pub n_expert: usize,
     /// Experts selected per token (`expert_used_count`, the top-k).
     pub n_expert_used: usize,
-    /// Expert FFN width (`expert_feed_forward_length`, default `n_ff`).
+    /// Expert FFN width (`expert_feed_forward_length`; default `n_ff`, or `n_ff / n_expert_used` for the
+    /// architectures whose llama.cpp builder says so).
     pub n_ff_exp: usize,
+    /// Shared expert FFN width (`expert_shared_feed_forward_length`, default `n_ff`; 0 without one).
+    pub n_ff_shexp: usize,
 }
 
 impl ModelConfig {
@@ -89,9 +103,9 @@ impl ModelConfig {
     /// keys, inconsistent values.
     pub fn from_gguf(f: &GgufFile) -> Result<Self, ModelError> {
         let arch = f.architecture()?.to_string();
-        if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
+        let Some(def) = crate::arch::lookup(&arch) else {
             return Err(ModelError::UnsupportedArchitecture(arch));
-        }
+        };
         let k = |s: &str| format!("{arch}.{s}");
         let opt_u = |s: &str| -> Result<Option<usize>, GgufError> {
             match f.get(&k(s)) {
@@ -112,8 +126,33 @@ impl ModelConfig {
         let n_ff = opt_u("feed_forward_length")?.unwrap_or(0);
         let n_expert = opt_u("expert_count")?.unwrap_or(0);
         let n_expert_used = opt_u("expert_used_count")?.unwrap_or(0);
-        let n_ff_exp = opt_u("expert_feed_forward_length")?.unwrap_or(n_ff);
         let bad = |m: String| Err(ModelError::BadHyperParameter(m));
+        let ffn = match (def.ffn, n_expert > 0) {
+            (FfnRule::Dense, false) | (FfnRule::DenseOrMoe, false) => FfnKind::Dense,
+            (FfnRule::Moe, true) | (FfnRule::DenseOrMoe, true) => FfnKind::Moe,
+            (FfnRule::MoeShared, true) => FfnKind::MoeShared,
+            (FfnRule::Dense, true) => {
+                return bad(format!("{arch}.expert_count is {n_expert}, but {arch} is a dense architecture"))
+            }
+            (FfnRule::Moe | FfnRule::MoeShared, false) => {
+                return bad(format!("{arch}.expert_count is missing or 0, but {arch} needs routed experts"))
+            }
+        };
+        let n_ff_exp = match (opt_u("expert_feed_forward_length")?, def.expert_width) {
+            (Some(v), _) => v,
+            (None, ExpertWidthDefault::FeedForward) => n_ff,
+            (None, ExpertWidthDefault::FeedForwardOverTopK) => n_ff / n_expert_used.max(1),
+        };
+        let n_ff_shexp = match ffn {
+            FfnKind::MoeShared => opt_u("expert_shared_feed_forward_length")?.unwrap_or(n_ff),
+            _ => 0,
+        };
+        if ffn == FfnKind::MoeShared && n_ff_shexp == 0 {
+            return bad(format!("{arch}.expert_shared_feed_forward_length (or feed_forward_length) is missing"));
+        }
+        if ffn != FfnKind::Dense && n_ff_exp == 0 {
+            return bad(format!("{arch}.expert_feed_forward_length is missing or 0"));
+        }
         if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 {
             return bad(format!("block_count {n_layer}, embedding_length {n_embd}, head_count {n_head}, head_count_kv {n_head_kv} must be > 0"));
         }
@@ -145,6 +184,8 @@ impl ModelConfig {
             };
         let n_vocab = f.get_array("tokenizer.ggml.tokens")?.len();
         Ok(ModelConfig {
+            spec: ArchSpec { def, ffn },
+            n_ff_shexp,
             name: f.get("general.name").and_then(|v| v.as_str()).unwrap_or("").to_string(),
             n_layer,
             n_embd,

@@ -3,13 +3,13 @@
 
 pub mod chat;
 pub mod config;
+pub mod forward;
 pub mod kv;
-pub mod llama;
 pub mod moe_copy;
 pub mod perplexity;
 pub mod tokenizer;
 
 pub use config::{ModelConfig, ModelError};
+pub use forward::{Logits, Model};
 pub use kv::KvCache;
-pub use llama::{LlamaModel, Logits};
 pub use tokenizer::Tokenizer;

@@ -2,7 +2,7 @@
 //! chunks of `ctx`, each chunk runs from an empty KV cache, and the second half of each chunk is scored (the
 //! first half is context). Source of the convention: llama.cpp `tools/perplexity` (`first = n_ctx / 2`).
 
-use super::llama::{LlamaModel, Logits, Scratch};
+use super::forward::{Logits, Model, Scratch};
 
 /// Result of [`perplexity`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -19,7 +19,7 @@ pub struct Perplexity {
 
 /// Perplexity of `model` over `ids` in chunks of `ctx` tokens (at most `max_chunks`, 0 = all whole chunks).
 /// Returns `None` when `ids` holds less than one chunk or `ctx < 4`.
-pub fn perplexity(model: &LlamaModel, ids: &[u32], ctx: usize, max_chunks: usize) -> Option<Perplexity> {
+pub fn perplexity(model: &Model, ids: &[u32], ctx: usize, max_chunks: usize) -> Option<Perplexity> {
     if ctx < 4 {
         return None;
     }

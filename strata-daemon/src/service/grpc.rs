@@ -12,7 +12,7 @@ use tonic::{Request, Response, Status};
 
 use crate::engine::request::{prepare, RawRequest};
 use crate::engine::{Counters, Engine, Event, FinishReason};
-use crate::model::{LlamaModel, Tokenizer};
+use crate::model::{Model, Tokenizer};
 use crate::tiers::arena::Lock;
 use crate::tiers::knobs::{Knobs, Range};
 use crate::tiers::store::{ExpertStore, ResidentMode, Tier};
@@ -33,7 +33,7 @@ impl StrataService {
     /// for an MoE model); `profile_save` is the `--expert-profile-save` path.
     pub fn new(
         engine: Arc<Engine>,
-        model: &LlamaModel,
+        model: &Model,
         tok: Arc<Tokenizer>,
         knobs: Arc<Knobs>,
         profile_save: Option<PathBuf>,

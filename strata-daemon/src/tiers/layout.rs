@@ -5,7 +5,7 @@
 //! `blk.L.ffn_down_exps.weight` `[n_ff_exp, n_embd, n_expert]`; expert e's slice of each is contiguous at
 //! `tensor offset + e × (tensor bytes / n_expert)`.
 
-use crate::model::llama::{Ffn, LlamaModel};
+use crate::model::forward::{Ffn, Model};
 use crate::quant::GgmlType;
 
 /// One role's tensor in one layer.
@@ -57,7 +57,7 @@ pub struct ExpertLayout {
 
 impl ExpertLayout {
     /// The layout of an MoE model's experts; `None` for a dense model (or one whose layers are not all MoE).
-    pub fn of(model: &LlamaModel) -> Option<ExpertLayout> {
+    pub fn of(model: &Model) -> Option<ExpertLayout> {
         let n_expert = model.cfg.n_expert;
         if n_expert == 0 {
             return None;
@@ -65,7 +65,7 @@ impl ExpertLayout {
         let mut layers = Vec::with_capacity(model.blocks.len());
         for b in &model.blocks {
             let Ffn::Moe(ex) = &b.ffn else { return None };
-            let role = |w: &crate::model::llama::Weight| RoleSlice {
+            let role = |w: &crate::model::forward::Weight| RoleSlice {
                 base: w.offset as u64,
                 bytes: w.bytes() / n_expert,
                 ty: w.ty,

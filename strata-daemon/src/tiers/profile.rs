@@ -95,7 +95,7 @@ pub fn fingerprint<'a>(tensors: impl IntoIterator<Item = (&'a str, u32, &'a [u64
 
 /// The profile geometry of an MoE model: its expert counts and the [`fingerprint`] of its `*_exps` and
 /// `ffn_gate_inp` tensors in file order.
-pub fn geometry_of(model: &crate::model::LlamaModel) -> Geometry {
+pub fn geometry_of(model: &crate::model::Model) -> Geometry {
     let tensors: Vec<_> = model
         .file
         .tensors

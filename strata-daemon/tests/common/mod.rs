@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use strata::gguf::GgufFile;
+use strata::model::forward::Scratch;
+use strata::model::{Logits, Model};
 
 /// The SmolLM2 model (`$STRATA_MODEL`, or `$STRATA_MODELS`/~/.cache/strata/models);
 /// panics with the fetch command when missing.
@@ -84,4 +86,81 @@ pub fn fixture_path(kind: &str) -> PathBuf {
     let p = model_path().with_file_name(format!("smollm2-moe-{kind}.gguf"));
     assert!(p.exists(), "{} not found: run tools/fetch-model --model smollm2-moe-{kind}", p.display());
     p
+}
+
+/// A tiny random-weight file of another architecture (`tiny-<arch>.gguf` next to the SmolLM2 model;
+/// tools/fetch-model --model tiny-<arch> writes it); panics with the command when missing.
+pub fn arch_fixture_path(arch: &str) -> PathBuf {
+    let p = model_path().with_file_name(format!("tiny-{arch}.gguf"));
+    assert!(p.exists(), "{} not found: run tools/fetch-model --model tiny-{arch}", p.display());
+    p
+}
+
+/// Checks `model` against llama.cpp's logits in `d` (a `parity_logits*.json` of tools/make-reference), teacher
+/// forced in chunks of 64 tokens: mean KL(llama.cpp ‖ strata) within llama.cpp's own batch-vs-decode KL + 1e-3,
+/// and argmax agreement within one point of llama.cpp's own batch-vs-decode agreement (at most 99%), against
+/// both of llama.cpp's paths, over ≥ 200 positions. Prints the figures under `label`.
+pub fn assert_parity(label: &str, model: &Model, d: &serde_json::Value) {
+    let nv = model.cfg.n_vocab;
+    let (mut kl_dec, mut kl_bat, mut self_kl, mut n, mut ag_dec, mut ag_bat) = (0f64, 0f64, 0f64, 0usize, 0, 0);
+    let mut self_agree = 0usize;
+    for p in d["prompts"].as_array().unwrap() {
+        let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let mut kv = model.new_kv(512);
+        let mut s = Scratch::default();
+        let mut all = Vec::new();
+        for ch in ids.chunks(64) {
+            all.extend(model.forward(ch, &mut kv, Logits::All, &mut s));
+        }
+        let (k, a, _) = compare(&all, nv, p["positions_decode"].as_array().unwrap());
+        kl_dec += k;
+        ag_dec += a;
+        let (k, a, _) = compare(&all, nv, p["positions"].as_array().unwrap());
+        kl_bat += k;
+        ag_bat += a;
+        self_kl += p["kl_batch_vs_decode"].as_f64().unwrap() * ids.len() as f64;
+        let (pb, pd) = (p["positions"].as_array().unwrap(), p["positions_decode"].as_array().unwrap());
+        self_agree += pb.iter().zip(pd).filter(|(b, d)| b["top"][0][0] == d["top"][0][0]).count();
+        n += ids.len();
+    }
+    let nf = n as f64;
+    let (kl_dec, kl_bat, self_kl) = (kl_dec / nf, kl_bat / nf, self_kl / nf);
+    let (ag_dec, ag_bat, ag_self) = (ag_dec as f64 / nf, ag_bat as f64 / nf, self_agree as f64 / nf);
+    println!(
+        "{label}: {n} positions: vs llama.cpp decode KL {kl_dec:.3e}, argmax {:.2}%; vs batch KL {kl_bat:.3e}, \
+         argmax {:.2}%; llama.cpp batch vs decode KL {self_kl:.3e}, argmax {:.2}%",
+        ag_dec * 100.0,
+        ag_bat * 100.0,
+        ag_self * 100.0
+    );
+    assert!(n >= 200);
+    assert!(kl_dec <= self_kl + 1e-3 && kl_bat <= self_kl + 1e-3, "{label}: KL {kl_dec:.3e} / {kl_bat:.3e}");
+    let floor = ag_self.min(0.99) - 0.01;
+    assert!(ag_dec >= floor && ag_bat >= floor, "{label}: argmax {ag_dec:.4} / {ag_bat:.4} < {floor:.4}");
+}
+
+/// Greedy tokens for each prompt, with RAM adapt between decode windows as the engine does.
+pub fn greedy(m: &Model, prompts: &[&[u32]], n: usize) -> Vec<Vec<u32>> {
+    prompts
+        .iter()
+        .map(|p| {
+            let mut kv = m.new_kv(256);
+            let mut s = Scratch::default();
+            let mut logits = m.forward(p, &mut kv, Logits::Last, &mut s);
+            let mut out = Vec::new();
+            for w in 0..n {
+                let t = strata::engine::sampler::argmax(&logits);
+                out.push(t);
+                if let Some(st) = &m.experts {
+                    st.ram_adapt(w == 0);
+                }
+                s.decode = true;
+                logits = m.forward(&[t], &mut kv, Logits::Last, &mut s);
+                if let Some(st) = &m.experts {
+                    st.end_decode_window();
+                }
+            }
+            out
+        })
+        .collect()
 }

@@ -144,8 +144,12 @@ pub struct Kernels {
     pub rms_norm_q8: Func,
     /// `rms_norm_q8_cluster` where it applies (see [`cluster_norm_wanted`]).
     pub rms_norm_q8_cluster: Option<Func>,
+    /// `qkv_prep` (biases and q/k norms before RoPE).
+    pub qkv_prep: Func,
     /// `rope_store`.
     pub rope_store: Func,
+    /// `gated_add` (a shared expert's output into the residual).
+    pub gated_add: Func,
     /// `attention`.
     pub attention: Func,
     /// `route_topk`.
@@ -248,7 +252,9 @@ impl Kernels {
             quantize_q8: get("quantize_q8")?,
             rms_norm_q8: get("rms_norm_q8")?,
             rms_norm_q8_cluster: if cluster_norm { Some(get("rms_norm_q8_cluster")?) } else { None },
+            qkv_prep: get("qkv_prep")?,
             rope_store: get("rope_store")?,
+            gated_add: get("gated_add")?,
             attention: get("attention")?,
             route_topk: get("route_topk")?,
             swiglu: get("swiglu")?,

@@ -46,6 +46,15 @@ pub enum GpuError {
     /// The model or a setting cannot run on the GPU.
     #[error("{0}")]
     Unsupported(String),
+    /// The model's architecture uses a choice the GPU kernels do not implement yet (NeoX RoPE, q/k norm,
+    /// attention biases, a shared expert): the model runs on the CPU.
+    #[error("architecture {arch}: {what} has no GPU kernels yet")]
+    Architecture {
+        /// `general.architecture`.
+        arch: String,
+        /// The missing choice.
+        what: &'static str,
+    },
     /// Not enough device memory for what was asked.
     #[error("not enough VRAM: {0}")]
     OutOfMemory(String),

@@ -15,8 +15,8 @@ use super::kernels::{cubin, Kernels};
 use super::ops::{Combine, DMat, Ops, GROUP_BYTES, MAX_NT, Q8_BYTES};
 use super::slots::SlotCache;
 use super::GpuError;
+use crate::model::forward::{ExpertWeights, Ffn, Logits, Model, Scratch, Weight};
 use crate::model::kv::KvCache;
-use crate::model::llama::{Ffn, LlamaModel, Logits, Scratch, Weight};
 use crate::model::ModelConfig;
 use crate::quant::{dequantize_row, GgmlType};
 use crate::tiers::arena::HostArena;
@@ -42,8 +42,26 @@ struct GLayer {
     k: DMat,
     v: DMat,
     o: DMat,
+    /// The architecture's work between the QKV product and RoPE, when it has any.
+    prep: Option<QkvPrep>,
     ffn_norm: DevBuf,
     ffn: GFfn,
+    /// The shared expert (`qwen2moe`), a dense FFN whose gated output is added to the residual.
+    shared: Option<GShared>,
+}
+
+/// Biases (`qd + 2·kvd`, zeros where the file has none) and q/k norm weights of a layer (see `qkv_prep`).
+struct QkvPrep {
+    bias: Option<DevBuf>,
+    norm: Option<(DevBuf, DevBuf)>,
+    mode: i32,
+}
+
+struct GShared {
+    gate_inp: DevBuf,
+    gate: DMat,
+    up: DMat,
+    down: DMat,
 }
 
 enum GFfn {
@@ -71,6 +89,8 @@ struct Bufs {
     y: DevBuf,
     cpu: DevBuf,
     cs: DevBuf,
+    /// A shared expert's output (`t × n_embd`).
+    sh: DevBuf,
     logits: DevBuf,
     /// Routed experts of every layer of a window (`n_layer × t × k`), read once after the window.
     win_ids: DevBuf,
@@ -166,6 +186,8 @@ pub struct GpuModel {
     timing: bool,
     /// MoE layers of the model (a token's worth of `pcie_auto` votes).
     n_moe_layers: usize,
+    /// The architecture renormalises the top-k weights.
+    norm_topk: bool,
 }
 
 impl Drop for GpuModel {
@@ -182,7 +204,7 @@ impl Drop for GpuModel {
     }
 }
 
-fn up(model: &LlamaModel, w: &Weight) -> Result<DMat, GpuError> {
+fn up(model: &Model, w: &Weight) -> Result<DMat, GpuError> {
     let bytes = &model.file.bytes()[w.offset..w.offset + w.bytes()];
     DMat::upload(bytes, w.ty, w.rows, w.cols)
 }
@@ -191,6 +213,23 @@ fn check_ty(w: &Weight) -> Result<(), GpuError> {
     super::kernels::fmt_index(w.ty)
         .map(|_| ())
         .map_err(|_| GpuError::Unsupported(format!("tensor {} is {:?}, which has no GPU kernel", w.name, w.ty)))
+}
+
+/// Refuses the architecture choices these kernels do not implement (checked before anything is allocated).
+fn check_arch(model: &Model) -> Result<(), GpuError> {
+    let arch = || model.cfg.arch.clone();
+    let def = model.cfg.spec.def;
+    let what = if model.blocks.iter().any(|b| b.bias.o.is_some()) {
+        Some("an attention output bias")
+    } else if def.gating != crate::arch::Gating::Softmax || def.expert_weights_scale != 1.0 {
+        Some("sigmoid gating or an expert weight scale")
+    } else {
+        None
+    };
+    match what {
+        Some(what) => Err(GpuError::Architecture { arch: arch(), what }),
+        None => Ok(()),
+    }
 }
 
 /// Most logits bytes a pass returns through page-locked staging (one decode row of a 152k vocabulary is 0.6 MB; a
@@ -217,7 +256,7 @@ impl GpuModel {
     /// Loads `model` onto `dev`: compiles (or loads from the cache) the kernels, uploads dense weights,
     /// allocates the KV cache and scratch, then sizes and fills the VRAM expert cache (MoE models with a
     /// store) hottest-first. Errors: a tensor format without kernels, out of VRAM, driver/NVRTC failures.
-    pub fn load(model: &LlamaModel, dev: Arc<Device>, cfg: &GpuConfig) -> Result<GpuModel, GpuError> {
+    pub fn load(model: &Model, dev: Arc<Device>, cfg: &GpuConfig) -> Result<GpuModel, GpuError> {
         dev.bind()?;
         let (img, cached) = cubin(&dev.arch())?;
         let pdl = super::kernels::pdl_wanted(dev.cc);
@@ -236,6 +275,7 @@ impl GpuModel {
             if pdl { "; programmatic dependent launch" } else { "" }
         );
         let c = &model.cfg;
+        check_arch(model)?;
         if c.n_expert_used > 32 || c.n_expert > 1024 || !c.head_dim.is_multiple_of(2) || c.n_embd > 8192 {
             return Err(GpuError::Unsupported(
                 "top-k > 32, more than 1024 experts, an odd head size or n_embd > 8192".into(),
@@ -251,7 +291,42 @@ impl GpuModel {
             )));
         }
         let mut layers = Vec::with_capacity(c.n_layer);
+        let (qd0, kvd0) = (c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
         for b in &model.blocks {
+            let bias = if b.bias.q.is_some() || b.bias.k.is_some() || b.bias.v.is_some() {
+                let mut all = Vec::with_capacity(qd0 + 2 * kvd0);
+                for (v, n) in [(&b.bias.q, qd0), (&b.bias.k, kvd0), (&b.bias.v, kvd0)] {
+                    match v {
+                        Some(v) => all.extend_from_slice(v),
+                        None => all.resize(all.len() + n, 0.0),
+                    }
+                }
+                Some(DevBuf::from_slice(&all)?)
+            } else {
+                None
+            };
+            let (norm, mode) = match (&b.q_norm, &b.k_norm, c.spec.def.qk_norm) {
+                (Some(q), Some(k), m) if m != crate::arch::QkNorm::None => (
+                    Some((DevBuf::from_slice(q)?, DevBuf::from_slice(k)?)),
+                    if m == crate::arch::QkNorm::PerHead { 1 } else { 2 },
+                ),
+                _ => (None, 0),
+            };
+            let prep = (bias.is_some() || norm.is_some()).then_some(QkvPrep { bias, norm, mode });
+            let shared = match &b.ffn {
+                Ffn::Moe(ExpertWeights { shared: Some(sh), .. }) => {
+                    for w in [&sh.gate, &sh.up, &sh.down] {
+                        check_ty(w)?;
+                    }
+                    Some(GShared {
+                        gate_inp: DevBuf::from_slice(&sh.gate_inp)?,
+                        gate: up(model, &sh.gate)?,
+                        up: up(model, &sh.up)?,
+                        down: up(model, &sh.down)?,
+                    })
+                }
+                _ => None,
+            };
             for w in [&b.q, &b.k, &b.v, &b.o] {
                 check_ty(w)?;
             }
@@ -284,8 +359,10 @@ impl GpuModel {
                 k: up(model, &b.k)?,
                 v: up(model, &b.v)?,
                 o: up(model, &b.o)?,
+                prep,
                 ffn_norm: DevBuf::from_slice(&b.ffn_norm)?,
                 ffn,
+                shared,
             });
         }
         check_ty(&model.output)?;
@@ -302,7 +379,8 @@ impl GpuModel {
         let e = c.n_embd;
         let qd = c.n_head * c.head_dim;
         let kk = c.n_expert_used.max(1);
-        let ffm = c.n_ff.max(kk * c.n_ff_exp).max(1);
+        let ffm = c.n_ff.max(kk * c.n_ff_exp).max(c.n_ff_shexp).max(1);
+        let ffd = c.n_ff.max(c.n_ff_shexp).max(1);
         let f4 = |n: usize| DevBuf::alloc(n * 4);
         let b = Bufs {
             x: f4(t * e)?,
@@ -312,7 +390,7 @@ impl GpuModel {
             q: f4(t * qd)?,
             attn: f4(t * qd)?,
             attnq: DevBuf::alloc(t * qd / 32 * Q8_BYTES)?,
-            gu: f4(t * 2 * c.n_ff.max(1))?,
+            gu: f4(t * 2 * ffd)?,
             h: f4(t * ffm)?,
             hq: DevBuf::alloc(t * ffm / 32 * Q8_BYTES + Q8_BYTES)?,
             rl: f4(t * c.n_expert.max(1))?,
@@ -323,11 +401,13 @@ impl GpuModel {
             y: f4(t * kk * e)?,
             cpu: f4(t * e)?,
             cs: f4(t * c.n_rot + 2)?,
+            sh: f4(if c.n_ff_shexp > 0 { t * e } else { 1 })?,
             logits: f4(t * c.n_vocab)?,
             win_ids: f4(c.n_layer * t * kk)?,
         };
         let s = Stream::new()?;
         let n_moe_layers = layers.iter().filter(|g| matches!(g.ffn, GFfn::Moe { .. })).count();
+        let norm_topk = c.spec.def.norm_topk;
         let mut g = GpuModel {
             dev,
             k,
@@ -349,6 +429,7 @@ impl GpuModel {
             graphs_off: std::sync::atomic::AtomicBool::new(std::env::var("STRATA_GPU_GRAPHS").is_ok_and(|v| v == "0")),
             timing: std::env::var_os("STRATA_GPU_TIMING").is_some(),
             n_moe_layers,
+            norm_topk,
         };
         if let Some(store) = &model.experts {
             g.cache = g.make_cache(model, store, cfg)?;
@@ -358,7 +439,7 @@ impl GpuModel {
 
     fn make_cache(
         &self,
-        model: &LlamaModel,
+        model: &Model,
         store: &Arc<ExpertStore>,
         cfg: &GpuConfig,
     ) -> Result<Option<SlotCache>, GpuError> {
@@ -389,7 +470,7 @@ impl GpuModel {
         let mut pinned = false;
         if len > 0 {
             // SAFETY: the arena is a mapping owned by the store, which outlives the GPU model (both live in the
-            // LlamaModel; the GPU model is dropped first).
+            // Model; the GPU model is dropped first).
             match unsafe { super::driver::host_register(ptr, len) } {
                 Ok(()) => {
                     pinned = true;
@@ -477,10 +558,10 @@ impl GpuModel {
     }
 
     /// Runs `tokens` at positions `kv.len ..` (the host `kv` only tracks the length; K/V live in VRAM) and
-    /// returns logits as [`LlamaModel::forward`] does. Chunks longer than the scratch are split.
+    /// returns logits as [`Model::forward`] does. Chunks longer than the scratch are split.
     pub fn forward(
         &self,
-        m: &LlamaModel,
+        m: &Model,
         tokens: &[u32],
         kv: &mut KvCache,
         which: Logits,
@@ -508,7 +589,7 @@ impl GpuModel {
 
     fn chunk(
         &self,
-        m: &LlamaModel,
+        m: &Model,
         tokens: &[u32],
         pos0: usize,
         which: Option<Logits>,
@@ -715,7 +796,7 @@ impl GpuModel {
     #[allow(clippy::too_many_arguments)]
     fn enqueue_layers(
         &self,
-        m: &LlamaModel,
+        m: &Model,
         t: usize,
         pos0: usize,
         cap: usize,
@@ -737,8 +818,14 @@ impl GpuModel {
             let attention = |pend: Option<Combine>| -> Result<(), GpuError> {
                 ops.rms_norm_q8(b.x.ptr, g.attn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, pend)?;
                 ops.mmv(&[&g.q, &g.k, &g.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false)?;
+                if let Some(p) = &g.prep {
+                    let bias = p.bias.as_ref().map_or(0, |d| d.ptr);
+                    let (qn, kn) = p.norm.as_ref().map_or((0, 0), |(q, k)| (q.ptr, k.ptr));
+                    ops.qkv_prep(b.qkv.ptr, bias, qn, kn, p.mode, (nh, nkv, hd), c.rms_eps, t)?;
+                }
                 let (kc, vc) = (self.kc[l].ptr, self.vc[l].ptr);
-                ops.rope_store(b.qkv.ptr, b.cs.at(8), nh, nkv, hd, c.n_rot, b.cs.ptr, t, b.q.ptr, kc, vc)?;
+                let neox = c.spec.def.rope == crate::arch::RopeKind::Neox;
+                ops.rope_store(b.qkv.ptr, b.cs.at(8), nh, nkv, hd, c.n_rot, b.cs.ptr, t, b.q.ptr, kc, vc, neox)?;
                 ops.attention(b.q.ptr, kc, vc, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr)?;
                 ops.mmv(&[&g.o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?;
                 ops.rms_norm_q8(b.x.ptr, g.ffn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, None)
@@ -753,11 +840,13 @@ impl GpuModel {
                     self.routing_dtoh(routing, t * kk, t * e)
                 };
                 self.replay_segment((l, cap), segment)?;
+                self.shared_expert(&ops, g, t, e)?;
                 let tys = (*gate_ty, *down_ty, *down_off);
                 pend = Some(self.hybrid_moe(m, l, t, pos0, s, host, tys, true)?);
                 continue;
             }
             attention(pend.take())?;
+            self.shared_expert(&ops, g, t, e)?;
             match &g.ffn {
                 GFfn::Dense { gate, up, down } => {
                     let ff = gate.rows;
@@ -793,6 +882,19 @@ impl GpuModel {
         Ok(pend)
     }
 
+    /// The layer's shared expert, when it has one, from the FFN input (`b.xq` / `b.xn`) into the residual:
+    /// `x += sigmoid(gate_inp · xn) · down(silu(gate xn) · up xn)`.
+    fn shared_expert(&self, ops: &Ops, g: &GLayer, t: usize, e: usize) -> Result<(), GpuError> {
+        let Some(sh) = &g.shared else { return Ok(()) };
+        let b = &self.b;
+        let ff = sh.gate.rows;
+        ops.mmv(&[&sh.gate, &sh.up], b.xq.ptr, b.xn.ptr, t, b.gu.ptr, 2 * ff, false)?;
+        ops.swiglu(b.gu.ptr, ff, t, b.h.ptr)?;
+        ops.quantize(b.h.ptr, b.hq.ptr, t * ff / 32)?;
+        ops.mmv(&[&sh.down], b.hq.ptr, b.h.ptr, t, b.sh.ptr, e, false)?;
+        ops.gated_add(b.x.ptr, b.sh.ptr, sh.gate_inp.ptr, b.xn.ptr, e, t)
+    }
+
     /// The router product and top-k of `t` tokens into `b.ids` / `b.w` (arguments as [`Ops::route_topk`]).
     fn route(
         &self,
@@ -806,7 +908,7 @@ impl GpuModel {
         let b = &self.b;
         let ne = router.rows;
         ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false)?;
-        ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, fast, win)
+        ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, fast, win, self.norm_topk)
     }
 
     /// The page-locked staging of the routing's copy to the host (ids | weights | normalized activations),
@@ -864,7 +966,7 @@ impl GpuModel {
     #[allow(clippy::too_many_arguments)]
     fn hybrid_moe(
         &self,
-        m: &LlamaModel,
+        m: &Model,
         l: usize,
         t: usize,
         pos0: usize,

@@ -180,7 +180,42 @@ impl Ops<'_> {
         }
     }
 
-    /// RoPE + KV store (see the kernel); `pos` is the device address of pos0 (an `int`).
+    /// Biases and q/k RMSNorm of `t` rows of `qkv` in place before RoPE (see the kernel): `bias` (0 = none) is
+    /// `qd + 2·kvd` f32 laid out as a row; `mode` 0 = no norm, 1 = per head (`qn`/`kn`: `hd` each), 2 = the
+    /// whole q and k parts (`qd` / `kvd` weights).
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_prep(
+        &self,
+        qkv: u64,
+        bias: u64,
+        qn: u64,
+        kn: u64,
+        mode: i32,
+        (n_head, n_head_kv, hd): (usize, usize, usize),
+        eps: f32,
+        t: usize,
+    ) -> Result<(), GpuError> {
+        let args = Args::new()
+            .ptr(qkv)
+            .ptr(bias)
+            .ptr(qn)
+            .ptr(kn)
+            .i32(mode)
+            .i32(n_head as i32)
+            .i32(n_head_kv as i32)
+            .i32(hd as i32)
+            .f32(eps);
+        self.k.qkv_prep.launch(self.s, (t as u32, 1, 1), 256, 0, args)
+    }
+
+    /// `x[i] += sigmoid(gw · xn[i]) · y[i]` for `t` rows of `e` f32 (a shared expert's gated output).
+    pub fn gated_add(&self, x: u64, y: u64, gw: u64, xn: u64, e: usize, t: usize) -> Result<(), GpuError> {
+        let args = Args::new().ptr(x).ptr(y).ptr(gw).ptr(xn).i32(e as i32);
+        self.k.gated_add.launch(self.s, (t as u32, 1, 1), 256, 0, args)
+    }
+
+    /// RoPE + KV store (see the kernel); `pos` is the device address of pos0 (an `int`); `neox`: NeoX pairs
+    /// `(i, i + n_rot/2)` instead of adjacent ones.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_store(
         &self,
@@ -195,6 +230,7 @@ impl Ops<'_> {
         q: u64,
         kc: u64,
         vc: u64,
+        neox: bool,
     ) -> Result<(), GpuError> {
         let args = Args::new()
             .ptr(qkv)
@@ -206,7 +242,8 @@ impl Ops<'_> {
             .ptr(pos)
             .ptr(q)
             .ptr(kc)
-            .ptr(vc);
+            .ptr(vc)
+            .i32(neox as i32);
         let pairs = (n_head * hd / 2).max(n_head_kv * hd);
         self.k.rope_store.launch(self.s, (t as u32, pairs.div_ceil(128).min(64) as u32, 1), 128, 0, args)
     }
@@ -253,7 +290,8 @@ impl Ops<'_> {
     /// Softmax + top-k of `t` rows of router logits into `ids`/`w` (`t × k`). With `fast = Some((table,
     /// groups, flag))` (decode windows, every expert looked up on the device) also one group per routing entry
     /// from the layer's residency table (`table` already offset to the layer) and the flags; `win` ≠ 0: the ids
-    /// are copied there too (the window's routing record).
+    /// are copied there too (the window's routing record). `norm`: the top-k weights renormalised to sum 1
+    /// (else the softmax probabilities).
     #[allow(clippy::too_many_arguments)]
     pub fn route_topk(
         &self,
@@ -265,6 +303,7 @@ impl Ops<'_> {
         w: u64,
         fast: Option<(u64, u64, u64)>,
         win: u64,
+        norm: bool,
     ) -> Result<(), GpuError> {
         let (table, groups, flag) = fast.unwrap_or((0, 0, 0));
         let args = Args::new()
@@ -276,7 +315,8 @@ impl Ops<'_> {
             .ptr(table)
             .ptr(groups)
             .ptr(flag)
-            .ptr(win);
+            .ptr(win)
+            .i32(norm as i32);
         self.k.route_topk.launch(self.s, (t as u32, 1, 1), 32, 0, args)
     }
 

@@ -1,19 +1,21 @@
-//! The `llama` architecture, dense or with Mixtral-style experts.
+//! The forward pass, written once for every architecture of [`crate::arch::REGISTRY`]; it reads the
+//! architecture's choices from [`crate::arch::ArchSpec`], never its name.
 //!
-//! Per block (names as in GGUF): `attn_norm` (RMSNorm) → `attn_q/k/v` →
-//! RoPE (adjacent-pair "normal" mode, as llama.cpp uses for `llama`) →
-//! grouped-query causal attention over the KV cache → `attn_output` →
-//! residual; `ffn_norm` → FFN → residual. Dense FFN: `down(silu(gate x) * up x)`.
-//! MoE FFN: router `ffn_gate_inp` logits → softmax → top-k → weights
-//! renormalised to sum 1 → Σ_k w_k · expert_k(x), expert e's matrices being
-//! slice e of `ffn_{gate,up,down}_exps` (`[n_embd, n_ff_exp, n_expert]` for
-//! gate/up, `[n_ff_exp, n_embd, n_expert]` for down). Then `output_norm` and
-//! `output` (or `token_embd` when the output is tied).
+//! Per block (names as in GGUF): `attn_norm` (RMSNorm) → `attn_q/k/v` (+ `attn_{q,k,v}.bias` when present) →
+//! q/k RMSNorm (`attn_q_norm`/`attn_k_norm`, per head or over the whole projection, when the architecture has
+//! it) → RoPE (adjacent pairs or NeoX halves) → grouped-query causal attention over the KV cache →
+//! `attn_output` (+ bias) → residual; `ffn_norm` → FFN → residual. Dense FFN: `down(silu(gate x) * up x)`.
+//! MoE FFN: router `ffn_gate_inp` logits → softmax (or sigmoid) → top-k → weights renormalised to sum 1 when
+//! the architecture says so, times its weight scale → Σ_k w_k · expert_k(x), expert e's matrices being slice
+//! e of `ffn_{gate,up,down}_exps` (`[n_embd, n_ff_exp, n_expert]` for gate/up, `[n_ff_exp, n_embd, n_expert]`
+//! for down); plus, with a shared expert, `sigmoid(ffn_gate_inp_shexp · x) · down_shexp(silu(gate_shexp x) ·
+//! up_shexp x)`. Then `output_norm` and `output` (or `token_embd` when the output is tied).
 
 use std::sync::Arc;
 
 use super::config::{ModelConfig, ModelError};
 use super::kv::KvCache;
+use crate::arch::{tensor, FfnKind, Gating, QkNorm, RopeKind};
 use crate::compute::cpu::{experts_batch, matmul_with, silu, Act, ExpertJob, GluJob, MatRef, Precision, SyncPtr};
 use crate::compute::pool::WorkerPool;
 use crate::gguf::{GgufFile, TensorInfo};
@@ -54,6 +56,21 @@ pub struct ExpertWeights {
     pub up: Weight,
     /// `ffn_down_exps`: `n_expert * n_embd` rows of `n_ff_exp`.
     pub down: Weight,
+    /// The shared expert (`qwen2moe`), computed densely beside the routed ones.
+    pub shared: Option<SharedExpert>,
+}
+
+/// A shared expert: a dense SwiGLU FFN every token goes through, scaled by a sigmoid gate.
+#[derive(Debug, Clone)]
+pub struct SharedExpert {
+    /// `ffn_gate_inp_shexp` (`n_embd` values): the gate's logit is its dot product with the normalized input.
+    pub gate_inp: Vec<f32>,
+    /// `ffn_gate_shexp` (`n_ff_shexp` rows of `n_embd`).
+    pub gate: Weight,
+    /// `ffn_up_shexp` (`n_ff_shexp` rows of `n_embd`).
+    pub up: Weight,
+    /// `ffn_down_shexp` (`n_embd` rows of `n_ff_shexp`).
+    pub down: Weight,
 }
 
 /// The FFN of a block.
@@ -85,10 +102,37 @@ pub struct Block {
     pub v: Weight,
     /// `attn_output` (n_embd rows of n_head·head_dim).
     pub o: Weight,
+    /// `attn_q.bias`, `attn_k.bias`, `attn_v.bias`, `attn_output.bias` (each as wide as its projection's
+    /// output), when the file has them.
+    pub bias: AttnBias,
+    /// `attn_q_norm` (`head_dim` for a per-head norm, `n_head·head_dim` for a full-width one).
+    pub q_norm: Option<Vec<f32>>,
+    /// `attn_k_norm` (`head_dim`, or `n_head_kv·head_dim`).
+    pub k_norm: Option<Vec<f32>>,
     /// `ffn_norm` (n_embd).
     pub ffn_norm: Vec<f32>,
     /// The block's FFN.
     pub ffn: Ffn,
+}
+
+/// Attention projection biases (f32), each absent when the file has none.
+#[derive(Debug, Clone, Default)]
+pub struct AttnBias {
+    /// Queries (`n_head·head_dim`).
+    pub q: Option<Vec<f32>>,
+    /// Keys (`n_head_kv·head_dim`).
+    pub k: Option<Vec<f32>>,
+    /// Values (`n_head_kv·head_dim`).
+    pub v: Option<Vec<f32>>,
+    /// Output (`n_embd`).
+    pub o: Option<Vec<f32>>,
+}
+
+impl AttnBias {
+    /// No bias at all.
+    pub fn is_empty(&self) -> bool {
+        self.q.is_none() && self.k.is_none() && self.v.is_none() && self.o.is_none()
+    }
 }
 
 /// Which logits a forward pass returns.
@@ -100,8 +144,8 @@ pub enum Logits {
     All,
 }
 
-/// A loaded llama-family model over a mapped GGUF file.
-pub struct LlamaModel {
+/// A loaded model of a registry architecture over a mapped GGUF file.
+pub struct Model {
     /// The file (tensor data is read in place from the mapping).
     pub file: Arc<GgufFile>,
     /// Hyper-parameters.
@@ -162,7 +206,7 @@ pub struct RouteRecord {
     pub pos: usize,
     /// Layer index.
     pub layer: usize,
-    /// `(expert, weight)` by rank; weights sum to 1.
+    /// `(expert, weight)` by rank (the weights sum to 1 when the architecture renormalises the top-k).
     pub experts: Vec<(usize, f32)>,
 }
 
@@ -196,7 +240,15 @@ fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
     Ok(out)
 }
 
-impl LlamaModel {
+/// [`vector`] when the tensor is in the file, `None` when it is not.
+fn opt_vector(f: &GgufFile, name: &str, n: usize) -> Result<Option<Vec<f32>>, ModelError> {
+    match f.tensor(name) {
+        Some(_) => vector(f, name, n).map(Some),
+        None => Ok(None),
+    }
+}
+
+impl Model {
     /// Loads the model from an opened GGUF file. Errors: unsupported
     /// architecture or tensor type, missing tensors, shapes that disagree
     /// with the metadata.
@@ -206,21 +258,44 @@ impl LlamaModel {
         let (e, kvd) = (cfg.n_embd as u64, (cfg.n_head_kv * cfg.head_dim) as u64);
         let qd = (cfg.n_head * cfg.head_dim) as u64;
         let nv = cfg.n_vocab as u64;
-        let tok_embd = weight(f, "token_embd.weight", Some(&[e, nv]))?;
-        let output = match f.tensor("output.weight") {
-            Some(_) => weight(f, "output.weight", Some(&[e, nv]))?,
+        let tok_embd = weight(f, tensor::TOKEN_EMBD, Some(&[e, nv]))?;
+        let output = match f.tensor(tensor::OUTPUT) {
+            Some(_) => weight(f, tensor::OUTPUT, Some(&[e, nv]))?,
             None => tok_embd.clone(),
         };
+        let spec = cfg.spec;
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for l in 0..cfg.n_layer {
-            let n = |s: &str| format!("blk.{l}.{s}.weight");
-            let ffn = if cfg.n_expert > 0 {
+            let n = |s: &str| tensor::weight(l, s);
+            if spec.ffn != FfnKind::MoeShared {
+                if let Some(t) = tensor::SHARED_EXPERT_ROLES.iter().map(|r| n(r)).find(|t| f.tensor(t).is_some()) {
+                    return Err(ModelError::UnexpectedTensor {
+                        tensor: t,
+                        arch: cfg.arch.clone(),
+                        why: format!("{} has no shared expert", cfg.arch),
+                    });
+                }
+            }
+            let ffn = if spec.is_moe() {
                 let (ne, ff) = (cfg.n_expert as u64, cfg.n_ff_exp as u64);
+                let shared = match spec.ffn {
+                    FfnKind::MoeShared => {
+                        let fs = cfg.n_ff_shexp as u64;
+                        Some(SharedExpert {
+                            gate_inp: vector(f, &n("ffn_gate_inp_shexp"), cfg.n_embd)?,
+                            gate: weight(f, &n("ffn_gate_shexp"), Some(&[e, fs]))?,
+                            up: weight(f, &n("ffn_up_shexp"), Some(&[e, fs]))?,
+                            down: weight(f, &n("ffn_down_shexp"), Some(&[fs, e]))?,
+                        })
+                    }
+                    _ => None,
+                };
                 Ffn::Moe(ExpertWeights {
                     router: weight(f, &n("ffn_gate_inp"), Some(&[e, ne]))?,
                     gate: weight(f, &n("ffn_gate_exps"), Some(&[e, ff, ne]))?,
                     up: weight(f, &n("ffn_up_exps"), Some(&[e, ff, ne]))?,
                     down: weight(f, &n("ffn_down_exps"), Some(&[ff, e, ne]))?,
+                    shared,
                 })
             } else {
                 let ff = cfg.n_ff as u64;
@@ -230,25 +305,50 @@ impl LlamaModel {
                     down: weight(f, &n("ffn_down"), Some(&[ff, e]))?,
                 }
             };
+            let b = |s: &str| tensor::bias(l, s);
+            let (q_norm, k_norm) = match spec.def.qk_norm {
+                QkNorm::None => (None, None),
+                QkNorm::PerHead => (
+                    Some(vector(f, &n("attn_q_norm"), cfg.head_dim)?),
+                    Some(vector(f, &n("attn_k_norm"), cfg.head_dim)?),
+                ),
+                QkNorm::Full => (
+                    Some(vector(f, &n("attn_q_norm"), qd as usize)?),
+                    Some(vector(f, &n("attn_k_norm"), kvd as usize)?),
+                ),
+            };
             blocks.push(Block {
                 attn_norm: vector(f, &n("attn_norm"), cfg.n_embd)?,
                 q: weight(f, &n("attn_q"), Some(&[e, qd]))?,
                 k: weight(f, &n("attn_k"), Some(&[e, kvd]))?,
                 v: weight(f, &n("attn_v"), Some(&[e, kvd]))?,
                 o: weight(f, &n("attn_output"), Some(&[qd, e]))?,
+                bias: AttnBias {
+                    q: opt_vector(f, &b("attn_q"), qd as usize)?,
+                    k: opt_vector(f, &b("attn_k"), kvd as usize)?,
+                    v: opt_vector(f, &b("attn_v"), kvd as usize)?,
+                    o: opt_vector(f, &b("attn_output"), cfg.n_embd)?,
+                },
+                q_norm,
+                k_norm,
                 ffn_norm: vector(f, &n("ffn_norm"), cfg.n_embd)?,
                 ffn,
             });
         }
-        let out_norm = vector(f, "output_norm.weight", cfg.n_embd)?;
-        if cfg.n_embd % 32 != 0 || cfg.n_ff % 32 != 0 || cfg.n_ff_exp % 32 != 0 || qd % 32 != 0 {
+        let out_norm = vector(f, tensor::OUTPUT_NORM, cfg.n_embd)?;
+        if cfg.n_embd % 32 != 0
+            || cfg.n_ff % 32 != 0
+            || cfg.n_ff_exp % 32 != 0
+            || cfg.n_ff_shexp % 32 != 0
+            || qd % 32 != 0
+        {
             return Err(ModelError::BadHyperParameter("embedding and FFN widths must be multiples of 32".into()));
         }
         let pool = Arc::new(
             WorkerPool::new(num_cpus::get_physical())
                 .map_err(|e| ModelError::BadHyperParameter(format!("worker pool: {e}")))?,
         );
-        Ok(LlamaModel {
+        Ok(Model {
             file,
             cfg,
             tok_embd,
@@ -386,14 +486,31 @@ impl LlamaModel {
         self.mm(self.mat(&b.q), &s.xn, &mut s.q);
         self.mm(self.mat(&b.k), &s.xn, &mut s.k);
         self.mm(self.mat(&b.v), &s.xn, &mut s.v);
+        for (y, bias) in [(&mut s.q, &b.bias.q), (&mut s.k, &b.bias.k), (&mut s.v, &b.bias.v)] {
+            if let Some(bias) = bias {
+                add_rows(y, bias);
+            }
+        }
+        // q/k RMSNorm: per head (`head_dim` weights) or over the whole projection of a token
+        for (y, w) in [(&mut s.q, &b.q_norm), (&mut s.k, &b.k_norm)] {
+            if let Some(w) = w {
+                for row in y.chunks_exact_mut(w.len()) {
+                    rms_norm_in_place(row, w, cfg.rms_eps);
+                }
+            }
+        }
         let half = cfg.n_rot / 2;
+        let rot: fn(&mut [f32], &[(f32, f32)]) = match cfg.spec.def.rope {
+            RopeKind::Normal => rope,
+            RopeKind::Neox => rope_neox,
+        };
         for i in 0..t {
             let cs = &s.rope[i * half..(i + 1) * half];
             for h in 0..nh {
-                rope(&mut s.q[i * qd + h * hd..i * qd + (h + 1) * hd], cs);
+                rot(&mut s.q[i * qd + h * hd..i * qd + (h + 1) * hd], cs);
             }
             for h in 0..nkv {
-                rope(&mut s.k[i * kvd + h * hd..i * kvd + (h + 1) * hd], cs);
+                rot(&mut s.k[i * kvd + h * hd..i * kvd + (h + 1) * hd], cs);
             }
             kv.store(l, pos0 + i, &s.k[i * kvd..(i + 1) * kvd], &s.v[i * kvd..(i + 1) * kvd]);
         }
@@ -451,6 +568,9 @@ impl LlamaModel {
         s.attn.quantize();
         s.tmp.resize(t * e, 0.0);
         self.mm(self.mat(&b.o), &s.attn, &mut s.tmp);
+        if let Some(bias) = &b.bias.o {
+            add_rows(&mut s.tmp, bias);
+        }
         for (x, d) in s.x.iter_mut().zip(&s.tmp) {
             *x += d;
         }
@@ -466,18 +586,7 @@ impl LlamaModel {
         s.xn.quantize();
         match &b.ffn {
             Ffn::Dense { gate, up, down } => {
-                let ff = gate.rows;
-                s.gate.resize(t * ff, 0.0);
-                s.up.resize(t * ff, 0.0);
-                self.mm(self.mat(gate), &s.xn, &mut s.gate);
-                self.mm(self.mat(up), &s.xn, &mut s.up);
-                s.h.resize(t, ff);
-                for ((h, g), u) in s.h.f.iter_mut().zip(&s.gate).zip(&s.up) {
-                    *h = silu(*g) * u;
-                }
-                s.h.quantize();
-                s.tmp.resize(t * e, 0.0);
-                self.mm(self.mat(down), &s.h, &mut s.tmp);
+                self.dense_ffn(gate, up, down, s);
                 for (x, d) in s.x.iter_mut().zip(&s.tmp) {
                     *x += d;
                 }
@@ -486,25 +595,73 @@ impl LlamaModel {
         }
     }
 
-    /// Router: softmax over experts, top-k, renormalised. Returns per token
-    /// `k` pairs `(expert, weight)` in rank order.
+    /// A dense SwiGLU FFN of the normalized, quantized activations `s.xn` into `s.tmp` (`t × n_embd`):
+    /// `down(silu(gate x) · up x)`.
+    fn dense_ffn(&self, gate: &Weight, up: &Weight, down: &Weight, s: &mut Scratch) {
+        let (t, e) = (s.xn.t, self.cfg.n_embd);
+        let ff = gate.rows;
+        s.gate.resize(t * ff, 0.0);
+        s.up.resize(t * ff, 0.0);
+        self.mm(self.mat(gate), &s.xn, &mut s.gate);
+        self.mm(self.mat(up), &s.xn, &mut s.up);
+        s.h.resize(t, ff);
+        for ((h, g), u) in s.h.f.iter_mut().zip(&s.gate).zip(&s.up) {
+            *h = silu(*g) * u;
+        }
+        s.h.quantize();
+        s.tmp.resize(t * e, 0.0);
+        self.mm(self.mat(down), &s.h, &mut s.tmp);
+    }
+
+    /// Adds the shared expert's gated output to `s.moe_acc` (`t × n_embd`): per token,
+    /// `acc += sigmoid(gate_inp · xn) · ffn_shexp(xn)`.
+    fn shared_expert(&self, sh: &SharedExpert, s: &mut Scratch) {
+        let e = self.cfg.n_embd;
+        self.dense_ffn(&sh.gate, &sh.up, &sh.down, s);
+        for i in 0..s.xn.t {
+            let g = sigmoid(dot_f32(&sh.gate_inp, s.xn.row(i)));
+            for (a, y) in s.moe_acc[i * e..(i + 1) * e].iter_mut().zip(&s.tmp[i * e..(i + 1) * e]) {
+                *a += y * g;
+            }
+        }
+    }
+
+    /// Router: probabilities over the experts (softmax or sigmoid, as the architecture says), top-k, the
+    /// top-k weights renormalised to sum 1 when the architecture does so (their sum clamped at 2^-14, as
+    /// llama.cpp does), times its expert weight scale. `router_logits` is `t × n_expert`. Returns per token `k`
+    /// pairs `(expert, weight)` in rank order (ties: lower expert id first).
     pub fn route(&self, router_logits: &[f32], t: usize) -> Vec<Vec<(usize, f32)>> {
         let ne = self.cfg.n_expert;
         let k = self.cfg.n_expert_used;
+        let def = self.cfg.spec.def;
         (0..t)
             .map(|i| {
                 let lg = &router_logits[i * ne..(i + 1) * ne];
-                let mx = lg.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let mut p: Vec<(usize, f32)> = lg.iter().enumerate().map(|(j, &v)| (j, (v - mx).exp())).collect();
-                let sum: f32 = p.iter().map(|x| x.1).sum();
-                for x in p.iter_mut() {
-                    x.1 /= sum;
-                }
+                let mut p: Vec<(usize, f32)> = match def.gating {
+                    Gating::Softmax => {
+                        let mx = lg.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                        let mut p: Vec<(usize, f32)> =
+                            lg.iter().enumerate().map(|(j, &v)| (j, (v - mx).exp())).collect();
+                        let sum: f32 = p.iter().map(|x| x.1).sum();
+                        for x in p.iter_mut() {
+                            x.1 /= sum;
+                        }
+                        p
+                    }
+                    Gating::Sigmoid => lg.iter().enumerate().map(|(j, &v)| (j, sigmoid(v))).collect(),
+                };
                 p.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0)));
                 p.truncate(k);
-                let s: f32 = p.iter().map(|x| x.1).sum();
-                for x in p.iter_mut() {
-                    x.1 /= s;
+                if def.norm_topk {
+                    let s: f32 = p.iter().map(|x| x.1).sum::<f32>().max(6.103515625e-5);
+                    for x in p.iter_mut() {
+                        x.1 /= s;
+                    }
+                }
+                if def.expert_weights_scale != 1.0 {
+                    for x in p.iter_mut() {
+                        x.1 *= def.expert_weights_scale;
+                    }
                 }
                 p
             })
@@ -522,6 +679,9 @@ impl LlamaModel {
         let by_expert = self.by_expert(&routes);
         let src = self.plan_sources(layer, &by_expert, s.decode);
         self.experts_cpu(layer, ex, &by_expert, src, None, s, |_| {});
+        if let Some(sh) = &ex.shared {
+            self.shared_expert(sh, s);
+        }
         for (xv, a) in s.x.iter_mut().zip(&s.moe_acc) {
             *xv += a;
         }
@@ -736,12 +896,47 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Rotates adjacent pairs `(x[2i], x[2i+1])` by the angles in `cs` (cos, sin).
+/// RMSNorm of `x` in place (the arithmetic of [`rms_norm`]).
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let scale = (1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt()) as f32;
+    for (v, &g) in x.iter_mut().zip(w) {
+        *v = *v * scale * g;
+    }
+}
+
+/// Adds `bias` (one row) to every row of `y` (`rows × bias.len()`).
+fn add_rows(y: &mut [f32], bias: &[f32]) {
+    for row in y.chunks_exact_mut(bias.len()) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v += b;
+        }
+    }
+}
+
+/// The logistic function `1 / (1 + e^-x)`.
+#[inline]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Rotates adjacent pairs `(x[2i], x[2i+1])` by the angles in `cs` (cos, sin) (`RopeKind::Normal`).
 fn rope(x: &mut [f32], cs: &[(f32, f32)]) {
     for (i, &(c, s)) in cs.iter().enumerate() {
         let (a, b) = (x[2 * i], x[2 * i + 1]);
         x[2 * i] = a * c - b * s;
         x[2 * i + 1] = a * s + b * c;
+    }
+}
+
+/// Rotates the pairs `(x[i], x[i + n])`, `n = cs.len()`, by the angles in `cs` (`RopeKind::Neox`: the first
+/// `2n` dimensions of the head split in halves; the rest unrotated).
+fn rope_neox(x: &mut [f32], cs: &[(f32, f32)]) {
+    let n = cs.len();
+    for (i, &(c, s)) in cs.iter().enumerate() {
+        let (a, b) = (x[i], x[i + n]);
+        x[i] = a * c - b * s;
+        x[i + n] = a * s + b * c;
     }
 }
 

@@ -1,0 +1,232 @@
+//! The architectures besides `llama` (qwen3moe, qwen3, qwen2moe, qwen2, olmoe) on tiny random-weight files
+//! written with the `gguf` package (tools/make-arch-fixtures): parity with llama.cpp's logits stored in
+//! tests/data/parity_logits_arch_<arch>.json (tools/make-reference --only parity-arch), the expert tiers on
+//! each MoE architecture, and the load errors of files whose metadata and tensors disagree.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use strata::arch::{FfnKind, QkNorm, RopeKind};
+use strata::gguf::writer::GgufWriter;
+use strata::gguf::{GgufFile, Value};
+use strata::model::forward::Scratch;
+use strata::model::{Logits, Model, ModelError};
+use strata::tiers::fileio::FileIo;
+use strata::tiers::knobs::Knobs;
+use strata::tiers::layout::ExpertLayout;
+use strata::tiers::profile::geometry_of;
+use strata::tiers::store::{ExpertStore, ResidentMode, StoreConfig};
+
+const ARCHS: [&str; 5] = ["qwen3moe", "qwen3", "qwen2moe", "qwen2", "olmoe"];
+const MOE_ARCHS: [&str; 3] = ["qwen3moe", "qwen2moe", "olmoe"];
+
+fn load(arch: &str) -> Model {
+    let mut m = Model::load(Arc::new(GgufFile::open(arch_fixture_path(arch)).unwrap())).unwrap();
+    m.set_threads(2).unwrap();
+    m
+}
+
+#[test]
+fn each_architecture_reads_its_choices_from_the_file() {
+    for arch in ARCHS {
+        let m = load(arch);
+        let spec = m.cfg.spec;
+        assert_eq!(spec.name(), arch);
+        assert_eq!(spec.def.rope, RopeKind::Neox, "{arch}");
+        let b = &m.blocks[0];
+        match arch {
+            "qwen3moe" | "qwen3" => {
+                assert_eq!(spec.def.qk_norm, QkNorm::PerHead);
+                assert_eq!((m.cfg.head_dim, m.cfg.n_head * m.cfg.head_dim), (32, 128)); // q wider than n_embd
+                assert_eq!(b.q_norm.as_ref().unwrap().len(), 32);
+            }
+            "olmoe" => assert_eq!(b.q_norm.as_ref().unwrap().len(), 64),
+            _ => assert!(b.q_norm.is_none() && b.bias.q.is_some() && b.bias.v.is_some()),
+        }
+        let want = match arch {
+            "qwen3" | "qwen2" => FfnKind::Dense,
+            "qwen2moe" => FfnKind::MoeShared,
+            _ => FfnKind::Moe,
+        };
+        assert_eq!(spec.ffn, want, "{arch}");
+        if spec.is_moe() {
+            assert_eq!(spec.def.norm_topk, arch == "qwen3moe", "{arch}");
+        }
+    }
+}
+
+/// KL(llama.cpp ‖ strata) within llama.cpp's own batch-vs-decode KL + 1e-3 and argmax agreement ≥ 98% with
+/// both of llama.cpp's paths, over the 324 teacher-forced positions of the four parity prompts.
+#[test]
+fn each_architecture_matches_llama_cpp() {
+    for arch in ARCHS {
+        let d = json(&format!("parity_logits_arch_{arch}.json"));
+        let path = arch_fixture_path(arch);
+        assert_eq!(
+            d["model_sha256"].as_str().unwrap(),
+            sha256_hex(&std::fs::read(&path).unwrap()),
+            "{}: not the file the reference was made from (tools/fetch-model --model tiny-{arch})",
+            path.display()
+        );
+        assert_parity(arch, &load(arch), &d);
+        // and ≥ 98% in absolute terms
+        let m = load(arch);
+        let mut agree = (0usize, 0usize);
+        for p in d["prompts"].as_array().unwrap() {
+            let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+            let mut kv = m.new_kv(512);
+            let all = m.forward(&ids, &mut kv, Logits::All, &mut Scratch::default());
+            let (_, a, _) = compare(&all, m.cfg.n_vocab, p["positions_decode"].as_array().unwrap());
+            agree = (agree.0 + a, agree.1 + ids.len());
+        }
+        let share = agree.0 as f64 / agree.1 as f64;
+        assert!(share >= 0.98, "{arch}: argmax {share:.4} against llama.cpp's decode path");
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Two prompts' greedy tokens (SmolLM2 ids; RAM adapt between decode windows as the engine runs it).
+fn greedy2(m: &Model, n: usize) -> Vec<Vec<u32>> {
+    let prompts: [&[u32]; 2] = [&[504, 3575, 282, 4649, 314], &[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173]];
+    greedy(m, &prompts, n)
+}
+
+/// Every MoE architecture gives the same greedy tokens from the mapping, with all experts in the RAM copy,
+/// with half of them read from the file (buffered and O_DIRECT), through mmap, and with RAM adapt on (which
+/// must promote something).
+#[test]
+fn tiers_give_the_same_tokens_on_every_moe_architecture() {
+    for arch in MOE_ARCHS {
+        let path = arch_fixture_path(arch);
+        let mut m = load(arch);
+        let base = greedy2(&m, 24);
+        let total = ExpertLayout::of(&m).unwrap().total_bytes();
+        let modes = [
+            (ResidentMode::All, FileIo::Buffered, 0),
+            (ResidentMode::Budget(total / 2), FileIo::Buffered, 0),
+            (ResidentMode::Budget(total / 2), FileIo::Direct, 0),
+            (ResidentMode::Mmap, FileIo::Buffered, 0),
+            (ResidentMode::Budget(total / 2), FileIo::Buffered, 8),
+        ];
+        for (mode, io, ram_adapt) in modes {
+            let layout = ExpertLayout::of(&m).unwrap();
+            let cfg = StoreConfig { mode, file_io: io, lock: false, ..Default::default() };
+            let st = ExpertStore::new(
+                layout,
+                m.file.clone(),
+                &path,
+                geometry_of(&m),
+                None,
+                &cfg,
+                Arc::new(Knobs::default()),
+            )
+            .unwrap();
+            st.knobs.set("ram_adapt", &ram_adapt.to_string()).unwrap();
+            st.knobs.set("adapt_every", "1").unwrap();
+            m.experts = Some(Arc::new(st));
+            let got = greedy2(&m, 24);
+            let t = m.experts.as_ref().unwrap().counters.totals();
+            println!("{arch} {mode:?} {io:?} ram_adapt {ram_adapt}: {t:?}");
+            assert_eq!(got, base, "{arch} {mode:?} {io:?} ram_adapt {ram_adapt}");
+            assert!(t.lookups > 0);
+            match mode {
+                ResidentMode::All => assert_eq!(t.file_blob_reads, 0),
+                ResidentMode::Budget(_) => assert!(t.file_blob_reads > 0, "{arch}: no blob read"),
+                _ => {}
+            }
+            if ram_adapt > 0 {
+                assert!(t.promotions > 0, "{arch}: RAM adapt moved nothing");
+            }
+            m.experts = None;
+        }
+    }
+}
+
+/// A copy of `arch`'s fixture with `edit` applied to its metadata and tensors, written to a temporary file.
+fn edited(arch: &str, edit: impl FnOnce(&mut GgufWriter)) -> std::path::PathBuf {
+    let f = GgufFile::open(arch_fixture_path(arch)).unwrap();
+    let mut w = GgufWriter::default();
+    for (k, v) in &f.metadata {
+        w.set(k, v.clone());
+    }
+    for t in &f.tensors {
+        w.add_tensor(&t.name, t.dims.clone(), t.ggml_type, f.tensor_data(t).to_vec());
+    }
+    edit(&mut w);
+    let p = std::env::temp_dir().join(format!("strata-arch-{arch}-{}-{}.gguf", std::process::id(), rand_suffix()));
+    std::fs::write(&p, w.to_bytes()).unwrap();
+    p
+}
+
+fn rand_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+fn load_err(p: &std::path::Path) -> String {
+    let r = GgufFile::open(p).map_err(ModelError::from).and_then(|f| Model::load(Arc::new(f)).map(|_| ()));
+    std::fs::remove_file(p).unwrap();
+    match r {
+        Ok(()) => panic!("{} loaded", p.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn drop_tensor(w: &mut GgufWriter, name: &str) {
+    let n = w.tensors.len();
+    w.tensors.retain(|t| t.name != name);
+    assert_eq!(w.tensors.len(), n - 1, "{name} not in the fixture");
+}
+
+fn set_meta(w: &mut GgufWriter, key: &str, v: Value) {
+    let slot = w.metadata.iter_mut().find(|(k, _)| k == key).unwrap_or_else(|| panic!("{key} not in the fixture"));
+    slot.1 = v;
+}
+
+#[test]
+fn files_whose_metadata_and_tensors_disagree_are_refused_with_the_name() {
+    // an architecture no registry row has: the message lists the registry
+    let e = load_err(&edited("qwen3moe", |w| set_meta(w, "general.architecture", Value::String("deepseek9".into()))));
+    assert!(e.contains("unsupported architecture \"deepseek9\""), "{e}");
+    assert!(e.contains("llama, qwen3moe, qwen3, qwen2moe, qwen2, olmoe"), "{e}");
+    // a per-head q/k norm missing
+    let e = load_err(&edited("qwen3moe", |w| drop_tensor(w, "blk.1.attn_k_norm.weight")));
+    assert!(e.contains("\"blk.1.attn_k_norm.weight\" is missing"), "{e}");
+    // a full-width q norm of a per-head width
+    let e = load_err(&edited("olmoe", |w| {
+        let t = w.tensors.iter_mut().find(|t| t.name == "blk.0.attn_q_norm.weight").unwrap();
+        t.dims = vec![16];
+        t.data.truncate(16 * 4);
+    }));
+    assert!(e.contains("blk.0.attn_q_norm.weight") && e.contains("expected [64]"), "{e}");
+    // the shared expert's gate without the shared expert
+    let e = load_err(&edited("qwen2moe", |w| {
+        for role in ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] {
+            drop_tensor(w, &format!("blk.2.{role}.weight"));
+        }
+    }));
+    assert!(e.contains("\"blk.2.ffn_gate_shexp.weight\" is missing"), "{e}");
+    // a shared-expert tensor in an architecture without one
+    let e = load_err(&edited("qwen3moe", |w| {
+        w.add_tensor("blk.0.ffn_gate_inp_shexp.weight", vec![64], strata::quant::GgmlType::F32, vec![0u8; 256]);
+    }));
+    assert!(e.contains("blk.0.ffn_gate_inp_shexp.weight") && e.contains("qwen3moe has no shared expert"), "{e}");
+    // top-k larger than the expert count
+    let e = load_err(&edited("olmoe", |w| set_meta(w, "olmoe.expert_used_count", Value::U32(9))));
+    assert!(e.contains("expert_used_count 9 must be in 1..=8"), "{e}");
+    // a metadata key of the wrong type
+    let e = load_err(&edited("qwen2moe", |w| set_meta(w, "qwen2moe.expert_count", Value::String("8".into()))));
+    assert!(e.contains("qwen2moe.expert_count") && e.contains("expected"), "{e}");
+    // routed experts in a dense architecture, and none in an MoE one
+    let e = load_err(&edited("qwen3", |w| w.set("qwen3.expert_count", Value::U32(8))));
+    assert!(e.contains("qwen3 is a dense architecture"), "{e}");
+    let e = load_err(&edited("olmoe", |w| set_meta(w, "olmoe.expert_count", Value::U32(0))));
+    assert!(e.contains("olmoe needs routed experts"), "{e}");
+}
