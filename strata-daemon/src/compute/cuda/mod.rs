@@ -46,8 +46,8 @@ pub enum GpuError {
     /// The model or a setting cannot run on the GPU.
     #[error("{0}")]
     Unsupported(String),
-    /// The model's architecture uses a choice the GPU kernels do not implement yet (NeoX RoPE, q/k norm,
-    /// attention biases, a shared expert): the model runs on the CPU.
+    /// The model's architecture uses a choice the GPU kernels do not implement yet (an attention output bias,
+    /// sigmoid gating, an expert weight scale): the model runs on the CPU.
     #[error("architecture {arch}: {what} has no GPU kernels yet")]
     Architecture {
         /// `general.architecture`.

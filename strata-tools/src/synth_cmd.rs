@@ -1,4 +1,4 @@
-//! `strata-daemon synth-moe`: writes a GGUF of a real model's geometry with random weights — as the `llama`
+//! `strata-tools synth-moe`: writes a GGUF of a real model's geometry with random weights — as the `llama`
 //! architecture with Mixtral-style experts (`--arch llama`, the default), or as the preset's own architecture
 //! (`--arch native`: `qwen3moe` with per-head q/k norms, `olmoe` with full-width q/k norms, `qwen2moe` with
 //! q/k/v biases and a shared expert; Mixtral is `llama` either way) — streamed to disk (tens of GB), for scale benchmarks. Block formats
@@ -22,7 +22,8 @@ pub struct SynthArgs {
     #[arg(long)]
     out: PathBuf,
     /// Geometry: mixtral-8x7b (32 layers, 4096, 8 experts × 14336, top-2), olmoe-1b-7b (16 layers, 2048, 64
-    /// experts × 1024, top-8), qwen3-30b-a3b (48 layers, 2048, 128 experts × 768, top-8, head size 128), tiny.
+    /// experts × 1024, top-8), qwen3-30b-a3b (48 layers, 2048, 128 experts × 768, top-8, head size 128),
+    /// qwen2-57b-a14b (28 layers, 3584, 64 experts × 2560, top-8, shared expert 20480), tiny.
     #[arg(long, default_value = "mixtral-8x7b")]
     preset: String,
     /// Override the layer count.

@@ -1,4 +1,4 @@
-//! `strata-daemon bench-experts`: the CPU pool's expert throughput on its own — the share of a hybrid MoE layer
+//! `strata-tools bench-experts`: the CPU pool's expert throughput on its own — the share of a hybrid MoE layer
 //! that the CPU computes (one token through `per_layer` experts: gate, up and SwiGLU in one fork-join, down in a
 //! second, as `Model::experts_cpu` runs them). Random expert blobs of a preset's geometry sit in a RAM copy
 //! mapped like the real one (`HostArena`, huge-page advice); each arm streams `work_mib` of weights and prints
@@ -17,7 +17,7 @@ use strata::tiers::arena::HostArena;
 
 use crate::synth_cmd::{fill_blocks, preset, Rng};
 
-/// Arguments of `strata-daemon bench-experts`.
+/// Arguments of `strata-tools bench-experts`.
 #[derive(ClapArgs, Debug)]
 pub struct BenchExpertsArgs {
     /// Geometry, as for synth-moe: mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, tiny.

@@ -1,4 +1,4 @@
-//! `strata-daemon perplexity`: perplexity of a model over a text file, computed the way llama.cpp's
+//! `strata-tools perplexity`: perplexity of a model over a text file, computed the way llama.cpp's
 //! `llama-perplexity` does: the tokens are cut into chunks of `--ctx`, each chunk runs from an empty KV cache,
 //! and the second half of each chunk is scored (the first half is context).
 

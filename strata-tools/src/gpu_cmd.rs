@@ -1,4 +1,4 @@
-//! `strata-daemon gpu-check` (GPU kernels and forward pass against the CPU path) and `strata-daemon
+//! `strata-tools gpu-check` (GPU kernels and forward pass against the CPU path) and `strata-tools
 //! bench-gpu` (decode and prompt tok/s over expert-cache sizes and adaptive-tier modes, with the link
 //! bandwidths and the DESIGN.md §10 bound). Both print a table and write JSON (`--json FILE`).
 
@@ -36,7 +36,7 @@ pub struct CheckArgs {
 
 #[derive(ClapArgs, Debug)]
 pub struct BenchArgs {
-    /// Model (e.g. from `strata-daemon synth-moe`).
+    /// Model (e.g. from `strata-tools synth-moe`).
     #[arg(long)]
     model: PathBuf,
     /// Prompt tokens per arm.

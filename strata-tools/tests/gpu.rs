@@ -1,5 +1,5 @@
 //! GPU tests: run only with `STRATA_GPU_TESTS=1` on a machine with a CUDA driver (CI has none). They write a
-//! small synthetic MoE, run `strata-daemon gpu-check` on it (dense products of every format against the CPU
+//! small synthetic MoE, run `strata-tools gpu-check` on it (dense products of every format against the CPU
 //! path on random inputs; the forward pass against the CPU in six tier configurations) and check the figures.
 
 use std::process::Command;
@@ -14,7 +14,7 @@ fn gpu_matches_cpu() {
         eprintln!("skipped: set STRATA_GPU_TESTS=1 on a GPU machine");
         return;
     }
-    let bin = env!("CARGO_BIN_EXE_strata-daemon");
+    let bin = env!("CARGO_BIN_EXE_strata-tools");
     let dir = std::env::temp_dir().join(format!("strata-gpu-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("tiny.gguf");

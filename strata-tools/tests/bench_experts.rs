@@ -1,10 +1,10 @@
-//! `strata-daemon bench-experts` (the CPU pool's expert throughput, no model or GPU): every arm runs and reports
+//! `strata-tools bench-experts` (the CPU pool's expert throughput, no model or GPU): every arm runs and reports
 //! positive rates in its JSON, and bad arguments end with a clear error.
 
 use std::process::Command;
 
 fn bench(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_strata-daemon")).arg("bench-experts").args(args).output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_strata-tools")).arg("bench-experts").args(args).output().unwrap()
 }
 
 #[test]

@@ -16,7 +16,7 @@ use strata::tiers::store::{ExpertStore, Source, StoreConfig, Tier};
 
 fn synth(dir: &Path, name: &str, skew: f32) -> PathBuf {
     let out = dir.join(name);
-    let st = Command::new(env!("CARGO_BIN_EXE_strata-daemon"))
+    let st = Command::new(env!("CARGO_BIN_EXE_strata-tools"))
         .args(["synth-moe", "--preset", "tiny", "--skew", &skew.to_string(), "--out"])
         .arg(&out)
         .status()

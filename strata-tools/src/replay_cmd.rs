@@ -1,4 +1,4 @@
-//! `strata-daemon replay`: replays a `--dump-routing` trace through the cache policies and prints hit rates,
+//! `strata-tools replay`: replays a `--dump-routing` trace through the cache policies and prints hit rates,
 //! one-token reuse and per-layer skew.
 
 use std::io::BufReader;

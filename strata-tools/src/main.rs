@@ -1,0 +1,61 @@
+//! `strata-tools`: Strata's development and benchmark commands, kept out of the service binary
+//! (`strata-daemon` only serves). `replay` is also meant for users: it replays a `--dump-routing` trace through
+//! the cache policies (docs/FLAGS.md).
+
+use anyhow::Result;
+use clap::Parser;
+
+mod bench_experts_cmd;
+#[cfg(feature = "cuda")]
+mod gpu_cmd;
+mod perplexity_cmd;
+mod replay_cmd;
+mod synth_cmd;
+
+#[derive(Parser, Debug)]
+#[command(name = "strata-tools", version, about = "Strata's development, benchmark and trace-replay commands")]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Replay a --dump-routing trace through the cache policies (adaptive, LRU, Belady) and print hit rates,
+    /// one-token reuse and per-layer skew.
+    Replay(replay_cmd::ReplayArgs),
+    /// Perplexity of a model over a text file (chunks of --ctx tokens, second half of each scored, as
+    /// llama.cpp's llama-perplexity).
+    Perplexity(perplexity_cmd::PerplexityArgs),
+    /// Write a GGUF of a real MoE geometry with random weights (Mixtral-8x7B, OLMoE, Qwen3-30B-A3B,
+    /// Qwen2-57B-A14B, tiny) for scale benchmarks, as `llama` or as the preset's own architecture.
+    SynthMoe(synth_cmd::SynthArgs),
+    /// CPU expert throughput: one token through a half-cached layer's experts, from random blobs of a preset's
+    /// geometry in RAM (µs per layer, GB/s, share of the host RAM read rate); no model or GPU needed.
+    BenchExperts(bench_experts_cmd::BenchExpertsArgs),
+    /// Check the GPU kernels and forward pass against the CPU path (needs a GPU).
+    #[cfg(feature = "cuda")]
+    GpuCheck(gpu_cmd::CheckArgs),
+    /// Benchmark decode and prompt speed over expert-cache sizes and adaptive-tier modes (needs a GPU).
+    #[cfg(feature = "cuda")]
+    BenchGpu(gpu_cmd::BenchArgs),
+}
+
+fn main() -> Result<()> {
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    match Args::parse().command {
+        Command::Replay(r) => replay_cmd::run(r),
+        Command::Perplexity(p) => perplexity_cmd::run(p),
+        Command::SynthMoe(a) => synth_cmd::run(a),
+        Command::BenchExperts(a) => bench_experts_cmd::run(a),
+        #[cfg(feature = "cuda")]
+        Command::GpuCheck(a) => gpu_cmd::check(a),
+        #[cfg(feature = "cuda")]
+        Command::BenchGpu(a) => gpu_cmd::bench(a),
+    }
+}
