@@ -4,17 +4,15 @@
 
 mod common;
 
-use std::path::Path;
 use std::sync::Arc;
 
 use common::*;
 use strata::gguf::GgufFile;
 use strata::model::Model;
 use strata::tiers::fileio::FileIo;
-use strata::tiers::knobs::Knobs;
 use strata::tiers::layout::ExpertLayout;
 use strata::tiers::profile::{geometry_of, Geometry, Profile, ProfileError};
-use strata::tiers::store::{ExpertStore, Refusal, ResidentMode, StoreConfig, Tier};
+use strata::tiers::store::{ExpertStore, Refusal, ResidentMode, Tier};
 
 fn geometry(m: &Model) -> Geometry {
     geometry_of(m)
@@ -24,12 +22,6 @@ fn model() -> Model {
     let mut m = Model::load(Arc::new(GgufFile::open(fixture_path("split")).unwrap())).unwrap();
     m.set_threads(2).unwrap();
     m
-}
-
-fn store_for(m: &Model, path: &Path, mode: ResidentMode, io: FileIo, profile: Option<&Profile>) -> ExpertStore {
-    let layout = ExpertLayout::of(m).unwrap();
-    let cfg = StoreConfig { mode, file_io: io, lock: false, ..Default::default() };
-    ExpertStore::new(layout, m.file.clone(), path, geometry(m), profile, &cfg, Arc::new(Knobs::default())).unwrap()
 }
 
 fn half(m: &Model) -> ResidentMode {

@@ -889,17 +889,21 @@ impl Model {
 
 /// RMSNorm: `out = x / sqrt(mean(x²) + eps) * w` (sum of squares in f64).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    let scale = (1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt()) as f32;
+    let scale = rms_scale(x, eps);
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
         *o = v * scale * g;
     }
 }
 
+/// `1 / sqrt(mean(x²) + eps)`, the sum of squares in f64 (llama.cpp's `ggml_float` sum).
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt()
+}
+
 /// RMSNorm of `x` in place (the arithmetic of [`rms_norm`]).
 fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
-    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    let scale = (1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt()) as f32;
+    let scale = rms_scale(x, eps);
     for (v, &g) in x.iter_mut().zip(w) {
         *v = *v * scale * g;
     }

@@ -99,8 +99,9 @@ pub fn arch_fixture_path(arch: &str) -> PathBuf {
 /// Checks `model` against llama.cpp's logits in `d` (a `parity_logits*.json` of tools/make-reference), teacher
 /// forced in chunks of 64 tokens: mean KL(llama.cpp ‖ strata) within llama.cpp's own batch-vs-decode KL + 1e-3,
 /// and argmax agreement within one point of llama.cpp's own batch-vs-decode agreement (at most 99%), against
-/// both of llama.cpp's paths, over ≥ 200 positions. Prints the figures under `label`.
-pub fn assert_parity(label: &str, model: &Model, d: &serde_json::Value) {
+/// both of llama.cpp's paths, over ≥ 200 positions. Prints the figures under `label`; returns the argmax
+/// agreement with llama.cpp's decode path (a share in 0..=1).
+pub fn assert_parity(label: &str, model: &Model, d: &serde_json::Value) -> f64 {
     let nv = model.cfg.n_vocab;
     let (mut kl_dec, mut kl_bat, mut self_kl, mut n, mut ag_dec, mut ag_bat) = (0f64, 0f64, 0f64, 0usize, 0, 0);
     let mut self_agree = 0usize;
@@ -137,6 +138,7 @@ pub fn assert_parity(label: &str, model: &Model, d: &serde_json::Value) {
     assert!(kl_dec <= self_kl + 1e-3 && kl_bat <= self_kl + 1e-3, "{label}: KL {kl_dec:.3e} / {kl_bat:.3e}");
     let floor = ag_self.min(0.99) - 0.01;
     assert!(ag_dec >= floor && ag_bat >= floor, "{label}: argmax {ag_dec:.4} / {ag_bat:.4} < {floor:.4}");
+    ag_dec
 }
 
 /// Greedy tokens for each prompt, with RAM adapt between decode windows as the engine does.
@@ -163,4 +165,20 @@ pub fn greedy(m: &Model, prompts: &[&[u32]], n: usize) -> Vec<Vec<u32>> {
             out
         })
         .collect()
+}
+
+/// An expert store over `m`'s experts in `mode` (blob reads from `path` with `io`; no mlock), seeded by `profile`.
+pub fn store_for(
+    m: &Model,
+    path: &std::path::Path,
+    mode: strata::tiers::store::ResidentMode,
+    io: strata::tiers::fileio::FileIo,
+    profile: Option<&strata::tiers::profile::Profile>,
+) -> strata::tiers::store::ExpertStore {
+    use strata::tiers::store::{ExpertStore, StoreConfig};
+    let layout = strata::tiers::layout::ExpertLayout::of(m).unwrap();
+    let cfg = StoreConfig { mode, file_io: io, lock: false, ..Default::default() };
+    let geometry = strata::tiers::profile::geometry_of(m);
+    let knobs = Arc::new(strata::tiers::knobs::Knobs::default());
+    ExpertStore::new(layout, m.file.clone(), path, geometry, profile, &cfg, knobs).unwrap()
 }
