@@ -8,7 +8,7 @@ fn main() {
         serde_json::from_slice(&std::fs::read("tests/data/parity_logits.json").unwrap()).unwrap();
     let mut m = Model::load(Arc::new(GgufFile::open(&args[1]).unwrap())).unwrap();
     if std::env::var("KL_F32").is_ok() {
-        m.precision = strata::compute::cpu::Precision::F32;
+        m.precision = strata::backend::cpu::Precision::F32;
     }
     let chunk: usize = args.get(2).map(|s| s.parse().unwrap()).unwrap_or(512);
     let nv = m.cfg.n_vocab;

@@ -3,15 +3,16 @@
 //!
 //! Modules: [`gguf`] (file format), [`quant`] (GGML block formats and CPU
 //! kernels), [`model`] (architectures, tokenizer, chat template),
-//! [`compute`] (backends), [`engine`] (decode loop, sampler, requests),
+//! [`backend`] (the backend interface, CPU and CUDA), [`engine`] (decode loop, sampler, requests),
 //! [`service`] (gRPC control plane), [`tiers`] (expert placement).
 #![warn(missing_docs)]
 
 pub mod arch;
-pub mod compute;
+pub mod backend;
 pub mod engine;
 pub mod gguf;
 pub mod model;
+pub mod pool;
 pub mod quant;
 pub mod service;
 pub mod tiers;

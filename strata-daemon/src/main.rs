@@ -13,9 +13,8 @@ use strata::model::{Model, Tokenizer};
 use strata::service::{socket, StrataService};
 use strata::tiers::fileio::FileIo;
 use strata::tiers::knobs::Knobs;
-use strata::tiers::layout::ExpertLayout;
 use strata::tiers::policy::{DEFAULT_ADAPT_DECAY, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS};
-use strata::tiers::profile::{geometry_of, Profile};
+use strata::tiers::profile::Profile;
 use strata::tiers::store::{ExpertStore, ResidentMode, StoreConfig};
 use strata::tiers::vram::CacheSize;
 use strata_proto::v1::strata_server::StrataServer;
@@ -181,8 +180,8 @@ fn main() -> Result<()> {
     ] {
         knobs.set(name, &v).map_err(|e| anyhow::anyhow!("--{}: {e}", name.replace('_', "-")))?;
     }
-    if let Some(layout) = ExpertLayout::of(&model) {
-        let geometry = geometry_of(&model);
+    if let Some(layout) = model.expert_layout() {
+        let geometry = model.geometry();
         let profile = match &args.expert_profile {
             Some(p) => match Profile::load(p, &geometry) {
                 Ok(pr) => {
@@ -211,7 +210,7 @@ fn main() -> Result<()> {
         tracing::info!("dense model: expert tier flags have no effect");
     }
     let n_ctx = args.ctx.min(model.cfg.n_ctx_train.max(2));
-    let gpu = strata::compute::GpuOptions {
+    let gpu = strata::backend::GpuOptions {
         enabled: args.gpu == "auto",
         device: args.gpu_device,
         cache: args.expert_cache,
@@ -219,7 +218,7 @@ fn main() -> Result<()> {
         n_ctx,
         max_chunk: args.batch,
     };
-    match strata::compute::attach_gpu(&mut model, &gpu) {
+    match strata::backend::attach_gpu(&mut model, &gpu) {
         Ok(line) => tracing::info!("{line}"),
         Err(e) => bail!("{e} (start with --gpu off to run on the CPU)"),
     }

@@ -13,7 +13,6 @@ use strata::gguf::writer::GgufWriter;
 use strata::gguf::{GgufFile, Value};
 use strata::model::{Model, ModelError};
 use strata::tiers::fileio::FileIo;
-use strata::tiers::layout::ExpertLayout;
 use strata::tiers::store::ResidentMode;
 
 const ARCHS: [&str; 5] = ["qwen3moe", "qwen3", "qwen2moe", "qwen2", "olmoe"];
@@ -32,7 +31,7 @@ fn each_architecture_reads_its_choices_from_the_file() {
         let spec = m.cfg.spec;
         assert_eq!(spec.name(), arch);
         assert_eq!(spec.def.rope, RopeKind::Neox, "{arch}");
-        let b = &m.blocks[0];
+        let b = &m.weights.blocks[0];
         match arch {
             "qwen3moe" | "qwen3" => {
                 assert_eq!(spec.def.qk_norm, QkNorm::PerHead);
@@ -93,7 +92,7 @@ fn tiers_give_the_same_tokens_on_every_moe_architecture() {
         let path = arch_fixture_path(arch);
         let mut m = load(arch);
         let base = greedy2(&m, 24);
-        let total = ExpertLayout::of(&m).unwrap().total_bytes();
+        let total = m.expert_layout().unwrap().total_bytes();
         let modes = [
             (ResidentMode::All, FileIo::Buffered, 0),
             (ResidentMode::Budget(total / 2), FileIo::Buffered, 0),

@@ -15,9 +15,10 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use strata::compute::cpu::Precision;
+use strata::arch::weights::Ffn;
+use strata::backend::cpu::Precision;
 use strata::gguf::GgufFile;
-use strata::model::forward::{Ffn, Scratch};
+use strata::model::forward::Scratch;
 use strata::model::{Logits, Model};
 
 #[test]
@@ -30,7 +31,7 @@ fn moe_copy_matches_dense_logits() {
     let moe = Model::load(Arc::new(GgufFile::open(&path).unwrap())).unwrap();
     std::fs::remove_file(&path).unwrap();
     assert_eq!((moe.cfg.n_expert, moe.cfg.n_expert_used), (4, 2));
-    assert!(matches!(moe.blocks[0].ffn, Ffn::Moe(_)));
+    assert!(matches!(moe.weights.blocks[0].ffn, Ffn::Moe(_)));
     let mut moe = moe;
     moe.precision = Precision::F32;
     let mut dense = Model::load(dense_file.clone()).unwrap();

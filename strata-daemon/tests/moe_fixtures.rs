@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use strata::compute::cpu::Precision;
+use strata::backend::cpu::Precision;
 use strata::gguf::GgufFile;
 use strata::model::forward::Scratch;
 use strata::model::{Logits, Model};

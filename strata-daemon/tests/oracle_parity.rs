@@ -178,7 +178,7 @@ fn greedy_continuation_matches_llama_cpp() {
 /// comparison with llama.cpp as well).
 #[test]
 fn simd_and_scalar_paths_agree() {
-    use strata::compute::cpu::Precision;
+    use strata::backend::cpu::Precision;
     let d = json("parity_logits.json");
     let mut model = Model::load(model_file()).unwrap();
     let nv = model.cfg.n_vocab;

@@ -10,12 +10,11 @@ use common::*;
 use strata::gguf::GgufFile;
 use strata::model::Model;
 use strata::tiers::fileio::FileIo;
-use strata::tiers::layout::ExpertLayout;
-use strata::tiers::profile::{geometry_of, Geometry, Profile, ProfileError};
+use strata::tiers::profile::{Geometry, Profile, ProfileError};
 use strata::tiers::store::{ExpertStore, Refusal, ResidentMode, Tier};
 
 fn geometry(m: &Model) -> Geometry {
-    geometry_of(m)
+    m.geometry()
 }
 
 fn model() -> Model {
@@ -25,7 +24,7 @@ fn model() -> Model {
 }
 
 fn half(m: &Model) -> ResidentMode {
-    ResidentMode::Budget(ExpertLayout::of(m).unwrap().total_bytes() / 2)
+    ResidentMode::Budget(m.expert_layout().unwrap().total_bytes() / 2)
 }
 
 #[test]
@@ -64,7 +63,7 @@ fn every_mode_gives_the_same_tokens() {
 }
 
 fn file_blob(m: &Model, layer: usize, e: usize) -> Vec<u8> {
-    let l = ExpertLayout::of(m).unwrap();
+    let l = m.expert_layout().unwrap();
     let b = m.file.bytes();
     l.layers[layer].file_slices(e).iter().flat_map(|&(o, n)| b[o as usize..o as usize + n].to_vec()).collect()
 }
@@ -144,8 +143,8 @@ fn profile_save_and_restart_give_the_same_residency() {
     assert_eq!(loaded, prof);
     // restart with the profile and the same budget: the RAM copy holds the profile's hottest experts
     let st2 = store_for(&m, &path, half(&m), FileIo::Buffered, Some(&loaded));
-    let blob = ExpertLayout::of(&m).unwrap().layers[0].blob_bytes() as u64;
-    let n_ram = (ExpertLayout::of(&m).unwrap().total_bytes() / 2 / blob) as usize;
+    let blob = m.expert_layout().unwrap().layers[0].blob_bytes() as u64;
+    let n_ram = (m.expert_layout().unwrap().total_bytes() / 2 / blob) as usize;
     let want: std::collections::HashSet<(usize, usize)> =
         loaded.ranked.iter().take(n_ram).map(|&(l, e, _)| (l as usize, e as usize)).collect();
     let got: std::collections::HashSet<(usize, usize)> =

@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Args as ClapArgs;
-use strata::compute::cpu::{experts_batch, glu_batch, matmul_batch, Act, ExpertJob, GluJob, MatJob, MatRef, Precision};
-use strata::compute::pool::WorkerPool;
+use strata::backend::cpu::{experts_batch, glu_batch, matmul_batch, Act, ExpertJob, GluJob, MatJob, MatRef, Precision};
+use strata::pool::WorkerPool;
 use strata::quant::GgmlType;
 use strata::tiers::arena::HostArena;
 

@@ -8,16 +8,14 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
-use strata::compute::cpu::{matmul_with, Act, MatRef, Precision};
-use strata::compute::pool::WorkerPool;
-use strata::compute::{attach_gpu, GpuOptions};
+use strata::backend::cpu::{matmul_with, Act, MatRef, Precision};
+use strata::backend::{attach_gpu, GpuOptions};
 use strata::gguf::GgufFile;
 use strata::model::forward::Scratch;
 use strata::model::{Logits, Model, Tokenizer};
+use strata::pool::WorkerPool;
 use strata::quant::GgmlType;
 use strata::tiers::knobs::Knobs;
-use strata::tiers::layout::ExpertLayout;
-use strata::tiers::profile::geometry_of;
 use strata::tiers::store::{ExpertStore, StoreConfig};
 use strata::tiers::vram::CacheSize;
 
@@ -165,8 +163,8 @@ fn load_with(path: &PathBuf, knobs: Arc<Knobs>, threads: usize, ram_share: Optio
     let file = Arc::new(GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?);
     let mut m = Model::load(file.clone())?;
     m.set_threads(threads)?;
-    if let Some(layout) = ExpertLayout::of(&m) {
-        let g = geometry_of(&m);
+    if let Some(layout) = m.expert_layout() {
+        let g = m.geometry();
         let mut cfg = StoreConfig::default();
         if let Some(f) = ram_share {
             cfg.mode = strata::tiers::store::ResidentMode::Budget((layout.total_bytes() as f64 * f) as u64);
@@ -230,13 +228,13 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 /// arithmetic (combine in rank order, `rms_norm`, Q8). Returns the relative error of the normalized rows and
 /// of the written-back residual, and whether the Q8 bytes match.
 fn check_norm(
-    ops: &strata::compute::cuda::ops::Ops,
+    ops: &strata::backend::cuda::ops::Ops,
     n: usize,
     t: usize,
     k: usize,
     seed: &mut u64,
 ) -> Result<(f64, f64, bool)> {
-    use strata::compute::cuda::driver::DevBuf;
+    use strata::backend::cuda::driver::DevBuf;
     let mut r = |scale: f32| (rng(seed) % 20001) as f32 / 10000.0 * scale - scale / 2.0;
     let x: Vec<f32> = (0..t * n).map(|_| r(4.0)).collect();
     let w: Vec<f32> = (0..n).map(|_| 1.0 + r(0.5)).collect();
@@ -270,7 +268,7 @@ fn check_norm(
     let out = DevBuf::from_slice(&vec![f32::NAN; t * n])?;
     let q = q8_bytes(&act);
     let outq = DevBuf::from_slice(&vec![0xFFu8; q.len()])?;
-    let comb = strata::compute::cuda::ops::Combine { y: dy.ptr, w: dcw.ptr, flag: dfl.ptr, cpu: dcpu.ptr, k };
+    let comb = strata::backend::cuda::ops::Combine { y: dy.ptr, w: dcw.ptr, flag: dfl.ptr, cpu: dcpu.ptr, k };
     ops.rms_norm_q8(dx.ptr, dw.ptr, 1e-6, n, t, out.ptr, outq.ptr, Some(comb))?;
     ops.s.sync()?;
     let (mut go, mut gx, mut gq) = (vec![0f32; t * n], vec![0f32; t * n], vec![0u8; q.len()]);
@@ -287,7 +285,7 @@ fn check_norm(
 /// gave the same bits.
 #[allow(clippy::too_many_arguments)]
 fn check_expert(
-    ops: &[&strata::compute::cuda::ops::Ops],
+    ops: &[&strata::backend::cuda::ops::Ops],
     pool: &WorkerPool,
     ty: GgmlType,
     e: usize,
@@ -296,7 +294,7 @@ fn check_expert(
     pad: bool,
     seed: &mut u64,
 ) -> Result<(Vec<f64>, bool)> {
-    use strata::compute::cuda::driver::DevBuf;
+    use strata::backend::cuda::driver::DevBuf;
     let gate = random_rows(ty, ff, e, seed);
     let up = random_rows(ty, ff, e, seed);
     let down = random_rows(ty, e, ff, seed);
@@ -336,7 +334,7 @@ fn check_expert(
     let xf = DevBuf::from_slice(&x.f)?;
     let xq = DevBuf::from_slice(&q8_bytes(&x))?;
     let hf = DevBuf::from_slice(&vec![f32::NAN; t * ff])?;
-    let hq = DevBuf::alloc(t * ff / 32 * strata::compute::cuda::ops::Q8_BYTES)?;
+    let hq = DevBuf::alloc(t * ff / 32 * strata::backend::cuda::ops::Q8_BYTES)?;
     let y = DevBuf::alloc(t * e * 4)?;
     let down_off = 2 * ff * ty.row_bytes(e);
     let down = (down_off, pitch);
@@ -359,28 +357,28 @@ fn check_expert(
 
 pub fn check(a: CheckArgs) -> Result<()> {
     let mut report = serde_json::Map::new();
-    let dev = match strata::compute::cuda::probe(0) {
+    let dev = match strata::backend::cuda::probe(0) {
         Ok(p) => p.device,
         Err(e) => bail!("no GPU: {e}"),
     };
     dev.bind()?;
     // 1. dense products against the CPU path on random inputs
-    let (img, _) = strata::compute::cuda::kernels::cubin(&dev.arch())?;
+    let (img, _) = strata::backend::cuda::kernels::cubin(&dev.arch())?;
     let load_kernels = |narrow_down: bool| {
-        strata::compute::cuda::kernels::Kernels::load(
+        strata::backend::cuda::kernels::Kernels::load(
             &img,
             dev.max_smem_optin,
-            strata::compute::cuda::kernels::pdl_wanted(dev.cc),
-            strata::compute::cuda::kernels::cluster_norm_wanted(dev.cc),
+            strata::backend::cuda::kernels::pdl_wanted(dev.cc),
+            strata::backend::cuda::kernels::cluster_norm_wanted(dev.cc),
             narrow_down,
         )
     };
     let k = load_kernels(true)?;
     // the one-token expert checks run through both down kernels of narrow experts
     let k_wide = load_kernels(false)?;
-    let stream = strata::compute::cuda::driver::Stream::new()?;
-    let ops = strata::compute::cuda::ops::Ops { k: &k, s: &stream };
-    let ops_wide = strata::compute::cuda::ops::Ops { k: &k_wide, s: &stream };
+    let stream = strata::backend::cuda::driver::Stream::new()?;
+    let ops = strata::backend::cuda::ops::Ops { k: &k, s: &stream };
+    let ops_wide = strata::backend::cuda::ops::Ops { k: &k_wide, s: &stream };
     let pool = WorkerPool::new(4)?;
     let mut seed = 0x1234_5678_9abc_def1u64;
     let mut kern = Vec::new();
@@ -402,15 +400,15 @@ pub fn check(a: CheckArgs) -> Result<()> {
             matmul_with(&pool, mr, &x, &mut cpu, Precision::Q8Activations);
             let mut exact = vec![0f32; t * rows];
             matmul_with(&pool, mr, &x, &mut exact, Precision::F32);
-            let dm = strata::compute::cuda::ops::DMat::upload(&w, ty, rows, cols)?;
-            let xf = strata::compute::cuda::driver::DevBuf::from_slice(&x.f)?;
+            let dm = strata::backend::cuda::ops::DMat::upload(&w, ty, rows, cols)?;
+            let xf = strata::backend::cuda::driver::DevBuf::from_slice(&x.f)?;
             let xq_host = q8_bytes(&x);
-            let xq = strata::compute::cuda::driver::DevBuf::from_slice(&xq_host)?;
+            let xq = strata::backend::cuda::driver::DevBuf::from_slice(&xq_host)?;
             // poison the output first: every element must be written
-            let out = strata::compute::cuda::driver::DevBuf::from_slice(&vec![f32::NAN; t * rows])?;
+            let out = strata::backend::cuda::driver::DevBuf::from_slice(&vec![f32::NAN; t * rows])?;
             ops.mmv(&[&dm], xq.ptr, xf.ptr, t, out.ptr, rows, false)?;
             // the device's own Q8 quantization must match the CPU's
-            let xq2 = strata::compute::cuda::driver::DevBuf::alloc(xq_host.len())?;
+            let xq2 = strata::backend::cuda::driver::DevBuf::alloc(xq_host.len())?;
             ops.quantize(xf.ptr, xq2.ptr, t * cols / 32)?;
             stream.sync()?;
             let mut gpu = vec![0f32; t * rows];
@@ -459,7 +457,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
         for &(e, ff, t, pad) in &shapes {
             // one token, block formats: the narrow kernels where they apply (gate/up: e ≤ 2048, down: ff ≤ 1024)
             // and the others on the same data (same sums in the same order: the same bits)
-            let (arms, names): (Vec<&strata::compute::cuda::ops::Ops>, &[&str]) = if t == 1 && ty != GgmlType::F16 {
+            let (arms, names): (Vec<&strata::backend::cuda::ops::Ops>, &[&str]) = if t == 1 && ty != GgmlType::F16 {
                 (vec![&ops, &ops_wide], &["narrow", "wide"])
             } else {
                 (vec![&ops], &[""])
@@ -580,7 +578,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
 /// H2D rate (GB/s of payload) of pitched copies from pinned memory: `rows` pieces of `width` bytes taken every
 /// `width * 3 / 2` bytes (a split expert's down columns), best of 5.
 fn h2d_pitched_gbps(width: usize, rows: usize) -> Result<f64> {
-    use strata::compute::cuda::driver::{DevBuf, Event, PinnedBuf, Stream};
+    use strata::backend::cuda::driver::{DevBuf, Event, PinnedBuf, Stream};
     let pitch = width * 3 / 2;
     let d = DevBuf::alloc(width * rows)?;
     let src = PinnedBuf::alloc(pitch * rows)?;
@@ -600,7 +598,7 @@ fn h2d_pitched_gbps(width: usize, rows: usize) -> Result<f64> {
 }
 
 fn h2d_gbps(pinned: bool) -> Result<f64> {
-    use strata::compute::cuda::driver::{DevBuf, Event, PinnedBuf, Stream};
+    use strata::backend::cuda::driver::{DevBuf, Event, PinnedBuf, Stream};
     let n = 1usize << 30;
     let d = DevBuf::alloc(n)?;
     let s = Stream::new()?;
@@ -627,7 +625,7 @@ fn h2d_gbps(pinned: bool) -> Result<f64> {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
-    let dev = strata::compute::cuda::probe(0).map_err(|e| anyhow::anyhow!("no GPU: {e}"))?.device;
+    let dev = strata::backend::cuda::probe(0).map_err(|e| anyhow::anyhow!("no GPU: {e}"))?.device;
     dev.bind()?;
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
     let t0 = Instant::now();
@@ -740,16 +738,16 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let share = if auto { m.gpu.as_ref().and_then(|g| g.pcie_share()) } else { None };
         let pcie = share.map_or(pcie, |s| s as f64);
         let ff = m.cfg.n_ff_exp;
-        let moe = m.blocks.iter().find_map(|b| match &b.ffn {
-            strata::model::forward::Ffn::Moe(ex) => Some(ex),
+        let moe = m.weights.blocks.iter().find_map(|b| match &b.ffn {
+            strata::arch::weights::Ffn::Moe(ex) => Some(ex),
             _ => None,
         });
         let block = moe.map_or(32, |ex| ex.gate.ty.block_size().max(ex.down.ty.block_size()));
-        let k = strata::compute::cuda::model::split_rows(pcie as f32, ff, block);
+        let k = strata::backend::cuda::model::split_rows(pcie as f32, ff, block);
         let (cpu_share, link_share) = match moe {
             Some(ex) if k > 0 && k < ff => {
                 let (e, gt, dt) = (m.cfg.n_embd, ex.gate.ty, ex.down.ty);
-                let g = strata::compute::cuda::slots::SplitGeom::new(k, gt.row_bytes(e), ff, dt, e);
+                let g = strata::backend::cuda::slots::SplitGeom::new(k, gt.row_bytes(e), ff, dt, e);
                 (1.0 - k as f64 / ff as f64, g.bytes() as f64 / blob as f64)
             }
             _ => (0.0, 1.0),

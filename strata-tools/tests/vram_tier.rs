@@ -10,8 +10,6 @@ use strata::gguf::GgufFile;
 use strata::model::forward::Scratch;
 use strata::model::{Logits, Model};
 use strata::tiers::knobs::Knobs;
-use strata::tiers::layout::ExpertLayout;
-use strata::tiers::profile::geometry_of;
 use strata::tiers::store::{ExpertStore, Source, StoreConfig, Tier};
 
 fn synth(dir: &Path, name: &str, skew: f32) -> PathBuf {
@@ -35,9 +33,9 @@ fn load(path: &Path, knobs: Arc<Knobs>) -> Model {
     let file = Arc::new(GgufFile::open(path).unwrap());
     let mut m = Model::load(file.clone()).unwrap();
     m.set_threads(2).unwrap();
-    let layout = ExpertLayout::of(&m).unwrap();
+    let layout = m.expert_layout().unwrap();
     let cfg = StoreConfig { lock: false, ..Default::default() };
-    let g = geometry_of(&m);
+    let g = m.geometry();
     m.experts = Some(Arc::new(ExpertStore::new(layout, file, path, g, None, &cfg, knobs).unwrap()));
     m
 }

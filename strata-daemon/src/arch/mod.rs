@@ -8,10 +8,12 @@
 //! `llama_model_rope_type` in `src/llama-model.cpp`), so that a file converted by llama.cpp's
 //! `convert_hf_to_gguf.py` computes the same function here.
 
+pub mod config;
 pub mod llama;
 pub mod olmoe;
 pub mod qwen2;
 pub mod qwen3;
+pub mod weights;
 
 /// How RoPE pairs the dimensions of a head (llama.cpp's `LLAMA_ROPE_TYPE_NORM` / `_NEOX`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

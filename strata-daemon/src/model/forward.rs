@@ -13,127 +13,16 @@
 
 use std::sync::Arc;
 
-use super::config::{ModelConfig, ModelError};
-use super::kv::KvCache;
-use crate::arch::{tensor, FfnKind, Gating, QkNorm, RopeKind};
-use crate::compute::cpu::{experts_batch, matmul_with, silu, Act, ExpertJob, GluJob, MatRef, Precision, SyncPtr};
-use crate::compute::pool::WorkerPool;
-use crate::gguf::{GgufFile, TensorInfo};
+use crate::arch::config::{ModelConfig, ModelError};
+use crate::arch::weights::{Block, ExpertWeights, Ffn, SharedExpert, Weight, Weights};
+use crate::arch::{Gating, RopeKind};
+use crate::backend::cpu::{experts_batch, matmul_with, silu, Act, ExpertJob, GluJob, MatRef, Precision, SyncPtr};
+use crate::backend::kv::KvCache;
+use crate::gguf::GgufFile;
+use crate::pool::WorkerPool;
 use crate::quant::{dequantize_row, GgmlType};
 use crate::tiers::arena::HostArena;
 use crate::tiers::store::{ExpertStore, Source};
-
-/// A weight tensor located in the mapped file: byte range, format and 2-D shape.
-#[derive(Debug, Clone)]
-pub struct Weight {
-    /// GGUF tensor name.
-    pub name: String,
-    /// Format.
-    pub ty: GgmlType,
-    /// Byte offset in the file.
-    pub offset: usize,
-    /// Rows (`dims[1] * dims[2]...`).
-    pub rows: usize,
-    /// Columns (`dims[0]`).
-    pub cols: usize,
-}
-
-impl Weight {
-    /// Size of the tensor's data in bytes.
-    pub fn bytes(&self) -> usize {
-        self.rows * self.ty.row_bytes(self.cols)
-    }
-}
-
-/// Experts of one MoE layer.
-#[derive(Debug, Clone)]
-pub struct ExpertWeights {
-    /// Router `ffn_gate_inp`: `n_expert` rows of `n_embd`.
-    pub router: Weight,
-    /// `ffn_gate_exps`: `n_expert * n_ff_exp` rows of `n_embd`.
-    pub gate: Weight,
-    /// `ffn_up_exps`: `n_expert * n_ff_exp` rows of `n_embd`.
-    pub up: Weight,
-    /// `ffn_down_exps`: `n_expert * n_embd` rows of `n_ff_exp`.
-    pub down: Weight,
-    /// The shared expert (`qwen2moe`), computed densely beside the routed ones.
-    pub shared: Option<SharedExpert>,
-}
-
-/// A shared expert: a dense SwiGLU FFN every token goes through, scaled by a sigmoid gate.
-#[derive(Debug, Clone)]
-pub struct SharedExpert {
-    /// `ffn_gate_inp_shexp` (`n_embd` values): the gate's logit is its dot product with the normalized input.
-    pub gate_inp: Vec<f32>,
-    /// `ffn_gate_shexp` (`n_ff_shexp` rows of `n_embd`).
-    pub gate: Weight,
-    /// `ffn_up_shexp` (`n_ff_shexp` rows of `n_embd`).
-    pub up: Weight,
-    /// `ffn_down_shexp` (`n_embd` rows of `n_ff_shexp`).
-    pub down: Weight,
-}
-
-/// The FFN of a block.
-#[derive(Debug, Clone)]
-pub enum Ffn {
-    /// `ffn_gate`, `ffn_up` (`n_ff` rows of `n_embd`), `ffn_down` (`n_embd` rows of `n_ff`).
-    Dense {
-        /// gate
-        gate: Weight,
-        /// up
-        up: Weight,
-        /// down
-        down: Weight,
-    },
-    /// Routed experts.
-    Moe(ExpertWeights),
-}
-
-/// One transformer block's weights.
-#[derive(Debug, Clone)]
-pub struct Block {
-    /// `attn_norm` (n_embd).
-    pub attn_norm: Vec<f32>,
-    /// `attn_q` (n_head·head_dim rows of n_embd).
-    pub q: Weight,
-    /// `attn_k` (n_head_kv·head_dim rows).
-    pub k: Weight,
-    /// `attn_v` (n_head_kv·head_dim rows).
-    pub v: Weight,
-    /// `attn_output` (n_embd rows of n_head·head_dim).
-    pub o: Weight,
-    /// `attn_q.bias`, `attn_k.bias`, `attn_v.bias`, `attn_output.bias` (each as wide as its projection's
-    /// output), when the file has them.
-    pub bias: AttnBias,
-    /// `attn_q_norm` (`head_dim` for a per-head norm, `n_head·head_dim` for a full-width one).
-    pub q_norm: Option<Vec<f32>>,
-    /// `attn_k_norm` (`head_dim`, or `n_head_kv·head_dim`).
-    pub k_norm: Option<Vec<f32>>,
-    /// `ffn_norm` (n_embd).
-    pub ffn_norm: Vec<f32>,
-    /// The block's FFN.
-    pub ffn: Ffn,
-}
-
-/// Attention projection biases (f32), each absent when the file has none.
-#[derive(Debug, Clone, Default)]
-pub struct AttnBias {
-    /// Queries (`n_head·head_dim`).
-    pub q: Option<Vec<f32>>,
-    /// Keys (`n_head_kv·head_dim`).
-    pub k: Option<Vec<f32>>,
-    /// Values (`n_head_kv·head_dim`).
-    pub v: Option<Vec<f32>>,
-    /// Output (`n_embd`).
-    pub o: Option<Vec<f32>>,
-}
-
-impl AttnBias {
-    /// No bias at all.
-    pub fn is_empty(&self) -> bool {
-        self.q.is_none() && self.k.is_none() && self.v.is_none() && self.o.is_none()
-    }
-}
 
 /// Which logits a forward pass returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,14 +39,8 @@ pub struct Model {
     pub file: Arc<GgufFile>,
     /// Hyper-parameters.
     pub cfg: ModelConfig,
-    /// `token_embd` (n_vocab rows of n_embd).
-    pub tok_embd: Weight,
-    /// Transformer blocks.
-    pub blocks: Vec<Block>,
-    /// `output_norm` weights (n_embd).
-    pub out_norm: Vec<f32>,
-    /// `output` (n_vocab rows of n_embd; `token_embd` when tied).
-    pub output: Weight,
+    /// Every weight, located in the file.
+    pub weights: Weights,
     /// Arithmetic of the matrix products (default: 8-bit activations as llama.cpp).
     pub precision: Precision,
     /// CPU worker pool of the forward pass (default: one thread per physical core).
@@ -166,7 +49,7 @@ pub struct Model {
     pub experts: Option<Arc<ExpertStore>>,
     /// The GPU backend (dense weights, KV cache and VRAM expert cache on the card); `None` = CPU only.
     #[cfg(feature = "cuda")]
-    pub gpu: Option<Box<crate::compute::cuda::GpuModel>>,
+    pub gpu: Option<Box<crate::backend::cuda::GpuModel>>,
 }
 
 /// Scratch buffers of one forward pass, reused across calls.
@@ -210,140 +93,13 @@ pub struct RouteRecord {
     pub experts: Vec<(usize, f32)>,
 }
 
-fn weight(f: &GgufFile, name: &str, cfg_check: Option<&[u64]>) -> Result<Weight, ModelError> {
-    let t: &TensorInfo = f.require_tensor(name)?;
-    if !t.ggml_type.is_supported() {
-        return Err(ModelError::UnsupportedTensorType { tensor: name.to_string(), ty: t.ggml_type });
-    }
-    if let Some(exp) = cfg_check {
-        if t.dims != exp {
-            return Err(ModelError::BadShape {
-                tensor: name.to_string(),
-                found: t.dims.clone(),
-                expected: exp.to_vec(),
-            });
-        }
-    }
-    Ok(Weight {
-        name: name.to_string(),
-        ty: t.ggml_type,
-        offset: t.file_offset as usize,
-        rows: t.n_rows(),
-        cols: t.row_len(),
-    })
-}
-
-fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
-    let w = weight(f, name, Some(&[n as u64]))?;
-    let mut out = vec![0f32; n];
-    dequantize_row(w.ty, &f.bytes()[w.offset..w.offset + w.bytes()], &mut out)?;
-    Ok(out)
-}
-
-/// [`vector`] when the tensor is in the file, `None` when it is not.
-fn opt_vector(f: &GgufFile, name: &str, n: usize) -> Result<Option<Vec<f32>>, ModelError> {
-    match f.tensor(name) {
-        Some(_) => vector(f, name, n).map(Some),
-        None => Ok(None),
-    }
-}
-
 impl Model {
     /// Loads the model from an opened GGUF file. Errors: unsupported
     /// architecture or tensor type, missing tensors, shapes that disagree
     /// with the metadata.
     pub fn load(file: Arc<GgufFile>) -> Result<Self, ModelError> {
         let cfg = ModelConfig::from_gguf(&file)?;
-        let f = &*file;
-        let (e, kvd) = (cfg.n_embd as u64, (cfg.n_head_kv * cfg.head_dim) as u64);
-        let qd = (cfg.n_head * cfg.head_dim) as u64;
-        let nv = cfg.n_vocab as u64;
-        let tok_embd = weight(f, tensor::TOKEN_EMBD, Some(&[e, nv]))?;
-        let output = match f.tensor(tensor::OUTPUT) {
-            Some(_) => weight(f, tensor::OUTPUT, Some(&[e, nv]))?,
-            None => tok_embd.clone(),
-        };
-        let spec = cfg.spec;
-        let mut blocks = Vec::with_capacity(cfg.n_layer);
-        for l in 0..cfg.n_layer {
-            let n = |s: &str| tensor::weight(l, s);
-            if spec.ffn != FfnKind::MoeShared {
-                if let Some(t) = tensor::SHARED_EXPERT_ROLES.iter().map(|r| n(r)).find(|t| f.tensor(t).is_some()) {
-                    return Err(ModelError::UnexpectedTensor {
-                        tensor: t,
-                        arch: cfg.arch.clone(),
-                        why: format!("{} has no shared expert", cfg.arch),
-                    });
-                }
-            }
-            let ffn = if spec.is_moe() {
-                let (ne, ff) = (cfg.n_expert as u64, cfg.n_ff_exp as u64);
-                let shared = match spec.ffn {
-                    FfnKind::MoeShared => {
-                        let fs = cfg.n_ff_shexp as u64;
-                        Some(SharedExpert {
-                            gate_inp: vector(f, &n("ffn_gate_inp_shexp"), cfg.n_embd)?,
-                            gate: weight(f, &n("ffn_gate_shexp"), Some(&[e, fs]))?,
-                            up: weight(f, &n("ffn_up_shexp"), Some(&[e, fs]))?,
-                            down: weight(f, &n("ffn_down_shexp"), Some(&[fs, e]))?,
-                        })
-                    }
-                    _ => None,
-                };
-                Ffn::Moe(ExpertWeights {
-                    router: weight(f, &n("ffn_gate_inp"), Some(&[e, ne]))?,
-                    gate: weight(f, &n("ffn_gate_exps"), Some(&[e, ff, ne]))?,
-                    up: weight(f, &n("ffn_up_exps"), Some(&[e, ff, ne]))?,
-                    down: weight(f, &n("ffn_down_exps"), Some(&[ff, e, ne]))?,
-                    shared,
-                })
-            } else {
-                let ff = cfg.n_ff as u64;
-                Ffn::Dense {
-                    gate: weight(f, &n("ffn_gate"), Some(&[e, ff]))?,
-                    up: weight(f, &n("ffn_up"), Some(&[e, ff]))?,
-                    down: weight(f, &n("ffn_down"), Some(&[ff, e]))?,
-                }
-            };
-            let b = |s: &str| tensor::bias(l, s);
-            let (q_norm, k_norm) = match spec.def.qk_norm {
-                QkNorm::None => (None, None),
-                QkNorm::PerHead => (
-                    Some(vector(f, &n("attn_q_norm"), cfg.head_dim)?),
-                    Some(vector(f, &n("attn_k_norm"), cfg.head_dim)?),
-                ),
-                QkNorm::Full => (
-                    Some(vector(f, &n("attn_q_norm"), qd as usize)?),
-                    Some(vector(f, &n("attn_k_norm"), kvd as usize)?),
-                ),
-            };
-            blocks.push(Block {
-                attn_norm: vector(f, &n("attn_norm"), cfg.n_embd)?,
-                q: weight(f, &n("attn_q"), Some(&[e, qd]))?,
-                k: weight(f, &n("attn_k"), Some(&[e, kvd]))?,
-                v: weight(f, &n("attn_v"), Some(&[e, kvd]))?,
-                o: weight(f, &n("attn_output"), Some(&[qd, e]))?,
-                bias: AttnBias {
-                    q: opt_vector(f, &b("attn_q"), qd as usize)?,
-                    k: opt_vector(f, &b("attn_k"), kvd as usize)?,
-                    v: opt_vector(f, &b("attn_v"), kvd as usize)?,
-                    o: opt_vector(f, &b("attn_output"), cfg.n_embd)?,
-                },
-                q_norm,
-                k_norm,
-                ffn_norm: vector(f, &n("ffn_norm"), cfg.n_embd)?,
-                ffn,
-            });
-        }
-        let out_norm = vector(f, tensor::OUTPUT_NORM, cfg.n_embd)?;
-        if cfg.n_embd % 32 != 0
-            || cfg.n_ff % 32 != 0
-            || cfg.n_ff_exp % 32 != 0
-            || cfg.n_ff_shexp % 32 != 0
-            || qd % 32 != 0
-        {
-            return Err(ModelError::BadHyperParameter("embedding and FFN widths must be multiples of 32".into()));
-        }
+        let weights = Weights::load(&file, &cfg)?;
         let pool = Arc::new(
             WorkerPool::new(num_cpus::get_physical())
                 .map_err(|e| ModelError::BadHyperParameter(format!("worker pool: {e}")))?,
@@ -351,10 +107,7 @@ impl Model {
         Ok(Model {
             file,
             cfg,
-            tok_embd,
-            blocks,
-            out_norm,
-            output,
+            weights,
             precision: Precision::default(),
             pool,
             experts: None,
@@ -368,6 +121,16 @@ impl Model {
     pub fn set_threads(&mut self, threads: usize) -> std::io::Result<()> {
         self.pool = Arc::new(WorkerPool::new(threads)?);
         Ok(())
+    }
+
+    /// Where each expert's bytes are in the file (the tiers' view of the experts); `None` for a dense model.
+    pub fn expert_layout(&self) -> Option<crate::tiers::layout::ExpertLayout> {
+        crate::tiers::layout::ExpertLayout::of(&self.weights, self.cfg.n_expert)
+    }
+
+    /// The expert-profile geometry of the model ([`crate::tiers::profile::geometry_of`]).
+    pub fn geometry(&self) -> crate::tiers::profile::Geometry {
+        crate::tiers::profile::geometry_of(&self.file, &self.cfg)
     }
 
     /// Number of parameters (elements of every tensor).
@@ -426,13 +189,13 @@ impl Model {
         let e = cfg.n_embd;
         // Embeddings.
         s.x.resize(t * e, 0.0);
-        let emb = self.mat(&self.tok_embd);
+        let emb = self.mat(&self.weights.tok_embd);
         for (i, &tok) in tokens.iter().enumerate() {
             let tok = (tok as usize).min(cfg.n_vocab - 1);
             dequantize_row(emb.ty, emb.row(tok), &mut s.x[i * e..(i + 1) * e]).expect("embedding row");
         }
         self.rope_table(pos0, t, &mut s.rope);
-        for (l, b) in self.blocks.iter().enumerate() {
+        for (l, b) in self.weights.blocks.iter().enumerate() {
             self.attention(l, b, t, pos0, kv, s);
             self.ffn(l, b, t, pos0, s);
         }
@@ -444,11 +207,11 @@ impl Model {
         };
         s.xn.resize(rows.len(), e);
         for (j, &i) in rows.iter().enumerate() {
-            rms_norm(&s.x[i * e..(i + 1) * e], &self.out_norm, cfg.rms_eps, &mut s.xn.f[j * e..(j + 1) * e]);
+            rms_norm(&s.x[i * e..(i + 1) * e], &self.weights.out_norm, cfg.rms_eps, &mut s.xn.f[j * e..(j + 1) * e]);
         }
         s.xn.quantize();
         let mut logits = vec![0f32; rows.len() * cfg.n_vocab];
-        self.mm(self.mat(&self.output), &s.xn, &mut logits);
+        self.mm(self.mat(&self.weights.output), &s.xn, &mut logits);
         logits
     }
 

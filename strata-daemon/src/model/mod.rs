@@ -1,15 +1,14 @@
-//! Model architectures (hyper-parameters from GGUF metadata), the tokenizer
-//! built from GGUF metadata, the chat template, and the forward pass.
+//! The model: the tokenizer built from GGUF metadata, the chat template, and the forward pass written once
+//! over the backend interface ([`crate::backend`]). Hyper-parameters and located weights are in
+//! [`crate::arch`]; the KV cache is the backend's ([`crate::backend::kv`]).
 
 pub mod chat;
-pub mod config;
 pub mod forward;
-pub mod kv;
 pub mod moe_copy;
 pub mod perplexity;
 pub mod tokenizer;
 
-pub use config::{ModelConfig, ModelError};
+pub use crate::arch::config::{ModelConfig, ModelError};
+pub use crate::backend::kv::KvCache;
 pub use forward::{Logits, Model};
-pub use kv::KvCache;
 pub use tokenizer::Tokenizer;

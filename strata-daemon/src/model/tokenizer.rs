@@ -22,7 +22,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
 
-use super::config::ModelError;
+use crate::arch::config::ModelError;
 use crate::gguf::GgufFile;
 
 /// Token type ids of `tokenizer.ggml.token_type`.

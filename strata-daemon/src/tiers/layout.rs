@@ -5,7 +5,7 @@
 //! `blk.L.ffn_down_exps.weight` `[n_ff_exp, n_embd, n_expert]`; expert e's slice of each is contiguous at
 //! `tensor offset + e × (tensor bytes / n_expert)`.
 
-use crate::model::forward::{Ffn, Model};
+use crate::arch::weights::{Ffn, Weight, Weights};
 use crate::quant::GgmlType;
 
 /// One role's tensor in one layer.
@@ -56,16 +56,16 @@ pub struct ExpertLayout {
 }
 
 impl ExpertLayout {
-    /// The layout of an MoE model's experts; `None` for a dense model (or one whose layers are not all MoE).
-    pub fn of(model: &Model) -> Option<ExpertLayout> {
-        let n_expert = model.cfg.n_expert;
+    /// The layout of the `n_expert` experts per layer of an MoE model's `weights`; `None` for a dense model (or
+    /// one whose layers are not all MoE).
+    pub fn of(weights: &Weights, n_expert: usize) -> Option<ExpertLayout> {
         if n_expert == 0 {
             return None;
         }
-        let mut layers = Vec::with_capacity(model.blocks.len());
-        for b in &model.blocks {
+        let mut layers = Vec::with_capacity(weights.blocks.len());
+        for b in &weights.blocks {
             let Ffn::Moe(ex) = &b.ffn else { return None };
-            let role = |w: &crate::model::forward::Weight| RoleSlice {
+            let role = |w: &Weight| RoleSlice {
                 base: w.offset as u64,
                 bytes: w.bytes() / n_expert,
                 ty: w.ty,

@@ -95,18 +95,17 @@ pub fn fingerprint<'a>(tensors: impl IntoIterator<Item = (&'a str, u32, &'a [u64
 
 /// The profile geometry of an MoE model: its expert counts and the [`fingerprint`] of its `*_exps` and
 /// `ffn_gate_inp` tensors in file order.
-pub fn geometry_of(model: &crate::model::Model) -> Geometry {
-    let tensors: Vec<_> = model
-        .file
+pub fn geometry_of(file: &crate::gguf::GgufFile, cfg: &crate::arch::config::ModelConfig) -> Geometry {
+    let tensors: Vec<_> = file
         .tensors
         .iter()
         .filter(|t| t.name.contains("_exps.") || t.name.contains("ffn_gate_inp"))
         .map(|t| (t.name.as_str(), t.ggml_type as u32, t.dims.as_slice()))
         .collect();
     Geometry {
-        n_layer: model.cfg.n_layer as u32,
-        n_expert: model.cfg.n_expert as u32,
-        n_expert_used: model.cfg.n_expert_used as u32,
+        n_layer: cfg.n_layer as u32,
+        n_expert: cfg.n_expert as u32,
+        n_expert_used: cfg.n_expert_used as u32,
         fingerprint: fingerprint(tensors),
     }
 }

@@ -15,8 +15,8 @@ use super::knobs::Knobs;
 use super::layout::ExpertLayout;
 use super::policy::{plan_adaptive_round, plan_ram_adapt, Promotion, Swap, Usage};
 use super::profile::{rank_by_heat, Geometry, Profile};
-use crate::compute::pool::WorkerPool;
 use crate::gguf::GgufFile;
+use crate::pool::WorkerPool;
 
 /// A base pointer shared by the read tasks of [`ExpertStore::read_blobs`], each writing its own byte range.
 struct SyncBytes(*mut u8);

@@ -1,5 +1,5 @@
 //! VRAM expert cache sizing (DESIGN.md §4, REFERENCE.md §1): `--expert-cache N|auto` and the reserve rule.
-//! Pure arithmetic, so it is tested without a GPU; the cache itself is `compute::cuda::slots`.
+//! Pure arithmetic, so it is tested without a GPU; the cache itself is `backend::cuda::slots`.
 
 use std::str::FromStr;
 

@@ -176,9 +176,9 @@ pub fn store_for(
     profile: Option<&strata::tiers::profile::Profile>,
 ) -> strata::tiers::store::ExpertStore {
     use strata::tiers::store::{ExpertStore, StoreConfig};
-    let layout = strata::tiers::layout::ExpertLayout::of(m).unwrap();
+    let layout = m.expert_layout().unwrap();
     let cfg = StoreConfig { mode, file_io: io, lock: false, ..Default::default() };
-    let geometry = strata::tiers::profile::geometry_of(m);
+    let geometry = m.geometry();
     let knobs = Arc::new(strata::tiers::knobs::Knobs::default());
     ExpertStore::new(layout, m.file.clone(), path, geometry, profile, &cfg, knobs).unwrap()
 }

@@ -6,7 +6,7 @@
 //! Work is split over output rows; each task walks its rows for all tokens so
 //! a block of weights stays in cache across the tokens of a prefill chunk.
 
-use super::pool::WorkerPool;
+use crate::pool::WorkerPool;
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

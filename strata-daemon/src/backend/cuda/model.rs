@@ -15,8 +15,9 @@ use super::kernels::{cubin, Kernels};
 use super::ops::{Combine, DMat, Ops, GROUP_BYTES, MAX_NT, Q8_BYTES};
 use super::slots::SlotCache;
 use super::GpuError;
-use crate::model::forward::{ExpertWeights, Ffn, Logits, Model, Scratch, Weight};
-use crate::model::kv::KvCache;
+use crate::arch::weights::{ExpertWeights, Ffn, Weight};
+use crate::backend::kv::KvCache;
+use crate::model::forward::{Logits, Model, Scratch};
 use crate::model::ModelConfig;
 use crate::quant::{dequantize_row, GgmlType};
 use crate::tiers::arena::HostArena;
@@ -219,7 +220,7 @@ fn check_ty(w: &Weight) -> Result<(), GpuError> {
 fn check_arch(model: &Model) -> Result<(), GpuError> {
     let arch = || model.cfg.arch.clone();
     let def = model.cfg.spec.def;
-    let what = if model.blocks.iter().any(|b| b.bias.o.is_some()) {
+    let what = if model.weights.blocks.iter().any(|b| b.bias.o.is_some()) {
         Some("an attention output bias")
     } else if def.gating != crate::arch::Gating::Softmax || def.expert_weights_scale != 1.0 {
         Some("sigmoid gating or an expert weight scale")
@@ -292,7 +293,7 @@ impl GpuModel {
         }
         let mut layers = Vec::with_capacity(c.n_layer);
         let (qd0, kvd0) = (c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
-        for b in &model.blocks {
+        for b in &model.weights.blocks {
             let bias = if b.bias.q.is_some() || b.bias.k.is_some() || b.bias.v.is_some() {
                 let mut all = Vec::with_capacity(qd0 + 2 * kvd0);
                 for (v, n) in [(&b.bias.q, qd0), (&b.bias.k, kvd0), (&b.bias.v, kvd0)] {
@@ -365,9 +366,9 @@ impl GpuModel {
                 shared,
             });
         }
-        check_ty(&model.output)?;
-        let output = up(model, &model.output)?;
-        let out_norm = DevBuf::from_slice(&model.out_norm)?;
+        check_ty(&model.weights.output)?;
+        let output = up(model, &model.weights.output)?;
+        let out_norm = DevBuf::from_slice(&model.weights.out_norm)?;
         let kvd = c.n_head_kv * c.head_dim;
         let mut kc = Vec::new();
         let mut vc = Vec::new();
@@ -607,7 +608,7 @@ impl GpuModel {
         }
         host.pass_open = true;
         // embeddings (host dequantization of the rows) and RoPE angles
-        let emb = m.mat(&m.tok_embd);
+        let emb = m.mat(&m.weights.tok_embd);
         host.x.resize(t * e, 0.0);
         for (i, &tok) in tokens.iter().enumerate() {
             let tok = (tok as usize).min(c.n_vocab - 1);
@@ -1015,7 +1016,7 @@ impl GpuModel {
         m.record_routes(l, pos0, &routes, s);
         let mut by_expert = m.by_expert(&routes);
         let src = m.plan_sources(l, &by_expert, s.decode);
-        let Ffn::Moe(ex) = &m.blocks[l].ffn else { unreachable!("MoE layer") };
+        let Ffn::Moe(ex) = &m.weights.blocks[l].ffn else { unreachable!("MoE layer") };
         // GPU work: hits, then (pcie_frac) a share of the RAM-resident misses, most entries first
         let mut gpu: Vec<(usize, u32)> = Vec::new();
         let mut ram_miss: Vec<(usize, usize)> = Vec::new();

@@ -4,7 +4,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod pool;
+pub mod kv;
 
 use crate::model::Model;
 use crate::tiers::vram::CacheSize;
