@@ -218,7 +218,7 @@ fn main() -> Result<()> {
         n_ctx,
         max_chunk: args.batch,
     };
-    match strata::backend::attach_gpu(&mut model, &gpu) {
+    match model.attach_gpu(&gpu) {
         Ok(line) => tracing::info!("{line}"),
         Err(e) => bail!("{e} (start with --gpu off to run on the CPU)"),
     }

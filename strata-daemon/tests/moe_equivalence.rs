@@ -90,7 +90,7 @@ fn moe_copy_matches_dense_logits() {
         for (i, lg) in rl.chunks_mut(4).enumerate() {
             lg.copy_from_slice(&[i as f32, 0.5, -(i as f32), 0.1]);
         }
-        moe.route(&rl, 3)
+        strata::backend::moe::router::top_k(&moe.cfg, &rl, 3)
     };
     assert_ne!(routes[0].iter().map(|r| r.0).collect::<Vec<_>>(), routes[2].iter().map(|r| r.0).collect::<Vec<_>>());
     for r in &routes {

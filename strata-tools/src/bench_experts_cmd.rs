@@ -1,6 +1,6 @@
 //! `strata-tools bench-experts`: the CPU pool's expert throughput on its own — the share of a hybrid MoE layer
 //! that the CPU computes (one token through `per_layer` experts: gate, up and SwiGLU in one fork-join, down in a
-//! second, as `Model::experts_cpu` runs them). Random expert blobs of a preset's geometry sit in a RAM copy
+//! second, as `backend::cpu::experts` runs them). Random expert blobs of a preset's geometry sit in a RAM copy
 //! mapped like the real one (`HostArena`, huge-page advice); each arm streams `work_mib` of weights and prints
 //! µs per layer, µs per expert and GB/s, beside the host RAM read rate measured in the same run (one scalar pass
 //! over the set by every thread: the figure `bench-gpu` uses for its bound). Needs no model and no GPU.

@@ -9,7 +9,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use strata::backend::cpu::{matmul_with, Act, MatRef, Precision};
-use strata::backend::{attach_gpu, GpuOptions};
+use strata::backend::cuda::GpuModel;
+use strata::backend::GpuOptions;
 use strata::gguf::GgufFile;
 use strata::model::forward::Scratch;
 use strata::model::{Logits, Model, Tokenizer};
@@ -189,12 +190,7 @@ fn teacher_force(m: &Model, toks: &[u32]) -> Vec<f32> {
         s.decode = true;
         out.extend(m.forward(&[t], &mut kv, Logits::Last, &mut s));
         s.decode = false;
-        if let Some(st) = &m.experts {
-            let plan = st.end_decode_window();
-            if let Some(g) = &m.gpu {
-                g.adapt(st, plan).expect("adaptive round");
-            }
-        }
+        m.end_decode_window().expect("adaptive round");
     }
     out
 }
@@ -260,7 +256,7 @@ fn check_norm(
     let mut act = Act::default();
     act.resize(t, n);
     for i in 0..t {
-        strata::model::forward::rms_norm(&xr[i * n..(i + 1) * n], &w, 1e-6, &mut act.f[i * n..(i + 1) * n]);
+        strata::backend::cpu::math::rms_norm(&xr[i * n..(i + 1) * n], &w, 1e-6, &mut act.f[i * n..(i + 1) * n]);
     }
     act.quantize();
     let (dx, dw, dy) = (DevBuf::from_slice(&x)?, DevBuf::from_slice(&w)?, DevBuf::from_slice(&y)?);
@@ -541,7 +537,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
             let mut m = load_with(path, knobs, 8, ram)?;
             let opts =
                 GpuOptions { enabled: true, device: 0, cache, reserve_mib: 700, n_ctx: toks.len() + 8, max_chunk: 64 };
-            let line = attach_gpu(&mut m, &opts).map_err(|e| anyhow::anyhow!(e))?;
+            let line = m.attach_gpu(&opts).map_err(|e| anyhow::anyhow!(e))?;
             eprintln!("{line}");
             let gl = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| teacher_force(&m, &toks))) {
                 Ok(v) => v,
@@ -694,17 +690,16 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 n_ctx: a.prompt + a.gen + 8,
                 max_chunk: 64,
             };
-            let line = attach_gpu(&mut m, &opts).map_err(|e| anyhow::anyhow!(e))?;
+            let line = m.attach_gpu(&opts).map_err(|e| anyhow::anyhow!(e))?;
             eprintln!("{line}");
             first = false;
         } else {
-            m.gpu.as_mut().expect("gpu").rebuild_cache(&st, CacheSize::Slots(n))?;
+            gpu_mut(&mut m).rebuild_cache(&st, CacheSize::Slots(n))?;
         }
         let before = st.counters.totals();
         let mut kv = m.new_kv(a.prompt + a.gen + 8);
         let mut s = Scratch::default();
-        let g = m.gpu.as_ref().expect("gpu");
-        g.drain(&st)?;
+        m.drain()?;
         let tp = Instant::now();
         let mut logits = m.forward(&prompt, &mut kv, Logits::Last, &mut s);
         let prompt_s = tp.elapsed().as_secs_f64();
@@ -721,8 +716,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             s.decode = true;
             logits = m.forward(&[next], &mut kv, Logits::Last, &mut s);
             s.decode = false;
-            let plan = st.end_decode_window();
-            g.adapt(&st, plan)?;
+            m.end_decode_window()?;
         }
         let decode_s = td.elapsed().as_secs_f64();
         let d = st.counters.totals().since(&before);
@@ -735,7 +729,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         // beat its bandwidth. A split miss leaves rows k.. to the CPU and puts its packed sub-blob (SplitGeom:
         // rows 0..k) on the link.
         // the balanced arm: the bound at the share it settled on
-        let share = if auto { m.gpu.as_ref().and_then(|g| g.pcie_share()) } else { None };
+        let share = if auto { gpu(&m).pcie_share() } else { None };
         let pcie = share.map_or(pcie, |s| s as f64);
         let ff = m.cfg.n_ff_exp;
         let moe = m.weights.blocks.iter().find_map(|b| match &b.ffn {
@@ -752,7 +746,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             }
             _ => (0.0, 1.0),
         };
-        let dense = g.dense_bytes() as f64;
+        let dense = gpu(&m).dense_bytes() as f64;
         let hits_per_tok = d.vram_hits as f64 / a.gen as f64;
         let gpu_s = (dense + hits_per_tok * blob as f64) / 4.3e12;
         let cpu_bytes = ((misses_per_tok - pcie_per_tok).max(0.0) + pcie_per_tok * cpu_share) * blob as f64;
@@ -804,4 +798,14 @@ mod tests {
         assert!("-0.1".parse::<PcieArm>().is_err());
         assert!("half".parse::<PcieArm>().is_err());
     }
+}
+
+/// The model's CUDA backend (these commands attach one first). Panics when it runs on the CPU.
+fn gpu(m: &Model) -> &GpuModel {
+    m.backend.as_any().downcast_ref::<GpuModel>().expect("the model runs on the CUDA backend")
+}
+
+/// [`gpu`], mutable.
+fn gpu_mut(m: &mut Model) -> &mut GpuModel {
+    m.backend.as_any_mut().downcast_mut::<GpuModel>().expect("the model runs on the CUDA backend")
 }

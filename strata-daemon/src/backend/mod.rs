@@ -1,13 +1,200 @@
-//! Compute backends. `cpu` is always built: a spinning fork-join worker pool running the
-//! quantized kernels of [`crate::quant`].
+//! The backend interface and its two implementations.
+//!
+//! The forward pass is written once (`crate::model::forward`) as a sequence of [`Ops`] calls per block: norm,
+//! the q/k/v projections, RoPE with the KV-cache store, attention over the KV cache, the output projection,
+//! and the FFN (dense, or router + top-k, the shared expert and the MoE layer over the expert tiers). A
+//! [`Backend`] runs one pass: it lays out the embeddings and RoPE angles, hands the pass its [`Ops`], and
+//! returns the logits. The ops read the architecture's choices (RoPE kind, q/k norm, biases, gating, top-k
+//! renormalisation) from the [`crate::arch::ArchSpec`] in [`ModelRef::cfg`], never an architecture's name.
+//!
+//! - [`cpu`]: always built; the worker pool and the SIMD kernels of [`crate::quant`].
+//! - `cuda` (cargo feature `cuda`, on by default; driver and NVRTC loaded at run time): dense weights and the KV
+//!   cache in VRAM, the VRAM expert cache, hits on the GPU beside misses on the CPU pool, the PCIe share,
+//!   CUDA graphs. [`select`] picks it when a driver and a device are found, and says why not otherwise.
+//!
+//! Dependencies point one way: the model calls the backend; the backend reads the architecture, the located
+//! weights ([`crate::arch::weights`]) and the expert tiers ([`crate::tiers`]); nothing here names the model.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod kv;
+pub mod moe;
+pub mod scratch;
 
-use crate::model::Model;
+use std::sync::Arc;
+
+use crate::arch::config::ModelConfig;
+use crate::arch::weights::Weights;
+use crate::pool::WorkerPool;
+use crate::tiers::policy::Swap;
+use crate::tiers::store::ExpertStore;
 use crate::tiers::vram::CacheSize;
+
+pub use cpu::{CpuBackend, Precision};
+pub use kv::KvCache;
+pub use scratch::{RouteRecord, Scratch};
+
+/// Which logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only for the last token of the chunk.
+    Last,
+    /// For every token of the chunk.
+    All,
+}
+
+/// Errors of a backend.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The CUDA backend failed (driver, NVRTC, VRAM, a setting it cannot run).
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Gpu(#[from] cuda::GpuError),
+    /// The backend cannot do what was asked (a capability another backend has, such as a VRAM expert cache).
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// Everything a backend reads from a loaded model: hyper-parameters, the located weights and the mapped file
+/// they point into, the CPU pool and arithmetic, and the expert store (RAM copy, file tier, VRAM residency) of
+/// an MoE model.
+#[derive(Clone, Copy)]
+pub struct ModelRef<'a> {
+    /// Hyper-parameters and the architecture's choices.
+    pub cfg: &'a ModelConfig,
+    /// Every weight, as byte ranges of [`ModelRef::bytes`].
+    pub weights: &'a Weights,
+    /// The mapped GGUF file.
+    pub bytes: &'a [u8],
+    /// The CPU worker pool.
+    pub pool: &'a WorkerPool,
+    /// Arithmetic of the CPU's matrix products.
+    pub precision: Precision,
+    /// The expert store of an MoE model; `None` computes experts from the mapping.
+    pub experts: Option<&'a Arc<ExpertStore>>,
+}
+
+impl<'a> ModelRef<'a> {
+    /// The bytes of `w` in the mapped file as a matrix view.
+    pub fn mat(&self, w: &crate::arch::weights::Weight) -> cpu::MatRef<'a> {
+        cpu::MatRef {
+            data: &self.bytes[w.offset..w.offset + w.bytes()],
+            ty: w.ty,
+            rows: w.rows,
+            cols: w.cols,
+            stride: 0,
+        }
+    }
+}
+
+/// An RMSNorm of the residual stream into the normalized input of the next products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Norm {
+    /// Block `l`'s `attn_norm`, before attention.
+    Attn(usize),
+    /// Block `l`'s `ffn_norm`, before the FFN.
+    Ffn(usize),
+}
+
+/// The operations of one forward pass over a chunk of `t` tokens at positions `pos0 ..` (fixed when the backend
+/// creates the pass). Each works on the pass's own buffers: the residual stream `x` (`t × n_embd`), the
+/// normalized input `xn`, the projections, the routing. Layer arguments index `ModelRef::weights.blocks`.
+/// Errors are the backend's (a failed driver call); the CPU's ops do not fail.
+pub trait Ops {
+    /// Runs `ops` — a stretch of operations with no host round trip inside — as this backend sees fit: the CPU
+    /// runs it; the CUDA backend may record it once per (`layer`, attention size) as a graph and replay it.
+    fn segment(
+        &mut self,
+        layer: usize,
+        ops: &mut dyn FnMut(&mut dyn Ops) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError>;
+    /// `xn = rms_norm(x) · w` (per token, the weights of `which`), and its 8-bit quantization for the products.
+    fn norm(&mut self, which: Norm) -> Result<(), BackendError>;
+    /// The q/k/v projections of `xn` (`attn_q`, `attn_k`, `attn_v`), with their biases and the q/k RMSNorm
+    /// (per head or full width) when the block has them.
+    fn qkv(&mut self, layer: usize) -> Result<(), BackendError>;
+    /// RoPE on the queries and keys (adjacent pairs or NeoX halves, `n_rot` dimensions per head) and the keys
+    /// and values stored in the KV cache at positions `pos0 .. pos0 + t`.
+    fn rope_store(&mut self, layer: usize) -> Result<(), BackendError>;
+    /// Causal grouped-query attention of the queries over the KV cache (positions `0 ..= pos0 + i` for token
+    /// i), scaled by `1/sqrt(head_dim)`.
+    fn attention(&mut self, layer: usize) -> Result<(), BackendError>;
+    /// `x += attn_output · attention (+ attn_output.bias)`.
+    fn attn_output(&mut self, layer: usize) -> Result<(), BackendError>;
+    /// A dense block's SwiGLU FFN of `xn` added to `x`: `x += down(silu(gate xn) · up xn)`.
+    fn ffn(&mut self, layer: usize) -> Result<(), BackendError>;
+    /// The router product (`ffn_gate_inp`) of `xn`, softmax or sigmoid, top-k, renormalised when the
+    /// architecture says so, times its expert weight scale ([`moe::router::top_k`]).
+    fn route(&mut self, layer: usize) -> Result<(), BackendError>;
+    /// The shared expert of an MoE block with one: `sigmoid(ffn_gate_inp_shexp · xn) · ffn_shexp(xn)`, added to
+    /// the residual stream with the routed experts' output (by [`Ops::experts`] or before it).
+    fn shared_expert(&mut self, layer: usize) -> Result<(), BackendError>;
+    /// The MoE layer over the tiers: each routed expert computed where its bytes are (VRAM slot, RAM copy, file
+    /// blob) and the weighted sum `Σ_k w_k · expert_k(xn)` combined into `x`.
+    fn experts(&mut self, layer: usize) -> Result<(), BackendError>;
+    /// `output_norm` and the `output` product of rows `row0 .. row0 + rows` of `x` into the pass's logits.
+    fn output(&mut self, row0: usize, rows: usize) -> Result<(), BackendError>;
+}
+
+/// The body of a pass: the forward pass over the blocks, called with the pass's [`Ops`] and the logits rows
+/// wanted of this chunk (`(row0, rows)`, `None` for none). A backend may call it more than once for one chunk
+/// (to record it) or not at all (replaying a recording), so it must do nothing but call ops.
+pub type Body<'b> = dyn FnMut(&mut dyn Ops, Option<(usize, usize)>) -> Result<(), BackendError> + 'b;
+
+/// A compute backend: runs forward passes of a model and owns what it keeps between them (device weights, the
+/// VRAM expert cache).
+pub trait Backend: Send + Sync {
+    /// A short name for logs (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+    /// A new KV cache for `n_ctx` positions (on the host, or only its length when the backend keeps K/V on a
+    /// device).
+    fn new_kv(&self, m: &ModelRef<'_>, n_ctx: usize) -> KvCache;
+    /// Runs `tokens` at positions `kv.len ..`, appending their K/V, and returns the logits (`n_vocab` per
+    /// returned token, row-major): the backend lays out the embeddings and RoPE angles and calls `body` for each
+    /// chunk it runs. Panics if the chunk overflows the cache (callers check `kv.len + tokens.len() <=
+    /// kv.n_ctx`). Errors: the backend's (a failed driver call).
+    fn forward(
+        &self,
+        m: &ModelRef<'_>,
+        tokens: &[u32],
+        kv: &mut KvCache,
+        which: Logits,
+        s: &mut Scratch,
+        body: &mut Body<'_>,
+    ) -> Result<Vec<f32>, BackendError>;
+    /// After a decode window: carries out an adaptive round's swaps (`plan`, from
+    /// [`ExpertStore::end_decode_window`]) into the VRAM expert cache. Backends without one drop the plan.
+    fn end_window(&self, store: &Arc<ExpertStore>, plan: Vec<Swap>) -> Result<(), BackendError> {
+        let _ = (store, plan);
+        Ok(())
+    }
+    /// At a request's start: waits for an asynchronous adaptive round in flight and admits it.
+    fn drain(&self, store: &ExpertStore) -> Result<(), BackendError> {
+        let _ = store;
+        Ok(())
+    }
+    /// The backend as [`std::any::Any`], for tools that reach a backend's own API (benchmarks rebuilding the
+    /// VRAM cache).
+    fn as_any(&self) -> &dyn std::any::Any;
+    /// As [`Backend::as_any`], mutable.
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+}
+
+/// RoPE angles of positions `pos0 .. pos0 + t`: `t × n_rot/2` (cos, sin) pairs, pair i of a position at angle
+/// `pos · rope_freq_scale · rope_freq_base^(-2i/n_rot)` (llama.cpp's `rope_yarn` without YaRN).
+pub fn rope_angles(cfg: &ModelConfig, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
+    let half = cfg.n_rot / 2;
+    out.clear();
+    let theta_scale = cfg.rope_freq_base.powf(-2.0 / cfg.n_rot as f32);
+    for p in pos0..pos0 + t {
+        let mut theta = p as f32 * cfg.rope_freq_scale;
+        for _ in 0..half {
+            out.push((theta.cos(), theta.sin()));
+            theta *= theta_scale;
+        }
+    }
+}
 
 /// How the daemon uses a GPU (flags of DESIGN.md §4).
 #[derive(Debug, Clone)]
@@ -26,28 +213,28 @@ pub struct GpuOptions {
     pub max_chunk: usize,
 }
 
-/// Attaches the CUDA backend to `model` when a driver, NVRTC and a device are found; otherwise leaves the
-/// model on the CPU. Returns the one line to log (what runs where, or why the CPU). Errors: a GPU was found
-/// but loading onto it failed (out of VRAM, a format without kernels): the caller decides whether that is
-/// fatal.
-pub fn attach_gpu(model: &mut Model, o: &GpuOptions) -> Result<String, String> {
+/// The backend to run `m` on: the CUDA backend when GPU use is on and a driver, NVRTC and a device are found
+/// (it uploads the dense weights and fills the VRAM expert cache), otherwise `None` (stay on the CPU). Returns
+/// it with the one line to log (what runs where, or why the CPU). Errors: a GPU was found but loading onto it
+/// failed (out of VRAM, a format without kernels): the caller decides whether that is fatal.
+pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backend>>, String), String> {
     if !o.enabled {
-        return Ok("GPU off (--gpu off): running on the CPU".into());
+        return Ok((None, "GPU off (--gpu off): running on the CPU".into()));
     }
     #[cfg(feature = "cuda")]
     {
         let probe = match cuda::probe(o.device) {
             Ok(p) => p,
-            Err(e) => return Ok(format!("{e}: running on the CPU")),
+            Err(e) => return Ok((None, format!("{e}: running on the CPU"))),
         };
         let d = probe.device.clone();
         let (free, total) = d.mem_info().map_err(|e| e.to_string())?;
         let cfg =
             cuda::GpuConfig { cache: o.cache, reserve: o.reserve_mib << 20, max_chunk: o.max_chunk, n_ctx: o.n_ctx };
-        let g = match cuda::GpuModel::load(model, d.clone(), &cfg) {
+        let g = match cuda::GpuModel::load(m, d.clone(), &cfg) {
             Ok(g) => g,
             Err(e @ cuda::GpuError::Architecture { .. }) => {
-                return Ok(format!("GPU {}: {e}: running on the CPU", d.name))
+                return Ok((None, format!("GPU {}: {e}: running on the CPU", d.name)))
             }
             Err(e) => return Err(format!("loading onto {}: {e}", d.name)),
         };
@@ -55,8 +242,7 @@ pub fn attach_gpu(model: &mut Model, o: &GpuOptions) -> Result<String, String> {
         if g.cache.is_some() {
             crate::tiers::knobs::GPU_TIER.store(true, std::sync::atomic::Ordering::SeqCst);
         }
-        model.gpu = Some(Box::new(g));
-        Ok(format!(
+        let line = format!(
             "GPU: {} ({}, {} SMs, {:.1} of {:.1} GiB free at start; {} and {}): dense weights and KV cache in VRAM{}",
             d.name,
             d.arch(),
@@ -66,11 +252,12 @@ pub fn attach_gpu(model: &mut Model, o: &GpuOptions) -> Result<String, String> {
             probe.libcuda,
             probe.libnvrtc,
             if slots > 0 { format!(", {slots} expert slots") } else { String::new() }
-        ))
+        );
+        Ok((Some(Box::new(g)), line))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = model;
-        Ok("built without the `cuda` feature: running on the CPU".into())
+        let _ = m;
+        Ok((None, "built without the `cuda` feature: running on the CPU".into()))
     }
 }

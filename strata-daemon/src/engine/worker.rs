@@ -309,11 +309,8 @@ impl Worker {
         let mut pos = common;
         self.scratch.decode = false;
         // a request starts with the asynchronous adaptive round drained
-        #[cfg(feature = "cuda")]
-        if let (Some(g), Some(st)) = (&self.model.gpu, &store) {
-            if let Err(e) = g.drain(st) {
-                tracing::error!("adaptive tier: {e}");
-            }
+        if let Err(e) = self.model.drain() {
+            tracing::error!("adaptive tier: {e}");
         }
         while pos < ids.len() {
             let end = (pos + self.batch).min(ids.len());
@@ -368,16 +365,8 @@ impl Worker {
             self.scratch.decode = true;
             logits = self.model.forward(&[next], &mut self.kv, Logits::Last, &mut self.scratch);
             self.scratch.decode = false;
-            if let Some(st) = &store {
-                let plan = st.end_decode_window();
-                #[cfg(feature = "cuda")]
-                if let Some(g) = &self.model.gpu {
-                    if let Err(e) = g.adapt(st, plan) {
-                        tracing::error!("adaptive tier: {e}");
-                    }
-                }
-                #[cfg(not(feature = "cuda"))]
-                drop(plan);
+            if let Err(e) = self.model.end_decode_window() {
+                tracing::error!("adaptive tier: {e}");
             }
             self.dump_routes(job.id, Phase::Decode);
             self.cached.push(next);

@@ -1,6 +1,334 @@
-//! The CPU backend: matrix products and the other operations of a forward pass over the worker pool
-//! ([`crate::pool`]), on the quantized kernels of [`crate::quant`].
+//! The CPU backend: the operations of a forward pass over the worker pool ([`crate::pool`]), on the quantized
+//! kernels of [`crate::quant`]. K/V live in a host [`KvCache`] (f32 rounded to f16 as llama.cpp's F16 cache,
+//! unless the arithmetic is the f32 reference); activations are quantized once per product input to 8-bit
+//! blocks for the integer dot products ([`Precision`]).
 
+pub mod experts;
+pub mod math;
 pub mod matmul;
 
 pub use matmul::*;
+
+use math::{add_rows, dot_f32, rms_norm, rms_norm_in_place, rope, rope_neox};
+
+use super::moe::{dispatch, router};
+use super::{Backend, BackendError, Body, KvCache, Logits, ModelRef, Norm, Ops, Scratch};
+use crate::arch::weights::{Ffn, Weight};
+use crate::arch::RopeKind;
+use crate::quant::dequantize_row;
+
+/// The CPU backend. It keeps nothing between passes: the weights are read in place from the mapped file, the
+/// KV cache and scratch are the caller's.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn new_kv(&self, m: &ModelRef<'_>, n_ctx: usize) -> KvCache {
+        let mut kv = KvCache::new(m.cfg.n_layer, n_ctx, m.cfg.n_head_kv * m.cfg.head_dim);
+        kv.round_f16 = m.precision != Precision::F32;
+        kv
+    }
+
+    fn forward(
+        &self,
+        m: &ModelRef<'_>,
+        tokens: &[u32],
+        kv: &mut KvCache,
+        which: Logits,
+        s: &mut Scratch,
+        body: &mut Body<'_>,
+    ) -> Result<Vec<f32>, BackendError> {
+        let cfg = m.cfg;
+        let t = tokens.len();
+        let pos0 = kv.len;
+        assert!(pos0 + t <= kv.n_ctx, "KV cache overflow");
+        let e = cfg.n_embd;
+        s.x.resize(t * e, 0.0);
+        let emb = m.mat(&m.weights.tok_embd);
+        for (i, &tok) in tokens.iter().enumerate() {
+            let tok = (tok as usize).min(cfg.n_vocab - 1);
+            dequantize_row(emb.ty, emb.row(tok), &mut s.x[i * e..(i + 1) * e]).expect("embedding row");
+        }
+        super::rope_angles(cfg, pos0, t, &mut s.rope);
+        let rows = match which {
+            Logits::Last => (t - 1, 1),
+            Logits::All => (0, t),
+        };
+        let mut pass = CpuPass { m, kv, s, t, pos0, logits: Vec::new() };
+        body(&mut pass, Some(rows))?;
+        let logits = std::mem::take(&mut pass.logits);
+        kv.len = pos0 + t;
+        Ok(logits)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// One CPU pass over `t` tokens at `pos0`.
+struct CpuPass<'p, 'm> {
+    m: &'p ModelRef<'m>,
+    kv: &'p mut KvCache,
+    s: &'p mut Scratch,
+    t: usize,
+    pos0: usize,
+    logits: Vec<f32>,
+}
+
+/// `out = w · x` on the pool in the model's arithmetic.
+fn mm(m: &ModelRef<'_>, w: &Weight, x: &Act, out: &mut [f32]) {
+    matmul_with(m.pool, m.mat(w), x, out, m.precision)
+}
+
+impl CpuPass<'_, '_> {
+    /// `xn = rms_norm(x rows row0 .. row0 + rows) · w`, quantized.
+    fn norm_rows(&mut self, w: &[f32], row0: usize, rows: usize) {
+        let e = self.m.cfg.n_embd;
+        let s = &mut *self.s;
+        s.xn.resize(rows, e);
+        for j in 0..rows {
+            let i = row0 + j;
+            rms_norm(&s.x[i * e..(i + 1) * e], w, self.m.cfg.rms_eps, &mut s.xn.f[j * e..(j + 1) * e]);
+        }
+        s.xn.quantize();
+    }
+
+    /// A dense SwiGLU FFN of the normalized, quantized activations `s.xn` into `s.tmp` (`t × n_embd`):
+    /// `down(silu(gate x) · up x)`.
+    fn dense_ffn(&mut self, gate: &Weight, up: &Weight, down: &Weight) {
+        let (t, e) = (self.s.xn.t, self.m.cfg.n_embd);
+        let ff = gate.rows;
+        let (m, s) = (self.m, &mut *self.s);
+        s.gate.resize(t * ff, 0.0);
+        s.up.resize(t * ff, 0.0);
+        mm(m, gate, &s.xn, &mut s.gate);
+        mm(m, up, &s.xn, &mut s.up);
+        s.h.resize(t, ff);
+        for ((h, g), u) in s.h.f.iter_mut().zip(&s.gate).zip(&s.up) {
+            *h = silu(*g) * u;
+        }
+        s.h.quantize();
+        s.tmp.resize(t * e, 0.0);
+        mm(m, down, &s.h, &mut s.tmp);
+    }
+}
+
+impl Ops for CpuPass<'_, '_> {
+    fn segment(
+        &mut self,
+        _layer: usize,
+        ops: &mut dyn FnMut(&mut dyn Ops) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        ops(self)
+    }
+
+    fn norm(&mut self, which: Norm) -> Result<(), BackendError> {
+        let m = self.m;
+        let w = match which {
+            Norm::Attn(l) => &m.weights.blocks[l].attn_norm,
+            Norm::Ffn(l) => &m.weights.blocks[l].ffn_norm,
+        };
+        self.norm_rows(w, 0, self.t);
+        Ok(())
+    }
+
+    fn qkv(&mut self, l: usize) -> Result<(), BackendError> {
+        let (m, t) = (self.m, self.t);
+        let cfg = m.cfg;
+        let b = &m.weights.blocks[l];
+        let (qd, kvd) = (cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim);
+        let s = &mut *self.s;
+        s.q.resize(t * qd, 0.0);
+        s.k.resize(t * kvd, 0.0);
+        s.v.resize(t * kvd, 0.0);
+        mm(m, &b.q, &s.xn, &mut s.q);
+        mm(m, &b.k, &s.xn, &mut s.k);
+        mm(m, &b.v, &s.xn, &mut s.v);
+        for (y, bias) in [(&mut s.q, &b.bias.q), (&mut s.k, &b.bias.k), (&mut s.v, &b.bias.v)] {
+            if let Some(bias) = bias {
+                add_rows(y, bias);
+            }
+        }
+        // q/k RMSNorm: per head (`head_dim` weights) or over the whole projection of a token
+        for (y, w) in [(&mut s.q, &b.q_norm), (&mut s.k, &b.k_norm)] {
+            if let Some(w) = w {
+                for row in y.chunks_exact_mut(w.len()) {
+                    rms_norm_in_place(row, w, cfg.rms_eps);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn rope_store(&mut self, l: usize) -> Result<(), BackendError> {
+        let cfg = self.m.cfg;
+        let hd = cfg.head_dim;
+        let (nh, nkv) = (cfg.n_head, cfg.n_head_kv);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let half = cfg.n_rot / 2;
+        let rot: fn(&mut [f32], &[(f32, f32)]) = match cfg.spec.def.rope {
+            RopeKind::Normal => rope,
+            RopeKind::Neox => rope_neox,
+        };
+        let s = &mut *self.s;
+        for i in 0..self.t {
+            let cs = &s.rope[i * half..(i + 1) * half];
+            for h in 0..nh {
+                rot(&mut s.q[i * qd + h * hd..i * qd + (h + 1) * hd], cs);
+            }
+            for h in 0..nkv {
+                rot(&mut s.k[i * kvd + h * hd..i * kvd + (h + 1) * hd], cs);
+            }
+            self.kv.store(l, self.pos0 + i, &s.k[i * kvd..(i + 1) * kvd], &s.v[i * kvd..(i + 1) * kvd]);
+        }
+        Ok(())
+    }
+
+    fn attention(&mut self, l: usize) -> Result<(), BackendError> {
+        let cfg = self.m.cfg;
+        let (t, pos0) = (self.t, self.pos0);
+        let hd = cfg.head_dim;
+        let (nh, nkv) = (cfg.n_head, cfg.n_head_kv);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let s = &mut *self.s;
+        // Queries (and below, attention probabilities) are rounded to f16 as
+        // llama.cpp does for its F16 KV cache; the F32 reference skips it.
+        let r16 = self.m.precision != Precision::F32;
+        if r16 {
+            for v in s.q.iter_mut() {
+                *v = half::f16::from_f32(*v).to_f32();
+            }
+        }
+        let n_all = pos0 + t;
+        let keys = self.kv.keys(l, n_all);
+        let vals = self.kv.values(l, n_all);
+        s.attn.resize(t, qd);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let group = nh / nkv;
+        let q = &s.q;
+        let out_ptr = SyncPtr(s.attn.f.as_mut_ptr());
+        let head = |idx: usize| {
+            let (i, h) = (idx / nh, idx % nh);
+            // SAFETY: task `idx` writes only attn[idx*hd .. (idx+1)*hd], inside the t*qd buffer
+            // (idx < t*nh); tasks are disjoint and the buffer outlives `run`.
+            let out = unsafe { std::slice::from_raw_parts_mut({ out_ptr }.0.add(idx * hd), hd) };
+            let kh = h / group;
+            let qv = &q[i * qd + h * hd..i * qd + (h + 1) * hd];
+            let n = pos0 + i + 1; // causal: positions 0..=pos0+i
+            let mut scores = Vec::with_capacity(n);
+            let mut mx = f32::NEG_INFINITY;
+            for p in 0..n {
+                let kvec = &keys[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
+                let d = dot_f32(qv, kvec) * scale;
+                mx = mx.max(d);
+                scores.push(d);
+            }
+            let mut sum = 0f32;
+            for sc in scores.iter_mut() {
+                *sc = (*sc - mx).exp();
+                sum += *sc;
+            }
+            let inv = 1.0 / sum;
+            out.fill(0.0);
+            for (p, &w) in scores.iter().enumerate() {
+                let vv = &vals[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
+                // Probabilities are rounded to f16 as llama.cpp does before its KQ·V product
+                // over the F16 cache.
+                let w = if r16 { half::f16::from_f32(w * inv).to_f32() } else { w * inv };
+                for (o, x) in out.iter_mut().zip(vv) {
+                    *o += w * x;
+                }
+            }
+        };
+        self.m.pool.run(t * nh, head);
+        s.attn.quantize();
+        Ok(())
+    }
+
+    fn attn_output(&mut self, l: usize) -> Result<(), BackendError> {
+        let m = self.m;
+        let b = &m.weights.blocks[l];
+        let s = &mut *self.s;
+        s.tmp.resize(self.t * m.cfg.n_embd, 0.0);
+        mm(m, &b.o, &s.attn, &mut s.tmp);
+        if let Some(bias) = &b.bias.o {
+            add_rows(&mut s.tmp, bias);
+        }
+        for (x, d) in s.x.iter_mut().zip(&s.tmp) {
+            *x += d;
+        }
+        Ok(())
+    }
+
+    fn ffn(&mut self, l: usize) -> Result<(), BackendError> {
+        let m = self.m;
+        let Ffn::Dense { gate, up, down } = &m.weights.blocks[l].ffn else { unreachable!("ffn() on an MoE block") };
+        self.dense_ffn(gate, up, down);
+        let s = &mut *self.s;
+        for (x, d) in s.x.iter_mut().zip(&s.tmp) {
+            *x += d;
+        }
+        Ok(())
+    }
+
+    fn route(&mut self, l: usize) -> Result<(), BackendError> {
+        let m = self.m;
+        let Ffn::Moe(ex) = &m.weights.blocks[l].ffn else { unreachable!("route() on a dense block") };
+        let s = &mut *self.s;
+        s.router.resize(self.t * m.cfg.n_expert, 0.0);
+        mm(m, &ex.router, &s.xn, &mut s.router);
+        let routing = router::top_k(m.cfg, &s.router, self.t);
+        s.record_routes(l, self.pos0, &routing);
+        s.routing = routing;
+        Ok(())
+    }
+
+    fn shared_expert(&mut self, l: usize) -> Result<(), BackendError> {
+        let Ffn::Moe(ex) = &self.m.weights.blocks[l].ffn else { unreachable!("shared_expert() on a dense block") };
+        let Some(sh) = &ex.shared else { return Ok(()) };
+        self.dense_ffn(&sh.gate, &sh.up, &sh.down);
+        let s = &mut *self.s;
+        std::mem::swap(&mut s.sh, &mut s.tmp);
+        s.sh_gate.clear();
+        s.sh_gate.extend((0..s.xn.t).map(|i| router::sigmoid(dot_f32(&sh.gate_inp, s.xn.row(i)))));
+        Ok(())
+    }
+
+    fn experts(&mut self, l: usize) -> Result<(), BackendError> {
+        let m = self.m;
+        let e = m.cfg.n_embd;
+        let Ffn::Moe(ex) = &m.weights.blocks[l].ffn else { unreachable!("experts() on a dense block") };
+        let by_expert = dispatch::by_expert(&self.s.routing, m.cfg.n_expert);
+        let src = dispatch::plan_sources(m.experts.map(|st| &**st), l, &by_expert, self.s.decode);
+        experts::experts(m, l, ex, &by_expert, src, None, self.s, |_| {});
+        let s = &mut *self.s;
+        // the shared expert's gated output (when this layer computed one), after the routed experts' sum
+        for (i, g) in s.sh_gate.drain(..).enumerate() {
+            for (a, y) in s.moe_acc[i * e..(i + 1) * e].iter_mut().zip(&s.sh[i * e..(i + 1) * e]) {
+                *a += y * g;
+            }
+        }
+        for (xv, a) in s.x.iter_mut().zip(&s.moe_acc) {
+            *xv += a;
+        }
+        Ok(())
+    }
+
+    fn output(&mut self, row0: usize, rows: usize) -> Result<(), BackendError> {
+        let m = self.m;
+        self.norm_rows(&m.weights.out_norm, row0, rows);
+        let mut logits = vec![0f32; rows * m.cfg.n_vocab];
+        mm(m, &m.weights.output, &self.s.xn, &mut logits);
+        self.logits = logits;
+        Ok(())
+    }
+}

@@ -9,12 +9,23 @@ pub mod driver;
 pub mod kernels;
 pub mod model;
 pub mod ops;
+mod pass;
 pub mod slots;
 
 use std::sync::Arc;
 
 pub use driver::Device;
 pub use model::{GpuConfig, GpuModel};
+
+impl From<crate::backend::BackendError> for GpuError {
+    /// A pass's error seen from inside the backend (a recorded pass's ops).
+    fn from(e: crate::backend::BackendError) -> Self {
+        match e {
+            crate::backend::BackendError::Gpu(g) => g,
+            other => GpuError::Unsupported(other.to_string()),
+        }
+    }
+}
 
 /// Errors of the CUDA backend.
 #[derive(Debug, thiserror::Error)]

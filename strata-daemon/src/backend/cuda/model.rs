@@ -13,12 +13,14 @@ use std::sync::{Arc, Mutex};
 use super::driver::{DevBuf, Device, Stream};
 use super::kernels::{cubin, Kernels};
 use super::ops::{Combine, DMat, Ops, GROUP_BYTES, MAX_NT, Q8_BYTES};
+use super::pass::GpuPass;
 use super::slots::SlotCache;
 use super::GpuError;
+use crate::arch::config::ModelConfig;
 use crate::arch::weights::{ExpertWeights, Ffn, Weight};
-use crate::backend::kv::KvCache;
-use crate::model::forward::{Logits, Model, Scratch};
-use crate::model::ModelConfig;
+use crate::backend::cpu::experts::experts as cpu_experts;
+use crate::backend::moe::dispatch;
+use crate::backend::{Backend, BackendError, Body, KvCache, Logits, ModelRef, Scratch};
 use crate::quant::{dequantize_row, GgmlType};
 use crate::tiers::arena::HostArena;
 use crate::tiers::store::{ExpertStore, Source};
@@ -37,25 +39,25 @@ pub struct GpuConfig {
     pub n_ctx: usize,
 }
 
-struct GLayer {
-    attn_norm: DevBuf,
-    q: DMat,
-    k: DMat,
-    v: DMat,
-    o: DMat,
+pub(super) struct GLayer {
+    pub(super) attn_norm: DevBuf,
+    pub(super) q: DMat,
+    pub(super) k: DMat,
+    pub(super) v: DMat,
+    pub(super) o: DMat,
     /// The architecture's work between the QKV product and RoPE, when it has any.
-    prep: Option<QkvPrep>,
-    ffn_norm: DevBuf,
-    ffn: GFfn,
+    pub(super) prep: Option<QkvPrep>,
+    pub(super) ffn_norm: DevBuf,
+    pub(super) ffn: GFfn,
     /// The shared expert (`qwen2moe`), a dense FFN whose gated output is added to the residual.
     shared: Option<GShared>,
 }
 
 /// Biases (`qd + 2·kvd`, zeros where the file has none) and q/k norm weights of a layer (see `qkv_prep`).
-struct QkvPrep {
-    bias: Option<DevBuf>,
-    norm: Option<(DevBuf, DevBuf)>,
-    mode: i32,
+pub(super) struct QkvPrep {
+    pub(super) bias: Option<DevBuf>,
+    pub(super) norm: Option<(DevBuf, DevBuf)>,
+    pub(super) mode: i32,
 }
 
 struct GShared {
@@ -65,41 +67,41 @@ struct GShared {
     down: DMat,
 }
 
-enum GFfn {
+pub(super) enum GFfn {
     Dense { gate: DMat, up: DMat, down: DMat },
     Moe { router: DMat, gate_ty: GgmlType, down_ty: GgmlType, down_off: usize },
 }
 
 /// Device scratch for `max_t` tokens.
-struct Bufs {
-    x: DevBuf,
-    xn: DevBuf,
-    xq: DevBuf,
-    qkv: DevBuf,
-    q: DevBuf,
-    attn: DevBuf,
-    attnq: DevBuf,
-    gu: DevBuf,
-    h: DevBuf,
-    hq: DevBuf,
-    rl: DevBuf,
-    ids: DevBuf,
-    w: DevBuf,
-    flag: DevBuf,
-    groups: DevBuf,
-    y: DevBuf,
-    cpu: DevBuf,
-    cs: DevBuf,
+pub(super) struct Bufs {
+    pub(super) x: DevBuf,
+    pub(super) xn: DevBuf,
+    pub(super) xq: DevBuf,
+    pub(super) qkv: DevBuf,
+    pub(super) q: DevBuf,
+    pub(super) attn: DevBuf,
+    pub(super) attnq: DevBuf,
+    pub(super) gu: DevBuf,
+    pub(super) h: DevBuf,
+    pub(super) hq: DevBuf,
+    pub(super) rl: DevBuf,
+    pub(super) ids: DevBuf,
+    pub(super) w: DevBuf,
+    pub(super) flag: DevBuf,
+    pub(super) groups: DevBuf,
+    pub(super) y: DevBuf,
+    pub(super) cpu: DevBuf,
+    pub(super) cs: DevBuf,
     /// A shared expert's output (`t × n_embd`).
-    sh: DevBuf,
-    logits: DevBuf,
+    pub(super) sh: DevBuf,
+    pub(super) logits: DevBuf,
     /// Routed experts of every layer of a window (`n_layer × t × k`), read once after the window.
-    win_ids: DevBuf,
+    pub(super) win_ids: DevBuf,
 }
 
 /// Host scratch of the hybrid path.
 #[derive(Default)]
-struct Host {
+pub(super) struct Host {
     ids: Vec<i32>,
     w: Vec<f32>,
     xn: Vec<f32>,
@@ -158,16 +160,16 @@ struct HybridProf {
 /// A model on the GPU.
 pub struct GpuModel {
     dev: Arc<Device>,
-    k: Kernels,
-    s: Stream,
-    layers: Vec<GLayer>,
+    pub(super) k: Kernels,
+    pub(super) s: Stream,
+    pub(super) layers: Vec<GLayer>,
     out_norm: DevBuf,
     output: DMat,
-    kc: Vec<DevBuf>,
-    vc: Vec<DevBuf>,
+    pub(super) kc: Vec<DevBuf>,
+    pub(super) vc: Vec<DevBuf>,
     n_ctx: usize,
     max_t: usize,
-    b: Bufs,
+    pub(super) b: Bufs,
     /// The VRAM expert cache (MoE models).
     pub cache: Option<SlotCache>,
     host: Mutex<Host>,
@@ -205,8 +207,8 @@ impl Drop for GpuModel {
     }
 }
 
-fn up(model: &Model, w: &Weight) -> Result<DMat, GpuError> {
-    let bytes = &model.file.bytes()[w.offset..w.offset + w.bytes()];
+fn up(m: &ModelRef<'_>, w: &Weight) -> Result<DMat, GpuError> {
+    let bytes = &m.bytes[w.offset..w.offset + w.bytes()];
     DMat::upload(bytes, w.ty, w.rows, w.cols)
 }
 
@@ -217,7 +219,7 @@ fn check_ty(w: &Weight) -> Result<(), GpuError> {
 }
 
 /// Refuses the architecture choices these kernels do not implement (checked before anything is allocated).
-fn check_arch(model: &Model) -> Result<(), GpuError> {
+fn check_arch(model: &ModelRef<'_>) -> Result<(), GpuError> {
     let arch = || model.cfg.arch.clone();
     let def = model.cfg.spec.def;
     let what = if model.weights.blocks.iter().any(|b| b.bias.o.is_some()) {
@@ -257,7 +259,7 @@ impl GpuModel {
     /// Loads `model` onto `dev`: compiles (or loads from the cache) the kernels, uploads dense weights,
     /// allocates the KV cache and scratch, then sizes and fills the VRAM expert cache (MoE models with a
     /// store) hottest-first. Errors: a tensor format without kernels, out of VRAM, driver/NVRTC failures.
-    pub fn load(model: &Model, dev: Arc<Device>, cfg: &GpuConfig) -> Result<GpuModel, GpuError> {
+    pub fn load(model: &ModelRef<'_>, dev: Arc<Device>, cfg: &GpuConfig) -> Result<GpuModel, GpuError> {
         dev.bind()?;
         let (img, cached) = cubin(&dev.arch())?;
         let pdl = super::kernels::pdl_wanted(dev.cc);
@@ -275,7 +277,7 @@ impl GpuModel {
             img.len(),
             if pdl { "; programmatic dependent launch" } else { "" }
         );
-        let c = &model.cfg;
+        let c = model.cfg;
         check_arch(model)?;
         if c.n_expert_used > 32 || c.n_expert > 1024 || !c.head_dim.is_multiple_of(2) || c.n_embd > 8192 {
             return Err(GpuError::Unsupported(
@@ -440,7 +442,7 @@ impl GpuModel {
 
     fn make_cache(
         &self,
-        model: &Model,
+        model: &ModelRef<'_>,
         store: &Arc<ExpertStore>,
         cfg: &GpuConfig,
     ) -> Result<Option<SlotCache>, GpuError> {
@@ -558,45 +560,16 @@ impl GpuModel {
         &self.dev
     }
 
-    /// Runs `tokens` at positions `kv.len ..` (the host `kv` only tracks the length; K/V live in VRAM) and
-    /// returns logits as [`Model::forward`] does. Chunks longer than the scratch are split.
-    pub fn forward(
-        &self,
-        m: &Model,
-        tokens: &[u32],
-        kv: &mut KvCache,
-        which: Logits,
-        s: &mut Scratch,
-    ) -> Result<Vec<f32>, GpuError> {
-        self.dev.bind()?;
-        assert!(kv.len + tokens.len() <= self.n_ctx.min(kv.n_ctx), "KV cache overflow");
-        let mut out = Vec::new();
-        let n = tokens.len();
-        let mut i = 0;
-        while i < n {
-            let end = (i + self.max_t).min(n);
-            let last = end == n;
-            let w = match which {
-                Logits::All => Some(Logits::All),
-                Logits::Last if last => Some(Logits::Last),
-                _ => None,
-            };
-            out.extend(self.chunk(m, &tokens[i..end], kv.len, w, s)?);
-            kv.len += end - i;
-            i = end;
-        }
-        Ok(out)
-    }
-
     fn chunk(
         &self,
-        m: &Model,
+        m: &ModelRef<'_>,
         tokens: &[u32],
         pos0: usize,
         which: Option<Logits>,
         s: &mut Scratch,
-    ) -> Result<Vec<f32>, GpuError> {
-        let c = &m.cfg;
+        body: &mut Body<'_>,
+    ) -> Result<Vec<f32>, BackendError> {
+        let c = m.cfg;
         let t = tokens.len();
         let e = c.n_embd;
         let b = &self.b;
@@ -614,7 +587,7 @@ impl GpuModel {
             let tok = (tok as usize).min(c.n_vocab - 1);
             dequantize_row(emb.ty, emb.row(tok), &mut host.x[i * e..(i + 1) * e]).expect("embedding row");
         }
-        m.rope_table(pos0, t, &mut host.rope);
+        crate::backend::rope_angles(c, pos0, t, &mut host.rope);
         // [pos0 (int bits), pad, (cos, sin) pairs]: the kernels read pos0 from the device (graph replays)
         host.cs.clear();
         host.cs.extend([f32::from_bits(pos0 as u32), 0.0]);
@@ -656,10 +629,8 @@ impl GpuModel {
             let cap = (pos0 + t).next_power_of_two().max(256).min(self.n_ctx.max(pos0 + t));
             let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
             if !graphs.iter().any(|(c, _)| *c == cap) {
-                let captured = self.s.capture(|| {
-                    let pend = self.enqueue_layers(m, t, pos0, cap, fast, s, host)?;
-                    self.enqueue_output(c, rows.expect("rows"), pend)
-                });
+                let mut p = GpuPass::new(self, m, s, host, (t, pos0, cap), fast, false);
+                let captured = self.s.capture(|| body(&mut p, rows).map_err(GpuError::from));
                 match captured {
                     Ok(g) => graphs.push((cap, g)),
                     Err(err) => {
@@ -671,20 +642,14 @@ impl GpuModel {
             if let Some((_, g)) = graphs.iter().find(|(c, _)| *c == cap) {
                 g.launch(&self.s)?;
             } else {
-                let pend = self.enqueue_layers(m, t, pos0, pos0 + t, fast, s, host)?;
-                self.enqueue_output(c, rows.expect("rows"), pend)?;
+                body(&mut GpuPass::new(self, m, s, host, (t, pos0, pos0 + t), fast, false), rows)?;
             }
         } else {
             // hybrid decode tokens replay captured attention segments: their size class, as above
-            let cap = if s.decode && t == 1 && !fast && self.graphs_on() {
-                (pos0 + t).next_power_of_two().max(256).min(self.n_ctx.max(pos0 + t))
-            } else {
-                pos0 + t
-            };
-            let pend = self.enqueue_layers(m, t, pos0, cap, fast, s, host)?;
-            if let Some(r) = rows {
-                self.enqueue_output(c, r, pend)?;
-            }
+            let segments = s.decode && t == 1 && !fast && self.graphs_on();
+            let cap =
+                if segments { (pos0 + t).next_power_of_two().max(256).min(self.n_ctx.max(pos0 + t)) } else { pos0 + t };
+            body(&mut GpuPass::new(self, m, s, host, (t, pos0, cap), fast, segments), rows)?;
         }
         // the outputs into page-locked staging, one wait: the window's expert ids (all-VRAM decode keeps the
         // routing on the device; the store counts it from here) and the logits rows
@@ -749,7 +714,7 @@ impl GpuModel {
     /// (see [`super::ops::Ops::expert_down`]), into `b.y` (rows by
     /// routing entry; `n_pairs` entries bound the hidden buffer). `one`: no group holds more than one token.
     #[allow(clippy::too_many_arguments)]
-    fn experts_gpu(
+    pub(super) fn experts_gpu(
         &self,
         (gate_ty, down_ty): (GgmlType, GgmlType),
         one: bool,
@@ -777,7 +742,7 @@ impl GpuModel {
 
     /// Final norm and output product of rows `row0 .. row0 + rows` into `b.logits`; `pend`: the last MoE
     /// layer's combine, done by the norm.
-    fn enqueue_output(
+    pub(super) fn enqueue_output(
         &self,
         c: &ModelConfig,
         (row0, rows): (usize, usize),
@@ -790,102 +755,9 @@ impl GpuModel {
         ops.mmv(&[&self.output], b.xq.ptr, b.xn.ptr, rows, b.logits.ptr, c.n_vocab, false)
     }
 
-    /// Every layer of a pass of `t` tokens at `pos0` (attention's shared memory sized for `cap` ≥ pos0 + t
-    /// positions). `fast`: every MoE layer's experts are in VRAM (no host round trip). Returns the last MoE
-    /// layer's combine when it is still to be done (by the output norm; each layer's is done by the next
-    /// layer's first norm).
-    #[allow(clippy::too_many_arguments)]
-    fn enqueue_layers(
-        &self,
-        m: &Model,
-        t: usize,
-        pos0: usize,
-        cap: usize,
-        fast: bool,
-        s: &mut Scratch,
-        host: &mut Host,
-    ) -> Result<Option<Combine>, GpuError> {
-        let c = &m.cfg;
-        let e = c.n_embd;
-        let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
-        let (qd, kvd) = (nh * hd, nkv * hd);
-        let ops = Ops { k: &self.k, s: &self.s };
-        let b = &self.b;
-        let mut pend: Option<Combine> = None;
-        // hybrid decode tokens: each MoE layer's attention segment is replayed from a captured graph
-        let segments = s.decode && t == 1 && !fast && self.graphs_on();
-        for (l, g) in self.layers.iter().enumerate() {
-            // the layer up to its FFN input (norm with the previous layer's combine, attention, FFN norm)
-            let attention = |pend: Option<Combine>| -> Result<(), GpuError> {
-                ops.rms_norm_q8(b.x.ptr, g.attn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, pend)?;
-                ops.mmv(&[&g.q, &g.k, &g.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false)?;
-                if let Some(p) = &g.prep {
-                    let bias = p.bias.as_ref().map_or(0, |d| d.ptr);
-                    let (qn, kn) = p.norm.as_ref().map_or((0, 0), |(q, k)| (q.ptr, k.ptr));
-                    ops.qkv_prep(b.qkv.ptr, bias, qn, kn, p.mode, (nh, nkv, hd), c.rms_eps, t)?;
-                }
-                let (kc, vc) = (self.kc[l].ptr, self.vc[l].ptr);
-                let neox = c.spec.def.rope == crate::arch::RopeKind::Neox;
-                ops.rope_store(b.qkv.ptr, b.cs.at(8), nh, nkv, hd, c.n_rot, b.cs.ptr, t, b.q.ptr, kc, vc, neox)?;
-                ops.attention(b.q.ptr, kc, vc, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr)?;
-                ops.mmv(&[&g.o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?;
-                ops.rms_norm_q8(b.x.ptr, g.ffn_norm.ptr, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, None)
-            };
-            if let (true, GFfn::Moe { router, gate_ty, down_ty, down_off }) = (segments, &g.ffn) {
-                let kk = c.n_expert_used;
-                let routing = self.routing_staging(host, kk, e)?;
-                let p = pend.take();
-                let segment = || -> Result<(), GpuError> {
-                    attention(p)?;
-                    self.route(&ops, router, t, kk, None, 0)?;
-                    self.routing_dtoh(routing, t * kk, t * e)
-                };
-                self.replay_segment((l, cap), segment)?;
-                self.shared_expert(&ops, g, t, e)?;
-                let tys = (*gate_ty, *down_ty, *down_off);
-                pend = Some(self.hybrid_moe(m, l, t, pos0, s, host, tys, true)?);
-                continue;
-            }
-            attention(pend.take())?;
-            self.shared_expert(&ops, g, t, e)?;
-            match &g.ffn {
-                GFfn::Dense { gate, up, down } => {
-                    let ff = gate.rows;
-                    ops.mmv(&[gate, up], b.xq.ptr, b.xn.ptr, t, b.gu.ptr, 2 * ff, false)?;
-                    ops.swiglu(b.gu.ptr, ff, t, b.h.ptr)?;
-                    ops.quantize(b.h.ptr, b.hq.ptr, t * ff / 32)?;
-                    ops.mmv(&[down], b.hq.ptr, b.h.ptr, t, b.x.ptr, e, true)?;
-                }
-                GFfn::Moe { router, gate_ty, down_ty, down_off } => {
-                    let kk = c.n_expert_used;
-                    let ff = c.n_ff_exp;
-                    let ne = c.n_expert;
-                    let n_pairs = t * kk;
-                    if fast {
-                        let cache = self.cache.as_ref().expect("cache");
-                        // top-k, groups from the residency table and (decode) the window's record, kept on the
-                        // device and read once after the window (no per-layer round trip)
-                        let fast_groups = (cache.table.at(l * ne * 4), b.groups.ptr, b.flag.ptr);
-                        let win = if s.decode { b.win_ids.at(l * n_pairs * 4) } else { 0 };
-                        self.route(&ops, router, t, kk, Some(fast_groups), win)?;
-                        // decode windows: one entry per group, so at most one token per group
-                        let down = (*down_off, (*down_ty).row_bytes(ff));
-                        self.experts_gpu((*gate_ty, *down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, down, e)?;
-                        pend = Some(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: 0, k: kk });
-                    } else {
-                        self.route(&ops, router, t, kk, None, 0)?;
-                        let tys = (*gate_ty, *down_ty, *down_off);
-                        pend = Some(self.hybrid_moe(m, l, t, pos0, s, host, tys, false)?);
-                    }
-                }
-            }
-        }
-        Ok(pend)
-    }
-
     /// The layer's shared expert, when it has one, from the FFN input (`b.xq` / `b.xn`) into the residual:
     /// `x += sigmoid(gate_inp · xn) · down(silu(gate xn) · up xn)`.
-    fn shared_expert(&self, ops: &Ops, g: &GLayer, t: usize, e: usize) -> Result<(), GpuError> {
+    pub(super) fn shared_expert(&self, ops: &Ops, g: &GLayer, t: usize, e: usize) -> Result<(), GpuError> {
         let Some(sh) = &g.shared else { return Ok(()) };
         let b = &self.b;
         let ff = sh.gate.rows;
@@ -897,7 +769,7 @@ impl GpuModel {
     }
 
     /// The router product and top-k of `t` tokens into `b.ids` / `b.w` (arguments as [`Ops::route_topk`]).
-    fn route(
+    pub(super) fn route(
         &self,
         ops: &Ops,
         router: &DMat,
@@ -916,7 +788,7 @@ impl GpuModel {
     /// sized for `max_t` tokens once, so that its address stays fixed for captured segments.
     /// No copy into it is in flight when called (each routing copy is followed by a stream sync before the next
     /// layer); should it ever have to move, the captured segments naming the old address are dropped first.
-    fn routing_staging(&self, host: &mut Host, kk: usize, e: usize) -> Result<*mut u8, GpuError> {
+    pub(super) fn routing_staging(&self, host: &mut Host, kk: usize, e: usize) -> Result<*mut u8, GpuError> {
         let bytes = self.max_t * (2 * kk + e) * 4;
         if host.pin_down.as_ref().is_some_and(|p| p.bytes < bytes) {
             self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
@@ -926,7 +798,7 @@ impl GpuModel {
 
     /// Enqueues the copy of `n_pairs` routing entries (ids, weights) and `n_x` normalized activations into the
     /// routing staging at `dst` (see [`GpuModel::routing_staging`]).
-    fn routing_dtoh(&self, dst: *mut u8, n_pairs: usize, n_x: usize) -> Result<(), GpuError> {
+    pub(super) fn routing_dtoh(&self, dst: *mut u8, n_pairs: usize, n_x: usize) -> Result<(), GpuError> {
         let b = &self.b;
         let ni = n_pairs * 4;
         // SAFETY: `dst` holds 2 * ni + 4 * n_x bytes (routing_staging sizes it for max_t tokens); the host reads
@@ -940,14 +812,18 @@ impl GpuModel {
 
     /// Runs a hybrid decode layer's attention segment (`enqueue`) from its captured graph for `key` (layer,
     /// attention size class), capturing it first; plain launches when a capture fails (graphs then off).
-    fn replay_segment(&self, key: (usize, usize), enqueue: impl Fn() -> Result<(), GpuError>) -> Result<(), GpuError> {
+    pub(super) fn replay_segment(
+        &self,
+        key: (usize, usize),
+        mut enqueue: impl FnMut() -> Result<(), GpuError>,
+    ) -> Result<(), GpuError> {
         if !self.graphs_on() {
             return enqueue(); // a capture failed earlier in this pass
         }
         let mut graphs = self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner());
         let g = match graphs.entry(key) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => match self.s.capture(&enqueue) {
+            std::collections::hash_map::Entry::Vacant(v) => match self.s.capture(&mut enqueue) {
                 Ok(g) => v.insert(g),
                 Err(err) => {
                     tracing::warn!("CUDA graph capture failed ({err}); decoding with plain launches");
@@ -965,9 +841,9 @@ impl GpuModel {
     /// the next norm; its CPU rows are always uploaded, zeros when the CPU computed nothing, so that the next
     /// segment's combine is the same every token).
     #[allow(clippy::too_many_arguments)]
-    fn hybrid_moe(
+    pub(super) fn hybrid_moe(
         &self,
-        m: &Model,
+        m: &ModelRef<'_>,
         l: usize,
         t: usize,
         pos0: usize,
@@ -976,7 +852,7 @@ impl GpuModel {
         (gate_ty, down_ty, down_off): (GgmlType, GgmlType, usize),
         routed: bool,
     ) -> Result<Combine, GpuError> {
-        let c = &m.cfg;
+        let c = m.cfg;
         let (e, kk, ff) = (c.n_embd, c.n_expert_used, c.n_ff_exp);
         let b = &self.b;
         let n_pairs = t * kk;
@@ -1013,9 +889,9 @@ impl GpuModel {
         }
         let routes: Vec<Vec<(usize, f32)>> =
             (0..t).map(|i| (0..kk).map(|r| (host.ids[i * kk + r] as usize, host.w[i * kk + r])).collect()).collect();
-        m.record_routes(l, pos0, &routes, s);
-        let mut by_expert = m.by_expert(&routes);
-        let src = m.plan_sources(l, &by_expert, s.decode);
+        s.record_routes(l, pos0, &routes);
+        let mut by_expert = dispatch::by_expert(&routes, c.n_expert);
+        let src = dispatch::plan_sources(m.experts.map(|st| &**st), l, &by_expert, s.decode);
         let Ffn::Moe(ex) = &m.weights.blocks[l].ffn else { unreachable!("MoE layer") };
         // GPU work: hits, then (pcie_frac) a share of the RAM-resident misses, most entries first
         let mut gpu: Vec<(usize, u32)> = Vec::new();
@@ -1141,7 +1017,7 @@ impl GpuModel {
                     let (Some(cache), Some(st)) = (cache, m.experts.as_ref()) else {
                         unreachable!("staged misses come from the cache and the store")
                     };
-                    // the RAM copy's read lock: the one experts_cpu holds, else our own
+                    // the RAM copy's read lock: the one the CPU experts hold, else our own
                     let guard;
                     let arena = match held {
                         Some(a) => a,
@@ -1186,11 +1062,11 @@ impl GpuModel {
             s.xn.resize(t, e);
             s.xn.f.copy_from_slice(&host.xn);
             s.xn.quantize();
-            m.experts_cpu(l, ex, &by_expert, src, Some(&from), s, issue);
+            cpu_experts(m, l, ex, &by_expert, src, Some(&from), s, issue);
         } else {
             issue(None);
         }
-        let issue_s = issued.expect("experts_cpu runs its side work exactly once")?;
+        let issue_s = issued.expect("the CPU experts run their side work exactly once")?;
         if let (true, Some(ev)) = (measure && any_cpu, &host.split_done) {
             let gpu_done = ev.done()?;
             // a token's worth of votes: one per MoE layer
@@ -1252,6 +1128,63 @@ impl GpuModel {
             cache.poll(store, true)?;
         }
         Ok(())
+    }
+}
+
+impl Backend for GpuModel {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn new_kv(&self, m: &ModelRef<'_>, n_ctx: usize) -> KvCache {
+        // K/V live in VRAM; the host cache only tracks the length
+        KvCache::new(0, n_ctx, m.cfg.n_head_kv * m.cfg.head_dim)
+    }
+
+    fn forward(
+        &self,
+        m: &ModelRef<'_>,
+        tokens: &[u32],
+        kv: &mut KvCache,
+        which: Logits,
+        s: &mut Scratch,
+        body: &mut Body<'_>,
+    ) -> Result<Vec<f32>, BackendError> {
+        // the host `kv` only tracks the length (K/V live in VRAM); chunks longer than the scratch are split
+        self.dev.bind()?;
+        assert!(kv.len + tokens.len() <= self.n_ctx.min(kv.n_ctx), "KV cache overflow");
+        let mut out = Vec::new();
+        let n = tokens.len();
+        let mut i = 0;
+        while i < n {
+            let end = (i + self.max_t).min(n);
+            let last = end == n;
+            let w = match which {
+                Logits::All => Some(Logits::All),
+                Logits::Last if last => Some(Logits::Last),
+                _ => None,
+            };
+            out.extend(self.chunk(m, &tokens[i..end], kv.len, w, s, body)?);
+            kv.len += end - i;
+            i = end;
+        }
+        Ok(out)
+    }
+
+    fn end_window(&self, store: &Arc<ExpertStore>, plan: Vec<crate::tiers::policy::Swap>) -> Result<(), BackendError> {
+        Ok(self.adapt(store, plan)?)
+    }
+
+    fn drain(&self, store: &ExpertStore) -> Result<(), BackendError> {
+        Ok(GpuModel::drain(self, store)?)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
     }
 }
 

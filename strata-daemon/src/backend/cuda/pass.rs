@@ -1,0 +1,213 @@
+//! One forward pass on the GPU: the backend interface's [`Ops`] as kernel launches on the model's stream.
+//!
+//! A MoE layer's combine (`Σ w·y` of the GPU's expert rows plus the CPU's sum) is not launched by itself: it is
+//! left pending and done by the next RMSNorm (the next block's, or the output norm), one launch less per
+//! layer. In a hybrid decode token each MoE block's [`Ops::segment`] (norm, attention, FFN norm, router, top-k
+//! and the routing's copy to the host) is recorded once per (layer, attention size class) as a CUDA graph and
+//! replayed; [`super::model::GpuModel`] records a whole decode token the same way when no layer needs the host.
+
+use super::model::{GFfn, GpuModel, Host};
+use super::ops::{Combine, Ops as Launch};
+use super::GpuError;
+use crate::backend::{BackendError, ModelRef, Norm, Ops, Scratch};
+
+/// The state of one chunk's pass.
+pub(super) struct GpuPass<'p, 'm> {
+    g: &'p GpuModel,
+    m: &'p ModelRef<'m>,
+    s: &'p mut Scratch,
+    host: &'p mut Host,
+    /// Tokens of the chunk and the position of the first.
+    t: usize,
+    pos0: usize,
+    /// Positions attention's shared memory is sized for (≥ pos0 + t; a size class when graphs are recorded).
+    cap: usize,
+    /// Every MoE layer's experts are in VRAM: top-k builds the groups on the device, no host round trip.
+    fast: bool,
+    /// Hybrid decode token: MoE blocks' segments are recorded and replayed as graphs.
+    segments: bool,
+    /// The last MoE layer's combine, done by the next norm.
+    pend: Option<Combine>,
+    /// Inside a recorded segment: the routing's copy to the host goes into `staging`.
+    in_segment: bool,
+    /// The page-locked staging of the routing's copy to the host (set before a segment is recorded).
+    staging: *mut u8,
+    /// The current MoE layer's routing copy to the host is already enqueued (by its segment).
+    routed: bool,
+}
+
+impl<'p, 'm> GpuPass<'p, 'm> {
+    /// A pass of `t` tokens at `pos0` with attention sized for `cap` positions (see the fields).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        g: &'p GpuModel,
+        m: &'p ModelRef<'m>,
+        s: &'p mut Scratch,
+        host: &'p mut Host,
+        (t, pos0, cap): (usize, usize, usize),
+        fast: bool,
+        segments: bool,
+    ) -> Self {
+        GpuPass {
+            g,
+            m,
+            s,
+            host,
+            t,
+            pos0,
+            cap,
+            fast,
+            segments,
+            pend: None,
+            in_segment: false,
+            staging: std::ptr::null_mut(),
+            routed: false,
+        }
+    }
+
+    /// The kernels on the model's stream.
+    fn launch(&self) -> Launch<'_> {
+        Launch { k: &self.g.k, s: &self.g.s }
+    }
+}
+
+impl Ops for GpuPass<'_, '_> {
+    fn segment(
+        &mut self,
+        layer: usize,
+        ops: &mut dyn FnMut(&mut dyn Ops) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        if !(self.segments && matches!(self.g.layers[layer].ffn, GFfn::Moe { .. })) {
+            return ops(self);
+        }
+        let g = self.g;
+        let (kk, e) = (self.m.cfg.n_expert_used, self.m.cfg.n_embd);
+        // sized before recording: the graph names its address
+        self.staging = g.routing_staging(self.host, kk, e)?;
+        let pend = self.pend;
+        self.in_segment = true;
+        let r = g.replay_segment((layer, self.cap), || {
+            // a recording that failed is enqueued again with plain launches: the same combine each time
+            self.pend = pend;
+            ops(self).map_err(GpuError::from)
+        });
+        self.in_segment = false;
+        self.pend = None; // done by the segment's first norm, recorded or replayed
+        self.routed = true;
+        Ok(r?)
+    }
+
+    fn norm(&mut self, which: Norm) -> Result<(), BackendError> {
+        let (g, c, t) = (self.g, self.m.cfg, self.t);
+        let (b, e) = (&g.b, c.n_embd);
+        let w = match which {
+            Norm::Attn(l) => g.layers[l].attn_norm.ptr,
+            Norm::Ffn(l) => g.layers[l].ffn_norm.ptr,
+        };
+        let pend = self.pend.take();
+        Ok(self.launch().rms_norm_q8(b.x.ptr, w, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, pend)?)
+    }
+
+    fn qkv(&mut self, l: usize) -> Result<(), BackendError> {
+        let (g, c, t) = (self.g, self.m.cfg, self.t);
+        let (b, gl) = (&g.b, &g.layers[l]);
+        let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let k = self.launch();
+        k.mmv(&[&gl.q, &gl.k, &gl.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false)?;
+        if let Some(pr) = &gl.prep {
+            let bias = pr.bias.as_ref().map_or(0, |d| d.ptr);
+            let (qn, kn) = pr.norm.as_ref().map_or((0, 0), |(q, k)| (q.ptr, k.ptr));
+            k.qkv_prep(b.qkv.ptr, bias, qn, kn, pr.mode, (nh, nkv, hd), c.rms_eps, t)?;
+        }
+        Ok(())
+    }
+
+    fn rope_store(&mut self, l: usize) -> Result<(), BackendError> {
+        let (g, c, t) = (self.g, self.m.cfg, self.t);
+        let b = &g.b;
+        let (kc, vc) = (g.kc[l].ptr, g.vc[l].ptr);
+        let neox = c.spec.def.rope == crate::arch::RopeKind::Neox;
+        let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
+        Ok(self.launch().rope_store(b.qkv.ptr, b.cs.at(8), nh, nkv, hd, c.n_rot, b.cs.ptr, t, b.q.ptr, kc, vc, neox)?)
+    }
+
+    fn attention(&mut self, l: usize) -> Result<(), BackendError> {
+        let (g, c, t, cap) = (self.g, self.m.cfg, self.t, self.cap);
+        let b = &g.b;
+        let (kc, vc) = (g.kc[l].ptr, g.vc[l].ptr);
+        let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
+        Ok(self.launch().attention(b.q.ptr, kc, vc, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr)?)
+    }
+
+    fn attn_output(&mut self, l: usize) -> Result<(), BackendError> {
+        let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
+        let b = &g.b;
+        Ok(self.launch().mmv(&[&g.layers[l].o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?)
+    }
+
+    fn ffn(&mut self, l: usize) -> Result<(), BackendError> {
+        let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
+        let b = &g.b;
+        let GFfn::Dense { gate, up, down } = &g.layers[l].ffn else { unreachable!("ffn() on an MoE block") };
+        let ff = gate.rows;
+        let k = self.launch();
+        k.mmv(&[gate, up], b.xq.ptr, b.xn.ptr, t, b.gu.ptr, 2 * ff, false)?;
+        k.swiglu(b.gu.ptr, ff, t, b.h.ptr)?;
+        k.quantize(b.h.ptr, b.hq.ptr, t * ff / 32)?;
+        Ok(k.mmv(&[down], b.hq.ptr, b.h.ptr, t, b.x.ptr, e, true)?)
+    }
+
+    fn route(&mut self, l: usize) -> Result<(), BackendError> {
+        let (g, c, t) = (self.g, self.m.cfg, self.t);
+        let b = &g.b;
+        let GFfn::Moe { router, .. } = &g.layers[l].ffn else { unreachable!("route() on a dense block") };
+        let (kk, ne, e) = (c.n_expert_used, c.n_expert, c.n_embd);
+        let n_pairs = t * kk;
+        if self.fast {
+            let cache = g.cache.as_ref().expect("all-VRAM passes have a cache");
+            // top-k, groups from the residency table and (decode) the window's record, kept on the device and
+            // read once after the window (no per-layer round trip)
+            let fast_groups = (cache.table.at(l * ne * 4), b.groups.ptr, b.flag.ptr);
+            let win = if self.s.decode { b.win_ids.at(l * n_pairs * 4) } else { 0 };
+            return Ok(g.route(&self.launch(), router, t, kk, Some(fast_groups), win)?);
+        }
+        g.route(&self.launch(), router, t, kk, None, 0)?;
+        if self.in_segment {
+            g.routing_dtoh(self.staging, n_pairs, t * e)?;
+        }
+        Ok(())
+    }
+
+    fn shared_expert(&mut self, l: usize) -> Result<(), BackendError> {
+        let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
+        Ok(g.shared_expert(&self.launch(), &g.layers[l], t, e)?)
+    }
+
+    fn experts(&mut self, l: usize) -> Result<(), BackendError> {
+        let (g, c, t) = (self.g, self.m.cfg, self.t);
+        let b = &g.b;
+        let GFfn::Moe { gate_ty, down_ty, down_off, .. } = g.layers[l].ffn else {
+            unreachable!("experts() on a dense block")
+        };
+        let (kk, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
+        let n_pairs = t * kk;
+        if self.fast {
+            // decode windows: one entry per group, so at most one token per group
+            let down = (down_off, down_ty.row_bytes(ff));
+            g.experts_gpu((gate_ty, down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, down, e)?;
+            self.pend = Some(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: 0, k: kk });
+            return Ok(());
+        }
+        let routed = std::mem::take(&mut self.routed);
+        let comb = g.hybrid_moe(self.m, l, t, self.pos0, self.s, self.host, (gate_ty, down_ty, down_off), routed)?;
+        self.pend = Some(comb);
+        Ok(())
+    }
+
+    fn output(&mut self, row0: usize, rows: usize) -> Result<(), BackendError> {
+        let (g, c) = (self.g, self.m.cfg);
+        let pend = self.pend.take();
+        Ok(g.enqueue_output(c, (row0, rows), pend)?)
+    }
+}
