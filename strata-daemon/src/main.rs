@@ -6,13 +6,14 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use strata::api::Control;
 use strata::engine::routing_dump::RoutingDump;
 use strata::engine::{Engine, EngineConfig};
 use strata::gguf::GgufFile;
 use strata::model::{Model, Tokenizer};
 use strata::service::{socket, StrataService};
 use strata::tiers::fileio::FileIo;
-use strata::tiers::knobs::Knobs;
+use strata::tiers::knobs::{Knob, Knobs};
 use strata::tiers::policy::{DEFAULT_ADAPT_DECAY, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS};
 use strata::tiers::profile::Profile;
 use strata::tiers::store::{ExpertStore, ResidentMode, StoreConfig};
@@ -254,7 +255,7 @@ async fn save_profile_periodically(store: Arc<ExpertStore>, knobs: Arc<Knobs>, p
     let mut last = std::time::Instant::now();
     loop {
         tokio::time::sleep(std::time::Duration::from_secs(5)).await;
-        let every = knobs.get("expert_profile_save_every").unwrap_or(0.0);
+        let every = knobs.value(Knob::ExpertProfileSaveEvery);
         if every <= 0.0 || last.elapsed().as_secs_f64() < every * 60.0 {
             continue;
         }
@@ -286,7 +287,8 @@ async fn serve(
     if let (Some(store), Some(path)) = (&model.experts, &profile_save) {
         tokio::spawn(save_profile_periodically(store.clone(), knobs.clone(), path.clone()));
     }
-    let svc = StrataService::new(engine.clone(), &model, tok, knobs, profile_save);
+    let api = Arc::new(Control::new(engine.clone(), &model, tok, knobs, profile_save));
+    let svc = StrataService::new(api);
     tracing::info!(socket = %socket_path.display(), "listening");
     let eng = engine.clone();
     let shutdown = async move {

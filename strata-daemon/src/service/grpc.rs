@@ -1,5 +1,6 @@
 //! `strata.v1.Strata` over tonic: `Generate` (server stream), `GetStats`, the knobs (`GetKnobs`, `SetKnob`),
-//! `GetResidency`, `SaveProfile` and `WatchCounters` (server stream).
+//! `GetResidency`, `SaveProfile` and `WatchCounters` (server stream) — a thin adapter over the transport-neutral
+//! control API ([`crate::api::Control`]): it converts messages and maps [`ApiError`] kinds to gRPC codes.
 
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -10,54 +11,30 @@ use strata_proto::v1::strata_server::Strata;
 use tokio_stream::{wrappers::UnboundedReceiverStream, Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
-use crate::engine::request::{prepare, RawRequest};
-use crate::engine::{Counters, Engine, Event, FinishReason};
-use crate::model::{Model, Tokenizer};
-use crate::tiers::arena::Lock;
-use crate::tiers::knobs::{Knobs, Range};
-use crate::tiers::store::{ExpertStore, ResidentMode, Tier};
+use crate::api::{ApiError, Control, ModelSummary};
+use crate::engine::request::RawRequest;
+use crate::engine::{Counters, Event, FinishReason};
+use crate::tiers::knobs::Range;
+use crate::tiers::store::Tier;
 
-/// The gRPC service: validates requests, queues them on the engine and
-/// streams the events back; reads and sets knobs; reports residency.
+/// The gRPC service over the control API.
 pub struct StrataService {
-    engine: Arc<Engine>,
-    tok: Arc<Tokenizer>,
-    summary: pb::ModelSummary,
-    store: Option<Arc<ExpertStore>>,
-    knobs: Arc<Knobs>,
-    profile_save: Option<PathBuf>,
+    api: Arc<Control>,
 }
 
 impl StrataService {
-    /// Creates the service for a loaded model and a running engine. `knobs` are the live knobs (the store's
-    /// for an MoE model); `profile_save` is the `--expert-profile-save` path.
-    pub fn new(
-        engine: Arc<Engine>,
-        model: &Model,
-        tok: Arc<Tokenizer>,
-        knobs: Arc<Knobs>,
-        profile_save: Option<PathBuf>,
-    ) -> Self {
-        let c = &model.cfg;
-        let summary = pb::ModelSummary {
-            path: model.file.path().display().to_string(),
-            name: c.name.clone(),
-            architecture: c.arch.clone(),
-            n_layers: c.n_layer as u32,
-            n_embd: c.n_embd as u32,
-            n_head: c.n_head as u32,
-            n_head_kv: c.n_head_kv as u32,
-            n_vocab: c.n_vocab as u32,
-            n_ctx_train: c.n_ctx_train as u32,
-            n_ctx: engine.cfg.n_ctx as u32,
-            n_expert: c.n_expert as u32,
-            n_expert_used: c.n_expert_used as u32,
-            file_bytes: model.file.file_len(),
-            n_params: model.n_params(),
-            file_type: format!("{:?}", model.file_type()),
-            threads: engine.cfg.threads as u32,
-        };
-        StrataService { engine, tok, summary, store: model.experts.clone(), knobs, profile_save }
+    /// The service for `api`.
+    pub fn new(api: Arc<Control>) -> Self {
+        StrataService { api }
+    }
+}
+
+/// The gRPC status of a refused call: `INVALID_ARGUMENT`, `FAILED_PRECONDITION` or `UNAVAILABLE`.
+fn status(e: ApiError) -> Status {
+    match e {
+        ApiError::InvalidArgument(m) => Status::invalid_argument(m),
+        ApiError::FailedPrecondition(m) => Status::failed_precondition(m),
+        ApiError::Unavailable(m) => Status::unavailable(m),
     }
 }
 
@@ -107,6 +84,28 @@ pub fn counters_pb(c: &Counters) -> pb::RequestCounters {
     }
 }
 
+fn summary_pb(m: &ModelSummary) -> pb::ModelSummary {
+    pb::ModelSummary {
+        path: m.path.clone(),
+        name: m.name.clone(),
+        architecture: m.architecture.clone(),
+        n_layers: m.n_layers,
+        n_embd: m.n_embd,
+        n_head: m.n_head,
+        n_head_kv: m.n_head_kv,
+        n_vocab: m.n_vocab,
+        n_ctx_train: m.n_ctx_train,
+        n_ctx: m.n_ctx,
+        n_expert: m.n_expert,
+        n_expert_used: m.n_expert_used,
+        file_bytes: m.file_bytes,
+        n_params: m.n_params,
+        file_type: m.file_type.clone(),
+        threads: m.threads,
+        backend: m.backend.clone(),
+    }
+}
+
 fn raw_request(r: pb::GenerateRequest) -> RawRequest {
     let s = r.sampling.unwrap_or_default();
     RawRequest {
@@ -136,19 +135,11 @@ impl Strata for StrataService {
 
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<EventStream>, Status> {
         let raw = raw_request(req.into_inner());
-        let tok = self.tok.clone();
-        let n_ctx = self.engine.cfg.n_ctx;
-        let params = tokio::task::spawn_blocking(move || prepare(&raw, &tok, n_ctx))
+        let api = self.api.clone();
+        let rx = tokio::task::spawn_blocking(move || api.generate(&raw))
             .await
-            .map_err(|e| Status::internal(e.to_string()))?;
-        let params = match params {
-            Ok(p) => p,
-            Err(e) => {
-                self.engine.stats.record_rejected();
-                return Err(Status::invalid_argument(e.0));
-            }
-        };
-        let rx = self.engine.submit(params);
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(status)?;
         let stream = UnboundedReceiverStream::new(rx).map(|ev| match ev {
             Event::Token { id, text } => Ok(pb::GenerateEvent {
                 event: Some(pb::generate_event::Event::Token(pb::TokenEvent { token_id: id, text })),
@@ -166,10 +157,11 @@ impl Strata for StrataService {
     }
 
     async fn get_stats(&self, _req: Request<pb::StatsRequest>) -> Result<Response<pb::StatsReply>, Status> {
-        let (t, last) = self.engine.stats.snapshot();
+        let s = self.api.stats();
+        let (t, tt) = (&s.totals, &s.tiers);
         Ok(Response::new(pb::StatsReply {
-            model: Some(self.summary.clone()),
-            uptime_s: self.engine.stats.started.elapsed().as_secs_f64(),
+            model: Some(summary_pb(&s.model)),
+            uptime_s: s.uptime_s,
             totals: Some(pb::Totals {
                 requests: t.requests,
                 prompt_tokens: t.prompt_tokens,
@@ -180,28 +172,35 @@ impl Strata for StrataService {
                 rejected: t.rejected,
                 windows: t.windows,
                 expert_lookups: t.expert_lookups,
-                ..self.tier_totals()
+                vram_hits: tt.vram_hits,
+                ram_reads: tt.ram_reads,
+                file_blob_reads: tt.file_blob_reads,
+                file_bytes_read: tt.file_bytes_read,
+                prefill_file_blob_reads: tt.prefill_file_blob_reads,
+                ram_promotions: tt.promotions,
+                promotion_bytes: tt.promotion_bytes,
+                promotions_refused: tt.promotions_refused,
             }),
-            last_request: last.as_ref().map(counters_pb),
-            queued: self.engine.queued() as u32,
-            busy: self.engine.busy(),
-            rss_bytes: rss_bytes(),
-            version: env!("CARGO_PKG_VERSION").to_string(),
+            last_request: s.last_request.as_ref().map(counters_pb),
+            queued: s.queued,
+            busy: s.busy,
+            rss_bytes: s.rss_bytes,
+            version: s.version.to_string(),
         }))
     }
 
     async fn get_knobs(&self, _req: Request<pb::GetKnobsRequest>) -> Result<Response<pb::KnobList>, Status> {
         let knobs = self
-            .knobs
-            .all()
+            .api
+            .knobs()
             .into_iter()
-            .map(|(spec, value, _)| pb::Knob {
-                name: spec.name.to_string(),
-                value,
-                default_value: spec.default,
-                range: range_text(spec.range),
-                active: Knobs::is_active(spec.name, self.store.is_some()),
-                doc: spec.doc.to_string(),
+            .map(|k| pb::Knob {
+                name: k.spec.name.to_string(),
+                value: k.value,
+                default_value: k.spec.default,
+                range: range_text(k.spec.range),
+                active: k.active,
+                doc: k.spec.doc.to_string(),
             })
             .collect();
         Ok(Response::new(pb::KnobList { knobs }))
@@ -209,66 +208,50 @@ impl Strata for StrataService {
 
     async fn set_knob(&self, req: Request<pb::SetKnobRequest>) -> Result<Response<pb::SetKnobReply>, Status> {
         let r = req.into_inner();
-        let (name, old, new) =
-            self.knobs.set(&r.name, &r.value).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let active = Knobs::is_active(name, self.store.is_some());
-        tracing::info!(knob = name, old, new, active, "knob set; takes effect at the next window");
-        Ok(Response::new(pb::SetKnobReply { name: name.to_string(), old_value: old, new_value: new, active }))
+        let c = self.api.set_knob(&r.name, &r.value).map_err(status)?;
+        Ok(Response::new(pb::SetKnobReply {
+            name: c.knob.name().to_string(),
+            old_value: c.old,
+            new_value: c.new,
+            active: c.active,
+        }))
     }
 
     async fn get_residency(&self, req: Request<pb::ResidencyRequest>) -> Result<Response<pb::Residency>, Status> {
-        let store = self.store.as_ref().ok_or_else(|| Status::failed_precondition("the model has no experts"))?;
         let r = req.into_inner();
-        let (layers, experts) = store.residency();
-        if let Some(l) = r.layer {
-            if l as usize >= layers.len() {
-                return Err(Status::invalid_argument(format!("layer {l}: the model has {} layers", layers.len())));
-            }
-        }
+        let res = self.api.residency(r.layer, r.top).map_err(status)?;
         let tier = |t: Tier| match t {
             Tier::Vram => pb::Tier::Vram,
             Tier::Ram => pb::Tier::Ram,
             Tier::File => pb::Tier::File,
         } as i32;
-        let mut ex: Vec<pb::ExpertResidency> = experts
-            .into_iter()
-            .filter(|e| r.layer.is_none_or(|l| e.layer == l))
-            .map(|e| pb::ExpertResidency {
-                layer: e.layer,
-                expert: e.expert,
-                tier: tier(e.tier),
-                usage: e.usage,
-                heat: e.heat,
-            })
-            .collect();
-        if r.top > 0 {
-            ex.sort_by(|a, b| b.usage.total_cmp(&a.usage).then(b.heat.total_cmp(&a.heat)));
-            ex.truncate(r.top as usize);
-        }
-        let layers = layers
-            .into_iter()
-            .enumerate()
-            .filter(|(i, _)| r.layer.is_none_or(|l| *i as u32 == l))
-            .map(|(i, l)| pb::LayerResidency {
-                layer: i as u32,
-                vram_experts: l.experts[0],
-                ram_experts: l.experts[1],
-                file_experts: l.experts[2],
-                vram_bytes: l.bytes[0],
-                ram_bytes: l.bytes[1],
-                file_bytes: l.bytes[2],
-            })
-            .collect();
-        let mode = match store.mode() {
-            ResidentMode::All => "all",
-            ResidentMode::Budget(_) => "budget",
-            ResidentMode::Mmap => "mmap",
-        };
         Ok(Response::new(pb::Residency {
-            layers,
-            experts: ex,
-            ram_locked: store.ram_lock() == Lock::Locked,
-            mode: mode.into(),
+            layers: res
+                .layers
+                .into_iter()
+                .map(|(i, l)| pb::LayerResidency {
+                    layer: i,
+                    vram_experts: l.experts[0],
+                    ram_experts: l.experts[1],
+                    file_experts: l.experts[2],
+                    vram_bytes: l.bytes[0],
+                    ram_bytes: l.bytes[1],
+                    file_bytes: l.bytes[2],
+                })
+                .collect(),
+            experts: res
+                .experts
+                .into_iter()
+                .map(|e| pb::ExpertResidency {
+                    layer: e.layer,
+                    expert: e.expert,
+                    tier: tier(e.tier),
+                    usage: e.usage,
+                    heat: e.heat,
+                })
+                .collect(),
+            ram_locked: res.ram_locked,
+            mode: res.mode.into(),
         }))
     }
 
@@ -276,81 +259,22 @@ impl Strata for StrataService {
         &self,
         req: Request<pb::SaveProfileRequest>,
     ) -> Result<Response<pb::SaveProfileReply>, Status> {
-        let store = self.store.clone().ok_or_else(|| Status::failed_precondition("the model has no experts"))?;
         let r = req.into_inner();
-        let path = if r.path.is_empty() {
-            self.profile_save.clone().ok_or_else(|| {
-                Status::invalid_argument("no path given and the daemon runs without --expert-profile-save")
-            })?
-        } else {
-            PathBuf::from(r.path)
-        };
-        let p2 = path.clone();
-        let ranked = tokio::task::spawn_blocking(move || {
-            let prof = store.profile_now();
-            prof.save(&p2).map(|_| prof.ranked.len())
-        })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(|e| Status::failed_precondition(e.to_string()))?;
-        tracing::info!(path = %path.display(), ranked, "expert profile saved");
-        Ok(Response::new(pb::SaveProfileReply { path: path.display().to_string(), ranked: ranked as u32 }))
+        let path = (!r.path.is_empty()).then(|| PathBuf::from(r.path));
+        let api = self.api.clone();
+        let saved = tokio::task::spawn_blocking(move || api.save_profile(path))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(status)?;
+        Ok(Response::new(pb::SaveProfileReply { path: saved.path.display().to_string(), ranked: saved.ranked as u32 }))
     }
 
     async fn watch_counters(&self, _req: Request<pb::WatchRequest>) -> Result<Response<WatchStream>, Status> {
-        let stats = self.engine.stats.clone();
-        let engine = self.engine.clone();
-        let mut rx = stats.updates.subscribe();
-        let (tx, out) = tokio::sync::mpsc::channel::<Result<pb::CounterUpdate, Status>>(16);
-        tokio::spawn(async move {
-            let mut last_done = stats.snapshot().1.map(|c| c.request_id);
-            loop {
-                // wake on an update, and at least every 250 ms while a request runs
-                let _ = tokio::time::timeout(std::time::Duration::from_millis(250), rx.changed()).await;
-                if engine.is_shutting_down() {
-                    // end the stream so the server can stop (graceful shutdown waits for open streams)
-                    let _ = tx.send(Err(Status::unavailable("daemon is shutting down"))).await;
-                    return;
-                }
-                let (_, done) = stats.snapshot();
-                let mut msgs = Vec::new();
-                if let Some(c) = done {
-                    if Some(c.request_id) != last_done {
-                        last_done = Some(c.request_id);
-                        msgs.push(pb::CounterUpdate { running: false, counters: Some(counters_pb(&c)) });
-                    }
-                }
-                if let Some(c) = stats.live() {
-                    msgs.push(pb::CounterUpdate { running: true, counters: Some(counters_pb(&c)) });
-                }
-                for m in msgs {
-                    if tx.send(Ok(m)).await.is_err() {
-                        return; // the client went away
-                    }
-                }
-                if tx.is_closed() {
-                    return;
-                }
-            }
+        let rx = self.api.watch();
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(|u| {
+            u.map(|u| pb::CounterUpdate { running: u.running, counters: Some(counters_pb(&u.counters)) })
+                .map_err(status)
         });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
-    }
-}
-
-impl StrataService {
-    fn tier_totals(&self) -> pb::Totals {
-        let Some(st) = &self.store else { return pb::Totals::default() };
-        let t = st.counters.totals();
-        pb::Totals {
-            vram_hits: t.vram_hits,
-            ram_reads: t.ram_reads,
-            file_blob_reads: t.file_blob_reads,
-            file_bytes_read: t.file_bytes_read,
-            prefill_file_blob_reads: t.prefill_file_blob_reads,
-            ram_promotions: t.promotions,
-            promotion_bytes: t.promotion_bytes,
-            promotions_refused: t.promotions_refused,
-            ..Default::default()
-        }
+        Ok(Response::new(Box::pin(stream)))
     }
 }

@@ -51,7 +51,71 @@ pub struct KnobSpec {
     pub doc: &'static str,
 }
 
-/// Every knob, in display order.
+/// A live knob. The engine reads knobs by this type; names (snake_case, dashes accepted) are parsed only at the
+/// edges (the control API, flags) by [`Knob::parse`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Knob {
+    /// `ram_adapt`: RAM promotions per decode window.
+    RamAdapt,
+    /// `adapt_every`: decode windows per adaptive round.
+    AdaptEvery,
+    /// `adapt_swaps`: VRAM swaps per adaptive round.
+    AdaptSwaps,
+    /// `adapt_decay`: usage decay per round.
+    AdaptDecay,
+    /// `adapt_async`: adaptive rounds on a helper thread.
+    AdaptAsync,
+    /// `vram_reserve_mib`: VRAM kept free on the first card.
+    VramReserveMib,
+    /// `vram_reserve_later_mib`: VRAM kept free on later cards of a split.
+    VramReserveLaterMib,
+    /// `pcie_frac`: share of a layer's misses computed on the GPU over PCIe.
+    PcieFrac,
+    /// `pcie_auto`: balance the PCIe share while decoding.
+    PcieAuto,
+    /// `route_tail_skip`: skip missed experts routed only at rank >= R.
+    RouteTailSkip,
+    /// `expert_profile_save_every`: minutes between profile saves.
+    ExpertProfileSaveEvery,
+}
+
+impl Knob {
+    /// Every knob, in display order (the order of [`SPECS`]).
+    pub const ALL: [Knob; 11] = [
+        Knob::RamAdapt,
+        Knob::AdaptEvery,
+        Knob::AdaptSwaps,
+        Knob::AdaptDecay,
+        Knob::AdaptAsync,
+        Knob::VramReserveMib,
+        Knob::VramReserveLaterMib,
+        Knob::PcieFrac,
+        Knob::PcieAuto,
+        Knob::RouteTailSkip,
+        Knob::ExpertProfileSaveEvery,
+    ];
+
+    /// Its description.
+    pub fn spec(self) -> &'static KnobSpec {
+        &SPECS[self as usize]
+    }
+
+    /// Its name (snake_case).
+    pub fn name(self) -> &'static str {
+        self.spec().name
+    }
+
+    /// The knob called `name` (dashes allowed, surrounding blanks ignored). Errors: [`KnobError::Unknown`]
+    /// listing every name.
+    pub fn parse(name: &str) -> Result<Knob, KnobError> {
+        let n = normalize(name);
+        Knob::ALL.into_iter().find(|k| k.name() == n).ok_or_else(|| {
+            KnobError::Unknown(name.to_string(), SPECS.iter().map(|s| s.name).collect::<Vec<_>>().join(", "))
+        })
+    }
+}
+
+/// Every knob's description, in [`Knob::ALL`] order.
 pub const SPECS: &[KnobSpec] = &[
     KnobSpec {
         name: "ram_adapt",
@@ -121,17 +185,17 @@ pub const SPECS: &[KnobSpec] = &[
     },
 ];
 
-/// Names of the knobs whose tier this build has (the others are accepted and reported inactive).
-pub const ACTIVE: &[&str] = &["ram_adapt", "adapt_every", "adapt_decay", "expert_profile_save_every"];
+/// The knobs whose tier this build has (the others are accepted and reported inactive).
+pub const ACTIVE: &[Knob] = &[Knob::RamAdapt, Knob::AdaptEvery, Knob::AdaptDecay, Knob::ExpertProfileSaveEvery];
 
 /// Knobs that act only when a GPU expert cache runs ([`GPU_TIER`]).
-pub const GPU_ACTIVE: &[&str] = &["adapt_swaps", "adapt_async", "pcie_frac", "pcie_auto"];
+pub const GPU_ACTIVE: &[Knob] = &[Knob::AdaptSwaps, Knob::AdaptAsync, Knob::PcieFrac, Knob::PcieAuto];
 
 /// Set once a VRAM expert cache is attached (makes [`GPU_ACTIVE`] knobs active).
 pub static GPU_TIER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-fn gpu_active(name: &str) -> bool {
-    GPU_ACTIVE.contains(&name) && GPU_TIER.load(Ordering::SeqCst)
+fn gpu_active(k: Knob) -> bool {
+    GPU_ACTIVE.contains(&k) && GPU_TIER.load(Ordering::SeqCst)
 }
 
 /// Current knob values (f64 bits in atomics, one per [`SPECS`] entry).
@@ -152,83 +216,84 @@ pub fn normalize(name: &str) -> String {
 }
 
 impl Knobs {
-    fn index(&self, name: &str) -> Result<usize, KnobError> {
-        let n = normalize(name);
-        SPECS.iter().position(|s| s.name == n).ok_or_else(|| {
-            KnobError::Unknown(name.to_string(), SPECS.iter().map(|s| s.name).collect::<Vec<_>>().join(", "))
-        })
-    }
-
-    /// Checks `value` for knob `name` without setting it; returns the parsed value.
-    pub fn validate(&self, name: &str, value: &str) -> Result<f64, KnobError> {
-        let spec = &SPECS[self.index(name)?];
+    /// Checks `value` for knob `k` without setting it. Errors: [`KnobError::Bad`] (not finite, not an integer
+    /// for an integer knob, out of range), with the allowed range.
+    pub fn check(k: Knob, v: f64) -> Result<f64, KnobError> {
+        let spec = k.spec();
         let bad = |msg: String| KnobError::Bad { name: spec.name.to_string(), msg };
-        let v: f64 = value.trim().parse().map_err(|_| bad(format!("{value:?} is not a number")))?;
         if !v.is_finite() {
-            return Err(bad(format!("{value:?} is not finite")));
+            return Err(bad(format!("{v} is not finite")));
         }
         match spec.range {
             Range::Int(lo, hi) => {
                 if v.fract() != 0.0 || v < lo as f64 || v > hi as f64 {
-                    return Err(bad(format!("must be an integer in {lo}..={hi}, got {value}")));
+                    return Err(bad(format!("must be an integer in {lo}..={hi}, got {v}")));
                 }
             }
             Range::Real { min, open_min, max } => {
                 let low_ok = if open_min { v > min } else { v >= min };
                 if !low_ok || v > max {
                     let l = if open_min { "(" } else { "[" };
-                    return Err(bad(format!("must be in {l}{min}, {max}], got {value}")));
+                    return Err(bad(format!("must be in {l}{min}, {max}], got {v}")));
                 }
             }
         }
         Ok(v)
     }
 
-    /// Sets knob `name` (dashes allowed) from text; returns `(name, old, new)`. Errors: unknown knob or bad
-    /// value ([`KnobError`]); nothing changes then.
-    pub fn set(&self, name: &str, value: &str) -> Result<(&'static str, f64, f64), KnobError> {
-        let v = self.validate(name, value)?;
-        let i = self.index(name)?;
-        let old = f64::from_bits(self.values[i].swap(v.to_bits(), Ordering::SeqCst));
-        Ok((SPECS[i].name, old, v))
+    /// Parses and checks `value` for the knob called `name` without setting it: the edge's entry (text from a
+    /// client or a flag). Returns the knob and the value. Errors: unknown knob, a value that is not a number or
+    /// is out of range ([`KnobError`]).
+    pub fn validate(&self, name: &str, value: &str) -> Result<(Knob, f64), KnobError> {
+        let k = Knob::parse(name)?;
+        let v: f64 = value
+            .trim()
+            .parse()
+            .map_err(|_| KnobError::Bad { name: k.name().to_string(), msg: format!("{value:?} is not a number") })?;
+        Ok((k, Self::check(k, v)?))
     }
 
-    /// Value of knob `name`. Errors: unknown knob.
-    pub fn get(&self, name: &str) -> Result<f64, KnobError> {
-        Ok(f64::from_bits(self.values[self.index(name)?].load(Ordering::SeqCst)))
+    /// Sets the knob called `name` (dashes allowed) from text; returns `(knob, old, new)`. Errors: unknown knob
+    /// or bad value ([`KnobError`]); nothing changes then.
+    pub fn set(&self, name: &str, value: &str) -> Result<(Knob, f64, f64), KnobError> {
+        let (k, v) = self.validate(name, value)?;
+        let old = self.set_value(k, v)?;
+        Ok((k, old, v))
     }
 
-    /// Whether knob `name` acts in this build (its tier exists; the expert knobs also need an MoE model).
-    pub fn is_active(name: &str, has_experts: bool) -> bool {
-        (ACTIVE.contains(&name) && (has_experts || name == "expert_profile_save_every")) || gpu_active(name)
+    /// Sets knob `k` to `v`; returns the old value. Errors: [`KnobError::Bad`] (see [`Knobs::check`]); nothing
+    /// changes then.
+    pub fn set_value(&self, k: Knob, v: f64) -> Result<f64, KnobError> {
+        let v = Self::check(k, v)?;
+        Ok(f64::from_bits(self.values[k as usize].swap(v.to_bits(), Ordering::SeqCst)))
     }
 
-    /// Every knob: spec, value, and whether its tier exists in this build.
-    pub fn all(&self) -> Vec<(KnobSpec, f64, bool)> {
-        SPECS
-            .iter()
-            .zip(&self.values)
-            .map(|(s, v)| {
-                (*s, f64::from_bits(v.load(Ordering::SeqCst)), ACTIVE.contains(&s.name) || gpu_active(s.name))
-            })
-            .collect()
+    /// The value of knob `k`.
+    pub fn value(&self, k: Knob) -> f64 {
+        f64::from_bits(self.values[k as usize].load(Ordering::SeqCst))
     }
 
-    fn value(&self, name: &str) -> f64 {
-        self.get(name).expect("known knob")
+    /// Whether knob `k` acts in this build (its tier exists; the expert knobs also need an MoE model).
+    pub fn is_active(k: Knob, has_experts: bool) -> bool {
+        (ACTIVE.contains(&k) && (has_experts || k == Knob::ExpertProfileSaveEvery)) || gpu_active(k)
+    }
+
+    /// Every knob: itself, its value, and whether its tier exists in this build.
+    pub fn all(&self) -> Vec<(Knob, f64, bool)> {
+        Knob::ALL.into_iter().map(|k| (k, self.value(k), ACTIVE.contains(&k) || gpu_active(k))).collect()
     }
 
     /// `ram_adapt` as a count.
     pub fn ram_adapt(&self) -> usize {
-        self.value("ram_adapt") as usize
+        self.value(Knob::RamAdapt) as usize
     }
 
     /// The adaptive tier's knobs.
     pub fn adapt(&self) -> AdaptKnobs {
         AdaptKnobs {
-            every: self.value("adapt_every") as u32,
-            swaps: self.value("adapt_swaps") as u32,
-            decay: self.value("adapt_decay") as f32,
+            every: self.value(Knob::AdaptEvery) as u32,
+            swaps: self.value(Knob::AdaptSwaps) as u32,
+            decay: self.value(Knob::AdaptDecay) as f32,
         }
     }
 }
@@ -240,7 +305,7 @@ mod tests {
     #[test]
     fn validates_ranges_and_changes_nothing_on_error() {
         let k = Knobs::default();
-        assert_eq!(k.set("ram-adapt", "8").unwrap(), ("ram_adapt", 0.0, 8.0));
+        assert_eq!(k.set("ram-adapt", "8").unwrap(), (Knob::RamAdapt, 0.0, 8.0));
         assert_eq!(k.ram_adapt(), 8);
         assert!(k.set("ram-adapt", "-1").is_err());
         assert!(k.set("ram_adapt", "1.5").is_err());
@@ -254,6 +319,14 @@ mod tests {
         k.set("adapt_decay", "1").unwrap();
         k.set("pcie_frac", "0").unwrap();
         assert_eq!(k.adapt().decay, 1.0);
-        assert!(k.all().iter().any(|(s, _, active)| s.name == "adapt_swaps" && !active));
+        assert!(k.all().iter().any(|(s, _, active)| *s == Knob::AdaptSwaps && !active));
+        assert!(k.set_value(Knob::PcieFrac, 2.0).is_err());
+        assert_eq!(k.value(Knob::PcieFrac), 0.0);
+        // the typed table and the names agree
+        for (i, kn) in Knob::ALL.into_iter().enumerate() {
+            assert_eq!(kn as usize, i);
+            assert_eq!(Knob::parse(&kn.name().replace('_', "-")).unwrap(), kn);
+        }
+        assert_eq!(Knob::ALL.len(), SPECS.len());
     }
 }

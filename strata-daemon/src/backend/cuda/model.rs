@@ -23,6 +23,7 @@ use crate::backend::moe::dispatch;
 use crate::backend::{Backend, BackendError, Body, KvCache, Logits, ModelRef, Scratch};
 use crate::quant::{dequantize_row, GgmlType};
 use crate::tiers::arena::HostArena;
+use crate::tiers::knobs::Knob;
 use crate::tiers::store::{ExpertStore, Source};
 use crate::tiers::vram::{auto_slots, shrink_slots, slot_bytes, CacheSize};
 
@@ -912,13 +913,13 @@ impl GpuModel {
         // on the GPU, rows k.. on the CPU, both adding into the expert's output — so PCIe and the CPU pool share
         // every miss, even a layer's single one. Widths that do not split send whole experts (error diffusion).
         // Only the plan is made here; the copies are issued below, beside the CPU pool's work.
-        let knob = |name: &str| m.experts.as_ref().and_then(|st| st.knobs.get(name).ok()).unwrap_or(0.0);
+        let knob = |k: Knob| m.experts.as_ref().map_or(0.0, |st| st.knobs.value(k));
         let block = gate_ty.block_size().max(down_ty.block_size());
         // pcie_auto: the balanced share (starting from pcie_frac, or 0.5 when that is 0), moved by decode tokens
-        let auto = knob("pcie_auto") >= 1.0 && split_rows(0.5, ff, block) > 0;
+        let auto = knob(Knob::PcieAuto) >= 1.0 && split_rows(0.5, ff, block) > 0;
         let min_step = split_step(block) as f32 / ff as f32;
         let frac = if auto {
-            let start = knob("pcie_frac") as f32;
+            let start = knob(Knob::PcieFrac) as f32;
             let start = if start > 0.0 { start } else { 0.5 };
             if host.balance_from != start {
                 host.balance = Default::default();
@@ -926,7 +927,7 @@ impl GpuModel {
             }
             host.balance.share(start, min_step)
         } else {
-            knob("pcie_frac") as f32
+            knob(Knob::PcieFrac) as f32
         };
         let mut split: Vec<(usize, u32)> = Vec::new();
         let mut from = vec![0usize; c.n_expert];
@@ -1100,7 +1101,7 @@ impl GpuModel {
     pub fn adapt(&self, store: &Arc<ExpertStore>, plan: Vec<crate::tiers::policy::Swap>) -> Result<(), GpuError> {
         let Some(cache) = &self.cache else { return Ok(()) };
         self.dev.bind()?;
-        let want = store.knobs.get("adapt_async").unwrap_or(0.0) >= 1.0;
+        let want = store.knobs.value(Knob::AdaptAsync) >= 1.0;
         if want && !cache.async_ok && !self.said_fallback.swap(true, std::sync::atomic::Ordering::Relaxed) {
             tracing::warn!(
                 "--adapt-async 1 needs the page-locked resident RAM copy (not with --mmap-experts or when the \

@@ -1,0 +1,144 @@
+//! The transport-neutral control API (`strata::api::Control`) used directly, without any RPC: generation with
+//! its counters, statistics, knobs, residency, profile save and the counter stream on the split MoE fixture,
+//! and each refusal's kind.
+
+mod common;
+
+use std::sync::Arc;
+
+use strata::api::{ApiError, Control};
+use strata::engine::request::RawRequest;
+use strata::engine::{Engine, EngineConfig, Event, FinishReason};
+use strata::gguf::GgufFile;
+use strata::model::{Model, Tokenizer};
+use strata::tiers::fileio::FileIo;
+use strata::tiers::knobs::Knob;
+use strata::tiers::store::ResidentMode;
+
+fn control(moe: bool) -> (Arc<Engine>, Control) {
+    let path = if moe { common::fixture_path("split") } else { common::model_path() };
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let mut m = Model::load(file.clone()).unwrap();
+    m.set_threads(2).unwrap();
+    if moe {
+        let half = m.expert_layout().unwrap().total_bytes() / 2;
+        m.experts = Some(Arc::new(common::store_for(&m, &path, ResidentMode::Budget(half), FileIo::Buffered, None)));
+    }
+    let knobs = m.experts.as_ref().map(|st| st.knobs.clone()).unwrap_or_default();
+    let tok = Arc::new(Tokenizer::from_gguf(&file).unwrap());
+    let model = Arc::new(m);
+    let engine = Arc::new(
+        Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx: 256, threads: 2, batch: 64 }, None).unwrap(),
+    );
+    let profile = std::env::temp_dir().join(format!("strata-control-api-{}.prof", std::process::id()));
+    let api = Control::new(engine.clone(), &model, tok, knobs, Some(profile));
+    (engine, api)
+}
+
+fn run(api: &Control, prompt: &str, max_tokens: u32) -> (Vec<u32>, strata::engine::Counters) {
+    let raw = RawRequest { prompt: prompt.into(), max_tokens, ..Default::default() };
+    let mut rx = api.generate(&raw).unwrap();
+    let mut ids = Vec::new();
+    loop {
+        match rx.blocking_recv().expect("the engine ends every request with Done or Error") {
+            Event::Token { id, .. } => ids.push(id),
+            Event::Done { counters, .. } => return (ids, counters),
+            Event::Error(e) => panic!("request failed: {e}"),
+        }
+    }
+}
+
+#[test]
+fn moe_model_through_the_api() {
+    let (engine, api) = control(true);
+    assert_eq!(api.model().architecture, "llama");
+    assert_eq!(api.model().backend, "cpu");
+    assert!(api.model().n_expert > 0);
+
+    // a live knob: set, read back, refused values change nothing
+    let c = api.set_knob("ram-adapt", "8").unwrap();
+    assert_eq!((c.knob, c.old, c.new, c.active), (Knob::RamAdapt, 0.0, 8.0, true));
+    assert!(matches!(api.set_knob("ram_adapt", "-1"), Err(ApiError::InvalidArgument(_))));
+    assert!(matches!(api.set_knob("no_such_knob", "1"), Err(ApiError::InvalidArgument(_))));
+    assert_eq!(api.knobs().iter().find(|k| k.knob == Knob::RamAdapt).unwrap().value, 8.0);
+
+    // generation: greedy tokens and the request's counters, then the totals
+    let (ids, c) = run(&api, "The capital of France is", 12);
+    assert_eq!(ids.len(), 12);
+    assert_eq!(c.generated_tokens, 12);
+    assert_eq!(c.finish, FinishReason::MaxTokens);
+    assert!(c.tiers.lookups > 0, "decode windows look experts up");
+    assert!(c.tiers.file_blob_reads > 0, "half the experts are on the file tier");
+    let (again, _) = run(&api, "The capital of France is", 12);
+    assert_eq!(again, ids, "greedy answers repeat");
+    let s = api.stats();
+    assert_eq!(s.totals.requests, 2);
+    assert_eq!(s.totals.generated_tokens, 24);
+    assert_eq!(s.last_request.unwrap().request_id, 2);
+    assert!(s.tiers.file_blob_reads >= c.tiers.file_blob_reads);
+
+    // a request that fails validation is refused by kind and counted
+    let bad = RawRequest { prompt: "x".into(), max_tokens: 0, ..Default::default() };
+    assert!(matches!(api.generate(&bad), Err(ApiError::InvalidArgument(_))));
+    assert_eq!(api.stats().totals.rejected, 1);
+
+    // residency: every layer, one layer, the top experts; a layer the model lacks is refused
+    let n_layers = api.model().n_layers;
+    let all = api.residency(None, 0).unwrap();
+    assert_eq!(all.layers.len(), n_layers as usize);
+    assert_eq!(all.mode, "budget");
+    assert_eq!(all.experts.len(), (n_layers * api.model().n_expert) as usize);
+    let ram: u32 = all.layers.iter().map(|(_, l)| l.experts[1]).sum();
+    let file: u32 = all.layers.iter().map(|(_, l)| l.experts[2]).sum();
+    assert!(ram > 0 && file > 0, "a half budget splits the experts between RAM and file: {ram} / {file}");
+    let one = api.residency(Some(1), 0).unwrap();
+    assert_eq!(one.layers.len(), 1);
+    assert!(one.experts.iter().all(|e| e.layer == 1));
+    let top = api.residency(None, 5).unwrap();
+    assert_eq!(top.experts.len(), 5);
+    assert!(top.experts.windows(2).all(|w| w[0].usage >= w[1].usage));
+    assert!(matches!(api.residency(Some(n_layers), 0), Err(ApiError::InvalidArgument(_))));
+
+    // profile save to the configured path, and to a given one
+    let saved = api.save_profile(None).unwrap();
+    assert_eq!(saved.ranked, (n_layers * api.model().n_expert) as usize);
+    assert!(saved.path.exists());
+    std::fs::remove_file(&saved.path).unwrap();
+
+    // the counter stream: a request's live or final counters arrive, and it ends at shutdown
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut watch = api.watch();
+        let raw = RawRequest { prompt: "Once upon a time".into(), max_tokens: 8, ..Default::default() };
+        let mut rx = api.generate(&raw).unwrap();
+        while let Some(ev) = rx.recv().await {
+            if matches!(ev, Event::Done { .. }) {
+                break;
+            }
+        }
+        let u = tokio::time::timeout(std::time::Duration::from_secs(10), watch.recv()).await.unwrap().unwrap().unwrap();
+        assert!(u.counters.request_id == 3, "the third request's counters: {:?}", u.counters.request_id);
+        engine.shutdown();
+        let mut ended = false;
+        while let Ok(Some(u)) = tokio::time::timeout(std::time::Duration::from_secs(10), watch.recv()).await {
+            if let Err(e) = u {
+                assert!(matches!(e, ApiError::Unavailable(_)));
+                ended = true;
+                break;
+            }
+        }
+        assert!(ended, "the stream ends with Unavailable at shutdown");
+    });
+}
+
+#[test]
+fn dense_model_refuses_expert_calls() {
+    let (engine, api) = control(false);
+    assert_eq!(api.model().n_expert, 0);
+    assert!(matches!(api.residency(None, 0), Err(ApiError::FailedPrecondition(_))));
+    assert!(matches!(api.save_profile(None), Err(ApiError::FailedPrecondition(_))));
+    // expert knobs are accepted but say they do not act on a dense model
+    let c = api.set_knob("adapt_every", "2").unwrap();
+    assert!(!c.active);
+    engine.shutdown();
+}
