@@ -69,13 +69,15 @@ fn moe_model_through_the_api() {
     assert_eq!(c.finish, FinishReason::MaxTokens);
     assert!(c.tiers.lookups > 0, "decode windows look experts up");
     assert!(c.tiers.file_blob_reads > 0, "half the experts are on the file tier");
-    let (again, _) = run(&api, "The capital of France is", 12);
+    let (again, c2) = run(&api, "The capital of France is", 12);
     assert_eq!(again, ids, "greedy answers repeat");
     let s = api.stats();
     assert_eq!(s.totals.requests, 2);
     assert_eq!(s.totals.generated_tokens, 24);
     assert_eq!(s.last_request.unwrap().request_id, 2);
-    assert!(s.tiers.file_blob_reads >= c.tiers.file_blob_reads);
+    // the totals are the two requests' tier counters added up
+    assert_eq!(s.tiers.lookups, c.tiers.lookups + c2.tiers.lookups);
+    assert_eq!(s.tiers.file_blob_reads, c.tiers.file_blob_reads + c2.tiers.file_blob_reads);
 
     // a request that fails validation is refused by kind and counted
     let bad = RawRequest { prompt: "x".into(), max_tokens: 0, ..Default::default() };
@@ -99,11 +101,17 @@ fn moe_model_through_the_api() {
     assert!(top.experts.windows(2).all(|w| w[0].usage >= w[1].usage));
     assert!(matches!(api.residency(Some(n_layers), 0), Err(ApiError::InvalidArgument(_))));
 
-    // profile save to the configured path, and to a given one
+    // profile save to the configured path, and to a given one; a path that cannot be written is refused
     let saved = api.save_profile(None).unwrap();
     assert_eq!(saved.ranked, (n_layers * api.model().n_expert) as usize);
     assert!(saved.path.exists());
     std::fs::remove_file(&saved.path).unwrap();
+    let given = std::env::temp_dir().join(format!("strata-control-api-given-{}.prof", std::process::id()));
+    assert_eq!(api.save_profile(Some(given.clone())).unwrap().path, given);
+    assert!(given.exists());
+    std::fs::remove_file(&given).unwrap();
+    let nowhere = std::path::PathBuf::from("/nonexistent-dir/strata.prof");
+    assert!(matches!(api.save_profile(Some(nowhere)), Err(ApiError::FailedPrecondition(_))));
 
     // the counter stream: a request's live or final counters arrive, and it ends at shutdown
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

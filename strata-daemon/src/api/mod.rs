@@ -13,10 +13,10 @@ use tokio::sync::mpsc::{Receiver, UnboundedReceiver};
 
 use crate::engine::request::{prepare, RawRequest};
 use crate::engine::stats::rss_bytes;
-use crate::engine::{Counters, Engine, Event, Totals};
+use crate::engine::{Counters, Engine, Event, GenerateParams, Totals};
 use crate::model::{Model, Tokenizer};
 use crate::tiers::arena::Lock;
-use crate::tiers::knobs::{Knob, KnobSpec, Knobs};
+use crate::tiers::knobs::{Knob, Knobs};
 use crate::tiers::store::{ExpertResidency, ExpertStore, LayerResidency, ResidentMode, TierTotals};
 
 /// Why a call was refused, by kind (each front end maps the kind to its own status: gRPC codes, HTTP statuses).
@@ -100,10 +100,8 @@ pub struct Stats {
 /// One live knob.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KnobInfo {
-    /// The knob.
+    /// The knob (its name, default, range and documentation: [`Knob::spec`]).
     pub knob: Knob,
-    /// Its description (name, default, range, documentation).
-    pub spec: &'static KnobSpec,
     /// Current value.
     pub value: f64,
     /// Whether it acts on this model and build (its tier exists).
@@ -202,18 +200,24 @@ impl Control {
         &self.summary
     }
 
-    /// Validates and tokenizes a request (blocking: tokenization and the chat template run here) and queues it
-    /// on the engine; its token events and final counters arrive on the receiver, and dropping the receiver
-    /// cancels it. Errors: [`ApiError::InvalidArgument`] for a request that fails validation (counted as
-    /// rejected).
+    /// Validates and tokenizes a request (blocking: tokenization and the chat template run here). Errors:
+    /// [`ApiError::InvalidArgument`] for a request that fails validation (counted as rejected).
+    pub fn prepare(&self, raw: &RawRequest) -> Result<GenerateParams, ApiError> {
+        prepare(raw, &self.tok, self.engine.cfg.n_ctx).map_err(|e| {
+            self.engine.stats.record_rejected();
+            ApiError::InvalidArgument(e.0)
+        })
+    }
+
+    /// Queues a prepared request on the engine; its token events and final counters arrive on the receiver, and
+    /// dropping the receiver cancels it.
+    pub fn submit(&self, params: GenerateParams) -> UnboundedReceiver<Event> {
+        self.engine.submit(params)
+    }
+
+    /// [`Control::prepare`] then [`Control::submit`] (blocking). Errors: as [`Control::prepare`].
     pub fn generate(&self, raw: &RawRequest) -> Result<UnboundedReceiver<Event>, ApiError> {
-        match prepare(raw, &self.tok, self.engine.cfg.n_ctx) {
-            Ok(p) => Ok(self.engine.submit(p)),
-            Err(e) => {
-                self.engine.stats.record_rejected();
-                Err(ApiError::InvalidArgument(e.0))
-            }
-        }
+        Ok(self.submit(self.prepare(raw)?))
     }
 
     /// The statistics now.
@@ -237,12 +241,7 @@ impl Control {
         self.knobs
             .all()
             .into_iter()
-            .map(|(knob, value, _)| KnobInfo {
-                knob,
-                spec: knob.spec(),
-                value,
-                active: Knobs::is_active(knob, self.store.is_some()),
-            })
+            .map(|(knob, value)| KnobInfo { knob, value, active: Knobs::is_active(knob, self.store.is_some()) })
             .collect()
     }
 

@@ -47,13 +47,11 @@ pub enum Logits {
 /// Errors of a backend.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    /// The CUDA backend failed (driver, NVRTC, VRAM, a setting it cannot run).
+    /// The CUDA backend failed (driver, NVRTC, VRAM, a setting it cannot run). (The CPU backend does not fail:
+    /// in a build without the `cuda` feature this type has no value.)
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Gpu(#[from] cuda::GpuError),
-    /// The backend cannot do what was asked (a capability another backend has, such as a VRAM expert cache).
-    #[error("{0}")]
-    Unsupported(String),
 }
 
 /// Everything a backend reads from a loaded model: hyper-parameters, the located weights and the mapped file
@@ -101,6 +99,13 @@ pub enum Norm {
 /// creates the pass). Each works on the pass's own buffers: the residual stream `x` (`t × n_embd`), the
 /// normalized input `xn`, the projections, the routing. Layer arguments index `ModelRef::weights.blocks`.
 /// Errors are the backend's (a failed driver call); the CPU's ops do not fail.
+///
+/// Contracts of a block, as [`crate::model::forward`] calls them:
+/// - after [`Ops::experts`], `x` is complete only for the next [`Ops::norm`] or [`Ops::output`] (the CUDA
+///   backend folds the MoE combine into that norm); nothing else reads `x` in between;
+/// - [`Ops::shared_expert`] of a layer comes right before its [`Ops::experts`], which adds it;
+/// - an MoE block's [`Ops::segment`] ends with its [`Ops::route`], and the ops inside a segment have no effect
+///   on the host that a replay could skip (the CPU records routes there, but never replays).
 pub trait Ops {
     /// Runs `ops` — a stretch of operations with no host round trip inside — as this backend sees fit: the CPU
     /// runs it; the CUDA backend may record it once per (`layer`, attention size) as a graph and replay it.

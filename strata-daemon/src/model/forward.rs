@@ -37,10 +37,12 @@ pub struct Model {
     pub precision: Precision,
     /// CPU worker pool of the forward pass (default: one thread per physical core).
     pub pool: Arc<WorkerPool>,
+    /// The backend that runs the forward passes ([`CpuBackend`] until [`Model::attach_gpu`] finds a GPU).
+    /// Declared before [`Model::experts`] so that it is dropped first: the CUDA backend unregisters the RAM copy
+    /// from the driver and waits for its copies before the store unmaps it.
+    pub backend: Box<dyn Backend>,
     /// Expert store (RAM copy and file tier) of an MoE model; `None` computes experts from the file mapping.
     pub experts: Option<Arc<ExpertStore>>,
-    /// The backend that runs the forward passes ([`CpuBackend`] until [`Model::attach_gpu`] finds a GPU).
-    pub backend: Box<dyn Backend>,
 }
 
 impl Model {
@@ -60,8 +62,8 @@ impl Model {
             weights,
             precision: Precision::default(),
             pool,
-            experts: None,
             backend: Box::new(CpuBackend),
+            experts: None,
         })
     }
 
@@ -99,7 +101,7 @@ impl Model {
     }
 
     /// What the backend reads of this model.
-    pub fn as_ref(&self) -> ModelRef<'_> {
+    pub fn model_ref(&self) -> ModelRef<'_> {
         ModelRef {
             cfg: &self.cfg,
             weights: &self.weights,
@@ -115,7 +117,7 @@ impl Model {
     /// first); otherwise it stays on the CPU. Returns the one line to log (what runs where, or why the CPU).
     /// Errors: a GPU was found but loading onto it failed (out of VRAM, a format without kernels).
     pub fn attach_gpu(&mut self, o: &GpuOptions) -> Result<String, String> {
-        let (backend, line) = crate::backend::select(&self.as_ref(), o)?;
+        let (backend, line) = crate::backend::select(&self.model_ref(), o)?;
         if let Some(b) = backend {
             self.backend = b;
         }
@@ -124,7 +126,7 @@ impl Model {
 
     /// A new KV cache for `n_ctx` positions.
     pub fn new_kv(&self, n_ctx: usize) -> KvCache {
-        self.backend.new_kv(&self.as_ref(), n_ctx)
+        self.backend.new_kv(&self.model_ref(), n_ctx)
     }
 
     /// Runs `tokens` (a prefill chunk or one decode token) at positions `kv.len ..`, appending their K/V to
@@ -134,7 +136,7 @@ impl Model {
         let cfg = &self.cfg;
         let mut body = |ops: &mut dyn Ops, rows: Option<(usize, usize)>| blocks(cfg, ops, rows);
         self.backend
-            .forward(&self.as_ref(), tokens, kv, which, s, &mut body)
+            .forward(&self.model_ref(), tokens, kv, which, s, &mut body)
             .unwrap_or_else(|e| panic!("{} forward pass failed: {e}", self.backend.name()))
     }
 

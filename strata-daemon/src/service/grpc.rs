@@ -123,8 +123,6 @@ fn raw_request(r: pb::GenerateRequest) -> RawRequest {
     }
 }
 
-pub use crate::engine::stats::rss_bytes;
-
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateEvent, Status>> + Send>>;
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::CounterUpdate, Status>> + Send>>;
 
@@ -136,10 +134,12 @@ impl Strata for StrataService {
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<EventStream>, Status> {
         let raw = raw_request(req.into_inner());
         let api = self.api.clone();
-        let rx = tokio::task::spawn_blocking(move || api.generate(&raw))
+        // tokenizing is blocking work; a call cancelled meanwhile never reaches the engine
+        let params = tokio::task::spawn_blocking(move || api.prepare(&raw))
             .await
             .map_err(|e| Status::internal(e.to_string()))?
             .map_err(status)?;
+        let rx = self.api.submit(params);
         let stream = UnboundedReceiverStream::new(rx).map(|ev| match ev {
             Event::Token { id, text } => Ok(pb::GenerateEvent {
                 event: Some(pb::generate_event::Event::Token(pb::TokenEvent { token_id: id, text })),
@@ -194,13 +194,16 @@ impl Strata for StrataService {
             .api
             .knobs()
             .into_iter()
-            .map(|k| pb::Knob {
-                name: k.spec.name.to_string(),
-                value: k.value,
-                default_value: k.spec.default,
-                range: range_text(k.spec.range),
-                active: k.active,
-                doc: k.spec.doc.to_string(),
+            .map(|k| {
+                let spec = k.knob.spec();
+                pb::Knob {
+                    name: spec.name.to_string(),
+                    value: k.value,
+                    default_value: spec.default,
+                    range: range_text(spec.range),
+                    active: k.active,
+                    doc: spec.doc.to_string(),
+                }
             })
             .collect();
         Ok(Response::new(pb::KnobList { knobs }))

@@ -216,25 +216,30 @@ pub fn normalize(name: &str) -> String {
 }
 
 impl Knobs {
-    /// Checks `value` for knob `k` without setting it. Errors: [`KnobError::Bad`] (not finite, not an integer
-    /// for an integer knob, out of range), with the allowed range.
+    /// Checks `v` for knob `k` without setting it. Errors: [`KnobError::Bad`] (not finite, not an integer for
+    /// an integer knob, out of range), with the allowed range.
     pub fn check(k: Knob, v: f64) -> Result<f64, KnobError> {
+        Self::check_shown(k, v, &v.to_string())
+    }
+
+    /// [`Knobs::check`], the value shown in errors as `shown` (what the client sent).
+    fn check_shown(k: Knob, v: f64, shown: &str) -> Result<f64, KnobError> {
         let spec = k.spec();
         let bad = |msg: String| KnobError::Bad { name: spec.name.to_string(), msg };
         if !v.is_finite() {
-            return Err(bad(format!("{v} is not finite")));
+            return Err(bad(format!("{shown:?} is not finite")));
         }
         match spec.range {
             Range::Int(lo, hi) => {
                 if v.fract() != 0.0 || v < lo as f64 || v > hi as f64 {
-                    return Err(bad(format!("must be an integer in {lo}..={hi}, got {v}")));
+                    return Err(bad(format!("must be an integer in {lo}..={hi}, got {shown}")));
                 }
             }
             Range::Real { min, open_min, max } => {
                 let low_ok = if open_min { v > min } else { v >= min };
                 if !low_ok || v > max {
                     let l = if open_min { "(" } else { "[" };
-                    return Err(bad(format!("must be in {l}{min}, {max}], got {v}")));
+                    return Err(bad(format!("must be in {l}{min}, {max}], got {shown}")));
                 }
             }
         }
@@ -244,28 +249,31 @@ impl Knobs {
     /// Parses and checks `value` for the knob called `name` without setting it: the edge's entry (text from a
     /// client or a flag). Returns the knob and the value. Errors: unknown knob, a value that is not a number or
     /// is out of range ([`KnobError`]).
-    pub fn validate(&self, name: &str, value: &str) -> Result<(Knob, f64), KnobError> {
+    pub fn validate(name: &str, value: &str) -> Result<(Knob, f64), KnobError> {
         let k = Knob::parse(name)?;
         let v: f64 = value
             .trim()
             .parse()
             .map_err(|_| KnobError::Bad { name: k.name().to_string(), msg: format!("{value:?} is not a number") })?;
-        Ok((k, Self::check(k, v)?))
+        Ok((k, Self::check_shown(k, v, value)?))
     }
 
     /// Sets the knob called `name` (dashes allowed) from text; returns `(knob, old, new)`. Errors: unknown knob
     /// or bad value ([`KnobError`]); nothing changes then.
     pub fn set(&self, name: &str, value: &str) -> Result<(Knob, f64, f64), KnobError> {
-        let (k, v) = self.validate(name, value)?;
-        let old = self.set_value(k, v)?;
-        Ok((k, old, v))
+        let (k, v) = Self::validate(name, value)?;
+        Ok((k, self.store(k, v), v))
     }
 
     /// Sets knob `k` to `v`; returns the old value. Errors: [`KnobError::Bad`] (see [`Knobs::check`]); nothing
     /// changes then.
     pub fn set_value(&self, k: Knob, v: f64) -> Result<f64, KnobError> {
-        let v = Self::check(k, v)?;
-        Ok(f64::from_bits(self.values[k as usize].swap(v.to_bits(), Ordering::SeqCst)))
+        Ok(self.store(k, Self::check(k, v)?))
+    }
+
+    /// Stores a checked value; returns the old one.
+    fn store(&self, k: Knob, v: f64) -> f64 {
+        f64::from_bits(self.values[k as usize].swap(v.to_bits(), Ordering::SeqCst))
     }
 
     /// The value of knob `k`.
@@ -278,9 +286,9 @@ impl Knobs {
         (ACTIVE.contains(&k) && (has_experts || k == Knob::ExpertProfileSaveEvery)) || gpu_active(k)
     }
 
-    /// Every knob: itself, its value, and whether its tier exists in this build.
-    pub fn all(&self) -> Vec<(Knob, f64, bool)> {
-        Knob::ALL.into_iter().map(|k| (k, self.value(k), ACTIVE.contains(&k) || gpu_active(k))).collect()
+    /// Every knob with its value, in display order.
+    pub fn all(&self) -> Vec<(Knob, f64)> {
+        Knob::ALL.into_iter().map(|k| (k, self.value(k))).collect()
     }
 
     /// `ram_adapt` as a count.
@@ -319,14 +327,35 @@ mod tests {
         k.set("adapt_decay", "1").unwrap();
         k.set("pcie_frac", "0").unwrap();
         assert_eq!(k.adapt().decay, 1.0);
-        assert!(k.all().iter().any(|(s, _, active)| *s == Knob::AdaptSwaps && !active));
+        assert!(!Knobs::is_active(Knob::AdaptSwaps, true), "no GPU tier in a unit test");
+        assert!(Knobs::is_active(Knob::RamAdapt, true) && !Knobs::is_active(Knob::RamAdapt, false));
+        assert!(Knobs::is_active(Knob::ExpertProfileSaveEvery, false));
+        assert_eq!(k.all().len(), SPECS.len());
         assert!(k.set_value(Knob::PcieFrac, 2.0).is_err());
         assert_eq!(k.value(Knob::PcieFrac), 0.0);
-        // the typed table and the names agree
-        for (i, kn) in Knob::ALL.into_iter().enumerate() {
-            assert_eq!(kn as usize, i);
-            assert_eq!(Knob::parse(&kn.name().replace('_', "-")).unwrap(), kn);
+        // each variant names its own spec (the names the flags, strata-ctl and docs/KNOBS.md use)
+        let names = [
+            (Knob::RamAdapt, "ram_adapt"),
+            (Knob::AdaptEvery, "adapt_every"),
+            (Knob::AdaptSwaps, "adapt_swaps"),
+            (Knob::AdaptDecay, "adapt_decay"),
+            (Knob::AdaptAsync, "adapt_async"),
+            (Knob::VramReserveMib, "vram_reserve_mib"),
+            (Knob::VramReserveLaterMib, "vram_reserve_later_mib"),
+            (Knob::PcieFrac, "pcie_frac"),
+            (Knob::PcieAuto, "pcie_auto"),
+            (Knob::RouteTailSkip, "route_tail_skip"),
+            (Knob::ExpertProfileSaveEvery, "expert_profile_save_every"),
+        ];
+        assert_eq!(names.len(), Knob::ALL.len());
+        for (kn, name) in names {
+            assert_eq!(kn.name(), name);
+            assert_eq!(Knob::parse(&name.replace('_', "-")).unwrap(), kn);
         }
+        assert_eq!(
+            k.set("ram_adapt", "1e5").unwrap_err().to_string(),
+            "ram_adapt: must be an integer in 0..=4096, got 1e5"
+        );
         assert_eq!(Knob::ALL.len(), SPECS.len());
     }
 }

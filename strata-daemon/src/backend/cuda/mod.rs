@@ -22,7 +22,6 @@ impl From<crate::backend::BackendError> for GpuError {
     fn from(e: crate::backend::BackendError) -> Self {
         match e {
             crate::backend::BackendError::Gpu(g) => g,
-            other => GpuError::Unsupported(other.to_string()),
         }
     }
 }

@@ -86,13 +86,18 @@ impl Ops for GpuPass<'_, '_> {
         self.staging = g.routing_staging(self.host, kk, e)?;
         let pend = self.pend;
         self.in_segment = true;
+        self.routed = false;
+        let mut ran = false;
         let r = g.replay_segment((layer, self.cap), || {
             // a recording that failed is enqueued again with plain launches: the same combine each time
             self.pend = pend;
+            ran = true;
             ops(self).map_err(GpuError::from)
         });
         self.in_segment = false;
         self.pend = None; // done by the segment's first norm, recorded or replayed
+                          // the routing's copy to the host is in the segment (route() enqueued it when recorded; a replay has it)
+        debug_assert!(!ran || r.is_err() || self.routed, "an MoE block's segment ends with route()");
         self.routed = true;
         Ok(r?)
     }
@@ -175,6 +180,7 @@ impl Ops for GpuPass<'_, '_> {
         g.route(&self.launch(), router, t, kk, None, 0)?;
         if self.in_segment {
             g.routing_dtoh(self.staging, n_pairs, t * e)?;
+            self.routed = true;
         }
         Ok(())
     }
