@@ -137,11 +137,7 @@ fn layer(
 /// zero threads or experts per layer, the RAM copy not mapped (out of memory), the JSON not written.
 pub fn run(a: BenchExpertsArgs) -> Result<()> {
     let g = preset(&a.preset)?;
-    let ty = match a.r#type.as_str() {
-        "q4_0" => GgmlType::Q4_0,
-        "q8_0" => GgmlType::Q8_0,
-        t => bail!("--type {t}: q4_0 or q8_0"),
-    };
+    let ty = crate::synth_cmd::synth_type(&a.r#type)?;
     let (e, ff) = (g.embd, g.ff_exp);
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4));
     if threads == 0 {

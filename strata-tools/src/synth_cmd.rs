@@ -151,6 +151,25 @@ impl Rng {
     }
 }
 
+/// The block formats [`fill_blocks`] writes.
+const SYNTH_TYPES: [GgmlType; 2] = [GgmlType::Q4_0, GgmlType::Q8_0];
+
+/// The format named by `--type`, read from the format registry. Errors: a name the registry lacks, or a format
+/// the synthesizer cannot fill (the message lists the ones it can).
+pub(crate) fn synth_type(name: &str) -> Result<GgmlType> {
+    let ok =
+        || SYNTH_TYPES.iter().filter_map(|t| strata::quant::format::lookup(*t)).map(|f| f.name).collect::<Vec<_>>();
+    match strata::quant::format::by_name(name) {
+        Some(f) if SYNTH_TYPES.contains(&f.ty) => Ok(f.ty),
+        Some(f) => bail!("--type {}: random weights are written in {} only", f.name, ok().join(" or ")),
+        None => bail!(
+            "--type {name}: not a format this build computes with ({}); random weights: {}",
+            strata::quant::format::supported_list(),
+            ok().join(" or ")
+        ),
+    }
+}
+
 /// Random rows of a block format: codes uniform, each block's scale so that an element's standard deviation is
 /// `std`.
 pub(crate) fn fill_blocks(ty: GgmlType, buf: &mut [u8], std: f32, rng: &mut Rng) {
@@ -181,11 +200,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
     if let Some(l) = a.layers {
         g.layers = l;
     }
-    let ty = match a.r#type.as_str() {
-        "q4_0" => GgmlType::Q4_0,
-        "q8_0" => GgmlType::Q8_0,
-        t => bail!("--type {t}: q4_0 or q8_0"),
-    };
+    let ty = synth_type(&a.r#type)?;
     let (e, ff, ne) = (g.embd, g.ff_exp, g.experts);
     let (qd, kvd) = (g.heads * g.head_dim, g.kv_heads * g.head_dim);
     let mut w = GgufWriter::default();

@@ -26,7 +26,7 @@ pub enum ModelError {
         why: String,
     },
     /// A tensor has a format this build cannot compute with.
-    #[error("tensor {tensor:?}: unsupported tensor type {ty:?} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
+    #[error("tensor {tensor:?}: unsupported tensor type {ty:?} (supported: {list})", list = crate::quant::format::supported_list())]
     UnsupportedTensorType {
         /// Tensor name.
         tensor: String,

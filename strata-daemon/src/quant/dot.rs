@@ -10,7 +10,6 @@
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
-use super::dequant::{bf16_to_f32, f16_to_f32, rd16};
 use super::q4_wide::{self, Q8Quads};
 use super::GgmlType;
 
@@ -78,7 +77,17 @@ thread_local! {
 /// Whether rows of `ty` go through the AVX-512 kernel ([`super::q4_wide`]): Q4_0 and Q4_1 at
 /// [`SimdLevel::Avx512`].
 pub fn wide(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1) && simd_level() == SimdLevel::Avx512
+    super::format::lookup(ty).and_then(|f| f.q8).is_some_and(|k| k.wide) && simd_level() == SimdLevel::Avx512
+}
+
+/// The 8-bit-activation kernels of `ty`; panics for a format without them (a caller's bug: products check
+/// [`GgmlType::uses_q8_activations`] first).
+#[inline]
+fn q8_kernels(ty: GgmlType) -> super::format::Q8Dot {
+    match super::format::lookup(ty).and_then(|f| f.q8) {
+        Some(k) => k,
+        None => panic!("dot_q8: {ty:?} has no q8 kernel"),
+    }
 }
 
 /// Runs `f` on `x` rearranged for the wide Q4_0/Q4_1 kernel (a per-thread buffer, filled by this call).
@@ -137,14 +146,7 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
         // SAFETY: simd_level() returned Avx2 or Avx512 only after detecting avx2, fma and f16c;
         // the kernels read `x.len()` whole blocks from `row`, whose length was checked above
         // (debug) and is guaranteed by the callers that slice rows with `row_bytes`.
-        return unsafe {
-            match ty {
-                GgmlType::Q4_1 => avx2::dot_q4_1(row, x),
-                GgmlType::Q4_0 => avx2::dot_q4_0(row, x),
-                GgmlType::Q8_0 => avx2::dot_q8_0(row, x),
-                _ => panic!("dot_q8: {ty:?} has no q8 kernel"),
-            }
-        };
+        return unsafe { (q8_kernels(ty).avx2)(row, x) };
     }
     dot_q8_scalar(ty, row, x)
 }
@@ -163,80 +165,33 @@ pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
         let rb = ty.row_bytes(x.len() * 32);
         assert!(rows.iter().all(|r| r.len() == rb), "dot_q8_x4: row length");
         // SAFETY: AVX2/FMA/F16C detected; each row holds x.len() blocks (asserted above).
-        unsafe {
-            match ty {
-                GgmlType::Q4_1 => return avx2::dot_q4_1_x4(rows, x),
-                GgmlType::Q8_0 => return avx2::dot_q8_0_x4(rows, x),
-                GgmlType::Q4_0 => return avx2::dot_q4_0_x4(rows, x),
-                _ => {}
-            }
-        }
+        return unsafe { (q8_kernels(ty).avx2_x4)(rows, x) };
     }
     [dot_q8(ty, rows[0], x), dot_q8(ty, rows[1], x), dot_q8(ty, rows[2], x), dot_q8(ty, rows[3], x)]
 }
 
-/// Scalar reference of [`dot_q8`].
+/// Scalar reference of [`dot_q8`] (each format's own, [`super::format`]).
 pub fn dot_q8_scalar(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
-    let mut acc = 0f32;
-    match ty {
-        GgmlType::Q8_0 => {
-            for (b, xb) in row.chunks_exact(34).zip(x) {
-                let d = f16_to_f32(rd16(b, 0));
-                let s: i32 = (0..32).map(|j| (b[2 + j] as i8) as i32 * xb.qs[j] as i32).sum();
-                acc += d * xb.d * s as f32;
-            }
-        }
-        GgmlType::Q4_0 => {
-            for (b, xb) in row.chunks_exact(18).zip(x) {
-                let d = f16_to_f32(rd16(b, 0));
-                let mut s = 0i32;
-                for j in 0..16 {
-                    s += ((b[2 + j] & 0x0f) as i32 - 8) * xb.qs[j] as i32;
-                    s += ((b[2 + j] >> 4) as i32 - 8) * xb.qs[j + 16] as i32;
-                }
-                acc += d * xb.d * s as f32;
-            }
-        }
-        GgmlType::Q4_1 => {
-            for (b, xb) in row.chunks_exact(20).zip(x) {
-                let d = f16_to_f32(rd16(b, 0));
-                let m = f16_to_f32(rd16(b, 2));
-                let mut s = 0i32;
-                for j in 0..16 {
-                    s += (b[4 + j] & 0x0f) as i32 * xb.qs[j] as i32;
-                    s += (b[4 + j] >> 4) as i32 * xb.qs[j + 16] as i32;
-                }
-                acc += d * xb.d * s as f32 + m * xb.s;
-            }
-        }
-        _ => panic!("dot_q8: {ty:?} has no q8 kernel"),
-    }
-    acc
+    (q8_kernels(ty).scalar)(row, x)
 }
 
 /// Dot product of a weight row with f32 activations: float formats directly,
 /// block formats by dequantizing the row first (the exact reference path, in
 /// f64 accumulation; slow).
 pub fn vec_dot_f32_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
-    match ty {
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
+    let Some(f) = super::format::lookup(ty) else { panic!("vec_dot_f32_row: {ty:?} is not supported") };
+    match f.f32_dot {
+        Some(dot) => dot(row, x),
+        None => {
             let mut w = vec![0f32; x.len()];
             super::dequantize_row(ty, row, &mut w).expect("row length");
             w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32
         }
-        GgmlType::F32 => row.chunks_exact(4).zip(x).map(|(b, v)| f32::from_le_bytes(b.try_into().unwrap()) * v).sum(),
-        GgmlType::F16 => {
-            row.chunks_exact(2).zip(x).map(|(b, v)| f16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum()
-        }
-        GgmlType::BF16 => {
-            row.chunks_exact(2).zip(x).map(|(b, v)| bf16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum()
-        }
-        _ => panic!("vec_dot_f32_row: {ty:?} is not a float format"),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use super::BlockQ8;
     use std::arch::x86_64::*;
 

@@ -1,11 +1,13 @@
-//! GGML tensor formats: type table, dequantization, activation quantization
-//! and dot products (scalar reference, AVX2/FMA and AVX-512 VNNI, chosen at run time).
+//! GGML tensor formats: the type table, the format registry (one module per block format, [`format`]),
+//! dequantization, activation quantization and dot products (scalar reference, AVX2/FMA and AVX-512 VNNI, chosen
+//! at run time).
 //!
 //! Block layouts follow ggml (`ggml-common.h` in the ggml/llama.cpp
 //! repositories): e.g. Q4_0 = f16 scale + 16 bytes of nibbles per 32 values.
 
 mod dequant;
 mod dot;
+pub mod format;
 pub mod q4_wide;
 mod types;
 
@@ -17,7 +19,7 @@ pub use types::GgmlType;
 #[derive(Debug, thiserror::Error)]
 pub enum QuantError {
     /// The format has no kernel in this build.
-    #[error("tensor type {0:?} is not supported for computation (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
+    #[error("tensor type {0:?} is not supported for computation (supported: {list})", list = format::supported_list())]
     Unsupported(GgmlType),
     /// A buffer length does not match the element count.
     #[error("{0}")]

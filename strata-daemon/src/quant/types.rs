@@ -131,15 +131,16 @@ impl GgmlType {
         n / self.block_size() * self.type_size()
     }
 
-    /// Whether this build can compute with (dequantize / dot) this format.
+    /// Whether this build can compute with (dequantize / dot) this format: it has a row in the format
+    /// registry ([`super::format::REGISTRY`]).
     pub fn is_supported(self) -> bool {
-        use GgmlType::*;
-        matches!(self, F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1)
+        super::format::lookup(self).is_some()
     }
 
-    /// Whether matrix products use activations quantized to 8-bit blocks
-    /// (as ggml's `vec_dot_type` Q8_0 / Q8_1 for these formats).
+    /// Whether matrix products use activations quantized to 8-bit blocks (the registry row's activation is
+    /// Q8_0 or Q8_1, as ggml's `vec_dot_type`).
+    #[inline]
     pub fn uses_q8_activations(self) -> bool {
-        matches!(self, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1)
+        super::format::lookup(self).is_some_and(|f| f.activation != super::format::Activation::F32)
     }
 }

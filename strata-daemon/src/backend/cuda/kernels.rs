@@ -126,18 +126,18 @@ pub fn cubin(arch: &str) -> Result<(Vec<u8>, bool), GpuError> {
 pub struct Kernels {
     module: sys::CUmodule,
     /// Dense products per weight format.
-    mmv: [Func; 6],
+    mmv: [Func; N],
     /// Expert gate/up per format.
-    gate_up: [Func; 6],
+    gate_up: [Func; N],
     /// Expert down per format.
-    down: [Func; 6],
+    down: [Func; N],
     /// One-token variants (`_t1`) of the three above: fewer registers, so more warps per SM in decode.
-    mmv1: [Func; 6],
-    gate_up1: [Func; 6],
-    down1: [Func; 6],
+    mmv1: [Func; N],
+    gate_up1: [Func; N],
+    down1: [Func; N],
     /// The narrow one-token gate/up and down kernels (`_t1n`, block formats; see [`narrow_wanted`]).
-    gate_up1n: [Option<Func>; 6],
-    down1n: [Option<Func>; 6],
+    gate_up1n: [Option<Func>; N],
+    down1n: [Option<Func>; N],
     /// `quantize_q8`.
     pub quantize_q8: Func,
     /// `rms_norm_q8`.
@@ -182,20 +182,23 @@ pub fn narrow_wanted() -> bool {
     !std::env::var("STRATA_GPU_NARROW").is_ok_and(|v| v == "0")
 }
 
-/// Format index used by the kernels (FMT_* in strata.cu). Errors: a format without GPU kernels.
+/// Format index used by the kernels (FMT_* in strata.cu), from the format registry. Errors: a format without GPU
+/// kernels.
 pub fn fmt_index(ty: GgmlType) -> Result<usize, GpuError> {
-    Ok(match ty {
-        GgmlType::F32 => 0,
-        GgmlType::F16 => 1,
-        GgmlType::BF16 => 2,
-        GgmlType::Q8_0 => 3,
-        GgmlType::Q4_0 => 4,
-        GgmlType::Q4_1 => 5,
-        other => return Err(GpuError::Unsupported(format!("no GPU kernel for {other:?}"))),
-    })
+    crate::quant::format::lookup(ty)
+        .and_then(|f| f.cuda)
+        .map(|c| c.index)
+        .ok_or_else(|| GpuError::Unsupported(format!("no GPU kernel for {ty:?}")))
 }
 
-const SUFFIX: [&str; 6] = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"];
+/// The registry's formats with CUDA kernels, by `FMT_*` index.
+fn cuda_formats() -> [crate::quant::format::CudaFormat; N] {
+    let mut v: Vec<_> = crate::quant::format::REGISTRY.iter().filter_map(|f| f.cuda).collect();
+    v.sort_by_key(|c| c.index);
+    v.try_into().expect("the registry's CUDA indices are 0..N_CUDA_FORMATS")
+}
+
+const N: usize = crate::quant::format::N_CUDA_FORMATS;
 
 fn leak(s: String) -> &'static str {
     Box::leak(s.into_boxed_str())
@@ -222,19 +225,20 @@ impl Kernels {
             unsafe { check("cuModuleGetFunction", sys::cuModuleGetFunction(&mut f, module, c.as_ptr()))? };
             Ok(Func { f, name, pdl })
         };
-        let per = |prefix: &str, tail: &str| -> Result<[Func; 6], GpuError> {
-            let mut v = Vec::new();
-            for s in SUFFIX {
-                v.push(get(leak(format!("{prefix}{s}{tail}")))?);
+        let formats = cuda_formats();
+        let per = |prefix: &str, tail: &str| -> Result<[Func; N], GpuError> {
+            let mut v = Vec::with_capacity(N);
+            for f in &formats {
+                v.push(get(leak(format!("{prefix}{}{tail}", f.suffix)))?);
             }
-            Ok([v[0], v[1], v[2], v[3], v[4], v[5]])
+            Ok(v.try_into().unwrap_or_else(|_| unreachable!("one kernel per format")))
         };
         // the block formats' narrow kernels, when on
-        let narrow_per = |prefix: &str| -> Result<[Option<Func>; 6], GpuError> {
-            let mut v = [None; 6];
+        let narrow_per = |prefix: &str| -> Result<[Option<Func>; N], GpuError> {
+            let mut v = [None; N];
             if narrow {
-                for (i, s) in SUFFIX.iter().enumerate().skip(3) {
-                    v[i] = Some(get(leak(format!("{prefix}{s}_t1n")))?);
+                for (i, f) in formats.iter().enumerate().filter(|(_, f)| f.narrow) {
+                    v[i] = Some(get(leak(format!("{prefix}{}_t1n", f.suffix)))?);
                 }
             }
             Ok(v)

@@ -1,0 +1,26 @@
+//! F16: IEEE binary16, one element per block.
+
+use super::{Activation, CudaFormat, Format};
+use crate::quant::dequant::{f16_to_f32, rd16};
+use crate::quant::GgmlType;
+
+/// The F16 row.
+pub const FORMAT: Format = Format {
+    ty: GgmlType::F16,
+    name: "f16",
+    activation: Activation::F32,
+    dequantize,
+    q8: None,
+    f32_dot: Some(dot),
+    cuda: Some(CudaFormat { index: 1, suffix: "f16", narrow: false }),
+};
+
+fn dequantize(src: &[u8], dst: &mut [f32]) {
+    for (i, d) in dst.iter_mut().enumerate() {
+        *d = f16_to_f32(rd16(src, 2 * i));
+    }
+}
+
+fn dot(row: &[u8], x: &[f32]) -> f32 {
+    row.chunks_exact(2).zip(x).map(|(b, v)| f16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum()
+}

@@ -1,0 +1,25 @@
+//! F32: 4-byte IEEE floats, one element per block.
+
+use super::{Activation, CudaFormat, Format};
+use crate::quant::GgmlType;
+
+/// The F32 row.
+pub const FORMAT: Format = Format {
+    ty: GgmlType::F32,
+    name: "f32",
+    activation: Activation::F32,
+    dequantize,
+    q8: None,
+    f32_dot: Some(dot),
+    cuda: Some(CudaFormat { index: 0, suffix: "f32", narrow: false }),
+};
+
+fn dequantize(src: &[u8], dst: &mut [f32]) {
+    for (d, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+        *d = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+    }
+}
+
+fn dot(row: &[u8], x: &[f32]) -> f32 {
+    row.chunks_exact(4).zip(x).map(|(b, v)| f32::from_le_bytes(b.try_into().expect("4 bytes")) * v).sum()
+}

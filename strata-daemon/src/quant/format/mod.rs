@@ -1,0 +1,165 @@
+//! The format registry: one module per block format this build computes with, each a [`Format`] row of
+//! [`REGISTRY`] — its GGML type (id, block, bytes per block: [`GgmlType`]), name, dequantization, CPU dot kernels,
+//! the activation format its products pair with, and the index and suffix of its CUDA kernels. Everything else
+//! reads the table: which formats load (and the list named in errors), the tools' `--type` parsers, the CUDA
+//! kernel ids. Adding a format = one module here, one row in [`REGISTRY`] (and its kernels).
+//!
+//! Block layouts follow ggml (`ggml-common.h` and `type_traits` in ggml; llama.cpp's `ggml_type_name` for the
+//! names).
+
+pub mod bf16;
+pub mod f16;
+pub mod f32;
+pub mod q4_0;
+pub mod q4_1;
+pub mod q8_0;
+
+use super::{BlockQ8, GgmlType};
+
+/// What a format's matrix products multiply its rows with (ggml's `vec_dot_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// f32 values (the float formats).
+    F32,
+    /// 8-bit blocks of 32 with an f16 scale (ggml's Q8_0: Q8_0 and Q4_0 rows).
+    Q8_0,
+    /// Q8_0 plus `s = d·Σq` (ggml's Q8_1: Q4_1 rows, whose minimum multiplies the block sum). [`BlockQ8`] carries
+    /// both, so one quantization per token serves every format.
+    Q8_1,
+}
+
+/// Dot products of one format's rows with 8-bit activations ([`BlockQ8`], `x.len()` blocks of 32): `fn(row, x)`
+/// for a row of `x.len() · 32` elements, and four rows at once (bit-identical to four single calls).
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Dot {
+    /// The scalar reference.
+    pub scalar: fn(&[u8], &[BlockQ8]) -> f32,
+    /// AVX2 + FMA + F16C, one row. Safety: callable only where those features were detected; `row` holds
+    /// `x.len()` whole blocks.
+    #[cfg(target_arch = "x86_64")]
+    pub avx2: unsafe fn(&[u8], &[BlockQ8]) -> f32,
+    /// AVX2 + FMA + F16C, four rows (same contract).
+    #[cfg(target_arch = "x86_64")]
+    pub avx2_x4: unsafe fn([&[u8]; 4], &[BlockQ8]) -> [f32; 4],
+    /// Rows also go through the AVX-512 VNNI kernel ([`super::q4_wide`]) where the CPU has it.
+    pub wide: bool,
+}
+
+/// The CUDA kernels of a format (`strata.cu`): its `FMT_*` index and the suffix of its kernels' names
+/// (`mmv_<suffix>`, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaFormat {
+    /// `FMT_*` index in the kernels (0 .. [`N_CUDA_FORMATS`]).
+    pub index: usize,
+    /// Kernel name suffix.
+    pub suffix: &'static str,
+    /// The format has the narrow one-token expert kernels (`*_t1n`: the block formats).
+    pub narrow: bool,
+}
+
+/// One block format.
+#[derive(Debug, Clone, Copy)]
+pub struct Format {
+    /// The GGML type (id, elements per block, bytes per block).
+    pub ty: GgmlType,
+    /// Name as llama.cpp's `ggml_type_name`, lower case (`q4_0`); the tools' `--type` values.
+    pub name: &'static str,
+    /// What its products multiply rows with.
+    pub activation: Activation,
+    /// Dequantizes whole blocks: `src` holds `dst.len() / block` blocks (callers check the lengths).
+    pub dequantize: fn(&[u8], &mut [f32]),
+    /// Dot products with 8-bit activations (block formats).
+    pub q8: Option<Q8Dot>,
+    /// Dot product of a row with f32 activations (float formats; `row` holds `x.len()` elements).
+    pub f32_dot: Option<fn(&[u8], &[f32]) -> f32>,
+    /// Its CUDA kernels.
+    pub cuda: Option<CudaFormat>,
+}
+
+/// Every format this build computes with, in CUDA `FMT_*` order.
+pub const REGISTRY: &[&Format] =
+    &[&f32::FORMAT, &f16::FORMAT, &bf16::FORMAT, &q8_0::FORMAT, &q4_0::FORMAT, &q4_1::FORMAT];
+
+/// Formats with CUDA kernels (the length of the kernels' per-format tables).
+pub const N_CUDA_FORMATS: usize = 6;
+
+/// The registry indexed by GGML type id (ids up to 39, MXFP4).
+const BY_ID: [Option<&Format>; 40] = {
+    let mut t: [Option<&Format>; 40] = [None; 40];
+    let mut i = 0;
+    while i < REGISTRY.len() {
+        t[REGISTRY[i].ty as usize] = Some(REGISTRY[i]);
+        i += 1;
+    }
+    t
+};
+
+/// The row of `ty`; `None` when this build cannot compute with it.
+#[inline]
+pub fn lookup(ty: GgmlType) -> Option<&'static Format> {
+    BY_ID.get(ty as usize).copied().flatten()
+}
+
+/// The row named `name` (case-insensitive: `q4_0`, `Q4_0`); `None` for a format this build lacks.
+pub fn by_name(name: &str) -> Option<&'static Format> {
+    REGISTRY.iter().copied().find(|f| f.name.eq_ignore_ascii_case(name.trim()))
+}
+
+/// The names of every format, for error messages (`F32, F16, BF16, Q8_0, Q4_0, Q4_1`).
+pub fn supported_list() -> String {
+    REGISTRY.iter().map(|f| f.name.to_ascii_uppercase()).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_is_consistent() {
+        let mut cuda = Vec::new();
+        for f in REGISTRY {
+            assert_eq!(lookup(f.ty).map(|g| g.name), Some(f.name));
+            assert_eq!(by_name(&f.name.to_ascii_uppercase()).map(|g| g.ty), Some(f.ty));
+            assert_eq!(f.q8.is_some(), f.activation != Activation::F32, "{}", f.name);
+            assert_eq!(f.f32_dot.is_some(), f.activation == Activation::F32, "{}", f.name);
+            if let Some(c) = f.cuda {
+                cuda.push(c.index);
+                assert_eq!(c.narrow, f.q8.is_some(), "{}: narrow kernels are the block formats'", f.name);
+            }
+        }
+        assert_eq!(cuda, (0..N_CUDA_FORMATS).collect::<Vec<_>>(), "CUDA indices in registry order");
+        assert!(lookup(GgmlType::Q4_K).is_none() && by_name("q4_k").is_none());
+        assert_eq!(supported_list(), "F32, F16, BF16, Q8_0, Q4_0, Q4_1");
+    }
+
+    #[test]
+    fn every_format_dequantizes_a_known_block() {
+        // one block of each format whose values are known from its layout (ggml-common.h)
+        let one = half::f16::from_f32(1.0).to_bits().to_le_bytes();
+        let half_ = half::f16::from_f32(0.5).to_bits().to_le_bytes();
+        let mut out = [0f32; 32];
+        // Q8_0: d = 0.5, qs = -16..16
+        let mut b = vec![half_[0], half_[1]];
+        b.extend((0..32).map(|j| (j as i8 - 16) as u8));
+        (q8_0::FORMAT.dequantize)(&b, &mut out);
+        assert!(out.iter().enumerate().all(|(j, &v)| v == (j as f32 - 16.0) * 0.5));
+        // Q4_0: d = 1, low nibbles j, high nibbles 15 - j (value = code - 8)
+        let mut b = vec![one[0], one[1]];
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        (q4_0::FORMAT.dequantize)(&b, &mut out);
+        assert!((0..16).all(|j| out[j] == j as f32 - 8.0 && out[j + 16] == (15 - j) as f32 - 8.0));
+        // Q4_1: d = 0.5, m = 1, value = code · d + m
+        let mut b = vec![half_[0], half_[1], one[0], one[1]];
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        (q4_1::FORMAT.dequantize)(&b, &mut out);
+        assert!((0..16).all(|j| out[j] == j as f32 * 0.5 + 1.0 && out[j + 16] == (15 - j) as f32 * 0.5 + 1.0));
+        // the float formats, element by element
+        let mut o = [0f32; 2];
+        (f32::FORMAT.dequantize)(&[0, 0, 0x80, 0x3f, 0, 0, 0, 0xc0], &mut o);
+        assert_eq!(o, [1.0, -2.0]);
+        (f16::FORMAT.dequantize)(&[one[0], one[1], half_[0], half_[1]], &mut o);
+        assert_eq!(o, [1.0, 0.5]);
+        (bf16::FORMAT.dequantize)(&[0x80, 0x3f, 0x00, 0xc0], &mut o);
+        assert_eq!(o, [1.0, -2.0]);
+    }
+}

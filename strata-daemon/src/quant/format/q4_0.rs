@@ -1,0 +1,50 @@
+//! Q4_0: blocks of 32 values, 18 bytes: an f16 scale `d`, then 16 bytes of nibbles (element j in the low nibble
+//! of byte j, element j + 16 in its high nibble); value = `d · (q − 8)` (ggml `block_q4_0`). Products pair it
+//! with Q8_0 activations.
+
+use super::{Activation, CudaFormat, Format, Q8Dot};
+use crate::quant::dequant::{f16_to_f32, rd16};
+use crate::quant::{BlockQ8, GgmlType};
+
+/// The Q4_0 row.
+pub const FORMAT: Format = Format {
+    ty: GgmlType::Q4_0,
+    name: "q4_0",
+    activation: Activation::Q8_0,
+    dequantize,
+    q8: Some(Q8Dot {
+        scalar: dot,
+        #[cfg(target_arch = "x86_64")]
+        avx2: crate::quant::dot::avx2::dot_q4_0,
+        #[cfg(target_arch = "x86_64")]
+        avx2_x4: crate::quant::dot::avx2::dot_q4_0_x4,
+        wide: true,
+    }),
+    f32_dot: None,
+    cuda: Some(CudaFormat { index: 4, suffix: "q4_0", narrow: true }),
+};
+
+fn dequantize(src: &[u8], dst: &mut [f32]) {
+    for (b, out) in src.chunks_exact(18).zip(dst.chunks_exact_mut(32)) {
+        let d = f16_to_f32(rd16(b, 0));
+        for j in 0..16 {
+            out[j] = ((b[2 + j] & 0x0f) as i32 - 8) as f32 * d;
+            out[j + 16] = ((b[2 + j] >> 4) as i32 - 8) as f32 * d;
+        }
+    }
+}
+
+/// Scalar reference: `Σ_blocks d_w · d_x · Σ (q_w − 8) q_x`.
+fn dot(row: &[u8], x: &[BlockQ8]) -> f32 {
+    let mut acc = 0f32;
+    for (b, xb) in row.chunks_exact(18).zip(x) {
+        let d = f16_to_f32(rd16(b, 0));
+        let mut s = 0i32;
+        for j in 0..16 {
+            s += ((b[2 + j] & 0x0f) as i32 - 8) * xb.qs[j] as i32;
+            s += ((b[2 + j] >> 4) as i32 - 8) * xb.qs[j + 16] as i32;
+        }
+        acc += d * xb.d * s as f32;
+    }
+    acc
+}
