@@ -1,12 +1,14 @@
 //! The MoE fixtures built by tools/moefy (docs/FIXTURES.md) against llama.cpp, from reference logits stored in
-//! tests/data/parity_logits_moe_{exact,split}.json (tools/make-reference --only parity-moe), and the exact
-//! fixture against the dense model.
+//! tests/data/parity_logits_moe_exact.json (tools/make-reference --only parity-moe) and, for the chaotic ones,
+//! perplexity_moe_{split,shared}.json (tools/perplexity-report), the exact fixture against the dense model, and
+//! the tiers on the real-weights `qwen2moe` fixture (shared).
 
 mod common;
 
 use std::sync::Arc;
 
 use common::*;
+use strata::arch::FfnKind;
 use strata::backend::cpu::Precision;
 use strata::gguf::GgufFile;
 use strata::model::forward::Scratch;
@@ -16,16 +18,87 @@ fn load(kind: &str) -> Model {
     Model::load(Arc::new(GgufFile::open(fixture_path(kind)).unwrap())).unwrap()
 }
 
-/// The exact fixture within llama.cpp's own noise ([`assert_parity`]).
+/// A fixture within llama.cpp's own noise ([`assert_parity`]).
 fn parity(kind: &str) {
     let model = load(kind);
-    assert_eq!(model.cfg.n_expert, 16);
     assert_parity(kind, &model, &json(&format!("parity_logits_moe_{kind}.json")));
 }
 
 #[test]
 fn exact_fixture_matches_llama_cpp() {
+    assert_eq!(load("exact").cfg.n_expert, 16);
     parity("exact");
+}
+
+/// The real-weights `qwen2moe` fixture (NeoX RoPE over q/k rows in the converter's original order, zero q/k/v
+/// biases, 12 routed experts top-6 without renormalisation, a shared expert with its sigmoid gate) against
+/// llama.cpp on the same file. Like the split fixture it is chaotic (llama.cpp's batch and one-token paths differ
+/// by ~0.2 nat per position on it), so the check is perplexity over the first two chunks of 512 tokens of the
+/// evaluation text (tests/data/perplexity_moe_shared.json, tools/perplexity-report), within 8%.
+#[test]
+fn shared_fixture_perplexity_matches_llama_cpp() {
+    let m = load("shared");
+    assert_eq!((m.cfg.arch.as_str(), m.cfg.spec.ffn), ("qwen2moe", FfnKind::MoeShared));
+    assert_eq!((m.cfg.n_expert, m.cfg.n_expert_used, m.cfg.n_ff_exp, m.cfg.n_ff_shexp), (12, 6, 96, 384));
+    assert!(!m.cfg.spec.def.norm_topk);
+    let (ours, theirs) = perplexity_vs_reference(&m, "perplexity_moe_shared.json");
+    let ratio = ours / theirs;
+    println!("shared: perplexity strata {ours:.3}, llama.cpp {theirs:.3} (ratio {ratio:.4})");
+    assert!((ratio - 1.0).abs() <= 0.08, "perplexity ratio {ratio:.4}");
+}
+
+/// Strata's perplexity on the reference's tokens and llama.cpp's from its per-chunk NLL (first two chunks).
+fn perplexity_vs_reference(model: &Model, name: &str) -> (f64, f64) {
+    let d = json(name);
+    let ctx = d["ctx"].as_u64().unwrap() as usize;
+    let ids: Vec<u32> = d["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let ref_nll: Vec<f64> =
+        d["nll_per_chunk"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).take(2).collect();
+    let ours = strata::model::perplexity::perplexity(model, &ids, ctx, ref_nll.len()).unwrap();
+    (ours.ppl, (ref_nll.iter().sum::<f64>() / ref_nll.len() as f64).exp())
+}
+
+/// The tiers on the real-weights `qwen2moe` fixture: the same greedy tokens from the mapping, all experts in
+/// RAM, half of them from the file (buffered and O_DIRECT), mmap, and RAM adapt on (which must promote); the
+/// shared expert is a dense weight, never a lookup.
+#[test]
+fn tiers_give_the_same_tokens_on_the_shared_fixture() {
+    use strata::tiers::fileio::FileIo;
+    use strata::tiers::store::ResidentMode;
+    let path = fixture_path("shared");
+    let mut m = load("shared");
+    m.set_threads(2).unwrap();
+    let prompts: [&[u32]; 2] = [&[504, 3575, 282, 4649, 314], &[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173]];
+    let base = greedy(&m, &prompts, 16);
+    let layout = m.expert_layout().unwrap();
+    assert_eq!(layout.n_expert, 12, "only the routed experts are tiered");
+    let total = layout.total_bytes();
+    for (mode, io, ram_adapt) in [
+        (ResidentMode::All, FileIo::Buffered, 0),
+        (ResidentMode::Budget(total / 2), FileIo::Buffered, 0),
+        (ResidentMode::Budget(total / 2), FileIo::Direct, 0),
+        (ResidentMode::Mmap, FileIo::Buffered, 0),
+        (ResidentMode::Budget(total / 2), FileIo::Buffered, 8),
+    ] {
+        let st = store_for(&m, &path, mode, io, None);
+        st.knobs.set("ram_adapt", &ram_adapt.to_string()).unwrap();
+        st.knobs.set("adapt_every", "1").unwrap();
+        m.experts = Some(Arc::new(st));
+        let got = greedy(&m, &prompts, 16);
+        let t = m.experts.as_ref().unwrap().counters.totals();
+        println!("shared {mode:?} {io:?} ram_adapt {ram_adapt}: {t:?}");
+        assert_eq!(got, base, "{mode:?} {io:?} ram_adapt {ram_adapt}");
+        // 2 prompts × 16 decode windows × 30 layers × top-6 distinct routed experts: the shared one is no lookup
+        assert_eq!(t.lookups, 2 * 16 * 30 * 6);
+        match mode {
+            ResidentMode::All => assert_eq!(t.file_blob_reads, 0),
+            ResidentMode::Budget(_) => assert!(t.file_blob_reads > 0, "no blob read"),
+            _ => {}
+        }
+        if ram_adapt > 0 {
+            assert!(t.promotions > 0, "RAM adapt moved nothing");
+        }
+    }
 }
 
 /// The split fixture is chaotic (docs/FIXTURES.md: llama.cpp's own two paths differ by 1 nat), so it is checked
@@ -36,16 +109,9 @@ fn exact_fixture_matches_llama_cpp() {
 /// a wrong expert's bytes moves it far more (the same fixture built for top-4 instead of top-8: ~190×).
 #[test]
 fn split_fixture_perplexity_matches_llama_cpp() {
-    let d = json("perplexity_moe_split.json");
-    let ctx = d["ctx"].as_u64().unwrap() as usize;
-    let ids: Vec<u32> = d["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-    let model = load("split");
-    let ref_nll: Vec<f64> =
-        d["nll_per_chunk"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).take(2).collect();
-    let ours = strata::model::perplexity::perplexity(&model, &ids, ctx, ref_nll.len()).unwrap();
-    let theirs = (ref_nll.iter().sum::<f64>() / ref_nll.len() as f64).exp();
-    let ratio = ours.ppl / theirs;
-    println!("split: perplexity strata {:.3}, llama.cpp {theirs:.3} (ratio {ratio:.4})", ours.ppl);
+    let (ours, theirs) = perplexity_vs_reference(&load("split"), "perplexity_moe_split.json");
+    let ratio = ours / theirs;
+    println!("split: perplexity strata {ours:.3}, llama.cpp {theirs:.3} (ratio {ratio:.4})");
     assert!((ratio - 1.0).abs() <= 0.08, "perplexity ratio {ratio:.4}");
 }
 
