@@ -41,6 +41,13 @@ fn shared_fixture_perplexity_matches_llama_cpp() {
     assert_eq!((m.cfg.arch.as_str(), m.cfg.spec.ffn), ("qwen2moe", FfnKind::MoeShared));
     assert_eq!((m.cfg.n_expert, m.cfg.n_expert_used, m.cfg.n_ff_exp, m.cfg.n_ff_shexp), (12, 6, 96, 384));
     assert!(!m.cfg.spec.def.norm_topk);
+    let sha = json("perplexity_moe_shared.json")["model_sha256"].as_str().unwrap().to_string();
+    let bytes = std::fs::read(fixture_path("shared")).unwrap();
+    let got: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect()
+    };
+    assert_eq!(got, sha, "not the file the reference was made from (tools/fetch-model --model smollm2-moe-shared)");
     let (ours, theirs) = perplexity_vs_reference(&m, "perplexity_moe_shared.json");
     let ratio = ours / theirs;
     println!("shared: perplexity strata {ours:.3}, llama.cpp {theirs:.3} (ratio {ratio:.4})");

@@ -152,6 +152,11 @@ pub struct CounterUpdate {
     pub counters: Counters,
 }
 
+/// A request [`Control::prepare`] validated and tokenized (only it makes one: the engine trusts its prompt and
+/// lengths).
+#[derive(Debug)]
+pub struct Prepared(GenerateParams);
+
 /// The control API over a running engine and its model.
 pub struct Control {
     engine: Arc<Engine>,
@@ -202,17 +207,17 @@ impl Control {
 
     /// Validates and tokenizes a request (blocking: tokenization and the chat template run here). Errors:
     /// [`ApiError::InvalidArgument`] for a request that fails validation (counted as rejected).
-    pub fn prepare(&self, raw: &RawRequest) -> Result<GenerateParams, ApiError> {
-        prepare(raw, &self.tok, self.engine.cfg.n_ctx).map_err(|e| {
+    pub fn prepare(&self, raw: &RawRequest) -> Result<Prepared, ApiError> {
+        prepare(raw, &self.tok, self.engine.cfg.n_ctx).map(Prepared).map_err(|e| {
             self.engine.stats.record_rejected();
             ApiError::InvalidArgument(e.0)
         })
     }
 
-    /// Queues a prepared request on the engine; its token events and final counters arrive on the receiver, and
-    /// dropping the receiver cancels it.
-    pub fn submit(&self, params: GenerateParams) -> UnboundedReceiver<Event> {
-        self.engine.submit(params)
+    /// Queues a request [`Control::prepare`] validated; its token events and final counters arrive on the
+    /// receiver, and dropping the receiver cancels it.
+    pub fn submit(&self, p: Prepared) -> UnboundedReceiver<Event> {
+        self.engine.submit(p.0)
     }
 
     /// [`Control::prepare`] then [`Control::submit`] (blocking). Errors: as [`Control::prepare`].

@@ -137,16 +137,16 @@ pub fn quantize_q8_scalar(x: &[f32], out: &mut [BlockQ8]) {
 /// quantized activations. `ty` must be Q8_0, Q4_0 or Q4_1.
 #[inline]
 pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
-    debug_assert_eq!(row.len(), ty.row_bytes(x.len() * 32));
-    if wide(ty) {
+    assert_eq!(row.len(), ty.row_bytes(x.len() * 32), "dot_q8: row length");
+    let k = q8_kernels(ty);
+    if k.wide && simd_level() == SimdLevel::Avx512 {
         return with_quads(x, |q| q.dot(ty, row));
     }
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {
         // SAFETY: simd_level() returned Avx2 or Avx512 only after detecting avx2, fma and f16c;
-        // the kernels read `x.len()` whole blocks from `row`, whose length was checked above
-        // (debug) and is guaranteed by the callers that slice rows with `row_bytes`.
-        return unsafe { (q8_kernels(ty).avx2)(row, x) };
+        // the kernels read `x.len()` whole blocks from `row`, whose length was asserted above.
+        return unsafe { (k.avx2)(row, x) };
     }
     dot_q8_scalar(ty, row, x)
 }
@@ -157,7 +157,8 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
 /// chains side by side).
 #[inline]
 pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
-    if wide(ty) {
+    let k = q8_kernels(ty);
+    if k.wide && simd_level() == SimdLevel::Avx512 {
         return with_quads(x, |q| q.dot_x4(ty, rows));
     }
     #[cfg(target_arch = "x86_64")]
@@ -165,7 +166,7 @@ pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
         let rb = ty.row_bytes(x.len() * 32);
         assert!(rows.iter().all(|r| r.len() == rb), "dot_q8_x4: row length");
         // SAFETY: AVX2/FMA/F16C detected; each row holds x.len() blocks (asserted above).
-        return unsafe { (q8_kernels(ty).avx2_x4)(rows, x) };
+        return unsafe { (k.avx2_x4)(rows, x) };
     }
     [dot_q8(ty, rows[0], x), dot_q8(ty, rows[1], x), dot_q8(ty, rows[2], x), dot_q8(ty, rows[3], x)]
 }

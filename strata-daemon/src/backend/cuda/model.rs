@@ -178,6 +178,9 @@ pub struct GpuModel {
     said_fallback: std::sync::atomic::AtomicBool,
     /// The RAM copy's start when it was registered with the driver (unregistered on drop).
     registered: std::sync::atomic::AtomicUsize,
+    /// The expert store whose RAM copy the cache reads (held so that the copy outlives its registration and the
+    /// copies from it, whatever the owner does with its own handle).
+    _store: Option<Arc<ExpertStore>>,
     /// Captured decode-token graphs by attention size class (positions the shared memory holds).
     graphs: Mutex<Vec<(usize, super::driver::GraphExec)>>,
     /// Captured attention segments of hybrid decode layers by (layer, attention size class): the layer's norm
@@ -428,6 +431,7 @@ impl GpuModel {
             host: Mutex::new(Host::default()),
             said_fallback: std::sync::atomic::AtomicBool::new(false),
             registered: std::sync::atomic::AtomicUsize::new(0),
+            _store: model.experts.cloned(),
             graphs: Mutex::new(Vec::new()),
             layer_graphs: Mutex::new(std::collections::HashMap::new()),
             graphs_off: std::sync::atomic::AtomicBool::new(std::env::var("STRATA_GPU_GRAPHS").is_ok_and(|v| v == "0")),
@@ -473,8 +477,8 @@ impl GpuModel {
         let (ptr, len) = store.arena_range();
         let mut pinned = false;
         if len > 0 {
-            // SAFETY: the arena is a mapping owned by the store, which outlives the GPU model (both live in the
-            // Model; the GPU model is dropped first).
+            // SAFETY: the arena is a mapping owned by the store, which this GPU model holds (`self._store`) until
+            // its drop has waited for the stream and unregistered the range.
             match unsafe { super::driver::host_register(ptr, len) } {
                 Ok(()) => {
                     pinned = true;

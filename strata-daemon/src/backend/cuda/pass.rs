@@ -97,7 +97,7 @@ impl Ops for GpuPass<'_, '_> {
         self.in_segment = false;
         self.pend = None; // done by the segment's first norm, recorded or replayed
                           // the routing's copy to the host is in the segment (route() enqueued it when recorded; a replay has it)
-        debug_assert!(!ran || r.is_err() || self.routed, "an MoE block's segment ends with route()");
+        debug_assert!(!ran || r.is_err() || self.routed, "an MoE block's segment contains its route()");
         self.routed = true;
         Ok(r?)
     }

@@ -1,8 +1,12 @@
 //! The format registry: one module per block format this build computes with, each a [`Format`] row of
 //! [`REGISTRY`] — its GGML type (id, block, bytes per block: [`GgmlType`]), name, dequantization, CPU dot kernels,
-//! the activation format its products pair with, and the index and suffix of its CUDA kernels. Everything else
-//! reads the table: which formats load (and the list named in errors), the tools' `--type` parsers, the CUDA
-//! kernel ids. Adding a format = one module here, one row in [`REGISTRY`] (and its kernels).
+//! the activation format its products pair with, and the index and suffix of its CUDA kernels. The rest reads the
+//! table: which formats load (and the list named in errors), dequantization and the dot dispatch, the tools'
+//! `--type` parsers, the CUDA kernel ids and names. Adding a format = one module here and one row in
+//! [`REGISTRY`], plus its kernels where they live: the AVX2 ones in `quant::dot`, an AVX-512 one in
+//! [`super::q4_wide`] (which knows Q4_0 and Q4_1 only: [`Q8Dot::wide`] must stay false for others), the CUDA ones
+//! in `kernels/strata.cu` (its block table and [`N_CUDA_FORMATS`]), and `synth-moe`'s random filler if synthetic
+//! files should use it.
 //!
 //! Block layouts follow ggml (`ggml-common.h` and `type_traits` in ggml; llama.cpp's `ggml_type_name` for the
 //! names).
@@ -41,7 +45,7 @@ pub struct Q8Dot {
     /// AVX2 + FMA + F16C, four rows (same contract).
     #[cfg(target_arch = "x86_64")]
     pub avx2_x4: unsafe fn([&[u8]; 4], &[BlockQ8]) -> [f32; 4],
-    /// Rows also go through the AVX-512 VNNI kernel ([`super::q4_wide`]) where the CPU has it.
+    /// Rows also go through the AVX-512 VNNI kernel ([`super::q4_wide`], Q4_0 and Q4_1 only) where the CPU has it.
     pub wide: bool,
 }
 
@@ -124,6 +128,7 @@ mod tests {
             assert_eq!(f.f32_dot.is_some(), f.activation == Activation::F32, "{}", f.name);
             if let Some(c) = f.cuda {
                 cuda.push(c.index);
+                assert_eq!(c.suffix, f.name, "kernel names use the format's name");
                 assert_eq!(c.narrow, f.q8.is_some(), "{}: narrow kernels are the block formats'", f.name);
             }
         }
