@@ -2,6 +2,7 @@
 //! tests/data/parity_logits_moe_{exact,shared-exact}.json (tools/make-reference --only parity-moe) and, for the
 //! chaotic ones, perplexity_moe_{split,shared}.json (tools/perplexity-report); the exact fixture against the dense
 //! model; the tiers on the real-weights `qwen2moe` fixture (shared).
+
 mod common;
 
 use std::sync::Arc;
