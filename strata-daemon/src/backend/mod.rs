@@ -44,6 +44,16 @@ pub enum Logits {
     All,
 }
 
+impl Logits {
+    /// The rows of a chunk of `t` tokens (`t` ≥ 1) whose logits are returned: `(first row, rows)`.
+    pub fn rows(self, t: usize) -> (usize, usize) {
+        match self {
+            Logits::Last => (t - 1, 1),
+            Logits::All => (0, t),
+        }
+    }
+}
+
 /// Errors of a backend.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {

@@ -54,10 +54,7 @@ impl Backend for CpuBackend {
             dequantize_row(emb.ty, emb.row(tok), &mut s.x[i * e..(i + 1) * e]).expect("embedding row");
         }
         super::rope_angles(cfg, pos0, t, &mut s.rope);
-        let rows = match which {
-            Logits::Last => (t - 1, 1),
-            Logits::All => (0, t),
-        };
+        let rows = which.rows(t);
         let mut pass = CpuPass { m, kv, s, t, pos0, logits: Vec::new() };
         body(&mut pass, Some(rows))?;
         let logits = std::mem::take(&mut pass.logits);

@@ -622,10 +622,7 @@ impl GpuModel {
         let any_moe = self.layers.iter().any(|g| matches!(g.ffn, GFfn::Moe { .. }));
         host.deferred.clear();
         host.prof = HybridProf::default();
-        let rows = which.map(|w| match w {
-            Logits::Last => (t - 1, 1),
-            Logits::All => (0, t),
-        });
+        let rows = which.map(|w| w.rows(t));
         // a decode token with no host round trip inside: replay a CUDA graph (one launch instead of ~15 per
         // layer), captured once per attention size class
         let graph =
