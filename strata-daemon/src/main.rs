@@ -57,6 +57,11 @@ struct Args {
     /// No RAM copy: experts are read through the file mapping (OS page cache).
     #[arg(long)]
     mmap_experts: bool,
+    /// Resident RAM mode: the RAM copy holds exactly the experts no VRAM slot holds (VRAM, RAM and file
+    /// disjoint; with --resident-budget-gib, the hottest of them up to the budget); adaptive swaps copy the
+    /// evicted expert back into RAM. Without a GPU it is the default mode.
+    #[arg(long, conflicts_with = "mmap_experts")]
+    resident_experts: bool,
     /// How blobs are read from the file: buffered (pread) or direct (O_DIRECT, aligned buffers).
     #[arg(long, default_value = "buffered", value_name = "MODE")]
     file_io: FileIo,
@@ -196,18 +201,26 @@ fn main() -> Result<()> {
             },
             None => None,
         };
-        let mode = match (args.mmap_experts, args.resident_budget_gib) {
-            (true, _) => ResidentMode::Mmap,
-            (false, Some(g)) if !(g.is_finite() && g >= 0.0) => bail!("--resident-budget-gib must be >= 0"),
-            (false, Some(g)) => ResidentMode::Budget((g * (1u64 << 30) as f64) as u64),
-            (false, None) => ResidentMode::All,
+        if args.resident_budget_gib.is_some_and(|g| !(g.is_finite() && g >= 0.0)) {
+            bail!("--resident-budget-gib must be >= 0");
+        }
+        let budget = args.resident_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64);
+        let mode = match (args.mmap_experts, args.resident_experts, budget) {
+            (true, _, _) => ResidentMode::Mmap,
+            (false, true, b) => ResidentMode::Disjoint(b),
+            (false, false, Some(b)) => ResidentMode::Budget(b),
+            (false, false, None) => ResidentMode::All,
         };
         let cfg = StoreConfig { mode, file_io: args.file_io, lock: !args.no_mlock, ..Default::default() };
         let store =
             ExpertStore::new(layout, file.clone(), &model_path, geometry, profile.as_ref(), &cfg, knobs.clone())
                 .context("building the expert store")?;
         model.experts = Some(Arc::new(store));
-    } else if args.resident_budget_gib.is_some() || args.mmap_experts || args.expert_profile.is_some() {
+    } else if args.resident_budget_gib.is_some()
+        || args.mmap_experts
+        || args.resident_experts
+        || args.expert_profile.is_some()
+    {
         tracing::info!("dense model: expert tier flags have no effect");
     }
     let n_ctx = args.ctx.min(model.cfg.n_ctx_train.max(2));

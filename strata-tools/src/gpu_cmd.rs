@@ -56,6 +56,14 @@ pub struct BenchArgs {
     /// adaptive tier runs several rounds per arm instead of one. 0: greedy throughout.
     #[arg(long, default_value_t = 0)]
     shift: usize,
+    /// The resident RAM mode (`--resident-experts`): the RAM copy holds exactly the experts the VRAM cache does
+    /// not (rebuilt for every cache size); adaptive swaps copy the evicted experts back.
+    #[arg(long)]
+    resident: bool,
+    /// Keep only this share of the experts' bytes in the RAM copy (`--resident-budget-gib`), the rest read from
+    /// the file; with `--resident`, the hottest non-VRAM experts up to it.
+    #[arg(long)]
+    ram_share: Option<f64>,
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -161,15 +169,31 @@ fn load(path: &PathBuf, knobs: Arc<Knobs>, threads: usize) -> Result<Model> {
 
 /// [`load`] with the RAM copy holding only `ram_share` of the experts' bytes (the rest from the file).
 fn load_with(path: &PathBuf, knobs: Arc<Knobs>, threads: usize, ram_share: Option<f64>) -> Result<Model> {
+    load_mode(path, knobs, threads, false, ram_share)
+}
+
+/// [`load`] in a RAM-copy mode: all experts, or `ram_share` of their bytes (`--resident-budget-gib`); with
+/// `resident`, the resident mode (`--resident-experts`: the copy disjoint from VRAM, built when the GPU attaches).
+fn load_mode(
+    path: &PathBuf,
+    knobs: Arc<Knobs>,
+    threads: usize,
+    resident: bool,
+    ram_share: Option<f64>,
+) -> Result<Model> {
+    use strata::tiers::store::ResidentMode;
     let file = Arc::new(GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?);
     let mut m = Model::load(file.clone())?;
     m.set_threads(threads)?;
     if let Some(layout) = m.expert_layout() {
         let g = m.geometry();
         let mut cfg = StoreConfig::default();
-        if let Some(f) = ram_share {
-            cfg.mode = strata::tiers::store::ResidentMode::Budget((layout.total_bytes() as f64 * f) as u64);
-        }
+        let budget = ram_share.map(|f| (layout.total_bytes() as f64 * f) as u64);
+        cfg.mode = match (resident, budget) {
+            (true, b) => ResidentMode::Disjoint(b),
+            (false, Some(b)) => ResidentMode::Budget(b),
+            (false, None) => ResidentMode::All,
+        };
         let st = ExpertStore::new(layout, file, path, g, None, &cfg, knobs)?;
         m.experts = Some(Arc::new(st));
     }
@@ -512,15 +536,21 @@ pub fn check(a: CheckArgs) -> Result<()> {
                 "mean_kl": mean, "argmax_agreement": agree as f64 / kls.len() as f64}));
         }
         let q = CacheSize::Slots(total / 4);
-        for (name, cache, every, asyn, pcie, ram) in [
-            ("all experts in VRAM", CacheSize::Auto, 0u32, 0u8, PcieArm::Share(0.0), None),
-            ("cache 25%, static", q, 0, 0, PcieArm::Share(0.0), None),
-            ("cache 25%, static, repeat", q, 0, 0, PcieArm::Share(0.0), None),
-            ("cache 25%, adaptive blocking", q, 1, 0, PcieArm::Share(0.0), None),
-            ("cache 25%, adaptive async", q, 1, 1, PcieArm::Share(0.0), None),
-            ("cache 25%, pcie-frac 0.5", q, 0, 0, PcieArm::Share(0.5), None),
-            ("cache 25%, pcie auto", q, 0, 0, PcieArm::Auto, None),
-            ("cache 25%, RAM 50%, ram-adapt 8", q, 1, 0, PcieArm::Share(0.0), Some(0.5)),
+        for (name, cache, every, asyn, pcie, ram, resident) in [
+            ("all experts in VRAM", CacheSize::Auto, 0u32, 0u8, PcieArm::Share(0.0), None, false),
+            ("cache 25%, static", q, 0, 0, PcieArm::Share(0.0), None, false),
+            ("cache 25%, static, repeat", q, 0, 0, PcieArm::Share(0.0), None, false),
+            ("cache 25%, adaptive blocking", q, 1, 0, PcieArm::Share(0.0), None, false),
+            ("cache 25%, adaptive async", q, 1, 1, PcieArm::Share(0.0), None, false),
+            ("cache 25%, pcie-frac 0.5", q, 0, 0, PcieArm::Share(0.5), None, false),
+            ("cache 25%, pcie auto", q, 0, 0, PcieArm::Auto, None, false),
+            ("cache 25%, RAM 50%, ram-adapt 8", q, 1, 0, PcieArm::Share(0.0), Some(0.5), false),
+            // the resident mode (VRAM and RAM disjoint): static and blocking give the same bytes as above
+            ("cache 25%, resident, static", q, 0, 0, PcieArm::Share(0.0), None, true),
+            ("cache 25%, resident, blocking", q, 1, 0, PcieArm::Share(0.0), None, true),
+            ("cache 25%, resident, async", q, 1, 1, PcieArm::Share(0.0), None, true),
+            ("cache 25%, resident, async, pcie 0.5", q, 1, 1, PcieArm::Share(0.5), None, true),
+            ("cache 25%, resident RAM 50%, ram-adapt 8", q, 1, 1, PcieArm::Share(0.0), Some(0.5), true),
         ] {
             let (pcie, auto) = match pcie {
                 PcieArm::Share(p) => (p, "0"),
@@ -534,7 +564,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
             knobs.set("adapt_async", &asyn.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("pcie_frac", &pcie.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("pcie_auto", auto).map_err(|e| anyhow::anyhow!("{e}"))?;
-            let mut m = load_with(path, knobs, 8, ram)?;
+            let mut m = load_mode(path, knobs, 8, resident, ram)?;
             let opts =
                 GpuOptions { enabled: true, device: 0, cache, reserve_mib: 700, n_ctx: toks.len() + 8, max_chunk: 64 };
             let line = m.attach_gpu(&opts).map_err(|e| anyhow::anyhow!(e))?;
@@ -553,14 +583,19 @@ pub fn check(a: CheckArgs) -> Result<()> {
             let tt = m.experts.as_ref().map(|s| s.counters.totals()).unwrap_or_default();
             let bytes_digest =
                 gl.iter().fold(0xcbf29ce484222325u64, |h, v| (h ^ v.to_bits() as u64).wrapping_mul(0x100000001b3));
+            // every slot and RAM place against the file after the run (drains an asynchronous round first)
+            let faults = gpu(&m).verify_tiers(m.experts.as_ref().expect("MoE"))?;
+            for f in faults.iter().take(5) {
+                println!("  TIER FAULT: {f}");
+            }
             println!(
-                "{name:<32} positions {n}  mean KL {mean:.2e}  argmax {:.2}%  hits {}/{}  swaps {}  pcie entries {}  promotions {}  file reads {}  digest {bytes_digest:016x}",
-                100.0 * agree as f64 / n as f64, tt.vram_hits, tt.lookups, tt.swaps, tt.pcie_entries, tt.promotions, tt.file_blob_reads
+                "{name:<32} positions {n}  mean KL {mean:.2e}  argmax {:.2}%  hits {}/{}  swaps {}  pcie entries {}  promotions {}  file reads {}  tier faults {}  digest {bytes_digest:016x}",
+                100.0 * agree as f64 / n as f64, tt.vram_hits, tt.lookups, tt.swaps, tt.pcie_entries, tt.promotions, tt.file_blob_reads, faults.len()
             );
             configs.push(serde_json::json!({"config": name, "positions": n, "mean_kl": mean,
                 "argmax_agreement": agree as f64 / n as f64, "vram_hits": tt.vram_hits, "lookups": tt.lookups,
                 "swaps": tt.swaps, "pcie_entries": tt.pcie_entries, "promotions": tt.promotions,
-                "file_blob_reads": tt.file_blob_reads, "digest": format!("{bytes_digest:016x}")}));
+                "file_blob_reads": tt.file_blob_reads, "tier_faults": faults.len(), "digest": format!("{bytes_digest:016x}")}));
         }
         report.insert("model".into(), path.display().to_string().into());
         report.insert("forward".into(), configs.into());
@@ -626,8 +661,13 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
     let t0 = Instant::now();
     let knobs = Arc::new(Knobs::default());
-    let mut m = load(&a.model, knobs.clone(), threads)?;
-    eprintln!("loaded {} in {:.1} s ({threads} CPU threads)", a.model.display(), t0.elapsed().as_secs_f64());
+    let mut m = load_mode(&a.model, knobs.clone(), threads, a.resident, a.ram_share)?;
+    eprintln!(
+        "loaded {} in {:.1} s ({threads} CPU threads; RAM copy: {})",
+        a.model.display(),
+        t0.elapsed().as_secs_f64(),
+        m.experts.as_ref().map_or("none", |st| st.mode().name())
+    );
     let st = m.experts.clone().context("bench-gpu needs an MoE model")?;
     let total = st.layout().n_layer() * st.layout().n_expert;
     let blob = st.layout().layers[0].blob_bytes();
@@ -641,7 +681,13 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     // host RAM read bandwidth over the RAM copy (all threads)
     let ram_bw = {
         let arena = st.arena();
-        crate::bench_experts_cmd::host_read_gbps(arena.slice(0, arena.len().min(8 << 30)), threads)
+        if arena.len() >= 1 << 30 {
+            crate::bench_experts_cmd::host_read_gbps(arena.slice(0, arena.len().min(8 << 30)), threads)
+        } else {
+            // the resident mode's copy is built when the GPU attaches: measure over a buffer of its own
+            drop(arena);
+            crate::bench_experts_cmd::host_read_gbps(&vec![1u8; 4 << 30], threads)
+        }
     };
     println!(
         "H2D pinned {pinned:.1} GB/s, pageable {pageable:.1} GB/s; host RAM read {ram_bw:.1} GB/s; blob {:.2} MiB; {total} experts; CPU kernels {:?}",

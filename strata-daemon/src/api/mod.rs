@@ -17,7 +17,7 @@ use crate::engine::{Counters, Engine, Event, GenerateParams, Totals};
 use crate::model::{Model, Tokenizer};
 use crate::tiers::arena::Lock;
 use crate::tiers::knobs::{Knob, Knobs};
-use crate::tiers::store::{ExpertResidency, ExpertStore, LayerResidency, ResidentMode, TierTotals};
+use crate::tiers::store::{ExpertResidency, ExpertStore, LayerResidency, TierTotals};
 
 /// Why a call was refused, by kind (each front end maps the kind to its own status: gRPC codes, HTTP statuses).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -282,11 +282,7 @@ impl Control {
             .map(|(i, l)| (i as u32, l))
             .filter(|(i, _)| layer.is_none_or(|l| *i == l))
             .collect();
-        let mode = match store.mode() {
-            ResidentMode::All => "all",
-            ResidentMode::Budget(_) => "budget",
-            ResidentMode::Mmap => "mmap",
-        };
+        let mode = store.mode().name();
         Ok(Residency { layers, experts, ram_locked: store.ram_lock() == Lock::Locked, mode })
     }
 

@@ -185,7 +185,7 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
     /// At a request's start: waits for an asynchronous adaptive round in flight and admits it.
-    fn drain(&self, store: &ExpertStore) -> Result<(), BackendError> {
+    fn drain(&self, store: &Arc<ExpertStore>) -> Result<(), BackendError> {
         let _ = store;
         Ok(())
     }

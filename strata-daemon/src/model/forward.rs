@@ -114,12 +114,19 @@ impl Model {
 
     /// Moves the model onto the GPU when GPU use is on and a driver, NVRTC and a device are found (dense weights
     /// and the KV cache in VRAM, the VRAM expert cache filled from [`Model::experts`], so attach the store
-    /// first); otherwise it stays on the CPU. Returns the one line to log (what runs where, or why the CPU).
+    /// first); otherwise it stays on the CPU. In the resident RAM mode the RAM copy is built here, after the VRAM
+    /// cache (every expert without one, as in the default mode). Returns the one line to log (what runs where, or why the CPU).
     /// Errors: a GPU was found but loading onto it failed (out of VRAM, a format without kernels).
     pub fn attach_gpu(&mut self, o: &GpuOptions) -> Result<String, String> {
         let (backend, line) = crate::backend::select(&self.model_ref(), o)?;
         if let Some(b) = backend {
             self.backend = b;
+        }
+        // the resident mode's RAM copy waits for the VRAM cache (a GPU backend builds it after its fill)
+        if let Some(st) = &self.experts {
+            if !st.ram_copy_built() {
+                st.build_ram_copy(0).map_err(|e| format!("building the resident RAM copy: {e}"))?;
+            }
         }
         Ok(line)
     }

@@ -3,6 +3,7 @@
 //! and the replay of routing traces.
 
 pub mod arena;
+pub mod exchange;
 pub mod fileio;
 pub mod knobs;
 pub mod layout;

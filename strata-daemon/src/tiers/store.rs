@@ -68,6 +68,24 @@ pub enum ResidentMode {
     Budget(u64),
     /// No copy: experts are read through the file mapping (`--mmap-experts`).
     Mmap,
+    /// The RAM copy holds exactly the experts no VRAM slot holds (`--resident-experts`; with `Some(bytes)`,
+    /// `--resident-budget-gib` beside it: the hottest non-VRAM experts up to `bytes`, the rest file-tier), so
+    /// VRAM, RAM and file are disjoint. The copy is built once the VRAM cache is filled
+    /// ([`ExpertStore::build_ram_copy`]); adaptive swaps exchange bytes with it ([`super::exchange`]).
+    Disjoint(Option<u64>),
+}
+
+impl ResidentMode {
+    /// The mode's name as the API reports it (`all`, `budget`, `mmap`, `resident`, `resident-budget`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            ResidentMode::All => "all",
+            ResidentMode::Budget(_) => "budget",
+            ResidentMode::Mmap => "mmap",
+            ResidentMode::Disjoint(None) => "resident",
+            ResidentMode::Disjoint(Some(_)) => "resident-budget",
+        }
+    }
 }
 
 /// Store settings.
@@ -223,6 +241,48 @@ pub enum Refusal {
     /// Layer or expert out of range.
     #[error("expert ({0}, {1}) does not exist")]
     OutOfRange(usize, usize),
+    /// Resident mode: the incoming expert is in VRAM (it has no RAM place by design).
+    #[error("expert ({0}, {1}) is in VRAM")]
+    InVram(usize, usize),
+}
+
+/// Why an exchange could not be reserved (nothing changed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExchangeError {
+    /// Not in the resident mode, or its RAM copy is not built yet.
+    #[error("exchanges need the resident RAM mode (--resident-experts) with its copy built")]
+    NotResidentMode,
+    /// The outgoing expert holds no slot.
+    #[error("expert ({0}, {1}) is not in VRAM")]
+    NotInVram(usize, usize),
+    /// The incoming expert already holds one.
+    #[error("expert ({0}, {1}) is already in VRAM")]
+    AlreadyInVram(usize, usize),
+    /// Every exchange place is taken (the swap waits for a later round).
+    #[error("no free exchange place")]
+    NoPlace,
+    /// Layer or expert out of range.
+    #[error("expert ({0}, {1}) does not exist")]
+    OutOfRange(usize, usize),
+}
+
+/// One exchange between a VRAM slot and the resident RAM copy: `outgoing` leaves `slot` for the RAM copy and
+/// `incoming` takes the slot (seed 003's steps: [`super::exchange`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Exchange {
+    /// Layer of both experts.
+    pub layer: usize,
+    /// Expert leaving VRAM.
+    pub outgoing: usize,
+    /// Expert entering VRAM.
+    pub incoming: usize,
+    /// The slot they exchange.
+    pub slot: u32,
+    /// Arena offset of the exchange place that holds `outgoing`'s bytes from the copy-back to the flip.
+    pub buffer: usize,
+    /// Arena offset of `incoming`'s RAM place (it becomes `outgoing`'s at the flip); `None` when `incoming` is
+    /// file-tier (then `outgoing` becomes file-tier).
+    pub vacated: Option<usize>,
 }
 
 /// Where one expert's bytes come from for a computation.
@@ -244,8 +304,15 @@ struct State {
     usage: Usage,
     /// The profile's ranks at start (ties of a save).
     prior: Option<Vec<Option<u32>>>,
-    /// An exchange with a VRAM tier is staged (always false without one).
+    /// An asynchronous round of the VRAM tier is in flight (always false without one).
     exchange_staged: bool,
+    /// Exchanges with the VRAM tier reserved and not yet flipped or cancelled (RAM adapt is refused while any
+    /// is; [`ResidentMode::Disjoint`] only).
+    exchanges: usize,
+    /// Free exchange places (arena offsets; [`ResidentMode::Disjoint`] only).
+    exchange_free: Vec<usize>,
+    /// Whether the `Disjoint` RAM copy has been built (always true in the other modes).
+    copy_built: bool,
     /// Windows since start, for the decay rounds.
     windows: u64,
     /// VRAM slot of each expert (`layer × n_expert + expert`); all `None` without a GPU expert cache.
@@ -286,6 +353,7 @@ pub struct ExpertStore {
     arena: RwLock<HostArena>,
     state: Mutex<State>,
     mode: ResidentMode,
+    cfg: StoreConfig,
     geometry: Geometry,
     /// Running totals.
     pub counters: TierCounters,
@@ -322,51 +390,12 @@ impl ExpertStore {
         let key = |i: usize| (i % ne, i / ne);
         order.sort_by_key(|&i| (ranks.as_ref().and_then(|r| r[i]).unwrap_or(u32::MAX), key(i)));
         let budget = match cfg.mode {
-            ResidentMode::Mmap => 0,
+            ResidentMode::Mmap | ResidentMode::Disjoint(_) => 0,
             ResidentMode::All => total,
-            ResidentMode::Budget(b) => {
-                if b > total {
-                    tracing::info!(
-                        "--resident-budget-gib {:.2} is more than all experts ({:.2} GiB): clamped",
-                        gib(b),
-                        gib(total)
-                    );
-                }
-                b.min(total)
-            }
+            ResidentMode::Budget(b) => clamp_to_total(b, total),
         };
-        let budget = match mem_available() {
-            Some(avail) if budget > avail.saturating_sub(cfg.headroom) => {
-                let c = avail.saturating_sub(cfg.headroom);
-                tracing::warn!(
-                    "resident RAM copy of {:.2} GiB does not fit in available memory ({:.2} GiB) minus {:.2} GiB \
-                     headroom: clamped to {:.2} GiB, the rest is read from the file",
-                    gib(budget),
-                    gib(avail),
-                    gib(cfg.headroom),
-                    gib(c)
-                );
-                c
-            }
-            _ => budget,
-        };
-        let mut place = vec![None; n_layer * ne];
-        let mut used = 0u64;
-        let mut chosen = Vec::new();
-        for &i in &order {
-            let b = layout.layers[i / ne].blob_bytes() as u64;
-            if used + b > budget {
-                if cfg.mode == ResidentMode::All {
-                    break; // clamped: the hottest that fit
-                }
-                continue;
-            }
-            place[i] = Some(used as usize);
-            chosen.push(i);
-            used += b;
-        }
-        let need_reader = chosen.len() < n_layer * ne && cfg.mode != ResidentMode::Mmap || !chosen.is_empty();
-        let reader = if need_reader {
+        let budget = clamp_to_memory(budget, cfg.headroom);
+        let reader = if cfg.mode != ResidentMode::Mmap {
             Some(
                 BlobReader::open(path, cfg.file_io)
                     .map_err(|source| StoreError::Open { path: path.display().to_string(), source })?,
@@ -374,27 +403,8 @@ impl ExpertStore {
         } else {
             None
         };
-        let mut arena =
-            HostArena::new(used as usize, cfg.lock).map_err(|source| StoreError::Alloc { bytes: used, source })?;
-        // fill the copy from the mapping (sequential, through the page cache)
-        let bytes = file.bytes();
-        for &i in &chosen {
-            let (l, e) = (i / ne, i % ne);
-            let off = place[i].expect("chosen");
-            let ll = &layout.layers[l];
-            let dst = arena.slice_mut(off, ll.blob_bytes());
-            let mut o = 0;
-            for (fo, len) in ll.file_slices(e) {
-                let src = bytes.get(fo as usize..fo as usize + len).ok_or_else(|| StoreError::Load {
-                    layer: l,
-                    expert: e,
-                    source: std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
-                })?;
-                dst[o..o + len].copy_from_slice(src);
-                o += len;
-            }
-        }
-        let in_ram = chosen.len();
+        let copy = RamCopy::fill(&layout, &file, &order, budget, cfg.mode == ResidentMode::All, 0, cfg.lock)?;
+        let (place, arena, used, in_ram) = (copy.place, copy.arena, copy.used, copy.chosen);
         tracing::info!(
             mode = ?cfg.mode,
             experts_in_ram = in_ram,
@@ -414,11 +424,15 @@ impl ExpertStore {
                 usage: Usage::new(n_layer, ne),
                 prior: ranks,
                 exchange_staged: false,
+                exchanges: 0,
+                exchange_free: Vec::new(),
+                copy_built: !matches!(cfg.mode, ResidentMode::Disjoint(_)),
                 windows: 0,
                 slot: vec![None; n_layer * ne],
                 free_slots: Vec::new(),
             }),
             mode: cfg.mode,
+            cfg: cfg.clone(),
             geometry,
             counters: TierCounters::default(),
             knobs,
@@ -686,11 +700,18 @@ impl ExpertStore {
         }
         let plan = {
             let st = self.state();
-            if st.exchange_staged {
+            if st.exchange_staged || st.exchanges > 0 {
                 return Vec::new();
             }
             let ne = self.layout.n_expert;
-            plan_ram_adapt(&st.usage, |l, e| st.place[l * ne + e].is_some(), |_, _| true, n)
+            // resident mode: a VRAM expert is neither RAM nor file tier (VRAM, RAM and file stay disjoint)
+            let disjoint = matches!(self.mode, ResidentMode::Disjoint(_));
+            plan_ram_adapt(
+                &st.usage,
+                |l, e| st.place[l * ne + e].is_some(),
+                |l, e| !disjoint || st.slot[l * ne + e].is_none(),
+                n,
+            )
         };
         let mut done = Vec::new();
         for p in plan {
@@ -720,11 +741,14 @@ impl ExpertStore {
         }
         let off = {
             let st = self.state();
-            if st.exchange_staged {
+            if st.exchange_staged || st.exchanges > 0 {
                 return Err(Refusal::ExchangeStaged);
             }
             if st.place[layer * ne + incoming].is_some() {
                 return Err(Refusal::InAlreadyInRam(layer, incoming));
+            }
+            if matches!(self.mode, ResidentMode::Disjoint(_)) && st.slot[layer * ne + incoming].is_some() {
+                return Err(Refusal::InVram(layer, incoming));
             }
             st.place[layer * ne + outgoing].ok_or(Refusal::OutNotInRam(layer, outgoing))?
         };
@@ -748,6 +772,203 @@ impl ExpertStore {
     /// without one it stays false.
     pub fn set_exchange_staged(&self, staged: bool) {
         self.state().exchange_staged = staged;
+    }
+
+    /// Builds the [`ResidentMode::Disjoint`] RAM copy once the VRAM cache is filled: the experts no slot holds,
+    /// in placement order (profile rank, then expert-major), all of them or — with a budget — the hottest up to it,
+    /// clamped to available memory minus the headroom; the rest are file-tier. `n_exchange` exchange places of the
+    /// largest blob follow them (none without VRAM slots): they hold evicted experts' bytes during adaptive swaps
+    /// ([`super::exchange`]). Replaces an earlier copy (no exchange may be reserved; whoever registered the old
+    /// arena with a driver unregisters it first). Returns the experts placed. A no-op (0) in the other modes.
+    /// Errors: [`StoreError`] (allocation or a read past the file).
+    pub fn build_ram_copy(&self, n_exchange: usize) -> Result<usize, StoreError> {
+        let ResidentMode::Disjoint(budget) = self.mode else { return Ok(0) };
+        let ne = self.layout.n_expert;
+        let placement = self.placement_order();
+        let (order, n_slotted) = {
+            let st = self.state();
+            assert_eq!(st.exchanges, 0, "RAM copy rebuilt with exchanges reserved");
+            let n_slotted = st.slot.iter().filter(|s| s.is_some()).count();
+            let order: Vec<usize> =
+                placement.into_iter().map(|(l, e)| l * ne + e).filter(|&i| st.slot[i].is_none()).collect();
+            (order, n_slotted)
+        };
+        let rest: u64 = order.iter().map(|&i| self.layout.layers[i / ne].blob_bytes() as u64).sum();
+        let want = match budget {
+            Some(b) => clamp_to_total(b, rest),
+            None => rest,
+        };
+        let n_exchange = if n_slotted == 0 { 0 } else { n_exchange.min(order.len()) };
+        let max_blob = self.layout.layers.iter().map(|l| l.blob_bytes()).max().unwrap_or(0) as u64;
+        let extra = n_exchange as u64 * max_blob;
+        let fit = clamp_to_memory(want + extra, self.cfg.headroom).saturating_sub(extra);
+        let copy = RamCopy::fill(&self.layout, &self.file, &order, fit, budget.is_none(), n_exchange, self.cfg.lock)?;
+        let (used, placed) = (copy.used, copy.chosen);
+        let locked = copy.arena.lock() == Lock::Locked;
+        {
+            let mut a = self.arena.write().unwrap_or_else(|e| e.into_inner());
+            let mut st = self.state();
+            *a = copy.arena;
+            st.place = copy.place;
+            st.exchange_free = (0..n_exchange).rev().map(|k| (used + k as u64 * max_blob) as usize).collect();
+            st.copy_built = true;
+        }
+        tracing::info!(
+            "resident RAM copy (disjoint from the {n_slotted} VRAM experts): {placed} experts, {:.2} GiB + {n_exchange} \
+             exchange places ({:.0} MiB), {}; {} experts file-tier",
+            gib(used),
+            extra as f64 / (1u64 << 20) as f64,
+            if locked { "locked" } else { "pageable" },
+            order.len() - placed
+        );
+        Ok(placed)
+    }
+
+    /// Whether the RAM copy is complete: always, except in [`ResidentMode::Disjoint`] before
+    /// [`ExpertStore::build_ram_copy`].
+    pub fn ram_copy_built(&self) -> bool {
+        self.state().copy_built
+    }
+
+    /// Free exchange places now (reserved ones not counted).
+    pub fn exchange_places_free(&self) -> usize {
+        self.state().exchange_free.len()
+    }
+
+    /// Reserves an exchange for the swap `incoming` ⇄ `outgoing` of `layer` (resident mode, step 1): `outgoing`
+    /// must hold a slot and `incoming` none; takes a free exchange place. Nothing moves yet; RAM adapt is refused
+    /// until the exchange is flipped or cancelled. Errors: [`ExchangeError`].
+    pub fn reserve_exchange(&self, layer: usize, outgoing: usize, incoming: usize) -> Result<Exchange, ExchangeError> {
+        let ne = self.layout.n_expert;
+        if layer >= self.layout.n_layer() || outgoing >= ne || incoming >= ne {
+            return Err(ExchangeError::OutOfRange(layer, outgoing.max(incoming)));
+        }
+        let mut st = self.state();
+        if !matches!(self.mode, ResidentMode::Disjoint(_)) || !st.copy_built {
+            return Err(ExchangeError::NotResidentMode);
+        }
+        let slot = st.slot[layer * ne + outgoing].ok_or(ExchangeError::NotInVram(layer, outgoing))?;
+        if st.slot[layer * ne + incoming].is_some() {
+            return Err(ExchangeError::AlreadyInVram(layer, incoming));
+        }
+        let buffer = st.exchange_free.pop().ok_or(ExchangeError::NoPlace)?;
+        st.exchanges += 1;
+        Ok(Exchange { layer, outgoing, incoming, slot, buffer, vacated: st.place[layer * ne + incoming] })
+    }
+
+    /// Address of `len` bytes at arena offset `off` of the RAM copy, for copies the caller orders itself (a GPU
+    /// copy-back into an exchange place, a copy-in from a place). The address stays valid until the copy is
+    /// rebuilt. Panics when out of range.
+    pub fn place_ptr(&self, off: usize, len: usize) -> *mut u8 {
+        let a = self.arena();
+        assert!(off.checked_add(len).is_some_and(|end| end <= a.len()), "RAM place out of range");
+        // SAFETY: in bounds of the arena's live mapping (checked above); only an address is formed here.
+        unsafe { a.as_ptr().add(off) }
+    }
+
+    /// Step 2 of an exchange, once `outgoing`'s bytes are in its exchange place: `outgoing` stops being planned
+    /// for the GPU and is read from the exchange place (its slot now belongs to the exchange: the caller overwrites
+    /// it once the GPU work issued before this call is done).
+    pub fn stage_exchange(&self, x: &Exchange) {
+        let ne = self.layout.n_expert;
+        let mut st = self.state();
+        let i = x.layer * ne + x.outgoing;
+        debug_assert_eq!(st.slot[i], Some(x.slot));
+        st.slot[i] = None;
+        st.place[i] = Some(x.buffer);
+    }
+
+    /// Step 3 of an exchange, once `incoming`'s bytes are in the slot: `incoming` is planned for the GPU. Its RAM
+    /// place (`x.vacated`) is then read by nobody planned from now on.
+    pub fn land_exchange(&self, x: &Exchange) {
+        let ne = self.layout.n_expert;
+        self.state().slot[x.layer * ne + x.incoming] = Some(x.slot);
+    }
+
+    /// Step 3 (the copy): moves `outgoing`'s bytes from the exchange place into the place `incoming` vacated
+    /// (nothing when `incoming` came from the file). Called after [`ExpertStore::land_exchange`] and after every
+    /// read of the vacated place planned before it (CPU work and GPU copies) is done; may run on another thread
+    /// while windows run, since no window plans a read of the vacated place any more.
+    pub fn move_evicted(&self, x: &Exchange) {
+        let Some(dst) = x.vacated else { return };
+        let len = self.layout.layers[x.layer].blob_bytes();
+        let (src, dst) = (self.place_ptr(x.buffer, len), self.place_ptr(dst, len));
+        // SAFETY: both ranges lie in the arena (place_ptr checks) and do not overlap (an exchange place is never an
+        // expert's place while reserved). Nobody writes the exchange place between the copy-back and the flip;
+        // nobody reads or writes the vacated place after land_exchange (the caller waited for earlier readers).
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+    }
+
+    /// Step 4: flips the offsets — `outgoing`'s RAM place becomes the vacated one (file tier when `incoming` came
+    /// from the file), `incoming` keeps none — and frees the exchange place.
+    pub fn flip_exchange(&self, x: Exchange) {
+        let ne = self.layout.n_expert;
+        let mut st = self.state();
+        st.place[x.layer * ne + x.outgoing] = x.vacated;
+        st.place[x.layer * ne + x.incoming] = None;
+        st.exchange_free.push(x.buffer);
+        st.exchanges -= 1;
+    }
+
+    /// Undoes an exchange whose copy failed. Before [`ExpertStore::stage_exchange`] (`staged == false`) nothing
+    /// moved: the exchange place is freed. After it, the slot's contents are undefined: the slot goes back to the
+    /// free list, `incoming` keeps its tier, and `outgoing` keeps the exchange place as its RAM place (one fewer
+    /// exchange place from now on).
+    pub fn cancel_exchange(&self, x: Exchange, staged: bool) {
+        let mut st = self.state();
+        if staged {
+            st.free_slots.push(x.slot);
+        } else {
+            st.exchange_free.push(x.buffer);
+        }
+        st.exchanges -= 1;
+    }
+
+    /// Checks the RAM copy against the file: every expert with a RAM place holds exactly its file bytes there, no
+    /// two experts share a place, and in the resident mode no expert has both a slot and a place (the exchange
+    /// rounds in flight excepted: call it with none). Returns one line per fault (empty = consistent). Reads the
+    /// whole copy: a test and benchmark check, not for serving.
+    pub fn verify_ram_copy(&self) -> Vec<String> {
+        let ne = self.layout.n_expert;
+        let (place, slot) = {
+            let st = self.state();
+            (st.place.clone(), st.slot.clone())
+        };
+        let mut faults = Vec::new();
+        let mut owners = std::collections::HashMap::new();
+        let arena = self.arena();
+        for (i, p) in place.iter().enumerate() {
+            let (l, e) = (i / ne, i % ne);
+            if matches!(self.mode, ResidentMode::Disjoint(_)) && p.is_some() && slot[i].is_some() {
+                faults.push(format!("expert ({l}, {e}) is in VRAM and in RAM"));
+            }
+            let Some(off) = *p else { continue };
+            if let Some((l2, e2)) = owners.insert(off, (l, e)) {
+                faults.push(format!("experts ({l2}, {e2}) and ({l}, {e}) share the RAM place at {off}"));
+            }
+            let mut o = off;
+            let bytes = self.file.bytes();
+            for (fo, len) in self.layout.layers[l].file_slices(e) {
+                if arena.slice(o, len) != &bytes[fo as usize..fo as usize + len] {
+                    faults.push(format!("expert ({l}, {e}): its RAM place at {off} holds other bytes"));
+                    break;
+                }
+                o += len;
+            }
+        }
+        faults
+    }
+
+    /// The file's bytes of `(layer, expert)`'s blob (gate | up | down), from the mapping.
+    pub fn file_blob(&self, layer: usize, expert: usize) -> Vec<u8> {
+        self.mapped_slices(layer, expert).concat()
+    }
+
+    /// The VRAM residency now: `(layer, expert, slot)` of every expert that holds a slot.
+    pub fn slotted(&self) -> Vec<(usize, usize, u32)> {
+        let ne = self.layout.n_expert;
+        let st = self.state();
+        st.slot.iter().enumerate().filter_map(|(i, s)| s.map(|s| (i / ne, i % ne, s))).collect()
     }
 
     /// Tier of `(layer, expert)`.
@@ -812,6 +1033,100 @@ impl ExpertStore {
         let heat: Vec<f64> =
             (0..self.layout.n_layer() * ne).map(|i| st.usage.heat(i / ne, i % ne) + boost(i)).collect();
         Profile { geometry: self.geometry, ranked: rank_by_heat(&heat, ne, st.prior.as_deref()) }
+    }
+}
+
+/// A RAM copy chosen and filled: each expert's place, the arena, the bytes of the places and the experts placed.
+struct RamCopy {
+    place: Vec<Option<usize>>,
+    arena: HostArena,
+    used: u64,
+    chosen: usize,
+}
+
+impl RamCopy {
+    /// Places experts (`layer × n_expert + expert`) in `order` while they fit in `budget` bytes — stopping at the
+    /// first that does not (`stop_at_first`) or skipping it — then `extra` places of the largest blob after them
+    /// (exchange places); allocates the arena (locked when `lock`) and fills the places from the file mapping.
+    fn fill(
+        layout: &ExpertLayout,
+        file: &GgufFile,
+        order: &[usize],
+        budget: u64,
+        stop_at_first: bool,
+        extra: usize,
+        lock: bool,
+    ) -> Result<RamCopy, StoreError> {
+        let ne = layout.n_expert;
+        let mut place = vec![None; layout.n_layer() * ne];
+        let mut used = 0u64;
+        let mut chosen = Vec::new();
+        for &i in order {
+            let b = layout.layers[i / ne].blob_bytes() as u64;
+            if used + b > budget {
+                if stop_at_first {
+                    break; // clamped: the hottest that fit
+                }
+                continue;
+            }
+            place[i] = Some(used as usize);
+            chosen.push(i);
+            used += b;
+        }
+        let max_blob = layout.layers.iter().map(|l| l.blob_bytes()).max().unwrap_or(0) as u64;
+        let len = used + extra as u64 * max_blob;
+        let mut arena =
+            HostArena::new(len as usize, lock).map_err(|source| StoreError::Alloc { bytes: len, source })?;
+        // fill the copy from the mapping (sequential, through the page cache)
+        let bytes = file.bytes();
+        for &i in &chosen {
+            let (l, e) = (i / ne, i % ne);
+            let off = place[i].expect("chosen");
+            let ll = &layout.layers[l];
+            let dst = arena.slice_mut(off, ll.blob_bytes());
+            let mut o = 0;
+            for (fo, len) in ll.file_slices(e) {
+                let src = bytes.get(fo as usize..fo as usize + len).ok_or_else(|| StoreError::Load {
+                    layer: l,
+                    expert: e,
+                    source: std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+                })?;
+                dst[o..o + len].copy_from_slice(src);
+                o += len;
+            }
+        }
+        Ok(RamCopy { place, arena, used, chosen: chosen.len() })
+    }
+}
+
+/// `budget` clamped to `total` bytes of experts (said once when it was more).
+fn clamp_to_total(budget: u64, total: u64) -> u64 {
+    if budget > total {
+        tracing::info!(
+            "--resident-budget-gib {:.2} is more than all experts ({:.2} GiB): clamped",
+            gib(budget),
+            gib(total)
+        );
+    }
+    budget.min(total)
+}
+
+/// `budget` clamped to the available memory minus `headroom` bytes (said when it was more).
+fn clamp_to_memory(budget: u64, headroom: u64) -> u64 {
+    match mem_available() {
+        Some(avail) if budget > avail.saturating_sub(headroom) => {
+            let c = avail.saturating_sub(headroom);
+            tracing::warn!(
+                "resident RAM copy of {:.2} GiB does not fit in available memory ({:.2} GiB) minus {:.2} GiB \
+                 headroom: clamped to {:.2} GiB, the rest is read from the file",
+                gib(budget),
+                gib(avail),
+                gib(headroom),
+                gib(c)
+            );
+            c
+        }
+        _ => budget,
     }
 }
 

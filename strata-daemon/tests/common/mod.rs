@@ -143,6 +143,16 @@ pub fn assert_parity(label: &str, model: &Model, d: &serde_json::Value) -> f64 {
 
 /// Greedy tokens for each prompt, with RAM adapt between decode windows as the engine does.
 pub fn greedy(m: &Model, prompts: &[&[u32]], n: usize) -> Vec<Vec<u32>> {
+    greedy_with(m, prompts, n, |_| {
+        if let Some(st) = &m.experts {
+            st.end_decode_window();
+        }
+    })
+}
+
+/// [`greedy`] with `after_window(w)` run after each decode window instead of the store's end-of-window call (a test
+/// that carries out the adaptive rounds itself).
+pub fn greedy_with(m: &Model, prompts: &[&[u32]], n: usize, mut after_window: impl FnMut(usize)) -> Vec<Vec<u32>> {
     prompts
         .iter()
         .map(|p| {
@@ -158,9 +168,7 @@ pub fn greedy(m: &Model, prompts: &[&[u32]], n: usize) -> Vec<Vec<u32>> {
                 }
                 s.decode = true;
                 logits = m.forward(&[t], &mut kv, Logits::Last, &mut s);
-                if let Some(st) = &m.experts {
-                    st.end_decode_window();
-                }
+                after_window(w);
             }
             out
         })

@@ -203,11 +203,9 @@ impl Drop for GpuModel {
         let _ = self.s.sync();
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        let p = self.registered.load(std::sync::atomic::Ordering::SeqCst);
-        if p != 0 {
-            // SAFETY: registered in make_cache; the stream is idle, so no copy from it is in flight.
-            unsafe { super::driver::host_unregister(p as *mut u8) };
-        }
+        // the stream is idle, so no copy from the RAM copy is in flight (the cache's drop waited for its own)
+        self.cache = None;
+        self.unregister_arena();
     }
 }
 
@@ -242,6 +240,10 @@ fn check_arch(model: &ModelRef<'_>) -> Result<(), GpuError> {
 /// Most logits bytes a pass returns through page-locked staging (one decode row of a 152k vocabulary is 0.6 MB; a
 /// prompt's every row would pin hundreds of MiB for good).
 const PIN_OUT_MAX: usize = 16 << 20;
+
+/// Exchange places of the resident mode's RAM copy: one round at the default `adapt_swaps` (REFERENCE.md §4
+/// caps a round at 96); swaps beyond them wait for a later round.
+const EXCHANGE_PLACES: usize = 96;
 
 /// `buf`, grown to at least `bytes` (a power of two) when smaller or absent. No copy may be in flight from or
 /// to the old buffer (callers grow after a stream sync). Errors: the driver refused the allocation.
@@ -473,27 +475,11 @@ impl GpuModel {
                 n.min(total).min(fit as usize)
             }
         };
-        // pinned RAM copy: register the arena so copies from it run at full link speed
-        let (ptr, len) = store.arena_range();
-        let mut pinned = false;
-        if len > 0 {
-            // SAFETY: the arena is a mapping owned by the store, which this GPU model holds (`self._store`) until
-            // its drop has waited for the stream and unregistered the range.
-            match unsafe { super::driver::host_register(ptr, len) } {
-                Ok(()) => {
-                    pinned = true;
-                    self.registered.store(ptr as usize, std::sync::atomic::Ordering::SeqCst);
-                }
-                Err(e) => {
-                    tracing::warn!("resident RAM copy not page-locked for the GPU ({e}); copies from it run slower")
-                }
-            }
-        }
         let mut n = want;
         let mut cache;
         let mut rounds = 0;
         loop {
-            cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, total, pinned)?;
+            cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, total, false)?;
             let (free_after, _) = self.dev.mem_info()?;
             let give =
                 if cfg.cache == CacheSize::Auto { shrink_slots(free_after as u64, cfg.reserve, sb as u64) } else { 0 };
@@ -505,6 +491,10 @@ impl GpuModel {
             rounds += 1;
         }
         let placed = cache.fill(store, &self.s)?;
+        // the resident mode's RAM copy: the experts the cache did not take, and the exchange places of its swaps
+        store.build_ram_copy(EXCHANGE_PLACES).map_err(|e| GpuError::Unsupported(e.to_string()))?;
+        cache.async_ok = self.register_arena(store);
+        let pinned = cache.async_ok;
         let (free_now, _) = self.dev.mem_info()?;
         tracing::info!(
             "expert cache: {placed} slots of {:.2} MiB ({:.2} GiB, {:.1}% of {total} experts) + {n_staging} staging slots; \
@@ -522,11 +512,42 @@ impl GpuModel {
         Ok(Some(cache))
     }
 
+    /// Registers the store's RAM copy with the driver (page-locked: copies from and into it run at full link
+    /// speed and asynchronously), replacing an earlier registration. Returns whether it is registered.
+    fn register_arena(&self, store: &ExpertStore) -> bool {
+        self.unregister_arena();
+        let (ptr, len) = store.arena_range();
+        if len == 0 {
+            return false;
+        }
+        // SAFETY: the arena is a mapping owned by the store, which this GPU model holds (`self._store`) until its
+        // drop has waited for the stream and unregistered the range (a rebuilt copy is unregistered first).
+        match unsafe { super::driver::host_register(ptr, len) } {
+            Ok(()) => {
+                self.registered.store(ptr as usize, std::sync::atomic::Ordering::SeqCst);
+                true
+            }
+            Err(e) => {
+                tracing::warn!("resident RAM copy not page-locked for the GPU ({e}); copies from it run slower");
+                false
+            }
+        }
+    }
+
+    /// Undoes [`GpuModel::register_arena`] (the streams must be idle).
+    fn unregister_arena(&self) {
+        let p = self.registered.swap(0, std::sync::atomic::Ordering::SeqCst);
+        if p != 0 {
+            // SAFETY: registered by register_arena; the caller has no copy from it in flight.
+            unsafe { super::driver::host_unregister(p as *mut u8) };
+        }
+    }
+
     /// Replaces the VRAM expert cache with one of `size` (benchmarks; the store's usage is kept).
     pub fn rebuild_cache(&mut self, store: &Arc<ExpertStore>, size: CacheSize) -> Result<(), GpuError> {
         self.dev.bind()?;
         if let Some(c) = &self.cache {
-            c.poll(store, true)?;
+            c.poll(store, &self.s, true)?;
         }
         self.s.sync()?;
         // captured graphs name the old slots
@@ -541,8 +562,14 @@ impl GpuModel {
             CacheSize::Slots(n) => n.min(entries),
             CacheSize::Auto => entries,
         };
-        let cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, entries, pinned)?;
+        let mut cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, entries, pinned)?;
         cache.fill(store, &self.s)?;
+        if store.ram_copy_built() && matches!(store.mode(), crate::tiers::store::ResidentMode::Disjoint(_)) {
+            // resident mode: the copy is the complement of the new cache
+            self.unregister_arena();
+            store.build_ram_copy(EXCHANGE_PLACES).map_err(|e| GpuError::Unsupported(e.to_string()))?;
+            cache.async_ok = self.register_arena(store);
+        }
         self.cache = Some(cache);
         Ok(())
     }
@@ -886,7 +913,7 @@ impl GpuModel {
         // an asynchronous adaptive round's experts that landed meanwhile are used from this layer on
         if let (Some(cache), Some(st)) = (&self.cache, &m.experts) {
             if cache.round_in_flight() {
-                cache.poll(st, false)?;
+                cache.poll(st, &self.s, false)?;
             }
         }
         let routes: Vec<Vec<(usize, f32)>> =
@@ -1111,7 +1138,7 @@ impl GpuModel {
         }
         let asynchronous = want && cache.async_ok;
         if asynchronous {
-            cache.poll(store, false)?;
+            cache.poll(store, &self.s, false)?;
         }
         cache.run_round(store, plan, &self.s, asynchronous)?;
         Ok(())
@@ -1123,11 +1150,23 @@ impl GpuModel {
         self.host.lock().unwrap_or_else(|e| e.into_inner()).balance.current()
     }
 
+    /// Checks the tiers' bytes against the file after draining any round: every VRAM slot and every RAM place
+    /// holds the expert the residency says, and (resident mode) no expert is in both. One line per fault.
+    pub fn verify_tiers(&self, store: &Arc<ExpertStore>) -> Result<Vec<String>, GpuError> {
+        self.drain(store)?;
+        self.s.sync()?;
+        let mut f = store.verify_ram_copy();
+        if let Some(c) = &self.cache {
+            f.extend(c.verify(store, &self.s)?);
+        }
+        Ok(f)
+    }
+
     /// At a request's start: waits for an asynchronous round in flight and admits it.
-    pub fn drain(&self, store: &ExpertStore) -> Result<(), GpuError> {
+    pub fn drain(&self, store: &Arc<ExpertStore>) -> Result<(), GpuError> {
         if let Some(cache) = &self.cache {
             self.dev.bind()?;
-            cache.poll(store, true)?;
+            cache.poll(store, &self.s, true)?;
         }
         Ok(())
     }
@@ -1177,7 +1216,7 @@ impl Backend for GpuModel {
         Ok(self.adapt(store, plan)?)
     }
 
-    fn drain(&self, store: &ExpertStore) -> Result<(), BackendError> {
+    fn drain(&self, store: &Arc<ExpertStore>) -> Result<(), BackendError> {
         Ok(GpuModel::drain(self, store)?)
     }
 

@@ -15,8 +15,9 @@ use super::driver::{DevBuf, Device, Event, PinnedBuf, Stream};
 use super::GpuError;
 use crate::quant::GgmlType;
 use crate::tiers::arena::HostArena;
+use crate::tiers::exchange::{ExchangeRound, SlotCopier};
 use crate::tiers::policy::Swap;
-use crate::tiers::store::ExpertStore;
+use crate::tiers::store::{ExpertStore, ResidentMode};
 
 /// One expert's copy into a slot.
 #[derive(Clone, Copy)]
@@ -49,6 +50,43 @@ struct InFlight {
     reports: crossbeam_channel::Receiver<Report>,
 }
 
+/// An asynchronous resident-mode round in flight: the helper thread is doing `phase` (1 copy back, 2 copy in,
+/// 3 move the evicted blobs) and sends the round back when done.
+struct ExchangeFlight {
+    phase: u8,
+    reports: crossbeam_channel::Receiver<(ExchangeRound, Result<(), String>)>,
+    /// The compute-stream event phase 3 waits on (alive until the helper reports).
+    _ready: Option<Arc<Event>>,
+}
+
+/// The copy stream and slot arena as the tiers' exchange rounds use them.
+#[derive(Clone)]
+struct StreamCopier {
+    copy: Arc<Stream>,
+    base: u64,
+    slot_bytes: usize,
+}
+
+impl SlotCopier for StreamCopier {
+    type Error = GpuError;
+
+    unsafe fn copy_out(&self, slot: u32, dst: *mut u8, len: usize) -> Result<(), GpuError> {
+        let src = self.base + slot as u64 * self.slot_bytes as u64;
+        // SAFETY: the caller keeps `dst` valid and unshared until sync(); the slot lies in the arena.
+        unsafe { self.copy.dtoh_raw(dst, src, len) }
+    }
+
+    unsafe fn copy_in(&self, slot: u32, src: *const u8, len: usize) -> Result<(), GpuError> {
+        let dst = self.base + slot as u64 * self.slot_bytes as u64;
+        // SAFETY: the caller keeps `src` valid and unwritten until sync(); the slot lies in the arena.
+        unsafe { self.copy.htod_raw(dst, src, len) }
+    }
+
+    fn sync(&self) -> Result<(), GpuError> {
+        self.copy.sync()
+    }
+}
+
 /// The VRAM expert cache of one GPU.
 pub struct SlotCache {
     /// Slots back to back: `n_slots` cache slots, then `n_staging` staging slots.
@@ -69,6 +107,7 @@ pub struct SlotCache {
     /// Blobs the bounce buffer holds.
     bounce_blobs: usize,
     in_flight: Mutex<Option<InFlight>>,
+    exchange: Mutex<Option<ExchangeFlight>>,
     /// The device table lags the store's residency (moves since the last upload). Only the all-in-VRAM path
     /// reads the device table (its top-k builds the groups from it); hybrid layers plan from the store, so
     /// rounds mark it stale instead of uploading it (a synchronous copy per admission, up to one per layer
@@ -104,6 +143,7 @@ impl SlotCache {
             bounce: Arc::new(Mutex::new(PinnedBuf::alloc(bounce_blobs * blob_bytes)?)),
             bounce_blobs,
             in_flight: Mutex::new(None),
+            exchange: Mutex::new(None),
             table_stale: std::sync::atomic::AtomicBool::new(false),
             async_ok,
         })
@@ -163,9 +203,170 @@ impl SlotCache {
         Ok(placed)
     }
 
+    /// Reads every occupied slot back and compares it with its expert's file bytes (the store's residency says
+    /// which expert each slot holds). Returns one line per slot that differs. Reads the whole cache: a check for
+    /// tests and benchmarks (no round may be in flight; `s` is idle after it).
+    pub fn verify(&self, store: &ExpertStore, s: &Stream) -> Result<Vec<String>, GpuError> {
+        let mut faults = Vec::new();
+        let mut back = vec![0u8; self.blob_bytes];
+        for (l, e, slot) in store.slotted() {
+            s.dtoh_sync(&mut back, self.slot_addr(slot))?;
+            if back != store.file_blob(l, e) {
+                faults.push(format!("VRAM slot {slot} does not hold expert ({l}, {e})"));
+            }
+        }
+        Ok(faults)
+    }
+
     /// Whether an asynchronous round is in flight.
     pub fn round_in_flight(&self) -> bool {
         self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+            || self.exchange.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    fn copier(&self) -> StreamCopier {
+        StreamCopier { copy: self.copy.clone(), base: self.slot_addr(0), slot_bytes: self.slot_bytes }
+    }
+
+    /// Counts `n` swaps landed (and their bytes) and marks the device table stale.
+    fn count_swaps(&self, store: &ExpertStore, n: usize) {
+        store.counters.swaps.fetch_add(n as u64, Ordering::Relaxed);
+        store.counters.swap_bytes.fetch_add((n * self.blob_bytes) as u64, Ordering::Relaxed);
+        self.table_stale.store(true, Ordering::Release);
+    }
+
+    /// A resident-mode round (`--resident-experts`): each swap an exchange with the RAM copy
+    /// ([`crate::tiers::exchange`]). Blocking: all four steps now. Asynchronous: reserves the exchanges and starts
+    /// step 1 on a helper thread; [`SlotCache::poll`] advances the steps. Swaps into empty slots (a cache larger
+    /// than its experts) run as plain moves.
+    fn run_exchange_round(
+        &self,
+        store: &Arc<ExpertStore>,
+        plan: Vec<Swap>,
+        compute: &Stream,
+        asynchronous: bool,
+    ) -> Result<usize, GpuError> {
+        if asynchronous && self.round_in_flight() {
+            return Ok(0);
+        }
+        // the GPU work that may still read the victims' slots or the exchange places was issued before this event
+        let ready = Event::new()?;
+        ready.record(compute)?;
+        self.copy.wait(&ready)?;
+        let (round, fills) = ExchangeRound::reserve(store, &plan);
+        let mut done = 0;
+        if !fills.is_empty() {
+            done += self.run_round(store, fills, compute, false)?;
+        }
+        if round.is_empty() {
+            return Ok(done);
+        }
+        let n = round.exchanges().len();
+        if !asynchronous {
+            round.complete(store, &self.copier()).map_err(GpuError::Unsupported)?;
+            self.count_swaps(store, n);
+            return Ok(done + n);
+        }
+        let (tx, rx) = crossbeam_channel::unbounded();
+        self.spawn_phase(store, round, 1, None, tx)?;
+        *self.exchange.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(ExchangeFlight { phase: 1, reports: rx, _ready: None });
+        Ok(done + n)
+    }
+
+    /// Runs phase `phase` of an asynchronous exchange round on a helper thread: 1 = copy back, 2 = copy in (both
+    /// waiting for their copies), 3 = wait for `ready` (compute-stream work that may read the vacated places),
+    /// then move the evicted blobs. The round comes back on `tx` with the phase's result.
+    fn spawn_phase(
+        &self,
+        store: &Arc<ExpertStore>,
+        mut round: ExchangeRound,
+        phase: u8,
+        ready: Option<Arc<Event>>,
+        tx: crossbeam_channel::Sender<(ExchangeRound, Result<(), String>)>,
+    ) -> Result<(), GpuError> {
+        let (st, dev, c) = (store.clone(), self.dev.clone(), self.copier());
+        std::thread::Builder::new()
+            .name("strata-adapt".into())
+            .spawn(move || {
+                let r = dev.bind().map_err(|e| e.to_string()).and_then(|_| match phase {
+                    1 => round.copy_back(&st, &c).and_then(|_| c.sync()).map_err(|e| e.to_string()),
+                    2 => round.copy_in(&st, &c).and_then(|_| c.sync().map_err(|e| e.to_string())),
+                    _ => {
+                        let waited = ready.as_ref().map_or(Ok(()), |ev| ev.sync()).map_err(|e| e.to_string());
+                        // the move cannot fail; it waits for the readers planned before the landing
+                        waited.map(|_| round.move_evicted(&st))
+                    }
+                });
+                let _ = tx.send((round, r));
+            })
+            .map_err(|e| GpuError::Unsupported(format!("adaptive helper thread: {e}")))?;
+        Ok(())
+    }
+
+    /// Advances an asynchronous exchange round: each phase the helper finished leads to the next step on this
+    /// thread (2: stage, then the copy-in phase; 3: land, then the move phase; 4: flip). `wait` runs the round to
+    /// its end (a request start drains it). Returns whether experts landed.
+    fn poll_exchange(&self, store: &Arc<ExpertStore>, compute: &Stream, wait: bool) -> Result<bool, GpuError> {
+        let mut g = self.exchange.lock().unwrap_or_else(|e| e.into_inner());
+        let mut any = false;
+        loop {
+            let Some(f) = g.as_mut() else { return Ok(any) };
+            let msg = if wait {
+                f.reports.recv().ok()
+            } else {
+                match f.reports.try_recv() {
+                    Ok(m) => Some(m),
+                    Err(crossbeam_channel::TryRecvError::Empty) => return Ok(any),
+                    Err(crossbeam_channel::TryRecvError::Disconnected) => None,
+                }
+            };
+            let phase = f.phase;
+            let Some((mut round, r)) = msg else {
+                *g = None;
+                return Err(GpuError::Unsupported("adaptive helper thread died".into()));
+            };
+            if let Err(e) = r {
+                // phases 1 and 2 cancel (the store stays consistent); phase 3 cannot fail after its wait
+                *g = None;
+                round.cancel(store);
+                tracing::warn!("asynchronous exchange round failed in phase {phase}: {e}; its swaps were undone");
+                return Err(GpuError::Unsupported(e));
+            }
+            let (tx, rx) = crossbeam_channel::unbounded();
+            match phase {
+                1 => {
+                    // step 2: victims leave the GPU plan; their slots are copied into once the GPU work issued so
+                    // far (which may read them) is done
+                    round.stage(store);
+                    self.table_stale.store(true, Ordering::Release);
+                    let ev = Event::new()?;
+                    ev.record(compute)?;
+                    self.copy.wait(&ev)?;
+                    self.spawn_phase(store, round, 2, None, tx)?;
+                    *g = Some(ExchangeFlight { phase: 2, reports: rx, _ready: None });
+                }
+                2 => {
+                    // step 3: the new experts are planned for the GPU; the vacated places are rewritten once the
+                    // work planned before (PCIe uploads from them on the compute stream) is done
+                    let n = round.exchanges().len();
+                    round.land(store);
+                    self.count_swaps(store, n);
+                    any = true;
+                    let ev = Arc::new(Event::new()?);
+                    ev.record(compute)?;
+                    self.spawn_phase(store, round, 3, Some(ev.clone()), tx)?;
+                    *g = Some(ExchangeFlight { phase: 3, reports: rx, _ready: Some(ev) });
+                }
+                _ => {
+                    // step 4: flip the offsets
+                    round.moved();
+                    round.flip(store);
+                    *g = None;
+                    return Ok(any);
+                }
+            }
+        }
     }
 
     /// Carries out an adaptive round's swaps. Blocking (`asynchronous == false`): evicts, copies, waits and
@@ -182,6 +383,9 @@ impl SlotCache {
     ) -> Result<usize, GpuError> {
         if plan.is_empty() {
             return Ok(0);
+        }
+        if matches!(store.mode(), ResidentMode::Disjoint(_)) && plan.iter().any(|sw| sw.outgoing.is_some()) {
+            return self.run_exchange_round(store, plan, compute, asynchronous);
         }
         if asynchronous && self.round_in_flight() {
             return Ok(0);
@@ -282,7 +486,13 @@ impl SlotCache {
     /// flip, has nothing to move: evicted experts keep their RAM places or the file) — each as soon as its own
     /// copy is done. `wait` blocks until the whole round is done (a request start drains the round). Returns
     /// whether any expert was admitted. Errors: the helper failed (its unissued moves give their slots back).
-    pub fn poll(&self, store: &ExpertStore, wait: bool) -> Result<bool, GpuError> {
+    /// Resident-mode rounds advance here too (`compute` is the stream the forward pass runs on).
+    pub fn poll(&self, store: &Arc<ExpertStore>, compute: &Stream, wait: bool) -> Result<bool, GpuError> {
+        let landed = self.poll_exchange(store, compute, wait)?;
+        Ok(self.poll_moves(store, wait)? || landed)
+    }
+
+    fn poll_moves(&self, store: &ExpertStore, wait: bool) -> Result<bool, GpuError> {
         let mut g = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
         let Some(f) = g.as_mut() else { return Ok(false) };
         // the helper's reports so far (all of them when waiting)
@@ -443,6 +653,10 @@ impl SlotCache {
 impl Drop for SlotCache {
     fn drop(&mut self) {
         // a helper thread may still record into this round's event: wait for it first
+        if let Some(x) = self.exchange.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            // the helper's phase ends with its copies synced (or its wait done)
+            let _ = x.reports.recv();
+        }
         let f = self.in_flight.get_mut().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(f) = f {
             let _ = self.dev.bind();
