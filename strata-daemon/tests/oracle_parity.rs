@@ -10,6 +10,18 @@ use strata::model::forward::Scratch;
 use strata::model::{Logits, Model, Tokenizer};
 use strata::quant::{dequantize_row, GgmlType};
 
+/// A dequantization case's encoded bytes and expected values (checking the count the manifest gives).
+fn read_case(dir: &std::path::Path, c: &serde_json::Value) -> (Vec<u8>, Vec<f32>) {
+    let bytes = std::fs::read(dir.join(c["bytes_file"].as_str().unwrap())).unwrap();
+    let expected: Vec<f32> = std::fs::read(dir.join(c["expected_file"].as_str().unwrap()))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(expected.len(), c["n_elements"].as_u64().unwrap() as usize, "{}", c["name"]);
+    (bytes, expected)
+}
+
 #[test]
 fn dequantization_matches_gguf_python() {
     let m = json("dequant/manifest.json");
@@ -20,14 +32,8 @@ fn dequantization_matches_gguf_python() {
         let name = c["name"].as_str().unwrap();
         let ty = GgmlType::from_u32(c["ggml_type_id"].as_u64().unwrap() as u32).unwrap();
         assert_eq!(format!("{ty:?}"), c["ggml_type"].as_str().unwrap());
-        let bytes = std::fs::read(dir.join(c["bytes_file"].as_str().unwrap())).unwrap();
-        let expected: Vec<f32> = std::fs::read(dir.join(c["expected_file"].as_str().unwrap()))
-            .unwrap()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        let n = c["n_elements"].as_u64().unwrap() as usize;
-        assert_eq!(expected.len(), n, "{name}");
+        let (bytes, expected) = read_case(&dir, c);
+        let n = expected.len();
         if c["from_model_bytes"].as_bool().unwrap() {
             let t = file.require_tensor(c["source_tensor"].as_str().unwrap()).unwrap();
             assert_eq!(t.ggml_type, ty, "{name}");
@@ -49,6 +55,46 @@ fn dequantization_matches_gguf_python() {
     }
     for t in ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"] {
         assert!(per_type.get(t).copied().unwrap_or(0) >= 2, "too few {t} cases: {per_type:?}");
+    }
+}
+
+#[test]
+fn k_quant_and_q5_dequantization_matches_gguf_python() {
+    // Q5_0, Q5_1 and the K-quants: rows of Gemma 3 270M Q4_K_M and random-byte blocks (tools/make-reference
+    // --only dequant-k); every value exact, or within 1 ulp where the package rounds in another order
+    let m = json("dequant_k/manifest.json");
+    let dir = data_dir().join("dequant_k");
+    let gemma = model_path().with_file_name("gemma-3-270m-q4_k_m.gguf");
+    let file = gemma.exists().then(|| strata::gguf::GgufFile::open(&gemma).unwrap());
+    let mut per_type = std::collections::BTreeMap::new();
+    let mut exact = 0usize;
+    let mut total = 0usize;
+    for c in m["cases"].as_array().unwrap() {
+        let name = c["name"].as_str().unwrap();
+        let ty = GgmlType::from_u32(c["ggml_type_id"].as_u64().unwrap() as u32).unwrap();
+        assert_eq!(format!("{ty:?}"), c["ggml_type"].as_str().unwrap());
+        let (bytes, expected) = read_case(&dir, c);
+        let n = expected.len();
+        let source = c["source"].as_str().unwrap();
+        if let (Some(f), true) = (&file, source.starts_with("blk.")) {
+            // the stored bytes are the model file's own
+            let t = f.require_tensor(source).unwrap();
+            let off = c["byte_offset"].as_u64().unwrap() as usize;
+            assert_eq!(&f.tensor_data(t)[off..off + bytes.len()], &bytes[..], "{name}: bytes differ from the file");
+        }
+        let mut got = vec![0f32; n];
+        dequantize_row(ty, &bytes, &mut got).unwrap();
+        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+            let ok = g.to_bits() == e.to_bits() || (g - e).abs() <= e.abs() * f32::EPSILON;
+            assert!(ok, "{name}[{i}]: strata {g} vs gguf {e}");
+            exact += (g.to_bits() == e.to_bits()) as usize;
+            total += 1;
+        }
+        *per_type.entry(format!("{ty:?}")).or_insert(0) += 1;
+    }
+    println!("{exact} of {total} values bit-identical, the rest within 1 ulp; cases {per_type:?}");
+    for t in ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"] {
+        assert!(per_type.contains_key(t), "no {t} case: {per_type:?}");
     }
 }
 

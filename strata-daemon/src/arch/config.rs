@@ -33,6 +33,18 @@ pub enum ModelError {
         /// Its format.
         ty: GgmlType,
     },
+    /// A tensor's rows are not a whole number of its format's blocks.
+    #[error("tensor {tensor:?}: rows of {cols} values are not a whole number of {ty:?} blocks of {block}")]
+    PartialBlock {
+        /// Tensor name.
+        tensor: String,
+        /// Values per row.
+        cols: usize,
+        /// Its format.
+        ty: GgmlType,
+        /// Values per block of the format.
+        block: usize,
+    },
     /// A tensor's shape disagrees with the hyper-parameters.
     #[error("tensor {tensor:?}: shape {found:?}, expected {expected:?}")]
     BadShape {

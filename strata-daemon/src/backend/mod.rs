@@ -248,7 +248,7 @@ pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backen
             cuda::GpuConfig { cache: o.cache, reserve: o.reserve_mib << 20, max_chunk: o.max_chunk, n_ctx: o.n_ctx };
         let g = match cuda::GpuModel::load(m, d.clone(), &cfg) {
             Ok(g) => g,
-            Err(e @ cuda::GpuError::Architecture { .. }) => {
+            Err(e @ (cuda::GpuError::Architecture { .. } | cuda::GpuError::Format { .. })) => {
                 return Ok((None, format!("GPU {}: {e}: running on the CPU", d.name)))
             }
             Err(e) => return Err(format!("loading onto {}: {e}", d.name)),

@@ -7,6 +7,7 @@
 
 mod dequant;
 mod dot;
+mod dot_k;
 pub mod format;
 pub mod q4_wide;
 mod types;

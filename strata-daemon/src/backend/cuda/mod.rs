@@ -65,6 +65,14 @@ pub enum GpuError {
         /// The missing choice.
         what: &'static str,
     },
+    /// A tensor's format has no GPU kernels yet: the model runs on the CPU.
+    #[error("tensor {tensor} is {ty:?}, which has no GPU kernels yet")]
+    Format {
+        /// Tensor name.
+        tensor: String,
+        /// Its format.
+        ty: crate::quant::GgmlType,
+    },
     /// Not enough device memory for what was asked.
     #[error("not enough VRAM: {0}")]
     OutOfMemory(String),

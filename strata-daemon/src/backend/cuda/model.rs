@@ -215,9 +215,7 @@ fn up(m: &ModelRef<'_>, w: &Weight) -> Result<DMat, GpuError> {
 }
 
 fn check_ty(w: &Weight) -> Result<(), GpuError> {
-    super::kernels::fmt_index(w.ty)
-        .map(|_| ())
-        .map_err(|_| GpuError::Unsupported(format!("tensor {} is {:?}, which has no GPU kernel", w.name, w.ty)))
+    super::kernels::fmt_index(w.ty).map(|_| ()).map_err(|_| GpuError::Format { tensor: w.name.clone(), ty: w.ty })
 }
 
 /// Refuses the architecture choices these kernels do not implement (checked before anything is allocated).

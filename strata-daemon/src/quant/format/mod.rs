@@ -14,8 +14,16 @@
 pub mod bf16;
 pub mod f16;
 pub mod f32;
+pub mod kquant;
+pub mod q2_k;
+pub mod q3_k;
 pub mod q4_0;
 pub mod q4_1;
+pub mod q4_k;
+pub mod q5_0;
+pub mod q5_1;
+pub mod q5_k;
+pub mod q6_k;
 pub mod q8_0;
 
 use super::{BlockQ8, GgmlType};
@@ -80,9 +88,22 @@ pub struct Format {
     pub cuda: Option<CudaFormat>,
 }
 
-/// Every format this build computes with, in CUDA `FMT_*` order.
-pub const REGISTRY: &[&Format] =
-    &[&f32::FORMAT, &f16::FORMAT, &bf16::FORMAT, &q8_0::FORMAT, &q4_0::FORMAT, &q4_1::FORMAT];
+/// Every format this build computes with: those with CUDA kernels first, in `FMT_*` order, then the CPU-only ones.
+pub const REGISTRY: &[&Format] = &[
+    &f32::FORMAT,
+    &f16::FORMAT,
+    &bf16::FORMAT,
+    &q8_0::FORMAT,
+    &q4_0::FORMAT,
+    &q4_1::FORMAT,
+    &q5_0::FORMAT,
+    &q5_1::FORMAT,
+    &q2_k::FORMAT,
+    &q3_k::FORMAT,
+    &q4_k::FORMAT,
+    &q5_k::FORMAT,
+    &q6_k::FORMAT,
+];
 
 /// Formats with CUDA kernels (the length of the kernels' per-format tables).
 pub const N_CUDA_FORMATS: usize = 6;
@@ -127,14 +148,15 @@ mod tests {
             assert_eq!(f.q8.is_some(), f.activation != Activation::F32, "{}", f.name);
             assert_eq!(f.f32_dot.is_some(), f.activation == Activation::F32, "{}", f.name);
             if let Some(c) = f.cuda {
+                assert_eq!(cuda.len(), REGISTRY.iter().position(|g| g.ty == f.ty).unwrap(), "CUDA formats first");
                 cuda.push(c.index);
                 assert_eq!(c.suffix, f.name, "kernel names use the format's name");
                 assert_eq!(c.narrow, f.q8.is_some(), "{}: narrow kernels are the block formats'", f.name);
             }
         }
         assert_eq!(cuda, (0..N_CUDA_FORMATS).collect::<Vec<_>>(), "CUDA indices in registry order");
-        assert!(lookup(GgmlType::Q4_K).is_none() && by_name("q4_k").is_none());
-        assert_eq!(supported_list(), "F32, F16, BF16, Q8_0, Q4_0, Q4_1");
+        assert!(lookup(GgmlType::IQ2_XS).is_none() && by_name("iq2_xs").is_none());
+        assert_eq!(supported_list(), "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K");
     }
 
     #[test]

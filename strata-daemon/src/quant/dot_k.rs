@@ -1,0 +1,396 @@
+//! AVX2 dot kernels of the formats added after the first six (Q5_0, Q5_1 and the K-quants, [`super::format`]) with
+//! 8-bit activations ([`BlockQ8`], blocks of 32). Each format unpacks its codes with SIMD shifts and masks into 32
+//! bytes per activation block and multiplies them with `maddubs`; the K-quants apply their per-16 integer scales
+//! (and minimums) with one `madd` each, so a 32-block costs the same whatever the format. The four-row variants are
+//! four single-row calls (bit-identical to them by construction).
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use std::arch::x86_64::*;
+
+    use crate::quant::format::kquant::scale_min_k4;
+    use crate::quant::BlockQ8;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn h2f(p: *const u8) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([*p, *p.add(1)]) as i32)))
+    }
+
+    /// The activation block's 32 codes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_x(xb: &BlockQ8) -> __m256i {
+        _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i)
+    }
+
+    /// 16 pair sums `w[2k] x[2k] + w[2k+1] x[2k+1]` of signed bytes `w` (|w| ≤ 127) and `x`, as i16.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pairs_signed(w: __m256i, x: __m256i) -> __m256i {
+        _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+    }
+
+    /// 32 bytes, byte i = 0x10 when bit i of `bits` is set, else 0 (the fifth bit of Q5 codes).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fifth_bits(bits: u32) -> __m256i {
+        let v = _mm256_set1_epi32(bits as i32);
+        // byte i takes byte i / 8 of `bits` (each 128-bit lane holds all four), then tests bit i % 8
+        let spread = _mm256_shuffle_epi8(
+            v,
+            _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303),
+        );
+        let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let on = _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
+        _mm256_and_si256(on, _mm256_set1_epi8(0x10))
+    }
+
+    /// Bits `k ..` of every byte of `v` under `mask` (`(v >> k) & mask` per byte, `mask` keeping at most 8 − k bits).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn bits_at(v: __m256i, k: i32, mask: __m256i) -> __m256i {
+        _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(k)), mask)
+    }
+
+    /// 16 bytes of nibbles -> 32 bytes (low nibbles first, then high), values 0..15.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        let q = _mm_loadu_si128(p as *const __m128i);
+        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f))
+    }
+
+    /// One Q5_0 row. SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len()` blocks of 22 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q5_0(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let ones = _mm256_set1_epi16(1);
+        let p = row.as_ptr();
+        for (i, xb) in x.iter().enumerate() {
+            let b = p.add(i * 22);
+            let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
+            let q = _mm256_sub_epi8(_mm256_or_si256(nibbles(b.add(6)), fifth_bits(qh)), _mm256_set1_epi8(16));
+            let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs_signed(q, load_x(xb)), ones));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b) * xb.d), s, acc);
+        }
+        hsum(acc)
+    }
+
+    /// One Q5_1 row. SAFETY (callers): as [`dot_q5_0`], blocks of 24 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q5_1(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut summs = 0f32;
+        let ones = _mm256_set1_epi16(1);
+        let p = row.as_ptr();
+        for (i, xb) in x.iter().enumerate() {
+            let b = p.add(i * 24);
+            summs += h2f(b.add(2)) * xb.s;
+            let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
+            let q = _mm256_or_si256(nibbles(b.add(8)), fifth_bits(qh));
+            let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, load_x(xb)), ones));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b) * xb.d), s, acc);
+        }
+        hsum(acc) + summs
+    }
+
+    /// Adds one 32-value group to `acc`: signed codes `q` (|q| ≤ 127), per-16 scales `sc` and minimums `mn` (i16,
+    /// the first 16 values then the next 16), super-scales `d`, `dmin`: `acc += d_x · (d · Σ sc q q_x − dmin · Σ mn
+    /// q_x)`, lane-wise.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group(acc: &mut __m256, q: __m256i, xb: &BlockQ8, sc: [i16; 2], mn: [i16; 2], d: f32, dmin: f32) {
+        let xq = load_x(xb);
+        let scv = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+        let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs_signed(q, xq), scv));
+        *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), s, *acc);
+        if mn != [0, 0] {
+            let mnv = _mm256_set_m128i(_mm_set1_epi16(mn[1]), _mm_set1_epi16(mn[0]));
+            let xs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), xq);
+            let m = _mm256_cvtepi32_ps(_mm256_madd_epi16(xs, mnv));
+            *acc = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * xb.d), m, *acc);
+        }
+    }
+
+    /// One Q4_K row. SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len() / 8` super-blocks of 144
+    /// bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_k(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let low = _mm256_set1_epi8(0x0f);
+        for (b, xs) in row.chunks_exact(144).zip(x.chunks_exact(8)) {
+            let (d, dmin) = (h2f(b.as_ptr()), h2f(b.as_ptr().add(2)));
+            let scales = &b[4..16];
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * c) as *const __m256i);
+                for (h, q) in
+                    [_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)].into_iter().enumerate()
+                {
+                    let (s, m) = scale_min_k4(2 * c + h, scales);
+                    group(&mut acc, q, &xs[2 * c + h], [s as i16; 2], [m as i16; 2], d, dmin);
+                }
+            }
+        }
+        hsum(acc)
+    }
+
+    /// One Q5_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 176 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q5_k(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let low = _mm256_set1_epi8(0x0f);
+        let one = _mm256_set1_epi8(1);
+        for (b, xs) in row.chunks_exact(176).zip(x.chunks_exact(8)) {
+            let (d, dmin) = (h2f(b.as_ptr()), h2f(b.as_ptr().add(2)));
+            let scales = &b[4..16];
+            let qh = _mm256_loadu_si256(b.as_ptr().add(16) as *const __m256i);
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(b.as_ptr().add(48 + 32 * c) as *const __m256i);
+                let (h0, h1) = (bits_at(qh, 2 * c as i32, one), bits_at(qh, 2 * c as i32 + 1, one));
+                let lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_slli_epi16(h0, 4));
+                let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_slli_epi16(h1, 4));
+                for (h, q) in [lo, hi].into_iter().enumerate() {
+                    let (s, m) = scale_min_k4(2 * c + h, scales);
+                    group(&mut acc, q, &xs[2 * c + h], [s as i16; 2], [m as i16; 2], d, dmin);
+                }
+            }
+        }
+        hsum(acc)
+    }
+
+    /// One Q6_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 210 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q6_k(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let low = _mm256_set1_epi8(0x0f);
+        let three = _mm256_set1_epi8(3);
+        for (b, xs) in row.chunks_exact(210).zip(x.chunks_exact(8)) {
+            let p = b.as_ptr();
+            let d = h2f(p.add(208));
+            let sc = &b[192..208];
+            for h in 0..2 {
+                let l0 = _mm256_loadu_si256(p.add(64 * h) as *const __m256i);
+                let l1 = _mm256_loadu_si256(p.add(64 * h + 32) as *const __m256i);
+                let qh = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
+                let nib = [
+                    _mm256_and_si256(l0, low),
+                    _mm256_and_si256(l1, low),
+                    _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                    _mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                ];
+                for (s, n) in nib.into_iter().enumerate() {
+                    let hb = bits_at(qh, 2 * s as i32, three);
+                    let q = _mm256_sub_epi8(_mm256_or_si256(n, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
+                    let g = 8 * h + 2 * s; // first 16-value group of these 32 values
+                    let k = 4 * h + s; // their activation block
+                    group(&mut acc, q, &xs[k], [sc[g] as i8 as i16, sc[g + 1] as i8 as i16], [0, 0], d, 0.0);
+                }
+            }
+        }
+        hsum(acc)
+    }
+
+    /// One Q3_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 110 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q3_k(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let (one, three) = (_mm256_set1_epi8(1), _mm256_set1_epi8(3));
+        for (b, xs) in row.chunks_exact(110).zip(x.chunks_exact(8)) {
+            let p = b.as_ptr();
+            let d = h2f(p.add(108));
+            let s = &b[96..108];
+            let sc = |i: usize| {
+                let lo = if i < 8 { s[i] & 0x0f } else { s[i - 8] >> 4 };
+                ((lo | (((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) as i16) - 32
+            };
+            let hm = _mm256_loadu_si256(p as *const __m256i);
+            for h in 0..2 {
+                let v = _mm256_loadu_si256(p.add(32 + 32 * h) as *const __m256i);
+                for sh in 0..4 {
+                    let q2 = bits_at(v, 2 * sh as i32, three);
+                    let bit = bits_at(hm, (4 * h + sh) as i32, one);
+                    // q − 4 where the high bit is clear: q2 + 4·bit − 4
+                    let q = _mm256_sub_epi8(_mm256_or_si256(q2, _mm256_slli_epi16(bit, 2)), _mm256_set1_epi8(4));
+                    let k = 4 * h + sh;
+                    group(&mut acc, q, &xs[k], [sc(2 * k), sc(2 * k + 1)], [0, 0], d, 0.0);
+                }
+            }
+        }
+        hsum(acc)
+    }
+
+    /// One Q2_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 84 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q2_k(row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let three = _mm256_set1_epi8(3);
+        for (b, xs) in row.chunks_exact(84).zip(x.chunks_exact(8)) {
+            let p = b.as_ptr();
+            let (d, dmin) = (h2f(p.add(80)), h2f(p.add(82)));
+            for h in 0..2 {
+                let v = _mm256_loadu_si256(p.add(16 + 32 * h) as *const __m256i);
+                for sh in 0..4 {
+                    let q = bits_at(v, 2 * sh as i32, three);
+                    let k = 4 * h + sh;
+                    let (a, c) = (b[2 * k], b[2 * k + 1]);
+                    let sc = [(a & 0x0f) as i16, (c & 0x0f) as i16];
+                    let mn = [(a >> 4) as i16, (c >> 4) as i16];
+                    group(&mut acc, q, &xs[k], sc, mn, d, dmin);
+                }
+            }
+        }
+        hsum(acc)
+    }
+
+    macro_rules! four_rows {
+        ($($name:ident => $one:ident),* $(,)?) => {$(
+            /// Four rows at once: four single-row calls (same contract as the single-row kernel).
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $name(rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
+                [$one(rows[0], x), $one(rows[1], x), $one(rows[2], x), $one(rows[3], x)]
+            }
+        )*};
+    }
+
+    four_rows!(
+        dot_q5_0_x4 => dot_q5_0,
+        dot_q5_1_x4 => dot_q5_1,
+        dot_q2_k_x4 => dot_q2_k,
+        dot_q3_k_x4 => dot_q3_k,
+        dot_q4_k_x4 => dot_q4_k,
+        dot_q5_k_x4 => dot_q5_k,
+        dot_q6_k_x4 => dot_q6_k,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::quant::format::lookup;
+    use crate::quant::{quantize_q8, BlockQ8, GgmlType};
+
+    const NEW: [GgmlType; 7] = [
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ];
+
+    fn next(seed: &mut u64) -> u64 {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        *seed
+    }
+
+    /// `n_blocks` blocks of `ty`: random bytes (every code and scale pattern), f16 fields set to finite values, or
+    /// (`extreme`) every byte 0xff with the largest f16 scales a product can take without overflowing.
+    fn row(ty: GgmlType, n_blocks: usize, extreme: bool, seed: &mut u64) -> Vec<u8> {
+        let bs = ty.type_size();
+        let fields: &[usize] = match ty {
+            GgmlType::Q5_0 | GgmlType::Q3_K | GgmlType::Q6_K => &[0],
+            _ => &[0, 1],
+        };
+        let at = |f: usize| match ty {
+            GgmlType::Q2_K => 80 + 2 * f,
+            GgmlType::Q3_K => 108,
+            GgmlType::Q6_K => 208,
+            _ => 2 * f,
+        };
+        let mut b = vec![0u8; n_blocks * bs];
+        for blk in b.chunks_exact_mut(bs) {
+            for x in blk.iter_mut() {
+                *x = if extreme { 0xff } else { next(seed) as u8 };
+            }
+            for &f in fields {
+                let v = if extreme { 0.5 } else { (next(seed) % 2000) as f32 / 1e5 - 0.01 };
+                blk[at(f)..at(f) + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+            }
+        }
+        b
+    }
+
+    /// Σ w·x in f64 over the dequantized row and the activations' own values (`d · q` per block).
+    fn exact(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> (f64, f64) {
+        let mut w = vec![0f32; x.len() * 32];
+        crate::quant::dequantize_row(ty, row, &mut w).unwrap();
+        let (mut s, mut mag) = (0f64, 0f64);
+        for (i, &wv) in w.iter().enumerate() {
+            let xv = x[i / 32].d as f64 * x[i / 32].qs[i % 32] as f64;
+            s += wv as f64 * xv;
+            mag += (wv as f64 * xv).abs();
+        }
+        (s, mag)
+    }
+
+    #[test]
+    fn every_kernel_matches_the_exact_product_for_every_tail_and_extreme() {
+        let mut seed = 0x5EEDu64;
+        for ty in NEW {
+            let f = lookup(ty).expect("registered");
+            let k = f.q8.expect("block format");
+            let per = ty.block_size() / 32;
+            for n_blocks in [1usize, 2, 3, 5] {
+                for extreme in [false, true] {
+                    let n = n_blocks * ty.block_size();
+                    let r = row(ty, n_blocks, extreme, &mut seed);
+                    // activations: random, or saturating (every code ±127, alternating by block)
+                    let xs: Vec<f32> = (0..n)
+                        .map(|i| {
+                            if extreme {
+                                if (i / 32) % 2 == 0 {
+                                    3.0
+                                } else {
+                                    -3.0
+                                }
+                            } else {
+                                (next(&mut seed) % 2001) as f32 / 500.0 - 2.0
+                            }
+                        })
+                        .collect();
+                    let mut x = vec![BlockQ8::default(); n / 32];
+                    quantize_q8(&xs, &mut x);
+                    assert_eq!(x.len(), n_blocks * per);
+                    let (want, mag) = exact(ty, &r, &x);
+                    // Q5_1's minimum multiplies the activations' block sum `s`, which is rounded to f16 (ggml's Q8_1
+                    // does the same): allow that rounding on top
+                    let s_err: f64 = if ty == GgmlType::Q5_1 {
+                        r.chunks_exact(24)
+                            .zip(&x)
+                            .map(|(b, xb)| {
+                                let m = half::f16::from_bits(u16::from_le_bytes([b[2], b[3]])).to_f32() as f64;
+                                (m * xb.s as f64).abs() * 1e-3
+                            })
+                            .sum()
+                    } else {
+                        0.0
+                    };
+                    let tol = 2e-6 * mag.max(1e-6) + s_err;
+                    let s = (k.scalar)(&r, &x) as f64;
+                    assert!((s - want).abs() <= tol, "{ty:?} x{n_blocks} extreme {extreme}: scalar {s} exact {want}");
+                    #[cfg(target_arch = "x86_64")]
+                    if crate::quant::simd_level().avx2() {
+                        // SAFETY: AVX2/FMA/F16C detected; the row holds x.len() / per whole blocks.
+                        let (v, v4) = unsafe { ((k.avx2)(&r, &x), (k.avx2_x4)([&r, &r, &r, &r], &x)) };
+                        assert!((v as f64 - want).abs() <= tol, "{ty:?} x{n_blocks} {extreme}: avx2 {v} exact {want}");
+                        assert!(v4.iter().all(|&y| y.to_bits() == v.to_bits()), "{ty:?}: x4 {v4:?} vs {v}");
+                    }
+                    // and the dispatch every caller uses
+                    let d = crate::quant::dot_q8(ty, &r, &x) as f64;
+                    assert!((d - want).abs() <= tol, "{ty:?}: dot_q8 {d} exact {want}");
+                }
+            }
+        }
+    }
+}
