@@ -2,8 +2,8 @@
 //! Gemma 3 270M's (`tokenizer.ggml.model = "llama"`, 262144 tokens, byte
 //! fallback, user-defined whitespace runs, no space prefix). The cases in
 //! tests/data/tokenizer_cases_gemma3.json were recorded by
-//! `tools/make-reference --only tokenizer-spm`. Only the vocabulary is used:
-//! Strata does not run the gemma3 architecture.
+//! `tools/make-reference --only tokenizer-spm`. Only the vocabulary is used
+//! here; the gemma3 architecture itself is checked in tests/architectures.rs.
 
 mod common;
 

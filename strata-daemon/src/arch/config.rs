@@ -108,9 +108,21 @@ pub struct ModelConfig {
     pub n_ff_exp: usize,
     /// Shared expert FFN width (`expert_shared_feed_forward_length`, default `n_ff`; 0 without one).
     pub n_ff_shexp: usize,
+    /// Positions a sliding-window layer attends to, itself included (`attention.sliding_window`; 0 = no sliding
+    /// window; which layers slide: the architecture's `swa_pattern`).
+    pub sliding_window: usize,
+    /// RoPE base of the sliding-window layers (10000, llama.cpp's `rope_freq_base_train_swa`; their position scale
+    /// is 1).
+    pub rope_freq_base_swa: f32,
 }
 
 impl ModelConfig {
+    /// Whether layer `l` attends through the sliding window (and uses the sliding layers' RoPE).
+    pub fn is_swa(&self, l: usize) -> bool {
+        let n = self.spec.def.swa_pattern;
+        n > 0 && self.sliding_window > 0 && l % n != n - 1
+    }
+
     /// Reads the hyper-parameters. Errors: unsupported architecture, missing
     /// keys, inconsistent values.
     pub fn from_gguf(f: &GgufFile) -> Result<Self, ModelError> {
@@ -195,7 +207,10 @@ impl ModelConfig {
                 _ => 1.0,
             };
         let n_vocab = f.get_array("tokenizer.ggml.tokens")?.len();
+        let sliding_window = if def.swa_pattern > 0 { opt_u("attention.sliding_window")?.unwrap_or(0) } else { 0 };
         Ok(ModelConfig {
+            sliding_window,
+            rope_freq_base_swa: 10000.0,
             spec: ArchSpec { def, ffn },
             n_ff_shexp,
             name: f.get("general.name").and_then(|v| v.as_str()).unwrap_or("").to_string(),

@@ -14,4 +14,5 @@ pub const LLAMA: ArchDef = ArchDef {
     norm_topk: true,
     expert_weights_scale: 1.0,
     expert_width: ExpertWidthDefault::FeedForward,
+    ..super::PLAIN
 };

@@ -9,6 +9,7 @@
 //! `convert_hf_to_gguf.py` computes the same function here.
 
 pub mod config;
+pub mod gemma3;
 pub mod llama;
 pub mod olmoe;
 pub mod qwen2;
@@ -79,6 +80,15 @@ pub enum ExpertWidthDefault {
     FeedForwardOverTopK,
 }
 
+/// The FFN's gate activation (`act(gate · x) ⊙ (up · x)`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnAct {
+    /// SiLU (SwiGLU: llama, Qwen, OLMoE).
+    Silu,
+    /// GELU, tanh approximation (GeGLU: Gemma).
+    GeluTanh,
+}
+
 /// One architecture of the registry: its GGUF name and its choices.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ArchDef {
@@ -98,7 +108,35 @@ pub struct ArchDef {
     pub expert_weights_scale: f32,
     /// `expert_feed_forward_length` default.
     pub expert_width: ExpertWidthDefault,
+    /// The FFN's gate activation.
+    pub act: FfnAct,
+    /// RMSNorms of the attention output and of the FFN output before their residual adds
+    /// (`post_attention_norm`, `post_ffw_norm`: Gemma 2/3).
+    pub post_norms: bool,
+    /// The token embeddings are multiplied by `sqrt(n_embd)` (Gemma).
+    pub embd_scale: bool,
+    /// Sliding-window attention pattern: 0 = every layer attends to the whole context; n > 0 = layer l attends to the
+    /// last `attention.sliding_window` positions unless `l % n == n − 1` (a global layer), and the sliding layers
+    /// use their own RoPE base (llama.cpp's `set_swa_pattern`, `rope_freq_base_train_swa`).
+    pub swa_pattern: usize,
 }
+
+/// The choices every architecture shared before Gemma (SwiGLU, no post-norms, no embedding scale, no sliding
+/// window): the rows spread it.
+pub const PLAIN: ArchDef = ArchDef {
+    name: "",
+    rope: RopeKind::Neox,
+    qk_norm: QkNorm::None,
+    ffn: FfnRule::Dense,
+    gating: Gating::Softmax,
+    norm_topk: true,
+    expert_weights_scale: 1.0,
+    expert_width: ExpertWidthDefault::FeedForward,
+    act: FfnAct::Silu,
+    post_norms: false,
+    embd_scale: false,
+    swa_pattern: 0,
+};
 
 /// The architecture of one loaded file: its registry row and the FFN kind its metadata chose.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -123,7 +161,7 @@ impl ArchSpec {
 
 /// Every architecture this build runs, in the order of DESIGN.md §9.
 pub const REGISTRY: &[&ArchDef] =
-    &[&llama::LLAMA, &qwen3::QWEN3MOE, &qwen3::QWEN3, &qwen2::QWEN2MOE, &qwen2::QWEN2, &olmoe::OLMOE];
+    &[&llama::LLAMA, &qwen3::QWEN3MOE, &qwen3::QWEN3, &qwen2::QWEN2MOE, &qwen2::QWEN2, &olmoe::OLMOE, &gemma3::GEMMA3];
 
 /// The registry row of `name`, if this build runs it.
 pub fn lookup(name: &str) -> Option<&'static ArchDef> {
@@ -167,6 +205,6 @@ mod tests {
             assert_eq!(REGISTRY.iter().filter(|e| e.name == d.name).count(), 1);
         }
         assert!(lookup("gpt2").is_none());
-        assert_eq!(supported_list(), "llama, qwen3moe, qwen3, qwen2moe, qwen2, olmoe");
+        assert_eq!(supported_list(), "llama, qwen3moe, qwen3, qwen2moe, qwen2, olmoe, gemma3");
     }
 }

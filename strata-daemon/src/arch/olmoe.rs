@@ -14,4 +14,5 @@ pub const OLMOE: ArchDef = ArchDef {
     norm_topk: false,
     expert_weights_scale: 1.0,
     expert_width: ExpertWidthDefault::FeedForward,
+    ..super::PLAIN
 };

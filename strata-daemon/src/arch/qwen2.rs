@@ -16,6 +16,7 @@ pub const QWEN2MOE: ArchDef = ArchDef {
     norm_topk: false,
     expert_weights_scale: 1.0,
     expert_width: ExpertWidthDefault::FeedForwardOverTopK,
+    ..super::PLAIN
 };
 
 /// The `qwen2` row (dense).

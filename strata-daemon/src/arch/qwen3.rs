@@ -15,6 +15,7 @@ pub const QWEN3MOE: ArchDef = ArchDef {
     norm_topk: true,
     expert_weights_scale: 1.0,
     expert_width: ExpertWidthDefault::FeedForwardOverTopK,
+    ..super::PLAIN
 };
 
 /// The `qwen3` row (dense).

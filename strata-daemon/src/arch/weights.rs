@@ -98,6 +98,11 @@ pub struct Block {
     pub ffn_norm: Vec<f32>,
     /// The block's FFN.
     pub ffn: Ffn,
+    /// `post_attention_norm` (n_embd): RMSNorm of the attention output before its residual add (architectures
+    /// with `post_norms`).
+    pub post_attn_norm: Option<Vec<f32>>,
+    /// `post_ffw_norm` (n_embd): RMSNorm of the FFN output before its residual add.
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
 /// Attention projection biases (f32), each absent when the file has none.
@@ -150,6 +155,16 @@ impl Weights {
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for l in 0..cfg.n_layer {
             let n = |s: &str| tensor::weight(l, s);
+            // the post-norms: required where the architecture has them, refused where it does not
+            let post = |name: &str| match (spec.def.post_norms, f.tensor(name)) {
+                (true, _) => vector(f, name, cfg.n_embd).map(Some),
+                (false, None) => Ok(None),
+                (false, Some(_)) => Err(ModelError::UnexpectedTensor {
+                    tensor: name.to_string(),
+                    arch: spec.def.name.to_string(),
+                    why: "no post-attention or post-FFN norms".into(),
+                }),
+            };
             if spec.ffn != FfnKind::MoeShared {
                 if let Some(t) = tensor::SHARED_EXPERT_ROLES.iter().map(|r| n(r)).find(|t| f.tensor(t).is_some()) {
                     return Err(ModelError::UnexpectedTensor {
@@ -216,6 +231,8 @@ impl Weights {
                 k_norm,
                 ffn_norm: vector(f, &n("ffn_norm"), cfg.n_embd)?,
                 ffn,
+                post_attn_norm: post(&n("post_attention_norm"))?,
+                post_ffn_norm: post(&n("post_ffw_norm"))?,
             });
         }
         let out_norm = vector(f, tensor::OUTPUT_NORM, cfg.n_embd)?;

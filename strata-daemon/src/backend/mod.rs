@@ -199,11 +199,20 @@ pub trait Backend: Send + Sync {
 /// RoPE angles of positions `pos0 .. pos0 + t`: `t × n_rot/2` (cos, sin) pairs, pair i of a position at angle
 /// `pos · rope_freq_scale · rope_freq_base^(-2i/n_rot)` (llama.cpp's `rope_yarn` without YaRN).
 pub fn rope_angles(cfg: &ModelConfig, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
-    let half = cfg.n_rot / 2;
+    rope_angles_at(cfg.n_rot, cfg.rope_freq_base, cfg.rope_freq_scale, pos0, t, out)
+}
+
+/// [`rope_angles`] of the sliding-window layers ([`ModelConfig::is_swa`]): their own base, position scale 1.
+pub fn rope_angles_swa(cfg: &ModelConfig, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
+    rope_angles_at(cfg.n_rot, cfg.rope_freq_base_swa, 1.0, pos0, t, out)
+}
+
+fn rope_angles_at(n_rot: usize, base: f32, scale: f32, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
+    let half = n_rot / 2;
     out.clear();
-    let theta_scale = cfg.rope_freq_base.powf(-2.0 / cfg.n_rot as f32);
+    let theta_scale = base.powf(-2.0 / n_rot as f32);
     for p in pos0..pos0 + t {
-        let mut theta = p as f32 * cfg.rope_freq_scale;
+        let mut theta = p as f32 * scale;
         for _ in 0..half {
             out.push((theta.cos(), theta.sin()));
             theta *= theta_scale;

@@ -21,6 +21,8 @@ pub struct Scratch {
     pub(crate) h: Act,
     /// RoPE (cos, sin) pairs of the pass (`t × n_rot/2`).
     pub(crate) rope: Vec<(f32, f32)>,
+    /// The same for the sliding-window layers (their own base; empty without them).
+    pub(crate) rope_swa: Vec<(f32, f32)>,
     /// Router logits (`t × n_expert`).
     pub(crate) router: Vec<f32>,
     /// The routing of the current MoE layer: per token, `(expert, weight)` by rank.

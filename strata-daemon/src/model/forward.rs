@@ -283,6 +283,8 @@ mod tests {
             n_expert_used: 2,
             n_ff_exp: 32,
             n_ff_shexp: 64,
+            sliding_window: 0,
+            rope_freq_base_swa: 1e4,
         }
     }
 

@@ -116,6 +116,40 @@ pub fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
     quantize_q8_scalar(x, out)
 }
 
+/// Quantizes `x` (length a multiple of 256) as ggml's Q8_K, the activations of the K-quants: one scale per 256
+/// values, `d = max / −127` of the value of largest magnitude (not rounded to f16), codes rounded to nearest even
+/// and capped at 127 (ggml `quantize_row_q8_K_ref`). Written as [`BlockQ8`] blocks of 32 that share their
+/// super-block's `d`, so the K-quant kernels read them as they read Q8_0 activations.
+pub fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * 32);
+    assert_eq!(x.len() % 256, 0, "Q8_K activations: whole super-blocks of 256");
+    for (xb, ob) in x.chunks_exact(256).zip(out.chunks_exact_mut(8)) {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in xb {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            ob.iter_mut().for_each(|b| *b = BlockQ8::default());
+            continue;
+        }
+        let iscale = -127.0 / max;
+        let d = 1.0 / iscale;
+        for (b, xs) in ob.iter_mut().zip(xb.chunks_exact(32)) {
+            let mut sum = 0i32;
+            for (q, &v) in b.qs.iter_mut().zip(xs) {
+                let r = ((iscale * v).round_ties_even() as i32).min(127);
+                *q = r as i8;
+                sum += r;
+            }
+            b.d = d;
+            b.s = f16_round(d * sum as f32);
+        }
+    }
+}
+
 /// Scalar reference of [`quantize_q8`].
 pub fn quantize_q8_scalar(x: &[f32], out: &mut [BlockQ8]) {
     for (xb, ob) in x.chunks_exact(32).zip(out.iter_mut()) {

@@ -13,7 +13,9 @@ pub mod q4_wide;
 mod types;
 
 pub use dequant::{bf16_to_f32, dequantize_row, f16_to_f32};
-pub use dot::{dot_q8, dot_q8_scalar, dot_q8_x4, quantize_q8, simd_level, vec_dot_f32_row, wide, BlockQ8, SimdLevel};
+pub use dot::{
+    dot_q8, dot_q8_scalar, dot_q8_x4, quantize_q8, quantize_q8_k, simd_level, vec_dot_f32_row, wide, BlockQ8, SimdLevel,
+};
 pub use types::GgmlType;
 
 /// Errors from quant operations.

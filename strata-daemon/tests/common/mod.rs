@@ -102,6 +102,40 @@ pub fn arch_fixture_path(arch: &str) -> PathBuf {
 /// both of llama.cpp's paths, over ≥ 200 positions. Prints the figures under `label`; returns the argmax
 /// agreement with llama.cpp's decode path (a share in 0..=1).
 pub fn assert_parity(label: &str, model: &Model, d: &serde_json::Value) -> f64 {
+    let p = parity_stats(label, model, d);
+    assert!(p.n >= 200);
+    assert!(
+        p.kl_dec <= p.self_kl + 1e-3 && p.kl_bat <= p.self_kl + 1e-3,
+        "{label}: KL {:.3e} / {:.3e}",
+        p.kl_dec,
+        p.kl_bat
+    );
+    let floor = p.ag_self.min(0.99) - 0.01;
+    assert!(p.ag_dec >= floor && p.ag_bat >= floor, "{label}: argmax {:.4} / {:.4} < {floor:.4}", p.ag_dec, p.ag_bat);
+    p.ag_dec
+}
+
+/// What [`assert_parity`] measures (mean KL per position; argmax agreements as shares).
+pub struct Parity {
+    /// Teacher-forced positions.
+    pub n: usize,
+    /// KL(llama.cpp decode ‖ strata).
+    pub kl_dec: f64,
+    /// KL(llama.cpp batch ‖ strata).
+    pub kl_bat: f64,
+    /// llama.cpp's own batch-vs-decode KL.
+    pub self_kl: f64,
+    /// Argmax agreement with llama.cpp's decode path.
+    pub ag_dec: f64,
+    /// With its batch path.
+    pub ag_bat: f64,
+    /// llama.cpp's own batch-vs-decode agreement.
+    pub ag_self: f64,
+}
+
+/// Runs `d`'s prompts through `model` (chunks of 64 tokens) and compares with llama.cpp's logits; prints the
+/// figures under `label`.
+pub fn parity_stats(label: &str, model: &Model, d: &serde_json::Value) -> Parity {
     let nv = model.cfg.n_vocab;
     let (mut kl_dec, mut kl_bat, mut self_kl, mut n, mut ag_dec, mut ag_bat) = (0f64, 0f64, 0f64, 0usize, 0, 0);
     let mut self_agree = 0usize;
@@ -125,20 +159,26 @@ pub fn assert_parity(label: &str, model: &Model, d: &serde_json::Value) -> f64 {
         n += ids.len();
     }
     let nf = n as f64;
-    let (kl_dec, kl_bat, self_kl) = (kl_dec / nf, kl_bat / nf, self_kl / nf);
-    let (ag_dec, ag_bat, ag_self) = (ag_dec as f64 / nf, ag_bat as f64 / nf, self_agree as f64 / nf);
+    let p = Parity {
+        n,
+        kl_dec: kl_dec / nf,
+        kl_bat: kl_bat / nf,
+        self_kl: self_kl / nf,
+        ag_dec: ag_dec as f64 / nf,
+        ag_bat: ag_bat as f64 / nf,
+        ag_self: self_agree as f64 / nf,
+    };
     println!(
-        "{label}: {n} positions: vs llama.cpp decode KL {kl_dec:.3e}, argmax {:.2}%; vs batch KL {kl_bat:.3e}, \
-         argmax {:.2}%; llama.cpp batch vs decode KL {self_kl:.3e}, argmax {:.2}%",
-        ag_dec * 100.0,
-        ag_bat * 100.0,
-        ag_self * 100.0
+        "{label}: {n} positions: vs llama.cpp decode KL {:.3e}, argmax {:.2}%; vs batch KL {:.3e}, argmax {:.2}%; \
+         llama.cpp batch vs decode KL {:.3e}, argmax {:.2}%",
+        p.kl_dec,
+        p.ag_dec * 100.0,
+        p.kl_bat,
+        p.ag_bat * 100.0,
+        p.self_kl,
+        p.ag_self * 100.0
     );
-    assert!(n >= 200);
-    assert!(kl_dec <= self_kl + 1e-3 && kl_bat <= self_kl + 1e-3, "{label}: KL {kl_dec:.3e} / {kl_bat:.3e}");
-    let floor = ag_self.min(0.99) - 0.01;
-    assert!(ag_dec >= floor && ag_bat >= floor, "{label}: argmax {ag_dec:.4} / {ag_bat:.4} < {floor:.4}");
-    ag_dec
+    p
 }
 
 /// Greedy tokens for each prompt, with RAM adapt between decode windows as the engine does.

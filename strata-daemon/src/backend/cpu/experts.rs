@@ -89,9 +89,11 @@ pub fn experts(
             sub.n = e;
             sub.f.clear();
             sub.q.clear();
+            sub.qk.clear();
             for &(ti, _) in &by_expert[x] {
                 sub.f.extend_from_slice(s.xn.row(ti));
                 sub.q.extend_from_slice(s.xn.qrow(ti));
+                sub.qk.extend_from_slice(s.xn.qkrow(ti));
             }
         }
         // each expert's bytes: intermediate rows f0..ff (all of them unless split with the GPU)

@@ -55,6 +55,9 @@ pub struct Act {
     pub f: Vec<f32>,
     /// `t * n / 32` blocks (valid after [`Act::quantize`]).
     pub q: Vec<BlockQ8>,
+    /// The same values quantized as ggml's Q8_K (one scale per 256: [`crate::quant::quantize_q8_k`]) for the
+    /// K-quant weights, when `n` is a multiple of 256 (else empty: they read `q`).
+    pub qk: Vec<BlockQ8>,
 }
 
 impl Act {
@@ -76,11 +79,22 @@ impl Act {
             return;
         }
         quantize_q8(&self.f, &mut self.q);
+        if self.n % 256 == 0 {
+            self.qk.resize(self.t * nb, BlockQ8::default());
+            crate::quant::quantize_q8_k(&self.f, &mut self.qk);
+        } else {
+            self.qk.clear();
+        }
     }
     /// Row `i` of the quantized blocks.
     pub fn qrow(&self, i: usize) -> &[BlockQ8] {
         let nb = self.n / 32;
         &self.q[i * nb..(i + 1) * nb]
+    }
+    /// Row `i` of the Q8_K-style blocks (empty when `n` is not a multiple of 256).
+    pub fn qkrow(&self, i: usize) -> &[BlockQ8] {
+        let nb = self.n / 32;
+        self.qk.get(i * nb..(i + 1) * nb).unwrap_or(&[])
     }
 }
 
@@ -95,6 +109,8 @@ pub struct ActRef<'a> {
     pub f: &'a [f32],
     /// `t * n / 32` blocks (empty when not quantized).
     pub q: &'a [BlockQ8],
+    /// Their Q8_K-style quantization ([`Act::qk`]; empty when absent).
+    pub qk: &'a [BlockQ8],
 }
 
 impl<'a> ActRef<'a> {
@@ -107,12 +123,22 @@ impl<'a> ActRef<'a> {
         let nb = self.n / 32;
         &self.q[i * nb..(i + 1) * nb]
     }
+    /// Row `i` of the blocks weights of `ty` multiply: the Q8_K-style ones for the K-quants when present
+    /// (`Activation::Q8K`), else [`ActRef::qrow`].
+    pub fn qrow_for(&self, ty: crate::quant::GgmlType, i: usize) -> &'a [BlockQ8] {
+        let nb = self.n / 32;
+        let k = crate::quant::format::lookup(ty).is_some_and(|f| f.activation == crate::quant::format::Activation::Q8K);
+        match self.qk.get(i * nb..(i + 1) * nb) {
+            Some(r) if k => r,
+            _ => self.qrow(i),
+        }
+    }
 }
 
 impl Act {
     /// This activation set as an [`ActRef`].
     pub fn view(&self) -> ActRef<'_> {
-        ActRef { t: self.t, n: self.n, f: &self.f, q: &self.q }
+        ActRef { t: self.t, n: self.n, f: &self.f, q: &self.q, qk: &self.qk }
     }
 }
 
@@ -205,6 +231,26 @@ pub fn matmul_batch(pool: &WorkerPool, jobs: &mut [MatJob<'_>], precision: Preci
 #[inline]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// GELU, tanh approximation (`0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`, ggml's `gelu` and Gemma's `gelu_pytorch_tanh`).
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh())
+}
+
+/// [`gelu_tanh`] as llama.cpp's CPU backend computes it (`GGML_GELU_FP16`): the input rounded to f16 and looked
+/// up in a table of f16 results, 0 at or below −10 and the identity at or above 10.
+#[inline]
+pub fn gelu_tanh_f16(x: f32) -> f32 {
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        half::f16::from_f32(gelu_tanh(half::f16::from_f32(x).to_f32())).to_f32()
+    }
 }
 
 /// One expert's SwiGLU of a [`glu_batch`]: `h[t, r] = silu(gate_r · x_t) · (up_r · x_t)` for the `x.t` tokens
@@ -325,7 +371,8 @@ pub fn experts_batch(pool: &WorkerPool, jobs: &mut [ExpertJob<'_>], precision: P
         let h = unsafe {
             let (t, n) = (e.t, e.rows);
             let q = if n % 32 == 0 { std::slice::from_raw_parts(e.hq.0, t * n / 32) } else { &[][..] };
-            ActRef { t, n, f: std::slice::from_raw_parts(e.hp.0, t * n), q }
+            // the experts' h is quantized in per-task row ranges, Q8_0-style only: K-quant down weights read it
+            ActRef { t, n, f: std::slice::from_raw_parts(e.hp.0, t * n), q, qk: &[] }
         };
         let r0 = (task - first[ji]) * chunk;
         rows_into_each(&[(&w, out)], &h, r0, (r0 + chunk).min(w.rows), precision);
@@ -470,13 +517,14 @@ fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize
     let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
     let simd = precision == Precision::Q8Activations;
     for ti in 0..x.t {
+        let xq = x.qrow_for(w.ty, ti);
         let x4 = (q8 && simd)
-            .then_some(|r: usize| dot_q8_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], x.qrow(ti)));
+            .then_some(|r: usize| dot_q8_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], xq));
         let one = |r: usize| {
             let row = w.row(r);
             match (q8, simd) {
-                (true, true) => dot_q8(w.ty, row, x.qrow(ti)),
-                (true, false) => dot_q8_scalar(w.ty, row, x.qrow(ti)),
+                (true, true) => dot_q8(w.ty, row, xq),
+                (true, false) => dot_q8_scalar(w.ty, row, xq),
                 _ => vec_dot_f32_row(w.ty, row, x.row(ti)),
             }
         };

@@ -14,7 +14,7 @@ use math::{add_rows, dot_f32, rms_norm, rms_norm_in_place, rope, rope_neox};
 use super::moe::{dispatch, router};
 use super::{Backend, BackendError, Body, KvCache, Logits, ModelRef, Norm, Ops, Scratch};
 use crate::arch::weights::{Ffn, Weight};
-use crate::arch::RopeKind;
+use crate::arch::{FfnAct, RopeKind};
 use crate::quant::dequantize_row;
 
 /// The CPU backend. It keeps nothing between passes: the weights are read in place from the mapped file, the
@@ -53,7 +53,14 @@ impl Backend for CpuBackend {
             let tok = (tok as usize).min(cfg.n_vocab - 1);
             dequantize_row(emb.ty, emb.row(tok), &mut s.x[i * e..(i + 1) * e]).expect("embedding row");
         }
+        if cfg.spec.def.embd_scale {
+            let k = (e as f32).sqrt();
+            s.x.iter_mut().for_each(|v| *v *= k);
+        }
         super::rope_angles(cfg, pos0, t, &mut s.rope);
+        if (0..cfg.n_layer).any(|l| cfg.is_swa(l)) {
+            super::rope_angles_swa(cfg, pos0, t, &mut s.rope_swa);
+        }
         let rows = which.rows(t);
         let mut pass = CpuPass { m, kv, s, t, pos0, logits: Vec::new() };
         body(&mut pass, Some(rows))?;
@@ -99,8 +106,8 @@ impl CpuPass<'_, '_> {
         s.xn.quantize();
     }
 
-    /// A dense SwiGLU FFN of the normalized, quantized activations `s.xn` into `s.tmp` (`t × n_embd`):
-    /// `down(silu(gate x) · up x)`.
+    /// A dense gated FFN of the normalized, quantized activations `s.xn` into `s.tmp` (`t × n_embd`):
+    /// `down(act(gate x) · up x)`, `act` the architecture's (SiLU or tanh GELU).
     fn dense_ffn(&mut self, gate: &Weight, up: &Weight, down: &Weight) {
         let (t, e) = (self.s.xn.t, self.m.cfg.n_embd);
         let ff = gate.rows;
@@ -110,8 +117,13 @@ impl CpuPass<'_, '_> {
         mm(m, gate, &s.xn, &mut s.gate);
         mm(m, up, &s.xn, &mut s.up);
         s.h.resize(t, ff);
+        let act = match (m.cfg.spec.def.act, m.precision) {
+            (FfnAct::Silu, _) => silu,
+            (FfnAct::GeluTanh, Precision::F32) => gelu_tanh,
+            (FfnAct::GeluTanh, _) => gelu_tanh_f16,
+        };
         for ((h, g), u) in s.h.f.iter_mut().zip(&s.gate).zip(&s.up) {
-            *h = silu(*g) * u;
+            *h = act(*g) * u;
         }
         s.h.quantize();
         s.tmp.resize(t * e, 0.0);
@@ -177,8 +189,9 @@ impl Ops for CpuPass<'_, '_> {
             RopeKind::Neox => rope_neox,
         };
         let s = &mut *self.s;
+        let table = if cfg.is_swa(l) { &s.rope_swa } else { &s.rope };
         for i in 0..self.t {
-            let cs = &s.rope[i * half..(i + 1) * half];
+            let cs = &table[i * half..(i + 1) * half];
             for h in 0..nh {
                 rot(&mut s.q[i * qd + h * hd..i * qd + (h + 1) * hd], cs);
             }
@@ -211,6 +224,7 @@ impl Ops for CpuPass<'_, '_> {
         s.attn.resize(t, qd);
         let scale = 1.0 / (hd as f32).sqrt();
         let group = nh / nkv;
+        let window = if cfg.is_swa(l) { cfg.sliding_window } else { 0 };
         let q = &s.q;
         let out_ptr = SyncPtr(s.attn.f.as_mut_ptr());
         let head = |idx: usize| {
@@ -221,9 +235,10 @@ impl Ops for CpuPass<'_, '_> {
             let kh = h / group;
             let qv = &q[i * qd + h * hd..i * qd + (h + 1) * hd];
             let n = pos0 + i + 1; // causal: positions 0..=pos0+i
-            let mut scores = Vec::with_capacity(n);
+            let first = if window > 0 { n.saturating_sub(window) } else { 0 }; // sliding window: the last `window`
+            let mut scores = Vec::with_capacity(n - first);
             let mut mx = f32::NEG_INFINITY;
-            for p in 0..n {
+            for p in first..n {
                 let kvec = &keys[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
                 let d = dot_f32(qv, kvec) * scale;
                 mx = mx.max(d);
@@ -236,7 +251,8 @@ impl Ops for CpuPass<'_, '_> {
             }
             let inv = 1.0 / sum;
             out.fill(0.0);
-            for (p, &w) in scores.iter().enumerate() {
+            for (j, &w) in scores.iter().enumerate() {
+                let p = first + j;
                 let vv = &vals[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
                 // Probabilities are rounded to f16 as llama.cpp does before its KQ·V product
                 // over the F16 cache.
@@ -260,6 +276,11 @@ impl Ops for CpuPass<'_, '_> {
         if let Some(bias) = &b.bias.o {
             add_rows(&mut s.tmp, bias);
         }
+        if let Some(w) = &b.post_attn_norm {
+            for row in s.tmp.chunks_exact_mut(m.cfg.n_embd) {
+                rms_norm_in_place(row, w, m.cfg.rms_eps);
+            }
+        }
         for (x, d) in s.x.iter_mut().zip(&s.tmp) {
             *x += d;
         }
@@ -268,9 +289,15 @@ impl Ops for CpuPass<'_, '_> {
 
     fn ffn(&mut self, l: usize) -> Result<(), BackendError> {
         let m = self.m;
-        let Ffn::Dense { gate, up, down } = &m.weights.blocks[l].ffn else { unreachable!("ffn() on an MoE block") };
+        let b = &m.weights.blocks[l];
+        let Ffn::Dense { gate, up, down } = &b.ffn else { unreachable!("ffn() on an MoE block") };
         self.dense_ffn(gate, up, down);
         let s = &mut *self.s;
+        if let Some(w) = &b.post_ffn_norm {
+            for row in s.tmp.chunks_exact_mut(m.cfg.n_embd) {
+                rms_norm_in_place(row, w, m.cfg.rms_eps);
+            }
+        }
         for (x, d) in s.x.iter_mut().zip(&s.tmp) {
             *x += d;
         }

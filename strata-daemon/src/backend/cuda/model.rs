@@ -226,6 +226,8 @@ fn check_arch(model: &ModelRef<'_>) -> Result<(), GpuError> {
         Some("an attention output bias")
     } else if def.gating != crate::arch::Gating::Softmax || def.expert_weights_scale != 1.0 {
         Some("sigmoid gating or an expert weight scale")
+    } else if def.act != crate::arch::FfnAct::Silu || def.post_norms || def.embd_scale || def.swa_pattern > 0 {
+        Some("a GELU FFN, post-norms, an embedding scale or sliding-window attention")
     } else {
         None
     };

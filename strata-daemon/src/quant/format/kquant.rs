@@ -1,9 +1,9 @@
 //! What the K-quant formats share (ggml's `block_q*_K`, super-blocks of 256 values, `QK_K`): each block unpacks into
 //! signed codes, one integer scale (and minimum) per 16 values, and the f16 super-scales `d` and `dmin`:
 //! value `e` = `(d · sc[e/16]) · q[e] − (dmin · mn[e/16])`, the order of ggml's `dequantize_row_q*_K` (and of the
-//! `gguf` package's numpy code). Products pair the rows with this crate's 8-bit activations ([`BlockQ8`], blocks of
-//! 32 with one f32 scale each — finer than ggml's Q8_K, one scale per 256, so one quantization per token serves the
-//! 32- and 256-blocks of a mixed file alike): per 32 activations, `d_x · (d · Σ sc q q_x − dmin · Σ mn q_x)`.
+//! `gguf` package's numpy code). Products pair the rows with ggml's Q8_K activations (one f32 scale per 256), held as
+//! [`BlockQ8`] blocks of 32 that share their super-block's scale (`Activation::Q8K`), so the kernels read any 8-bit
+//! blocks alike: per 32 activations, `d_x · (d · Σ sc q q_x − dmin · Σ mn q_x)`.
 
 use crate::quant::BlockQ8;
 

@@ -38,6 +38,9 @@ pub enum Activation {
     /// Q8_0 plus `s = d·Σq` (ggml's Q8_1: Q4_1 rows, whose minimum multiplies the block sum). [`BlockQ8`] carries
     /// both, so one quantization per token serves every format.
     Q8_1,
+    /// ggml's Q8_K: one f32 scale per 256 values (the K-quants), held as [`BlockQ8`] blocks that share it
+    /// (`crate::quant::quantize_q8_k`); where a row is not whole super-blocks the Q8_0 blocks serve.
+    Q8K,
 }
 
 /// Dot products of one format's rows with 8-bit activations ([`BlockQ8`], `x.len()` blocks of 32): `fn(row, x)`

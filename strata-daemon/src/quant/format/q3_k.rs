@@ -15,7 +15,7 @@ pub const BYTES: usize = 110;
 pub const FORMAT: Format = Format {
     ty: GgmlType::Q3_K,
     name: "q3_k",
-    activation: Activation::Q8_0,
+    activation: Activation::Q8K,
     dequantize,
     q8: Some(Q8Dot {
         scalar: dot,

@@ -14,7 +14,7 @@ pub const BYTES: usize = 176;
 pub const FORMAT: Format = Format {
     ty: GgmlType::Q5_K,
     name: "q5_k",
-    activation: Activation::Q8_0,
+    activation: Activation::Q8K,
     dequantize,
     q8: Some(Q8Dot {
         scalar: dot,

@@ -15,7 +15,7 @@ pub const BYTES: usize = 210;
 pub const FORMAT: Format = Format {
     ty: GgmlType::Q6_K,
     name: "q6_k",
-    activation: Activation::Q8_0,
+    activation: Activation::Q8K,
     dequantize,
     q8: Some(Q8Dot {
         scalar: dot,
