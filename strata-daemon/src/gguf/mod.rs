@@ -1,5 +1,5 @@
 //! GGUF container: reader over a memory map (with every offset checked against
-//! the file length) and a small writer for fixtures and tests.
+//! the file length; split models joined, [`split`]) and a small writer for fixtures and tests.
 //!
 //! Format source: the GGUF specification in the ggml repository
 //! (`docs/gguf.md`): magic `GGUF`, u32 version (2 or 3), u64 tensor count,
@@ -7,6 +7,7 @@
 //! `general.alignment` (default 32), tensor data. All integers little-endian.
 
 mod reader;
+pub mod split;
 mod value;
 pub mod writer;
 
@@ -26,6 +27,14 @@ pub enum GgufError {
         path: String,
         /// Underlying OS error.
         source: std::io::Error,
+    },
+    /// A split model's parts do not form one set (a part missing, foreign or out of order).
+    #[error("split GGUF {path}: {reason}")]
+    Split {
+        /// The part (or the first part) concerned.
+        path: String,
+        /// What is wrong.
+        reason: String,
     },
     /// The first four bytes are not `GGUF`.
     #[error("not a GGUF file (magic {0:02x?}, expected \"GGUF\")")]

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
+use super::split::{self, Joined, Part};
 use super::value::{Value, ValueType};
 use super::{GgufError, DEFAULT_ALIGNMENT};
 use crate::quant::GgmlType;
@@ -41,10 +42,18 @@ impl TensorInfo {
     }
 }
 
-/// A GGUF file mapped in memory with its metadata and tensor infos decoded.
+/// The bytes of a model: one mapped file, or the parts of a split one joined ([`split`]).
+enum Mapping {
+    One(Mmap),
+    Joined(Joined),
+}
+
+/// A GGUF file mapped in memory with its metadata and tensor infos decoded (a split model's parts joined: see
+/// [`split`]).
 pub struct GgufFile {
     path: PathBuf,
-    mmap: Mmap,
+    map: Mapping,
+    parts: Vec<Part>,
     /// GGUF version (2 or 3).
     pub version: u32,
     /// Metadata in file order.
@@ -146,7 +155,96 @@ impl GgufFile {
         // SAFETY: the file is mapped read-only; strata never writes model files while
         // they are mapped. A concurrent external truncation could fault, as with any mmap reader.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Self::parse(path, mmap)
+        let first = Self::parse(path, mmap)?;
+        match first.get(split::KEY_COUNT).and_then(|v| v.as_u64()) {
+            Some(n) if n > 1 => Self::open_split(first, n as usize),
+            _ => Ok(first),
+        }
+    }
+
+    /// Opens the other parts of the split model whose first part is `first` (`count` parts), checks that they
+    /// form its set, and joins them. Errors: [`GgufError::Split`] naming the part (missing, foreign, out of order,
+    /// a tensor twice, a tensor count that disagrees), or the part's own parse error.
+    fn open_split(first: GgufFile, count: usize) -> Result<GgufFile, GgufError> {
+        let fp = first.path.clone();
+        let err = |p: &Path, reason: String| GgufError::Split { path: p.display().to_string(), reason };
+        let no = first.get(split::KEY_NO).and_then(|v| v.as_u64()).unwrap_or(0);
+        if no != 0 {
+            return Err(err(
+                &fp,
+                format!("this is part {} of {count}: open the first part (…-00001-of-{count:05}.gguf)", no + 1),
+            ));
+        }
+        let want = first.get(split::KEY_TENSORS).and_then(|v| v.as_u64());
+        let mut parts = vec![first];
+        for i in 1..count {
+            let p = split::part_path(&fp, i, count).ok_or_else(|| {
+                err(&fp, format!("split.count is {count} but the name does not end in -00001-of-{count:05}.gguf"))
+            })?;
+            if !p.exists() {
+                return Err(err(&p, format!("part {} of {count} is missing", i + 1)));
+            }
+            let part = GgufFile::open_one(&p)?;
+            let (pno, pcount) =
+                (part.get(split::KEY_NO).and_then(|v| v.as_u64()), part.get(split::KEY_COUNT).and_then(|v| v.as_u64()));
+            if pno != Some(i as u64) || pcount != Some(count as u64) {
+                return Err(err(
+                    &p,
+                    format!("not part {} of this {count}-part set (split.no {pno:?}, split.count {pcount:?})", i + 1),
+                ));
+            }
+            parts.push(part);
+        }
+        let n: usize = parts.iter().map(|p| p.tensors.len()).sum();
+        if let Some(w) = want {
+            if w != n as u64 {
+                return Err(err(
+                    &fp,
+                    format!("the parts hold {n} tensors, split.tensors.count says {w} (a part of another set?)"),
+                ));
+            }
+        }
+        let files: Vec<File> = parts
+            .iter()
+            .map(|p| File::open(&p.path).map_err(|source| GgufError::Io { path: p.path.display().to_string(), source }))
+            .collect::<Result<_, _>>()?;
+        let lens: Vec<(&File, u64)> = files.iter().zip(&parts).map(|(f, p)| (f, p.file_len())).collect();
+        let (joined, bases) =
+            Joined::map(&lens).map_err(|source| GgufError::Io { path: fp.display().to_string(), source })?;
+        let mut tensors = Vec::with_capacity(n);
+        let mut tensor_index = HashMap::new();
+        let mut part_list = Vec::with_capacity(parts.len());
+        for (part, &base) in parts.iter().zip(&bases) {
+            for t in &part.tensors {
+                if tensor_index.insert(t.name.clone(), tensors.len()).is_some() {
+                    return Err(err(&part.path, format!("tensor {:?} is in two parts", t.name)));
+                }
+                tensors.push(TensorInfo { file_offset: t.file_offset + base, ..t.clone() });
+            }
+            part_list.push(Part { path: part.path.clone(), base, len: part.file_len() });
+        }
+        let first = parts.swap_remove(0);
+        Ok(GgufFile {
+            path: first.path,
+            map: Mapping::Joined(joined),
+            parts: part_list,
+            version: first.version,
+            metadata: first.metadata,
+            meta_index: first.meta_index,
+            tensors,
+            tensor_index,
+            alignment: first.alignment,
+            data_offset: first.data_offset,
+        })
+    }
+
+    /// Opens one file without following a split.
+    fn open_one(path: &Path) -> Result<Self, GgufError> {
+        let io = |source| GgufError::Io { path: path.display().to_string(), source };
+        let file = File::open(path).map_err(io)?;
+        // SAFETY: as in `open`: mapped read-only, never written while mapped.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
+        Self::parse(path.to_path_buf(), mmap)
     }
 
     fn parse(path: PathBuf, mmap: Mmap) -> Result<Self, GgufError> {
@@ -266,7 +364,19 @@ impl GgufFile {
                 }
             }
         }
-        Ok(GgufFile { path, mmap, version, metadata, meta_index, tensors, tensor_index, alignment, data_offset })
+        let parts = vec![Part { path: path.clone(), base: 0, len: file_len }];
+        Ok(GgufFile {
+            path,
+            map: Mapping::One(mmap),
+            parts,
+            version,
+            metadata,
+            meta_index,
+            tensors,
+            tensor_index,
+            alignment,
+            data_offset,
+        })
     }
 
     /// Path the file was opened from.
@@ -274,14 +384,24 @@ impl GgufFile {
         &self.path
     }
 
-    /// File length in bytes.
+    /// File length in bytes (all parts' of a split model).
     pub fn file_len(&self) -> u64 {
-        self.mmap.len() as u64
+        self.parts.iter().map(|p| p.len).sum()
     }
 
-    /// The whole mapped file.
+    /// The whole mapped file; a split model's parts back to back, each at its [`Part::base`] (zeros between them).
+    /// Tensor offsets ([`TensorInfo::file_offset`]) index it.
     pub fn bytes(&self) -> &[u8] {
-        &self.mmap[..]
+        match &self.map {
+            Mapping::One(m) => &m[..],
+            Mapping::Joined(j) => j.bytes(),
+        }
+    }
+
+    /// The files the model was read from (one, or a split model's parts in order) and where each lies in
+    /// [`GgufFile::bytes`].
+    pub fn parts(&self) -> &[Part] {
+        &self.parts
     }
 
     /// A metadata value, if present.
@@ -344,6 +464,6 @@ impl GgufFile {
 
     /// A tensor's bytes (bounds were checked at open).
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
-        &self.mmap[t.file_offset as usize..(t.file_offset + t.size_bytes) as usize]
+        &self.bytes()[t.file_offset as usize..(t.file_offset + t.size_bytes) as usize]
     }
 }

@@ -5,6 +5,8 @@
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
+
+use crate::gguf::split::Part;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// How blobs are read (`--file-io`).
@@ -31,10 +33,18 @@ impl std::str::FromStr for FileIo {
 /// Alignment of `O_DIRECT` offsets, lengths and buffers (bytes).
 pub const DIRECT_ALIGN: usize = 4096;
 
-/// Reads byte ranges of one file.
-pub struct BlobReader {
+/// One file of a [`BlobReader`]: its range in the model's offsets and its handles.
+struct PartFile {
+    base: u64,
+    len: u64,
     buffered: File,
     direct: Option<File>,
+}
+
+/// Reads byte ranges of a model file, or of a split model's parts by their joined offsets
+/// ([`crate::gguf::split`]).
+pub struct BlobReader {
+    parts: Vec<PartFile>,
     direct_failed: AtomicBool,
 }
 
@@ -42,34 +52,41 @@ impl BlobReader {
     /// Opens `path` for reads in `mode`. Errors: the file cannot be opened. A refused `O_DIRECT` open is not an
     /// error: reads are buffered and a warning says so.
     pub fn open(path: &Path, mode: FileIo) -> std::io::Result<BlobReader> {
-        let buffered = File::open(path)?;
-        let direct = match mode {
-            FileIo::Buffered => None,
-            FileIo::Direct => {
-                match std::fs::OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECT).open(path) {
-                    Ok(f) => Some(f),
-                    Err(e) => {
-                        tracing::warn!(
-                            "--file-io direct: {} refuses O_DIRECT ({e}); blob reads are buffered",
-                            path.display()
-                        );
-                        None
-                    }
-                }
-            }
-        };
-        Ok(BlobReader { buffered, direct, direct_failed: AtomicBool::new(false) })
+        BlobReader::open_parts(&[Part { path: path.to_path_buf(), base: 0, len: u64::MAX }], mode)
+    }
+
+    /// Opens every part (a read at a model offset goes to the part whose range holds it). Errors: a part cannot
+    /// be opened.
+    pub fn open_parts(parts: &[Part], mode: FileIo) -> std::io::Result<BlobReader> {
+        let mut files = Vec::with_capacity(parts.len());
+        for p in parts {
+            let (buffered, direct) = open_file(&p.path, mode)?;
+            files.push(PartFile { base: p.base, len: p.len, buffered, direct });
+        }
+        Ok(BlobReader { parts: files, direct_failed: AtomicBool::new(false) })
     }
 
     /// Whether reads use `O_DIRECT` now.
     pub fn is_direct(&self) -> bool {
-        self.direct.is_some() && !self.direct_failed.load(Ordering::Relaxed)
+        self.parts.iter().all(|p| p.direct.is_some()) && !self.direct_failed.load(Ordering::Relaxed)
     }
 
-    /// Fills `out` with the file's bytes at `offset`. `scratch` is reused between calls for direct reads.
-    /// Errors: the read failed or hit the end of the file.
+    /// Fills `out` with the model's bytes at `offset` (a range inside one part). `scratch` is reused between calls
+    /// for direct reads. Errors: the read failed, hit the end of the file, or crosses a part boundary.
     pub fn read_at(&self, offset: u64, out: &mut [u8], scratch: &mut AlignedBuf) -> std::io::Result<()> {
-        if let (Some(f), false) = (&self.direct, self.direct_failed.load(Ordering::Relaxed)) {
+        let p = self
+            .parts
+            .iter()
+            .find(|p| offset >= p.base && offset - p.base < p.len)
+            .ok_or_else(|| std::io::Error::other(format!("offset {offset} lies in no part of the model")))?;
+        if (offset - p.base).saturating_add(out.len() as u64) > p.len {
+            return Err(std::io::Error::other(format!("a read at {offset} crosses the end of its part")));
+        }
+        self.read_part(p, offset - p.base, out, scratch)
+    }
+
+    fn read_part(&self, p: &PartFile, offset: u64, out: &mut [u8], scratch: &mut AlignedBuf) -> std::io::Result<()> {
+        if let (Some(f), false) = (&p.direct, self.direct_failed.load(Ordering::Relaxed)) {
             let start = offset & !(DIRECT_ALIGN as u64 - 1);
             let end = (offset + out.len() as u64).div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64;
             let win = (end - start) as usize;
@@ -89,7 +106,31 @@ impl BlobReader {
                 Err(e) => return Err(e),
             }
         }
-        self.buffered.read_exact_at(out, offset)
+        p.buffered.read_exact_at(out, offset)
+    }
+}
+
+/// Opens `path` buffered and, for `--file-io direct`, with `O_DIRECT` (a refusal is not an error: reads are
+/// buffered and a warning says so).
+fn open_file(path: &Path, mode: FileIo) -> std::io::Result<(File, Option<File>)> {
+    {
+        let buffered = File::open(path)?;
+        let direct = match mode {
+            FileIo::Buffered => None,
+            FileIo::Direct => {
+                match std::fs::OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECT).open(path) {
+                    Ok(f) => Some(f),
+                    Err(e) => {
+                        tracing::warn!(
+                            "--file-io direct: {} refuses O_DIRECT ({e}); blob reads are buffered",
+                            path.display()
+                        );
+                        None
+                    }
+                }
+            }
+        };
+        Ok((buffered, direct))
     }
 }
 

@@ -370,8 +370,9 @@ pub fn mem_available() -> Option<u64> {
 }
 
 impl ExpertStore {
-    /// Builds the store for `layout` of the model in `file` (opened at `path`): chooses the RAM copy (profile
-    /// order, else expert-major across layers), allocates, locks and fills it. Errors: [`StoreError`].
+    /// Builds the store for `layout` of the model in `file` (opened at `path`; blob reads go to `path`, or to each
+    /// part of a split model): chooses the RAM copy (profile order, else expert-major across layers), allocates,
+    /// locks and fills it. Errors: [`StoreError`].
     pub fn new(
         layout: ExpertLayout,
         file: Arc<GgufFile>,
@@ -397,8 +398,13 @@ impl ExpertStore {
         let budget = clamp_to_memory(budget, cfg.headroom);
         let reader = if cfg.mode != ResidentMode::Mmap {
             Some(
-                BlobReader::open(path, cfg.file_io)
-                    .map_err(|source| StoreError::Open { path: path.display().to_string(), source })?,
+                // a split model reads each blob from the part that holds it; one file is read at `path`
+                if file.parts().len() > 1 {
+                    BlobReader::open_parts(file.parts(), cfg.file_io)
+                } else {
+                    BlobReader::open(path, cfg.file_io)
+                }
+                .map_err(|source| StoreError::Open { path: path.display().to_string(), source })?,
             )
         } else {
             None
