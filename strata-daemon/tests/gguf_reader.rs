@@ -136,3 +136,79 @@ fn corrupt_headers_are_typed_errors() {
 fn find(h: &[u8], n: &[u8]) -> Option<usize> {
     h.windows(n.len()).position(|w| w == n)
 }
+
+/// The offset field of tensor `name`'s info in `bytes` (after its name, dimension count, dimensions and type).
+fn offset_field(bytes: &[u8], name: &str, n_dims: usize) -> usize {
+    let mut key = (name.len() as u64).to_le_bytes().to_vec();
+    key.extend_from_slice(name.as_bytes());
+    find(bytes, &key).expect("tensor info") + key.len() + 4 + 8 * n_dims + 4
+}
+
+fn err_of(bytes: &[u8]) -> String {
+    match open_bytes(bytes) {
+        Ok(_) => panic!("opened"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn two_tensors() -> GgufWriter {
+    let mut w = GgufWriter::default();
+    w.set("general.architecture", Value::String("llama".into()));
+    w.add_tensor("blk.0.ffn_gate.weight", vec![64, 2], GgmlType::F32, vec![1; 512]);
+    w.add_tensor("blk.0.ffn_up.weight", vec![64, 2], GgmlType::F32, vec![2; 512]);
+    w
+}
+
+#[test]
+fn overlapping_tensors_are_refused() {
+    let good = two_tensors().to_bytes();
+    assert!(open_bytes(&good).is_ok());
+    // ffn_up given ffn_gate's data (full overlap), then half of it (partial overlap)
+    for off in [0u64, 256] {
+        let mut b = good.clone();
+        let at = offset_field(&b, "blk.0.ffn_up.weight", 2);
+        b[at..at + 8].copy_from_slice(&off.to_le_bytes());
+        let e = err_of(&b);
+        assert!(e.contains("overlaps") && e.contains("ffn_gate") && e.contains("ffn_up"), "{e}");
+    }
+}
+
+#[test]
+fn byte_sizes_past_2_64_are_refused() {
+    for dims in [vec![1u64 << 62], vec![1 << 31, (1 << 31) + 8]] {
+        let mut w = two_tensors();
+        w.add_tensor("extra", dims.clone(), GgmlType::F32, vec![]);
+        let e = err_of(&w.to_bytes());
+        assert!(e.contains("\"extra\"") && (e.contains("2^64") || e.contains("overflow")), "{dims:?}: {e}");
+    }
+}
+
+#[test]
+fn repeated_keys_and_tensors_and_empty_keys_are_refused() {
+    let mut w = two_tensors();
+    w.metadata.push(("general.architecture".into(), Value::String("qwen3".into())));
+    let e = err_of(&w.to_bytes());
+    assert!(e.contains("\"general.architecture\" appears twice"), "{e}");
+    let mut w = two_tensors();
+    w.metadata.push((String::new(), Value::U32(1)));
+    assert!(err_of(&w.to_bytes()).contains("is empty"));
+    let mut w = two_tensors();
+    w.add_tensor("blk.0.ffn_up.weight", vec![64, 2], GgmlType::F32, vec![3; 512]);
+    let e = err_of(&w.to_bytes());
+    assert!(e.contains("\"blk.0.ffn_up.weight\" appears twice"), "{e}");
+}
+
+#[test]
+fn an_alignment_of_the_wrong_type_says_so() {
+    let mut w = two_tensors();
+    w.set("general.alignment", Value::String("32".into()));
+    let e = err_of(&w.to_bytes());
+    assert!(
+        e.contains("general.alignment") && e.contains("expected an unsigned integer") && e.contains("String"),
+        "{e}"
+    );
+    let mut w = two_tensors();
+    w.set("general.alignment", Value::U32(48));
+    let e = err_of(&w.to_bytes());
+    assert!(e.contains("power of two") && e.contains("48"), "{e}");
+}

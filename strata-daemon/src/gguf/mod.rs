@@ -92,6 +92,12 @@ pub enum GgufError {
         /// What is wrong.
         reason: String,
     },
+    /// A metadata key or tensor name appears twice, or a key is empty (the last one would silently win).
+    #[error("{what}")]
+    Duplicate {
+        /// What repeats.
+        what: String,
+    },
     /// A required metadata key is missing.
     #[error("metadata key {0:?} is missing")]
     MissingKey(String),

@@ -279,15 +279,30 @@ impl GgufFile {
             let t = ValueType::from_u32(t_raw)
                 .ok_or_else(|| GgufError::UnknownValueType { key: key.clone(), type_id: t_raw })?;
             let v = c.value(t, &key, 0)?;
-            meta_index.insert(key.clone(), metadata.len());
+            if key.is_empty() {
+                return Err(GgufError::Duplicate { what: format!("metadata key #{i} is empty") });
+            }
+            if meta_index.insert(key.clone(), metadata.len()).is_some() {
+                return Err(GgufError::Duplicate { what: format!("metadata key {key:?} appears twice") });
+            }
             metadata.push((key, v));
         }
         let alignment = match meta_index.get("general.alignment").map(|&i| &metadata[i].1) {
             None => DEFAULT_ALIGNMENT,
             Some(v) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
-                _ => {
-                    return Err(GgufError::BadSize { what: "general.alignment".into(), value: v.as_u64().unwrap_or(0) })
+                Some(a) => {
+                    return Err(GgufError::BadSize {
+                        what: "general.alignment (a power of two up to 1 MiB)".into(),
+                        value: a,
+                    })
+                }
+                None => {
+                    return Err(GgufError::WrongType {
+                        key: "general.alignment".into(),
+                        expected: "an unsigned integer",
+                        found: v.type_name(),
+                    })
                 }
             },
         };
@@ -340,7 +355,11 @@ impl GgufFile {
                     ),
                 });
             }
-            let size_bytes = n_el / bs * ggml_type.type_size() as u64;
+            let size_bytes =
+                (n_el / bs).checked_mul(ggml_type.type_size() as u64).ok_or_else(|| GgufError::BadTensor {
+                    tensor: name.clone(),
+                    reason: format!("dimensions {dims:?} give a byte size past 2^64"),
+                })?;
             if offset % alignment != 0 {
                 return Err(GgufError::BadTensor {
                     tensor: name,
@@ -351,7 +370,9 @@ impl GgufFile {
             let end = start.and_then(|s| s.checked_add(size_bytes));
             match (start, end) {
                 (Some(s), Some(e)) if e <= file_len => {
-                    tensor_index.insert(name.clone(), tensors.len());
+                    if tensor_index.insert(name.clone(), tensors.len()).is_some() {
+                        return Err(GgufError::Duplicate { what: format!("tensor {name:?} appears twice") });
+                    }
                     tensors.push(TensorInfo { name, dims, ggml_type, file_offset: s, size_bytes });
                 }
                 _ => {
@@ -362,6 +383,25 @@ impl GgufFile {
                         len: file_len,
                     })
                 }
+            }
+        }
+        // tensors whose data overlap would alias each other's bytes (one written over the other, or a weight read
+        // as another): refused, as llama.cpp does
+        let mut by_start: Vec<&TensorInfo> = tensors.iter().filter(|t| t.size_bytes > 0).collect();
+        by_start.sort_by_key(|t| t.file_offset);
+        for w in by_start.windows(2) {
+            if w[1].file_offset < w[0].file_offset + w[0].size_bytes {
+                return Err(GgufError::BadTensor {
+                    tensor: w[1].name.clone(),
+                    reason: format!(
+                        "its data (bytes {}..{}) overlaps tensor {:?} (bytes {}..{})",
+                        w[1].file_offset,
+                        w[1].file_offset + w[1].size_bytes,
+                        w[0].name,
+                        w[0].file_offset,
+                        w[0].file_offset + w[0].size_bytes
+                    ),
+                });
             }
         }
         let parts = vec![Part { path: path.clone(), base: 0, len: file_len }];

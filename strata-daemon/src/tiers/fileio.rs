@@ -113,25 +113,18 @@ impl BlobReader {
 /// Opens `path` buffered and, for `--file-io direct`, with `O_DIRECT` (a refusal is not an error: reads are
 /// buffered and a warning says so).
 fn open_file(path: &Path, mode: FileIo) -> std::io::Result<(File, Option<File>)> {
-    {
-        let buffered = File::open(path)?;
-        let direct = match mode {
-            FileIo::Buffered => None,
-            FileIo::Direct => {
-                match std::fs::OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECT).open(path) {
-                    Ok(f) => Some(f),
-                    Err(e) => {
-                        tracing::warn!(
-                            "--file-io direct: {} refuses O_DIRECT ({e}); blob reads are buffered",
-                            path.display()
-                        );
-                        None
-                    }
-                }
+    let buffered = File::open(path)?;
+    let direct = match mode {
+        FileIo::Buffered => None,
+        FileIo::Direct => match std::fs::OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECT).open(path) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::warn!("--file-io direct: {} refuses O_DIRECT ({e}); blob reads are buffered", path.display());
+                None
             }
-        };
-        Ok((buffered, direct))
-    }
+        },
+    };
+    Ok((buffered, direct))
 }
 
 /// Reads until `buf` is full or the end of the file; returns the bytes read.
