@@ -150,3 +150,55 @@ fn dense_model_refuses_expert_calls() {
     assert!(!c.active);
     engine.shutdown();
 }
+
+/// A copy of the tiny qwen3moe file with a NaN in row 0 of layer 1's router (`blk.1.ffn_gate_inp.weight`, F32).
+fn nan_router_file() -> std::path::PathBuf {
+    use strata::gguf::writer::GgufWriter;
+    let f = GgufFile::open(common::arch_fixture_path("qwen3moe")).unwrap();
+    let mut w = GgufWriter::default();
+    for (k, v) in &f.metadata {
+        w.set(k, v.clone());
+    }
+    for t in &f.tensors {
+        let mut data = f.tensor_data(t).to_vec();
+        if t.name == "blk.1.ffn_gate_inp.weight" {
+            data[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+        w.add_tensor(&t.name, t.dims.clone(), t.ggml_type, data);
+    }
+    let p = std::env::temp_dir().join(format!("strata-nan-router-{}.gguf", std::process::id()));
+    std::fs::write(&p, w.to_bytes()).unwrap();
+    p
+}
+
+#[test]
+fn a_non_finite_value_fails_the_request_naming_the_layer_and_the_daemon_keeps_serving() {
+    let path = nan_router_file();
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let mut m = Model::load(file.clone()).unwrap();
+    m.set_threads(2).unwrap();
+    let tok = Arc::new(Tokenizer::from_gguf(&file).unwrap());
+    let model = Arc::new(m);
+    let engine = Arc::new(
+        Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx: 128, threads: 2, batch: 64 }, None).unwrap(),
+    );
+    let api = Control::new(engine.clone(), &model, tok, Default::default(), None);
+    for attempt in 0..2 {
+        let raw = RawRequest { prompt: "hello there".into(), max_tokens: 4, ..Default::default() };
+        let mut rx = api.generate(&raw).unwrap();
+        let err = loop {
+            match rx.blocking_recv().expect("the engine ends every request") {
+                Event::Error(e) => break e,
+                Event::Done { counters, .. } => {
+                    panic!("attempt {attempt}: finished ({:?}) on NaN weights", counters.finish)
+                }
+                Event::Token { .. } => {}
+            }
+        };
+        assert!(err.contains("non-finite") && err.contains("ffn_gate_inp") && err.contains("layer 1"), "{err}");
+        // still serving: the statistics answer
+        assert_eq!(api.stats().queued, 0);
+    }
+    engine.shutdown();
+    std::fs::remove_file(&path).unwrap();
+}

@@ -168,3 +168,45 @@ fn profile_save_and_restart_give_the_same_residency() {
     assert!(matches!(Profile::load(&prof_path, &other), Err(ProfileError::Foreign { .. })));
     std::fs::remove_file(&prof_path).unwrap();
 }
+
+#[test]
+fn saves_at_once_never_leave_a_torn_or_missing_profile() {
+    let m = model();
+    let st = store_for(&m, &fixture_path("split"), ResidentMode::All, FileIo::Buffered, None);
+    let prof = st.profile_now();
+    let path = std::env::temp_dir().join(format!("strata-concurrent-{}.prof", std::process::id()));
+    prof.save(&path).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // a reader that must always find the whole file
+        let reader = s.spawn(|| {
+            let mut reads = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let p = Profile::load(&path, &geometry(&m));
+                assert!(p.is_ok(), "read {reads}: {:?}", p.err());
+                reads += 1;
+            }
+            reads
+        });
+        let savers: Vec<_> = (0..8)
+            .map(|_| {
+                s.spawn(|| {
+                    for _ in 0..25 {
+                        prof.save(&path).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for h in savers {
+            h.join().unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(reader.join().unwrap() > 0);
+    });
+    assert_eq!(Profile::load(&path, &geometry(&m)).unwrap(), prof);
+    // no temporary file is left behind
+    let dir = std::fs::read_dir(std::env::temp_dir()).unwrap();
+    let stem = path.file_name().unwrap().to_str().unwrap().to_string();
+    assert!(dir.flatten().all(|e| !e.file_name().to_str().unwrap_or("").starts_with(&format!("{stem}.tmp"))));
+    std::fs::remove_file(&path).unwrap();
+}

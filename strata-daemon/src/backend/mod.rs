@@ -57,8 +57,17 @@ impl Logits {
 /// Errors of a backend.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    /// The CUDA backend failed (driver, NVRTC, VRAM, a setting it cannot run). (The CPU backend does not fail:
-    /// in a build without the `cuda` feature this type has no value.)
+    /// A pass produced a non-finite value (NaN or infinity: corrupt weights, an overflow): the request fails, the
+    /// daemon keeps serving. `layer` is where it first appeared (the CPU backend checks after every layer's ops;
+    /// `None`: seen in the logits).
+    #[error("non-finite values in {tensor}{}", layer.map(|l| format!(" of layer {l}")).unwrap_or_default())]
+    NonFinite {
+        /// The layer, when known.
+        layer: Option<usize>,
+        /// The tensor (GGUF name) whose output held them.
+        tensor: &'static str,
+    },
+    /// The CUDA backend failed (driver, NVRTC, VRAM, a setting it cannot run).
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Gpu(#[from] cuda::GpuError),

@@ -30,24 +30,34 @@ impl TextStream {
         }
     }
 
-    /// Appends a token's bytes.
+    /// Appends a token's bytes: whole characters join the text, invalid bytes become U+FFFD where they are, and an
+    /// incomplete sequence at the end waits for the next token.
     pub fn push(&mut self, bytes: &[u8]) -> Push {
         self.pending.extend_from_slice(bytes);
-        let valid = match std::str::from_utf8(&self.pending) {
-            Ok(s) => s.len(),
-            Err(e) if e.error_len().is_none() => e.valid_up_to(),
-            Err(e) => {
-                // Invalid bytes: replace them and move on.
-                let upto = e.valid_up_to() + e.error_len().unwrap_or(1);
-                let s = String::from_utf8_lossy(&self.pending[..upto]).into_owned();
-                self.pending.drain(..upto);
-                self.text.push_str(&s);
-                return self.after_append();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    self.text.push_str(s);
+                    self.pending.clear();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    self.text.push_str(std::str::from_utf8(&self.pending[..valid]).expect("valid prefix"));
+                    match e.error_len() {
+                        // an incomplete sequence at the end: keep it for the next token
+                        None => {
+                            self.pending.drain(..valid);
+                            break;
+                        }
+                        Some(bad) => {
+                            self.text.push('\u{fffd}');
+                            self.pending.drain(..valid + bad);
+                        }
+                    }
+                }
             }
-        };
-        let s = std::str::from_utf8(&self.pending[..valid]).unwrap().to_string();
-        self.pending.drain(..valid);
-        self.text.push_str(&s);
+        }
         self.after_append()
     }
 
@@ -83,13 +93,11 @@ impl TextStream {
         Push::Text(out)
     }
 
-    /// Text held back at the end (incomplete UTF-8 is replaced).
+    /// Text held back at the end. The bytes of a character the generation stopped inside (a token limit cut a
+    /// multi-byte UTF-8 sequence) are dropped, not replaced with U+FFFD: the text ends at the last whole character.
     pub fn finish(&mut self) -> String {
-        if !self.pending.is_empty() {
-            let s = String::from_utf8_lossy(&self.pending).into_owned();
-            self.pending.clear();
-            self.text.push_str(&s);
-        }
+        // `pending` holds only an incomplete sequence (invalid bytes are replaced as they arrive, in `push`)
+        self.pending.clear();
         let out = self.text[self.emitted..].to_string();
         self.emitted = self.text.len();
         out
@@ -111,6 +119,19 @@ mod tests {
         let e = "é".as_bytes();
         assert_eq!(s.push(&e[..1]), Push::Text(String::new()));
         assert_eq!(s.push(&e[1..]), Push::Text("é".into()));
+    }
+
+    #[test]
+    fn a_character_cut_by_the_token_limit_is_dropped_not_replaced() {
+        let mut s = TextStream::new(&[]);
+        let e = "añ€".as_bytes(); // 1 + 2 + 3 bytes
+        assert_eq!(s.push(&e[..4]), Push::Text("añ".into()));
+        assert_eq!(s.finish(), "");
+        assert_eq!(s.text(), "añ");
+        assert!(!s.text().contains('\u{fffd}'));
+        // invalid bytes (not a cut) are still replaced where they arrive
+        let mut s = TextStream::new(&[]);
+        assert_eq!(s.push(&[b'a', 0xff, b'b']), Push::Text("a\u{fffd}b".into()));
     }
 
     #[test]

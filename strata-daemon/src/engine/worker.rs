@@ -233,6 +233,16 @@ impl Worker {
         }
     }
 
+    /// Fails `job` with the pass's error (one line to the client and the log); the KV cache, whose positions from
+    /// the failed pass are not valid, starts over. The daemon keeps serving.
+    fn fail(&mut self, job: &Job, e: crate::backend::BackendError) {
+        tracing::error!(request = job.id, "forward pass failed: {e}; request failed, KV cache reset");
+        self.kv.clear();
+        self.cached.clear();
+        self.scratch.decode = false;
+        let _ = job.events.send(Event::Error(format!("forward pass failed: {e}")));
+    }
+
     fn stopped(&self, job: &Job) -> Option<bool> {
         if self.shutdown.load(Ordering::SeqCst) {
             Some(true)
@@ -314,7 +324,10 @@ impl Worker {
         }
         while pos < ids.len() {
             let end = (pos + self.batch).min(ids.len());
-            logits = self.model.forward(&ids[pos..end], &mut self.kv, Logits::Last, &mut self.scratch);
+            logits = match self.model.try_forward(&ids[pos..end], &mut self.kv, Logits::Last, &mut self.scratch) {
+                Ok(l) => l,
+                Err(e) => return self.fail(job, e),
+            };
             self.dump_routes(job.id, Phase::Prefill);
             self.cached.extend_from_slice(&ids[pos..end]);
             pos = end;
@@ -363,7 +376,10 @@ impl Worker {
                 st.ram_adapt(c.windows == 0);
             }
             self.scratch.decode = true;
-            logits = self.model.forward(&[next], &mut self.kv, Logits::Last, &mut self.scratch);
+            logits = match self.model.try_forward(&[next], &mut self.kv, Logits::Last, &mut self.scratch) {
+                Ok(l) => l,
+                Err(e) => return self.fail(job, e),
+            };
             self.scratch.decode = false;
             if let Err(e) = self.model.end_decode_window() {
                 tracing::error!("adaptive tier: {e}");

@@ -138,13 +138,29 @@ impl Model {
 
     /// Runs `tokens` (a prefill chunk or one decode token) at positions `kv.len ..`, appending their K/V to
     /// `kv`, and returns logits (`n_vocab` per returned token, row-major). Panics if the chunk overflows the
-    /// cache (callers check `kv.len + tokens.len() <= kv.n_ctx`) or the backend fails (a GPU driver error).
+    /// cache (callers check `kv.len + tokens.len() <= kv.n_ctx`) or the pass fails ([`Model::try_forward`]).
     pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, which: Logits, s: &mut Scratch) -> Vec<f32> {
+        self.try_forward(tokens, kv, which, s)
+            .unwrap_or_else(|e| panic!("{} forward pass failed: {e}", self.backend.name()))
+    }
+
+    /// [`Model::forward`] that returns the pass's failure: a GPU error, or a non-finite value (the CPU backend
+    /// names the layer and tensor where it first appeared; any backend's logits are checked). After an error the
+    /// positions written into `kv` by this call are not valid.
+    pub fn try_forward(
+        &self,
+        tokens: &[u32],
+        kv: &mut KvCache,
+        which: Logits,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, BackendError> {
         let cfg = &self.cfg;
         let mut body = |ops: &mut dyn Ops, rows: Option<(usize, usize)>| blocks(cfg, ops, rows);
-        self.backend
-            .forward(&self.model_ref(), tokens, kv, which, s, &mut body)
-            .unwrap_or_else(|e| panic!("{} forward pass failed: {e}", self.backend.name()))
+        let logits = self.backend.forward(&self.model_ref(), tokens, kv, which, s, &mut body)?;
+        if !logits.iter().all(|v| v.is_finite()) {
+            return Err(BackendError::NonFinite { layer: None, tensor: "output" });
+        }
+        Ok(logits)
     }
 
     /// After a decode window: the expert store's adaptive round (when one is due) carried out by the backend

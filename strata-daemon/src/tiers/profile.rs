@@ -220,15 +220,23 @@ impl Profile {
     /// Errors: [`ProfileError::Io`] (the old file, if any, is left as it was).
     pub fn save(&self, path: &Path) -> Result<(), ProfileError> {
         let io = |source| ProfileError::Io { path: path.to_path_buf(), source };
+        // a temporary name of this save's own (saves may run at once, in this process or another), renamed over
+        // `path` when complete: `path` is always the old or the new whole file
+        static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".tmp");
+        tmp.push(format!(".tmp.{}.{n}", std::process::id()));
         let tmp = PathBuf::from(tmp);
-        {
-            let mut f = std::fs::File::create(&tmp).map_err(io)?;
-            f.write_all(&self.to_bytes()).map_err(io)?;
-            f.sync_all().map_err(io)?;
+        let written = (|| {
+            let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+            f.write_all(&self.to_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })();
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io(e));
         }
-        std::fs::rename(&tmp, path).map_err(io)?;
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
         if let Ok(d) = std::fs::File::open(dir) {
             let _ = d.sync_all();

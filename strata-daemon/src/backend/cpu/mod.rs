@@ -94,6 +94,16 @@ fn mm(m: &ModelRef<'_>, w: &Weight, x: &Act, out: &mut [f32]) {
 }
 
 impl CpuPass<'_, '_> {
+    /// Fails the pass when the hidden state holds a non-finite value after `tensor`'s op of layer `l` (one pass
+    /// over `t × n_embd` values: cheap beside the op's own products).
+    fn check_x(&self, l: usize, tensor: &'static str) -> Result<(), BackendError> {
+        if self.s.x.iter().all(|v| v.is_finite()) {
+            Ok(())
+        } else {
+            Err(BackendError::NonFinite { layer: Some(l), tensor })
+        }
+    }
+
     /// `xn = rms_norm(x rows row0 .. row0 + rows) · w`, quantized.
     fn norm_rows(&mut self, w: &[f32], row0: usize, rows: usize) {
         let e = self.m.cfg.n_embd;
@@ -284,7 +294,7 @@ impl Ops for CpuPass<'_, '_> {
         for (x, d) in s.x.iter_mut().zip(&s.tmp) {
             *x += d;
         }
-        Ok(())
+        self.check_x(l, "attn_output")
     }
 
     fn ffn(&mut self, l: usize) -> Result<(), BackendError> {
@@ -301,7 +311,7 @@ impl Ops for CpuPass<'_, '_> {
         for (x, d) in s.x.iter_mut().zip(&s.tmp) {
             *x += d;
         }
-        Ok(())
+        self.check_x(l, "ffn_down")
     }
 
     fn route(&mut self, l: usize) -> Result<(), BackendError> {
@@ -310,6 +320,9 @@ impl Ops for CpuPass<'_, '_> {
         let s = &mut *self.s;
         s.router.resize(self.t * m.cfg.n_expert, 0.0);
         mm(m, &ex.router, &s.xn, &mut s.router);
+        if !s.router.iter().all(|v| v.is_finite()) {
+            return Err(BackendError::NonFinite { layer: Some(l), tensor: "ffn_gate_inp" });
+        }
         let routing = router::top_k(m.cfg, &s.router, self.t);
         s.record_routes(l, self.pos0, &routing);
         s.routing = routing;
@@ -344,7 +357,7 @@ impl Ops for CpuPass<'_, '_> {
         for (xv, a) in s.x.iter_mut().zip(&s.moe_acc) {
             *xv += a;
         }
-        Ok(())
+        self.check_x(l, "ffn_down_exps")
     }
 
     fn output(&mut self, row0: usize, rows: usize) -> Result<(), BackendError> {

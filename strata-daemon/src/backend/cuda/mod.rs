@@ -22,6 +22,7 @@ impl From<crate::backend::BackendError> for GpuError {
     fn from(e: crate::backend::BackendError) -> Self {
         match e {
             crate::backend::BackendError::Gpu(g) => g,
+            e @ crate::backend::BackendError::NonFinite { .. } => GpuError::Unsupported(e.to_string()),
         }
     }
 }
