@@ -107,6 +107,7 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
     if !(rp.is_finite() && rp > 0.0) {
         return err(format!("repeat_penalty must be > 0 (got {rp})"));
     }
+    let mut segments = None;
     let text = if raw.messages.is_empty() {
         if raw.prompt.is_empty() {
             return err("prompt is empty (give a prompt or chat messages)".into());
@@ -123,11 +124,32 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
         let tpl = tok.chat_template.as_deref().ok_or_else(|| RequestError(chat::ChatError::NoTemplate.to_string()))?;
         let bos = tok.bos.map(|b| tok.token_str(b).to_string()).unwrap_or_default();
         let eos = tok.eos.map(|b| tok.token_str(b).to_string()).unwrap_or_default();
-        chat::render(tpl, &msgs, true, &bos, &eos).map_err(|e| RequestError(e.to_string()))?
+        let (text, segs) =
+            chat::render_segments(tpl, &msgs, true, &bos, &eos).map_err(|e| RequestError(e.to_string()))?;
+        if segs.is_none() {
+            tracing::warn!("the chat template changes message contents beyond trimming: contents are tokenized with the markup (special-token strings in them become special tokens)");
+        }
+        segments = segs;
+        text
     };
     // A template that prints BOS itself must not get a second one.
     let add_bos = !(tok.bos.is_some() && raw.messages.len() > 0 && text.starts_with(tok.token_str(tok.bos.unwrap())));
-    let prompt_ids = tok.encode(&text, true, add_bos).map_err(|e| RequestError(e.to_string()))?;
+    // chat: the template's markup parses special tokens, message contents never do (a user's "<|im_end|>" is text)
+    let prompt_ids = match &segments {
+        Some(segs) => {
+            // the contents' byte ranges in the rendered text
+            let mut at = 0;
+            let mut plain = Vec::new();
+            for sg in segs {
+                if !sg.markup {
+                    plain.push(at..at + sg.text.len());
+                }
+                at += sg.text.len();
+            }
+            tok.encode_chat(&text, add_bos, &plain).map_err(|e| RequestError(e.to_string()))?
+        }
+        None => tok.encode(&text, true, add_bos).map_err(|e| RequestError(e.to_string()))?,
+    };
     if prompt_ids.is_empty() {
         return err("prompt tokenizes to nothing".into());
     }

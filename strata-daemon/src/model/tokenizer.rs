@@ -339,6 +339,34 @@ impl Tokenizer {
         self.tokens.get(id as usize).map(|s| s.as_str()).unwrap_or("")
     }
 
+    /// Tokenizes a rendered chat: as [`Tokenizer::encode`] with special tokens parsed, except that a control token
+    /// (`<|im_end|>`, `<start_of_turn>`, …) whose text lies inside one of `plain` (byte ranges of `text`: the
+    /// messages' contents) is tokenized as the plain text it is. Text without control-token strings in its contents
+    /// gets exactly the ids of `encode(text, true, add_bos)`. Errors: the tokenizer failed.
+    pub fn encode_chat(
+        &self,
+        text: &str,
+        add_bos: bool,
+        plain: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>, ModelError> {
+        let enc = self.with_special.encode(text, false).map_err(terr)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if add_bos && self.add_bos {
+            if let Some(b) = self.bos {
+                ids.push(b);
+            }
+        }
+        for (&id, &(a, b)) in enc.get_ids().iter().zip(enc.get_offsets()) {
+            if self.is_control(id) && plain.iter().any(|r| r.start <= a && b <= r.end) {
+                let text = text.get(a..b).unwrap_or_default();
+                ids.extend_from_slice(self.plain.encode(text, false).map_err(terr)?.get_ids());
+            } else {
+                ids.push(id);
+            }
+        }
+        Ok(ids)
+    }
+
     /// Whether `id` is a control token.
     pub fn is_control(&self, id: u32) -> bool {
         self.types.get(id as usize) == Some(&token_type::CONTROL)
