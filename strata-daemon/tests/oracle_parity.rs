@@ -60,7 +60,7 @@ fn dequantization_matches_gguf_python() {
 
 #[test]
 fn k_quant_and_q5_dequantization_matches_gguf_python() {
-    // Q5_0, Q5_1 and the K-quants: rows of Gemma 3 270M Q4_K_M and random-byte blocks (tools/make-reference
+    // Q5_0, Q5_1, the K-quants, IQ4_NL, IQ4_XS and MXFP4: rows of Gemma 3 270M Q4_K_M and random-byte blocks (tools/make-reference
     // --only dequant-k); every value exact, or within 1 ulp where the package rounds in another order
     let m = json("dequant_k/manifest.json");
     let dir = data_dir().join("dequant_k");
@@ -93,7 +93,7 @@ fn k_quant_and_q5_dequantization_matches_gguf_python() {
         *per_type.entry(format!("{ty:?}")).or_insert(0) += 1;
     }
     println!("{exact} of {total} values bit-identical, the rest within 1 ulp; cases {per_type:?}");
-    for t in ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"] {
+    for t in ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"] {
         assert!(per_type.contains_key(t), "no {t} case: {per_type:?}");
     }
 }

@@ -1,4 +1,5 @@
-//! AVX2 dot kernels of the formats added after the first six (Q5_0, Q5_1 and the K-quants, [`super::format`]) with
+//! AVX2 dot kernels of the formats added after the first six (Q5_0, Q5_1, the K-quants, IQ4_NL, IQ4_XS and MXFP4,
+//! [`super::format`]) with
 //! 8-bit activations ([`BlockQ8`], blocks of 32). Each format unpacks its codes with SIMD shifts and masks into 32
 //! bytes per activation block and multiplies them with `maddubs`; the K-quants apply their per-16 integer scales
 //! (and minimums) with one `madd` each, so a 32-block costs the same whatever the format. The four-row variants are
@@ -251,6 +252,68 @@ pub mod avx2 {
         hsum(acc)
     }
 
+    /// 16 bytes of 4-bit indices -> the 32 signed levels of `table` they pick (low nibbles first).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn table_levels(p: *const u8, table: &[i8; 16]) -> __m256i {
+        let t = _mm_loadu_si128(table.as_ptr() as *const __m128i);
+        _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nibbles(p))
+    }
+
+    /// One row of a 32-value table format (IQ4_NL, MXFP4): `bytes` per block, the 16 index bytes at `qs_at`, the
+    /// block's scale from `scale(block)`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_table32(
+        row: &[u8],
+        x: &[BlockQ8],
+        bytes: usize,
+        qs_at: usize,
+        table: &[i8; 16],
+        scale: impl Fn(*const u8) -> f32,
+    ) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let ones = _mm256_set1_epi16(1);
+        let p = row.as_ptr();
+        for (i, xb) in x.iter().enumerate() {
+            let b = p.add(i * bytes);
+            let q = table_levels(b.add(qs_at), table);
+            let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs_signed(q, load_x(xb)), ones));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(scale(b) * xb.d), s, acc);
+        }
+        hsum(acc)
+    }
+
+    /// One IQ4_NL row. SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len()` blocks of 18 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq4_nl(row: &[u8], x: &[BlockQ8]) -> f32 {
+        dot_table32(row, x, 18, 2, &crate::quant::format::iq4_nl::KVALUES, |b| h2f(b))
+    }
+
+    /// One MXFP4 row. SAFETY (callers): as [`dot_iq4_nl`], blocks of 17 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_mxfp4(row: &[u8], x: &[BlockQ8]) -> f32 {
+        dot_table32(row, x, 17, 1, &crate::quant::format::mxfp4::KVALUES, |b| {
+            crate::quant::format::mxfp4::e8m0_half(*b)
+        })
+    }
+
+    /// One IQ4_XS row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 136 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq4_xs(row: &[u8], x: &[BlockQ8]) -> f32 {
+        use crate::quant::format::{iq4_nl::KVALUES, iq4_xs::scale};
+        let mut acc = _mm256_setzero_ps();
+        for (b, xs) in row.chunks_exact(136).zip(x.chunks_exact(8)) {
+            let d = h2f(b.as_ptr());
+            for (i, xb) in xs.iter().enumerate() {
+                let q = table_levels(b.as_ptr().add(8 + 16 * i), &KVALUES);
+                let s = scale(b, i);
+                group(&mut acc, q, xb, [s, s], [0, 0], d, 0.0);
+            }
+        }
+        hsum(acc)
+    }
+
     macro_rules! four_rows {
         ($($name:ident => $one:ident),* $(,)?) => {$(
             /// Four rows at once: four single-row calls (same contract as the single-row kernel).
@@ -269,6 +332,9 @@ pub mod avx2 {
         dot_q4_k_x4 => dot_q4_k,
         dot_q5_k_x4 => dot_q5_k,
         dot_q6_k_x4 => dot_q6_k,
+        dot_iq4_nl_x4 => dot_iq4_nl,
+        dot_iq4_xs_x4 => dot_iq4_xs,
+        dot_mxfp4_x4 => dot_mxfp4,
     );
 }
 
@@ -299,7 +365,8 @@ mod tests {
     fn row(ty: GgmlType, n_blocks: usize, extreme: bool, seed: &mut u64) -> Vec<u8> {
         let bs = ty.type_size();
         let fields: &[usize] = match ty {
-            GgmlType::Q5_0 | GgmlType::Q3_K | GgmlType::Q6_K => &[0],
+            GgmlType::MXFP4 => &[],
+            GgmlType::Q5_0 | GgmlType::Q3_K | GgmlType::Q6_K | GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
             _ => &[0, 1],
         };
         let at = |f: usize| match ty {
@@ -312,6 +379,10 @@ mod tests {
         for blk in b.chunks_exact_mut(bs) {
             for x in blk.iter_mut() {
                 *x = if extreme { 0xff } else { next(seed) as u8 };
+            }
+            if ty == GgmlType::MXFP4 {
+                // an exponent byte that keeps the products finite (2^-20 .. 2^4), 133 = 2^5 for the extremes
+                blk[0] = if extreme { 133 } else { 107 + (next(seed) % 25) as u8 };
             }
             for &f in fields {
                 let v = if extreme { 0.5 } else { (next(seed) % 2000) as f32 / 1e5 - 0.01 };

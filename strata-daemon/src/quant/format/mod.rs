@@ -14,7 +14,10 @@
 pub mod bf16;
 pub mod f16;
 pub mod f32;
+pub mod iq4_nl;
+pub mod iq4_xs;
 pub mod kquant;
+pub mod mxfp4;
 pub mod q2_k;
 pub mod q3_k;
 pub mod q4_0;
@@ -106,6 +109,9 @@ pub const REGISTRY: &[&Format] = &[
     &q4_k::FORMAT,
     &q5_k::FORMAT,
     &q6_k::FORMAT,
+    &iq4_nl::FORMAT,
+    &iq4_xs::FORMAT,
+    &mxfp4::FORMAT,
 ];
 
 /// Formats with CUDA kernels (the length of the kernels' per-format tables).
@@ -159,7 +165,10 @@ mod tests {
         }
         assert_eq!(cuda, (0..N_CUDA_FORMATS).collect::<Vec<_>>(), "CUDA indices in registry order");
         assert!(lookup(GgmlType::IQ2_XS).is_none() && by_name("iq2_xs").is_none());
-        assert_eq!(supported_list(), "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K");
+        assert_eq!(
+            supported_list(),
+            "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4"
+        );
     }
 
     #[test]
