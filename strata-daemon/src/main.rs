@@ -38,6 +38,16 @@ struct Args {
     /// Unix socket to listen on [default: $XDG_RUNTIME_DIR/strata.sock, else /tmp/strata-<uid>.sock]
     #[arg(long, env = "STRATA_SOCKET")]
     socket: Option<PathBuf>,
+    /// Also serve the OpenAI-compatible HTTP API here: `127.0.0.1:PORT` (TCP) or a Unix socket path (off by
+    /// default). A non-loopback address needs --api-key or --http-allow-remote.
+    #[arg(long, value_name = "ADDR")]
+    http_listen: Option<String>,
+    /// Bearer token the HTTP API requires (`Authorization: Bearer KEY`).
+    #[arg(long, env = "STRATA_API_KEY", value_name = "KEY")]
+    api_key: Option<String>,
+    /// Allow a non-loopback --http-listen address without an API key.
+    #[arg(long)]
+    http_allow_remote: bool,
     /// Context length in tokens (KV cache positions); capped at the model's training context.
     #[arg(long, default_value_t = 4096)]
     ctx: usize,
@@ -253,7 +263,22 @@ fn main() -> Result<()> {
         Arc::new(Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx, threads, batch: args.batch }, dump)?);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let save = args.expert_profile_save.clone();
-    rt.block_on(serve(engine, model.clone(), tok, socket_path, knobs, save.clone()))?;
+    let http = match &args.http_listen {
+        Some(addr) => {
+            let l = HttpListen::parse(addr)?;
+            if let HttpListen::Tcp(a) = &l {
+                if !a.ip().is_loopback() && args.api_key.is_none() && !args.http_allow_remote {
+                    bail!(
+                        "--http-listen {addr} is not a loopback address: give --api-key KEY (or --http-allow-remote)"
+                    );
+                }
+            }
+            let id = model_path.file_name().and_then(|n| n.to_str()).unwrap_or("model").trim_end_matches(".gguf");
+            Some((l, id.to_string(), args.api_key.clone()))
+        }
+        None => None,
+    };
+    rt.block_on(serve(engine, model.clone(), tok, socket_path, knobs, save.clone(), http))?;
     if let (Some(store), Some(path)) = (&model.experts, &save) {
         match store.profile_now().save(path) {
             Ok(()) => tracing::info!(path = %path.display(), "expert profile saved"),
@@ -289,6 +314,7 @@ async fn serve(
     socket_path: PathBuf,
     knobs: Arc<Knobs>,
     profile_save: Option<PathBuf>,
+    http: Option<(HttpListen, String, Option<String>)>,
 ) -> Result<()> {
     let listener = socket::bind(&socket_path)?;
     let (health, health_svc) = tonic_health::server::health_reporter();
@@ -301,6 +327,30 @@ async fn serve(
         tokio::spawn(save_profile_periodically(store.clone(), knobs.clone(), path.clone()));
     }
     let api = Arc::new(Control::new(engine.clone(), &model, tok, knobs, profile_save));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let http_task = match http {
+        Some((addr, id, key)) => {
+            let app = strata::service::http::router(strata::service::http::HttpState::new(api.clone(), id, key));
+            let mut stop = stop_rx.clone();
+            let stopped = async move {
+                let _ = stop.changed().await;
+            };
+            let task = match &addr {
+                HttpListen::Tcp(a) => {
+                    let l = tokio::net::TcpListener::bind(a).await.with_context(|| format!("--http-listen {a}"))?;
+                    tracing::info!(addr = %a, "HTTP API listening");
+                    tokio::spawn(async move { axum::serve(l, app).with_graceful_shutdown(stopped).await })
+                }
+                HttpListen::Unix(p) => {
+                    let l = socket::bind(p).with_context(|| format!("--http-listen {}", p.display()))?;
+                    tracing::info!(socket = %p.display(), "HTTP API listening");
+                    tokio::spawn(async move { axum::serve(l, app).with_graceful_shutdown(stopped).await })
+                }
+            };
+            Some((task, addr))
+        }
+        None => None,
+    };
     let svc = StrataService::new(api);
     tracing::info!(socket = %socket_path.display(), "listening");
     let eng = engine.clone();
@@ -315,6 +365,7 @@ async fn serve(
         }
         // Finish the current token, end streams with an error, stop the engine thread.
         let _ = tokio::task::spawn_blocking(move || eng.shutdown()).await;
+        let _ = stop_tx.send(true);
     };
     let result = tonic::transport::Server::builder()
         .add_service(health_svc)
@@ -323,7 +374,33 @@ async fn serve(
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
         .await;
     let _ = std::fs::remove_file(&socket_path);
+    if let Some((task, addr)) = http_task {
+        let _ = task.await;
+        if let HttpListen::Unix(p) = addr {
+            let _ = std::fs::remove_file(p);
+        }
+    }
     result?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Where `--http-listen` serves: a TCP address or a Unix socket path.
+enum HttpListen {
+    Tcp(std::net::SocketAddr),
+    Unix(PathBuf),
+}
+
+impl HttpListen {
+    /// `HOST:PORT` (an IP address, or `localhost`), else a path (containing `/`). Errors: neither.
+    fn parse(s: &str) -> Result<HttpListen> {
+        if s.contains('/') {
+            return Ok(HttpListen::Unix(PathBuf::from(s)));
+        }
+        let s2 = s.strip_prefix("localhost:").map(|p| format!("127.0.0.1:{p}"));
+        let a = s2.as_deref().unwrap_or(s);
+        a.parse().map(HttpListen::Tcp).map_err(|_| {
+            anyhow::anyhow!("--http-listen {s:?}: expected HOST:PORT (e.g. 127.0.0.1:8080) or a Unix socket path")
+        })
+    }
 }

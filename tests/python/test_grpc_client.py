@@ -56,16 +56,7 @@ def _channel(sock):
     return grpc.insecure_channel("unix:" + sock, options=CHANNEL_OPTIONS)
 
 
-def _bin_dir() -> Path:
-    d = Path(os.environ.get("STRATA_BIN_DIR", "target/release"))
-    return d if d.is_absolute() else REPO / d
-
-
-def _model_path() -> Path:
-    if os.environ.get("STRATA_MODEL"):
-        return Path(os.environ["STRATA_MODEL"]).expanduser()
-    models = os.environ.get("STRATA_MODELS") or os.path.join("~", ".cache", "strata", "models")
-    return Path(models).expanduser() / MODEL_NAME
+from strata_paths import bin_dir as _bin_dir, model_path as _model_path  # noqa: E402
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,153 @@
+"""The OpenAI-compatible HTTP API (strata-daemon --http-listen) through the `openai` Python package.
+
+One daemon for the module, on a free loopback port, with the default model (SmolLM2-135M-Instruct Q4_1). Checked:
+chat with and without streaming (the deltas concatenate to the non-streamed text; one usage chunk with no choices),
+completions, models, stop strings, a cancelled stream (the next request starts at once), bad requests (4xx with
+OpenAI's error object, the daemon still serving), and /metrics parsed by prometheus_client.
+
+Setup and run: as tests/python/test_grpc_client.py (requirements.txt holds openai and prometheus_client).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
+
+
+from strata_paths import bin_dir as _bin_dir, model_path as _model_path  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    port = _free_port()
+    tmp = tempfile.mkdtemp(prefix="strata-http-")
+    log = open(os.path.join(tmp, "daemon.log"), "w")
+    proc = subprocess.Popen(
+        [str(_bin_dir() / "strata-daemon"), "--model", str(_model_path()), "--socket", os.path.join(tmp, "s.sock"),
+         "--threads", "2", "--ctx", "1024", "--http-listen", f"127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).read()
+            break
+        except (urllib.error.URLError, ConnectionError):
+            assert proc.poll() is None, open(log.name).read()
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        raise AssertionError("the daemon did not start: " + open(log.name).read())
+    yield url
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0, open(log.name).read()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_models(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL_ID]
+
+
+def test_chat_stream_equals_non_stream(client):
+    whole = client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=24, temperature=0)
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 24 and whole.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    deltas = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert deltas == text
+    usage = [c for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].choices == [] and usage[0].usage.completion_tokens == 24
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completions_and_stop(client):
+    r = client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=16, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens > 0
+    first = r.choices[0].text.split()[0]
+    s = client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=16,
+                                  temperature=0, stop=[first])
+    assert first not in s.choices[0].text and s.choices[0].finish_reason == "stop"
+
+
+def test_a_cancelled_stream_frees_the_engine(client):
+    stream = client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=900, temperature=0.7,
+                                            stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    t0 = time.time()
+    r = client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    assert time.time() - t0 < 20, "the cancelled request kept the engine busy"
+
+
+def _post(base_url, body: bytes):
+    req = urllib.request.Request(base_url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_requests_are_openai_errors(client, base_url):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=4, temperature=7)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_ID, messages=[], max_tokens=4)
+    status, body = _post(base_url, b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = _post(base_url, b'{"model": "x", "pad": "' + b"a" * (5 << 20) + b'"}')
+    assert status == 413 and "error" in body
+    # still serving
+    r = client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+def _metrics(base_url):
+    text = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = s.value
+    return out
+
+
+def test_metrics_parse_and_move(client, base_url):
+    before = _metrics(base_url)
+    assert "strata_blob_reads_per_token" in before and "vllm:generation_tokens_total" in before
+    client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=3, temperature=0)
+    after = _metrics(base_url)
+    assert after["vllm:generation_tokens_total"] == before["vllm:generation_tokens_total"] + 3
+    assert after["strata_requests_total"] == before["strata_requests_total"] + 1
