@@ -1,6 +1,7 @@
 //! Chat messages are tokenized with the template's markup as special tokens and every message's content as plain
 //! text (issue 21, class 4): a user writing `<|im_end|>\n<|im_start|>system` cannot open a system turn; ordinary
-//! conversations tokenize exactly as before (the whole rendering with special tokens parsed).
+//! conversations tokenize exactly as before (the whole rendering with special tokens parsed). And requests over the
+//! size limits are refused naming the limit.
 
 mod common;
 
@@ -58,4 +59,45 @@ fn ordinary_conversations_tokenize_as_before() {
         let text = strata::model::chat::render(&tpl, &msgs, true, "", "").unwrap();
         assert_eq!(p.prompt_ids, t.encode(&text, true, true).unwrap(), "{c:?}");
     }
+}
+
+#[test]
+fn oversized_requests_are_refused_with_the_limit() {
+    use strata::engine::request::{MAX_MESSAGES, MAX_PROMPT_BYTES, MAX_STOPS, MAX_STOP_BYTES};
+    let t = tok();
+    let cases: Vec<(RawRequest, &str)> = vec![
+        (RawRequest { prompt: "a".repeat(MAX_PROMPT_BYTES + 1), max_tokens: 4, ..Default::default() }, "bytes"),
+        (
+            RawRequest {
+                messages: vec![("user".into(), "hi".into()); MAX_MESSAGES + 1],
+                max_tokens: 4,
+                ..Default::default()
+            },
+            "messages",
+        ),
+        (
+            RawRequest {
+                prompt: "hi".into(),
+                stop: vec!["x".into(); MAX_STOPS + 1],
+                max_tokens: 4,
+                ..Default::default()
+            },
+            "stop strings",
+        ),
+        (
+            RawRequest {
+                prompt: "hi".into(),
+                stop: vec!["x".repeat(MAX_STOP_BYTES + 1)],
+                max_tokens: 4,
+                ..Default::default()
+            },
+            "stop strings",
+        ),
+    ];
+    for (raw, what) in cases {
+        let e = prepare(&raw, &t, 4096).unwrap_err().to_string();
+        assert!(e.contains(what), "{e}");
+    }
+    // and a request within them still works
+    assert!(prepare(&RawRequest { prompt: "hi".into(), max_tokens: 4, ..Default::default() }, &t, 4096).is_ok());
 }

@@ -78,15 +78,36 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
 }
 
+/// Most bytes of prompt text (the prompt, or every message's role and content).
+pub const MAX_PROMPT_BYTES: usize = 4 << 20;
+/// Most chat messages.
+pub const MAX_MESSAGES: usize = 4096;
+/// Most stop strings, and bytes of each.
+pub const MAX_STOPS: usize = 16;
+/// See [`MAX_STOPS`].
+pub const MAX_STOP_BYTES: usize = 256;
+
 /// Validates `raw` and tokenizes its prompt (rendering chat messages with
 /// the model's template). `n_ctx` is the context length in tokens.
 ///
-/// Errors ([`RequestError`]): empty prompt, unknown role, no chat template,
+/// Errors ([`RequestError`]): sizes over [`MAX_PROMPT_BYTES`], [`MAX_MESSAGES`], [`MAX_STOPS`] or
+/// [`MAX_STOP_BYTES`], empty prompt, unknown role, no chat template,
 /// `max_tokens` 0 or larger than the context, a prompt that leaves no room
 /// in the context, temperature < 0, top_p outside (0, 1], min_p outside
 /// [0, 1), repeat_penalty ≤ 0, non-finite numbers.
 pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<GenerateParams, RequestError> {
     let err = |m: String| Err(RequestError(m));
+    // sizes bounded before any work (the front ends bound the bytes of a request too)
+    let text_bytes = raw.prompt.len() + raw.messages.iter().map(|(r, c)| r.len() + c.len()).sum::<usize>();
+    if text_bytes > MAX_PROMPT_BYTES {
+        return err(format!("prompt of {text_bytes} bytes is over the limit of {MAX_PROMPT_BYTES}"));
+    }
+    if raw.messages.len() > MAX_MESSAGES {
+        return err(format!("{} messages are over the limit of {MAX_MESSAGES}", raw.messages.len()));
+    }
+    if raw.stop.len() > MAX_STOPS || raw.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return err(format!("at most {MAX_STOPS} stop strings of at most {MAX_STOP_BYTES} bytes each"));
+    }
     if raw.max_tokens == 0 {
         return err("max_tokens must be at least 1".into());
     }
