@@ -353,6 +353,18 @@ async fn serve(
     };
     let svc = StrataService::new(api);
     tracing::info!(socket = %socket_path.display(), "listening");
+    // systemd (Type=notify): ready once the model is loaded and the sockets listen; watchdog pings while serving
+    notify(&[sd_notify::NotifyState::Status("serving"), sd_notify::NotifyState::Ready]);
+    let mut usec = 0u64;
+    if sd_notify::watchdog_enabled(false, &mut usec) && usec > 0 {
+        let every = std::time::Duration::from_micros(usec / 2);
+        tokio::spawn(async move {
+            loop {
+                notify(&[sd_notify::NotifyState::Watchdog]);
+                tokio::time::sleep(every).await;
+            }
+        });
+    }
     let eng = engine.clone();
     let shutdown = async move {
         let mut term =
@@ -363,6 +375,7 @@ async fn serve(
             _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
             _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         }
+        notify(&[sd_notify::NotifyState::Stopping, sd_notify::NotifyState::Status("stopping")]);
         // Finish the current token, end streams with an error, stop the engine thread.
         let _ = tokio::task::spawn_blocking(move || eng.shutdown()).await;
         let _ = stop_tx.send(true);
@@ -383,6 +396,14 @@ async fn serve(
     result?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Sends `states` to systemd's notify socket (`NOTIFY_SOCKET`; nothing without one). A failed send is logged at
+/// debug level: the service manager, not the daemon, decides what a missed notification means.
+fn notify(states: &[sd_notify::NotifyState<'_>]) {
+    if let Err(e) = sd_notify::notify(false, states) {
+        tracing::debug!("sd_notify: {e}");
+    }
 }
 
 /// Where `--http-listen` serves: a TCP address or a Unix socket path.
