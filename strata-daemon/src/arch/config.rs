@@ -33,18 +33,6 @@ pub enum ModelError {
         /// Its format.
         ty: GgmlType,
     },
-    /// A tensor's rows are not a whole number of its format's blocks.
-    #[error("tensor {tensor:?}: rows of {cols} values are not a whole number of {ty:?} blocks of {block}")]
-    PartialBlock {
-        /// Tensor name.
-        tensor: String,
-        /// Values per row.
-        cols: usize,
-        /// Its format.
-        ty: GgmlType,
-        /// Values per block of the format.
-        block: usize,
-    },
     /// A tensor's shape disagrees with the hyper-parameters.
     #[error("tensor {tensor:?}: shape {found:?}, expected {expected:?}")]
     BadShape {
@@ -111,6 +99,9 @@ pub struct ModelConfig {
     /// Positions a sliding-window layer attends to, itself included (`attention.sliding_window`; 0 = no sliding
     /// window; which layers slide: the architecture's `swa_pattern`).
     pub sliding_window: usize,
+    /// Attention score scale: `1/sqrt(head_dim)`, except Gemma 3 27B's `1/sqrt(n_embd/n_head)` (its
+    /// `query_pre_attn_scalar`; llama.cpp's `f_attention_scale`, told by its 62 layers).
+    pub attn_scale: f32,
     /// RoPE base of the sliding-window layers (10000, llama.cpp's `rope_freq_base_train_swa`; their position scale
     /// is 1).
     pub rope_freq_base_swa: f32,
@@ -208,7 +199,13 @@ impl ModelConfig {
             };
         let n_vocab = f.get_array("tokenizer.ggml.tokens")?.len();
         let sliding_window = if def.swa_pattern > 0 { opt_u("attention.sliding_window")?.unwrap_or(0) } else { 0 };
+        let attn_scale = if def.name == "gemma3" && n_layer == 62 {
+            1.0 / ((n_embd / n_head) as f32).sqrt()
+        } else {
+            1.0 / (head_dim as f32).sqrt()
+        };
         Ok(ModelConfig {
+            attn_scale,
             sliding_window,
             rope_freq_base_swa: 10000.0,
             spec: ArchSpec { def, ffn },

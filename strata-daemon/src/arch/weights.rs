@@ -253,10 +253,6 @@ fn weight(f: &GgufFile, name: &str, cfg_check: Option<&[u64]>) -> Result<Weight,
     if !t.ggml_type.is_supported() {
         return Err(ModelError::UnsupportedTensorType { tensor: name.to_string(), ty: t.ggml_type });
     }
-    let block = t.ggml_type.block_size();
-    if t.row_len() % block != 0 {
-        return Err(ModelError::PartialBlock { tensor: name.to_string(), cols: t.row_len(), ty: t.ggml_type, block });
-    }
     if let Some(exp) = cfg_check {
         if t.dims != exp {
             return Err(ModelError::BadShape {

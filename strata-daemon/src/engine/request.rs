@@ -148,7 +148,16 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
         let (text, segs) =
             chat::render_segments(tpl, &msgs, true, &bos, &eos).map_err(|e| RequestError(e.to_string()))?;
         if segs.is_none() {
-            tracing::warn!("the chat template changes message contents beyond trimming: contents are tokenized with the markup (special-token strings in them become special tokens)");
+            // the contents cannot be told from the markup: refuse any content that holds a special token's text
+            // (it would become that token); the rest tokenizes safely with the markup
+            for (i, (_, content)) in raw.messages.iter().enumerate() {
+                if let Some(t) = tok.control_text_in(content) {
+                    return err(format!(
+                        "message {i} holds the special-token text {t:?}, and this chat template rewrites message \
+                         contents, so it cannot be kept as plain text"
+                    ));
+                }
+            }
         }
         segments = segs;
         text

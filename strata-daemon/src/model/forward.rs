@@ -301,6 +301,7 @@ mod tests {
             n_ff_shexp: 64,
             sliding_window: 0,
             rope_freq_base_swa: 1e4,
+            attn_scale: 0.25,
         }
     }
 

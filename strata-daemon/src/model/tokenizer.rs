@@ -367,6 +367,12 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// The first control token whose text occurs in `text` (tokenized with special tokens parsed), if any.
+    pub fn control_text_in(&self, text: &str) -> Option<String> {
+        let enc = self.with_special.encode(text, false).ok()?;
+        enc.get_ids().iter().find(|&&id| self.is_control(id)).map(|&id| self.token_str(id).to_string())
+    }
+
     /// Whether `id` is a control token.
     pub fn is_control(&self, id: u32) -> bool {
         self.types.get(id as usize) == Some(&token_type::CONTROL)

@@ -187,8 +187,8 @@ impl ExchangeRound {
         assert_eq!(self.step, Step::Reserved);
         for x in &self.xs {
             let len = store.layout().layers[x.layer].blob_bytes();
-            // SAFETY: a reserved exchange place is nobody's RAM place until the flip, and the copier is synced
-            // before `stage` lets anyone read it.
+            // SAFETY: a reserved exchange place is nobody's RAM place until `stage` makes it the outgoing
+            // expert's, and the copier is synced before `stage` (so before anyone reads it).
             unsafe { c.copy_out(x.slot, store.place_ptr(x.buffer, len), len)? };
         }
         self.step = Step::CopiedBack;

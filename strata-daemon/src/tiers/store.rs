@@ -807,6 +807,15 @@ impl ExpertStore {
         let n_exchange = if n_slotted == 0 { 0 } else { n_exchange.min(order.len()) };
         let max_blob = self.layout.layers.iter().map(|l| l.blob_bytes()).max().unwrap_or(0) as u64;
         let extra = n_exchange as u64 * max_blob;
+        {
+            // an earlier copy goes first (its memory counts as available for the new one); until the new one is
+            // filled every expert outside VRAM reads from the file
+            let mut a = self.arena.write().unwrap_or_else(|e| e.into_inner());
+            let mut st = self.state();
+            *a = HostArena::new(0, false).map_err(|source| StoreError::Alloc { bytes: 0, source })?;
+            st.place.iter_mut().for_each(|p| *p = None);
+            st.exchange_free.clear();
+        }
         let fit = clamp_to_memory(want + extra, self.cfg.headroom).saturating_sub(extra);
         let copy = RamCopy::fill(&self.layout, &self.file, &order, fit, budget.is_none(), n_exchange, self.cfg.lock)?;
         let (used, placed) = (copy.used, copy.chosen);
@@ -917,14 +926,13 @@ impl ExpertStore {
     }
 
     /// Undoes an exchange whose copy failed. Before [`ExpertStore::stage_exchange`] (`staged == false`) nothing
-    /// moved: the exchange place is freed. After it, the slot's contents are undefined: the slot goes back to the
-    /// free list, `incoming` keeps its tier, and `outgoing` keeps the exchange place as its RAM place (one fewer
-    /// exchange place from now on).
+    /// moved: the exchange place is freed. After it, the slot's contents are undefined: `incoming` keeps its tier,
+    /// `outgoing` keeps the exchange place as its RAM place (one fewer exchange place from now on), and the slot
+    /// stays unused until the cache is rebuilt (a free slot would be filled by a plain move, which in this mode
+    /// would leave its expert in VRAM and RAM at once).
     pub fn cancel_exchange(&self, x: Exchange, staged: bool) {
         let mut st = self.state();
-        if staged {
-            st.free_slots.push(x.slot);
-        } else {
+        if !staged {
             st.exchange_free.push(x.buffer);
         }
         st.exchanges -= 1;

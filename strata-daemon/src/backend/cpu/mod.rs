@@ -232,7 +232,7 @@ impl Ops for CpuPass<'_, '_> {
         let keys = self.kv.keys(l, n_all);
         let vals = self.kv.values(l, n_all);
         s.attn.resize(t, qd);
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = cfg.attn_scale;
         let group = nh / nkv;
         let window = if cfg.is_swa(l) { cfg.sliding_window } else { 0 };
         let q = &s.q;

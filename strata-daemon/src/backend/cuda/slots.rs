@@ -57,6 +57,25 @@ struct ExchangeFlight {
     reports: crossbeam_channel::Receiver<(ExchangeRound, Result<(), String>)>,
     /// The compute-stream event phase 3 waits on (alive until the helper reports).
     _ready: Option<Arc<Event>>,
+    /// The store the round belongs to (to settle it if the cache is dropped with it in flight).
+    store: Arc<ExpertStore>,
+}
+
+/// Leaves a round the store can keep, whatever step it reached (no GPU work may still touch its slots or places):
+/// cancelled before it landed; moved (if not yet) and flipped after.
+fn settle_round(store: &ExpertStore, mut round: ExchangeRound) {
+    use crate::tiers::exchange::Step;
+    match round.step() {
+        Step::Landed => {
+            round.move_evicted(store);
+            round.moved();
+            round.flip(store);
+        }
+        Step::Moved => {
+            round.flip(store);
+        }
+        _ => round.cancel(store),
+    }
 }
 
 /// The copy stream and slot arena as the tiers' exchange rounds use them.
@@ -246,8 +265,12 @@ impl SlotCache {
         compute: &Stream,
         asynchronous: bool,
     ) -> Result<usize, GpuError> {
-        if asynchronous && self.round_in_flight() {
-            return Ok(0);
+        if self.round_in_flight() {
+            if asynchronous {
+                return Ok(0); // one round at a time: usage carries these swaps to a later round
+            }
+            // the knob turned to blocking while a round was in flight: finish that one first
+            self.poll(store, compute, true)?;
         }
         // the GPU work that may still read the victims' slots or the exchange places was issued before this event
         let ready = Event::new()?;
@@ -268,9 +291,11 @@ impl SlotCache {
             return Ok(done + n);
         }
         let (tx, rx) = crossbeam_channel::unbounded();
-        self.spawn_phase(store, round, 1, None, tx)?;
+        if let Err((round, e)) = self.spawn_phase(store, round, 1, None, tx) {
+            return Err(self.settle(store, compute, round, e));
+        }
         *self.exchange.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(ExchangeFlight { phase: 1, reports: rx, _ready: None });
+            Some(ExchangeFlight { phase: 1, reports: rx, _ready: None, store: store.clone() });
         Ok(done + n)
     }
 
@@ -280,28 +305,46 @@ impl SlotCache {
     fn spawn_phase(
         &self,
         store: &Arc<ExpertStore>,
-        mut round: ExchangeRound,
+        round: ExchangeRound,
         phase: u8,
         ready: Option<Arc<Event>>,
         tx: crossbeam_channel::Sender<(ExchangeRound, Result<(), String>)>,
-    ) -> Result<(), GpuError> {
+    ) -> Result<(), (ExchangeRound, GpuError)> {
         let (st, dev, c) = (store.clone(), self.dev.clone(), self.copier());
-        std::thread::Builder::new()
-            .name("strata-adapt".into())
-            .spawn(move || {
-                let r = dev.bind().map_err(|e| e.to_string()).and_then(|_| match phase {
-                    1 => round.copy_back(&st, &c).and_then(|_| c.sync()).map_err(|e| e.to_string()),
-                    2 => round.copy_in(&st, &c).and_then(|_| c.sync().map_err(|e| e.to_string())),
-                    _ => {
-                        let waited = ready.as_ref().map_or(Ok(()), |ev| ev.sync()).map_err(|e| e.to_string());
-                        // the move cannot fail; it waits for the readers planned before the landing
-                        waited.map(|_| round.move_evicted(&st))
-                    }
-                });
-                let _ = tx.send((round, r));
-            })
-            .map_err(|e| GpuError::Unsupported(format!("adaptive helper thread: {e}")))?;
-        Ok(())
+        // the round goes to the thread only once it runs, so a failed spawn hands it back
+        let (give, take) = crossbeam_channel::bounded::<ExchangeRound>(1);
+        let spawned = std::thread::Builder::new().name("strata-adapt".into()).spawn(move || {
+            let Ok(mut round) = take.recv() else { return };
+            let r = dev.bind().map_err(|e| e.to_string()).and_then(|_| match phase {
+                1 => round.copy_back(&st, &c).and_then(|_| c.sync()).map_err(|e| e.to_string()),
+                2 => round.copy_in(&st, &c).and_then(|_| c.sync().map_err(|e| e.to_string())),
+                _ => ready.as_ref().map_or(Ok(()), |ev| ev.sync()).map_err(|e| e.to_string()),
+            });
+            // phase 3: the move itself cannot fail; after a failed wait the engine thread moves (after its own sync)
+            if phase >= 3 && r.is_ok() {
+                round.move_evicted(&st);
+                round.moved();
+            }
+            let _ = tx.send((round, r));
+        });
+        match spawned {
+            Ok(_) => {
+                give.send(round).expect("the helper waits for its round");
+                Ok(())
+            }
+            Err(e) => Err((round, GpuError::Unsupported(format!("adaptive helper thread: {e}")))),
+        }
+    }
+
+    /// Finishes or undoes a round a transition could not hand on (a failed copy, event or thread): before it
+    /// landed it is cancelled (the store stays consistent); a landed round is moved (after the GPU work is done)
+    /// and flipped. Returns the error to report.
+    fn settle(&self, store: &ExpertStore, compute: &Stream, round: ExchangeRound, e: GpuError) -> GpuError {
+        let _ = compute.sync();
+        let _ = self.copy.sync();
+        settle_round(store, round);
+        tracing::warn!("asynchronous exchange round stopped: {e}; its swaps were finished or undone");
+        e
     }
 
     /// Advances an asynchronous exchange round: each phase the helper finished leads to the next step on this
@@ -327,11 +370,8 @@ impl SlotCache {
                 return Err(GpuError::Unsupported("adaptive helper thread died".into()));
             };
             if let Err(e) = r {
-                // phases 1 and 2 cancel (the store stays consistent); phase 3 cannot fail after its wait
                 *g = None;
-                round.cancel(store);
-                tracing::warn!("asynchronous exchange round failed in phase {phase}: {e}; its swaps were undone");
-                return Err(GpuError::Unsupported(e));
+                return Err(self.settle(store, compute, round, GpuError::Unsupported(e)));
             }
             let (tx, rx) = crossbeam_channel::unbounded();
             match phase {
@@ -340,11 +380,16 @@ impl SlotCache {
                     // far (which may read them) is done
                     round.stage(store);
                     self.table_stale.store(true, Ordering::Release);
-                    let ev = Event::new()?;
-                    ev.record(compute)?;
-                    self.copy.wait(&ev)?;
-                    self.spawn_phase(store, round, 2, None, tx)?;
-                    *g = Some(ExchangeFlight { phase: 2, reports: rx, _ready: None });
+                    let ordered = Event::new().and_then(|ev| ev.record(compute).and_then(|_| self.copy.wait(&ev)));
+                    if let Err(e) = ordered {
+                        *g = None;
+                        return Err(self.settle(store, compute, round, e));
+                    }
+                    if let Err((round, e)) = self.spawn_phase(store, round, 2, None, tx) {
+                        *g = None;
+                        return Err(self.settle(store, compute, round, e));
+                    }
+                    *g = Some(ExchangeFlight { phase: 2, reports: rx, _ready: None, store: store.clone() });
                 }
                 2 => {
                     // step 3: the new experts are planned for the GPU; the vacated places are rewritten once the
@@ -353,14 +398,22 @@ impl SlotCache {
                     round.land(store);
                     self.count_swaps(store, n);
                     any = true;
-                    let ev = Arc::new(Event::new()?);
-                    ev.record(compute)?;
-                    self.spawn_phase(store, round, 3, Some(ev.clone()), tx)?;
-                    *g = Some(ExchangeFlight { phase: 3, reports: rx, _ready: Some(ev) });
+                    let ev = Event::new().map(Arc::new).and_then(|ev| ev.record(compute).map(|_| ev));
+                    let ev = match ev {
+                        Ok(ev) => ev,
+                        Err(e) => {
+                            *g = None;
+                            return Err(self.settle(store, compute, round, e));
+                        }
+                    };
+                    if let Err((round, e)) = self.spawn_phase(store, round, 3, Some(ev.clone()), tx) {
+                        *g = None;
+                        return Err(self.settle(store, compute, round, e));
+                    }
+                    *g = Some(ExchangeFlight { phase: 3, reports: rx, _ready: Some(ev), store: store.clone() });
                 }
                 _ => {
-                    // step 4: flip the offsets
-                    round.moved();
+                    // step 4: flip the offsets (the helper moved the evicted blobs)
                     round.flip(store);
                     *g = None;
                     return Ok(any);
@@ -558,8 +611,9 @@ impl SlotCache {
         for (j, &(_, _, off)) in items.iter().enumerate().take(self.n_staging) {
             let slot = self.staging_slot(j);
             let src = arena.slice(off, self.blob_bytes);
-            // SAFETY: the RAM copy is not written while a window runs (promotions happen between windows,
-            // after the window's final synchronization), so the bytes stay valid until the copy completes.
+            // SAFETY: the places a window reads are not written while it runs: promotions happen between windows,
+            // after the window's final synchronization, and a resident-mode round writes only exchange places no
+            // expert reads yet and places whose expert stopped being planned (after an event on this stream).
             unsafe { s.htod_raw(self.slot_addr(slot), src.as_ptr(), self.blob_bytes)? };
             out.push(slot);
         }
@@ -638,8 +692,8 @@ impl SlotCache {
             let dst = self.slot_addr(slot);
             let src = arena.slice(off, self.blob_bytes);
             let down = &src[2 * g.ff * g.gate_row..];
-            // SAFETY: as in `stage`: the RAM copy is not written while a window runs; the ranges lie inside the
-            // blob (k ≤ ff, down_part ≤ down_row) and inside the slot (asserted above).
+            // SAFETY: as in `stage`: the places a window reads are not written while it runs; the ranges lie inside
+            // the blob (k ≤ ff, down_part ≤ down_row) and inside the slot (asserted above).
             unsafe {
                 s.htod_2d_raw(dst, part, src.as_ptr(), g.ff * g.gate_row, part, 2)?;
                 s.htod_2d_raw(dst + g.down_off() as u64, g.down_pitch, down.as_ptr(), g.down_row, g.down_part, g.e)?;
@@ -654,8 +708,13 @@ impl Drop for SlotCache {
     fn drop(&mut self) {
         // a helper thread may still record into this round's event: wait for it first
         if let Some(x) = self.exchange.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
-            // the helper's phase ends with its copies synced (or its wait done)
-            let _ = x.reports.recv();
+            // the helper's phase ends with its copies synced (or its wait done); the store keeps the round undone
+            // before it landed, moved and flipped after
+            if let Ok((round, _)) = x.reports.recv() {
+                let _ = self.dev.bind();
+                let _ = self.copy.sync();
+                settle_round(&x.store, round);
+            }
         }
         let f = self.in_flight.get_mut().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(f) = f {
