@@ -172,6 +172,22 @@ fn main() -> Result<()> {
     }
     let threads = args.threads.unwrap_or_else(num_cpus::get_physical);
     let socket_path = args.socket.clone().unwrap_or_else(strata_proto::default_socket_path);
+    // the HTTP address is checked before the (possibly long) model load
+    let http = match &args.http_listen {
+        Some(addr) => {
+            let l = HttpListen::parse(addr)?;
+            if let HttpListen::Tcp(a) = &l {
+                if !a.ip().is_loopback() && args.api_key.is_none() && !args.http_allow_remote {
+                    bail!(
+                        "--http-listen {addr} is not a loopback address: give --api-key KEY (or --http-allow-remote)"
+                    );
+                }
+            }
+            let id = model_path.file_name().and_then(|n| n.to_str()).unwrap_or("model").trim_end_matches(".gguf");
+            Some((l, id.to_string(), args.api_key.clone()))
+        }
+        None => None,
+    };
     // Refuse a live or non-socket path before spending time on loading the model.
     socket::preflight(&socket_path)?;
     let dump = match &args.dump_routing {
@@ -263,21 +279,6 @@ fn main() -> Result<()> {
         Arc::new(Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx, threads, batch: args.batch }, dump)?);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let save = args.expert_profile_save.clone();
-    let http = match &args.http_listen {
-        Some(addr) => {
-            let l = HttpListen::parse(addr)?;
-            if let HttpListen::Tcp(a) = &l {
-                if !a.ip().is_loopback() && args.api_key.is_none() && !args.http_allow_remote {
-                    bail!(
-                        "--http-listen {addr} is not a loopback address: give --api-key KEY (or --http-allow-remote)"
-                    );
-                }
-            }
-            let id = model_path.file_name().and_then(|n| n.to_str()).unwrap_or("model").trim_end_matches(".gguf");
-            Some((l, id.to_string(), args.api_key.clone()))
-        }
-        None => None,
-    };
     rt.block_on(serve(engine, model.clone(), tok, socket_path, knobs, save.clone(), http))?;
     if let (Some(store), Some(path)) = (&model.experts, &save) {
         match store.profile_now().save(path) {

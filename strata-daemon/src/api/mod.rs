@@ -130,7 +130,8 @@ pub struct Residency {
     pub experts: Vec<ExpertResidency>,
     /// The RAM copy is page-locked.
     pub ram_locked: bool,
-    /// Resident RAM mode: `all`, `budget` or `mmap`.
+    /// RAM copy mode: `all`, `budget`, `mmap`, `resident` or `resident-budget`
+    /// ([`crate::tiers::store::ResidentMode::name`]).
     pub mode: &'static str,
 }
 

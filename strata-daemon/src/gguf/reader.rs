@@ -188,9 +188,15 @@ impl GgufFile {
             let (pno, pcount) =
                 (part.get(split::KEY_NO).and_then(|v| v.as_u64()), part.get(split::KEY_COUNT).and_then(|v| v.as_u64()));
             if pno != Some(i as u64) || pcount != Some(count as u64) {
+                let show = |v: Option<u64>, add: u64| v.map_or("missing".to_string(), |v| (v + add).to_string());
                 return Err(err(
                     &p,
-                    format!("not part {} of this {count}-part set (split.no {pno:?}, split.count {pcount:?})", i + 1),
+                    format!(
+                        "not part {} of this {count}-part set (it says part {} of {})",
+                        i + 1,
+                        show(pno, 1),
+                        show(pcount, 0)
+                    ),
                 ));
             }
             parts.push(part);

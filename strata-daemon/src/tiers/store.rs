@@ -411,15 +411,22 @@ impl ExpertStore {
         };
         let copy = RamCopy::fill(&layout, &file, &order, budget, cfg.mode == ResidentMode::All, 0, cfg.lock)?;
         let (place, arena, used, in_ram) = (copy.place, copy.arena, copy.used, copy.chosen);
-        tracing::info!(
-            mode = ?cfg.mode,
-            experts_in_ram = in_ram,
-            experts_total = n_layer * ne,
-            ram_gib = format!("{:.2}", gib(used)),
-            locked = arena.lock() == Lock::Locked,
-            file_io = ?cfg.file_io,
-            "expert store ready"
-        );
+        if matches!(cfg.mode, ResidentMode::Disjoint(_)) {
+            tracing::info!(
+                experts_total = n_layer * ne,
+                "expert store ready (resident mode: the RAM copy is built once the VRAM cache is filled)"
+            );
+        } else {
+            tracing::info!(
+                mode = cfg.mode.name(),
+                experts_in_ram = in_ram,
+                experts_total = n_layer * ne,
+                ram_gib = format!("{:.2}", gib(used)),
+                locked = arena.lock() == Lock::Locked,
+                file_io = ?cfg.file_io,
+                "expert store ready"
+            );
+        }
         Ok(ExpertStore {
             layout,
             file,
