@@ -151,3 +151,47 @@ def test_metrics_parse_and_move(client, base_url):
     after = _metrics(base_url)
     assert after["vllm:generation_tokens_total"] == before["vllm:generation_tokens_total"] + 3
     assert after["strata_requests_total"] == before["strata_requests_total"] + 1
+
+
+def test_a_body_over_the_limit_without_a_length_is_413(base_url):
+    import http.client
+    host, port = base_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    chunks = (b'{"pad": "' + b"a" * (1 << 20) if i == 0 else b"a" * (1 << 20) for i in range(6))
+    conn.request("POST", "/v1/chat/completions", body=chunks, headers={"Content-Type": "application/json"},
+                 encode_chunked=True)
+    r = conn.getresponse()
+    assert r.status == 413 and "error" in json.loads(r.read())
+
+
+def test_the_api_key_guards_v1():
+    port = _free_port()
+    tmp = tempfile.mkdtemp(prefix="strata-http-key-")
+    proc = subprocess.Popen(
+        [str(_bin_dir() / "strata-daemon"), "--model", str(_model_path()), "--socket", os.path.join(tmp, "s.sock"),
+         "--threads", "2", "--http-listen", f"127.0.0.1:{port}", "--api-key", "s3cret"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.3)
+
+        def status(auth):
+            req = urllib.request.Request(url + "/v1/models", headers={"Authorization": auth} if auth else {})
+            try:
+                return urllib.request.urlopen(req, timeout=10).status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        assert status(None) == 401 and status("Bearer wrong") == 401 and status("Bearer s3cret") == 200
+        assert status("bearer s3cret") == 200, "the scheme is case-insensitive"
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in ok.models.list().data] == [MODEL_ID]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

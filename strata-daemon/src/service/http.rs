@@ -81,24 +81,46 @@ fn api_error(e: ApiError) -> Response {
 /// Checks the bearer token when an API key is set.
 fn authorized(st: &HttpState, headers: &HeaderMap) -> Result<(), Response> {
     let Some(key) = &st.api_key else { return Ok(()) };
-    let given =
-        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(key.as_str()) {
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
+        let (scheme, token) = v.split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then_some(token.trim())
+    });
+    if given.is_some_and(|g| same_bytes(g.as_bytes(), key.as_bytes())) {
         Ok(())
     } else {
         Err(error(StatusCode::UNAUTHORIZED, "invalid_request_error", "invalid or missing API key", None))
     }
 }
 
+/// Compares in time that depends only on the lengths (the key is not guessed byte by byte from response times).
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// Reads the body (at most [`MAX_BODY`] bytes) as JSON of `T`.
 async fn body_json<T: for<'de> Deserialize<'de>>(req: Request) -> Result<T, Response> {
-    let bytes: Bytes = axum::body::to_bytes(req.into_body(), MAX_BODY).await.map_err(|_| {
+    let too_large = || {
         error(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
             &format!("request body over {MAX_BODY} bytes"),
             None,
         )
+    };
+    let bytes: Bytes = axum::body::to_bytes(req.into_body(), MAX_BODY).await.map_err(|e| {
+        // a body over the limit (read up to it: answering before the client finished sending breaks its pipe),
+        // else a body that stopped (the client went away)
+        let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        let mut limit = false;
+        while let Some(x) = src {
+            limit |= x.to_string().contains("length limit");
+            src = x.source();
+        }
+        if limit {
+            too_large()
+        } else {
+            bad(format!("reading the request body: {e}"), None)
+        }
     })?;
     serde_json::from_slice(&bytes).map_err(|e| bad(format!("malformed JSON body: {e}"), None))
 }
