@@ -10,8 +10,11 @@ use strata::model::forward::Scratch;
 use strata::model::{Logits, Model, Tokenizer};
 use strata::quant::{dequantize_row, GgmlType};
 
-/// A dequantization case's encoded bytes and expected values (checking the count the manifest gives).
-fn read_case(dir: &std::path::Path, c: &serde_json::Value) -> (Vec<u8>, Vec<f32>) {
+/// A dequantization case's format, encoded bytes and expected values (checking the type name and the count the
+/// manifest gives).
+fn read_case(dir: &std::path::Path, c: &serde_json::Value) -> (GgmlType, Vec<u8>, Vec<f32>) {
+    let ty = GgmlType::from_u32(c["ggml_type_id"].as_u64().unwrap() as u32).unwrap();
+    assert_eq!(format!("{ty:?}"), c["ggml_type"].as_str().unwrap());
     let bytes = std::fs::read(dir.join(c["bytes_file"].as_str().unwrap())).unwrap();
     let expected: Vec<f32> = std::fs::read(dir.join(c["expected_file"].as_str().unwrap()))
         .unwrap()
@@ -19,7 +22,7 @@ fn read_case(dir: &std::path::Path, c: &serde_json::Value) -> (Vec<u8>, Vec<f32>
         .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
         .collect();
     assert_eq!(expected.len(), c["n_elements"].as_u64().unwrap() as usize, "{}", c["name"]);
-    (bytes, expected)
+    (ty, bytes, expected)
 }
 
 #[test]
@@ -30,9 +33,7 @@ fn dequantization_matches_gguf_python() {
     let mut per_type = std::collections::BTreeMap::new();
     for c in m["cases"].as_array().unwrap() {
         let name = c["name"].as_str().unwrap();
-        let ty = GgmlType::from_u32(c["ggml_type_id"].as_u64().unwrap() as u32).unwrap();
-        assert_eq!(format!("{ty:?}"), c["ggml_type"].as_str().unwrap());
-        let (bytes, expected) = read_case(&dir, c);
+        let (ty, bytes, expected) = read_case(&dir, c);
         let n = expected.len();
         if c["from_model_bytes"].as_bool().unwrap() {
             let t = file.require_tensor(c["source_tensor"].as_str().unwrap()).unwrap();
@@ -71,9 +72,7 @@ fn k_quant_and_q5_dequantization_matches_gguf_python() {
     let mut total = 0usize;
     for c in m["cases"].as_array().unwrap() {
         let name = c["name"].as_str().unwrap();
-        let ty = GgmlType::from_u32(c["ggml_type_id"].as_u64().unwrap() as u32).unwrap();
-        assert_eq!(format!("{ty:?}"), c["ggml_type"].as_str().unwrap());
-        let (bytes, expected) = read_case(&dir, c);
+        let (ty, bytes, expected) = read_case(&dir, c);
         let n = expected.len();
         let source = c["source"].as_str().unwrap();
         if let (Some(f), true) = (&file, source.starts_with("blk.")) {

@@ -136,9 +136,30 @@ pub struct Weights {
     pub out_norm: Vec<f32>,
     /// `output` (n_vocab rows of n_embd; `token_embd` when tied).
     pub output: Weight,
+    /// Some matrix pairs with ggml's Q8_K activations (a K-quant or IQ4_XS format): the CPU backend then also
+    /// quantizes its activations that way ([`crate::quant::format::Activation::Q8K`]).
+    pub q8k_activations: bool,
 }
 
 impl Weights {
+    /// Every matrix product weight (attention, FFN, experts, shared experts, output).
+    pub fn matrices(&self) -> Vec<&Weight> {
+        let mut v = vec![&self.output];
+        for b in &self.blocks {
+            v.extend([&b.q, &b.k, &b.v, &b.o]);
+            match &b.ffn {
+                Ffn::Dense { gate, up, down } => v.extend([gate, up, down]),
+                Ffn::Moe(ex) => {
+                    v.extend([&ex.router, &ex.gate, &ex.up, &ex.down]);
+                    if let Some(sh) = &ex.shared {
+                        v.extend([&sh.gate, &sh.up, &sh.down]);
+                    }
+                }
+            }
+        }
+        v
+    }
+
     /// Locates every tensor of `cfg`'s architecture in `f` and checks its shape and format. Errors: a missing
     /// tensor ([`ModelError::Gguf`]), a format without kernels, a shape that disagrees with the metadata, a
     /// tensor the architecture does not have, widths that are not multiples of 32.
@@ -244,7 +265,11 @@ impl Weights {
         {
             return Err(ModelError::BadHyperParameter("embedding and FFN widths must be multiples of 32".into()));
         }
-        Ok(Weights { tok_embd, blocks, out_norm, output })
+        let mut w = Weights { tok_embd, blocks, out_norm, output, q8k_activations: false };
+        w.q8k_activations = w.matrices().iter().any(|m| {
+            crate::quant::format::lookup(m.ty).is_some_and(|f| f.activation == crate::quant::format::Activation::Q8K)
+        });
+        Ok(w)
     }
 }
 

@@ -230,9 +230,10 @@ pub(super) mod avx2 {
     use super::BlockQ8;
     use std::arch::x86_64::*;
 
+    /// The sum of the 8 lanes. SAFETY (callers): avx2, fma and f16c present.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(in crate::quant) unsafe fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps(v, 1);
         let s = _mm_add_ps(lo, hi);
@@ -241,9 +242,10 @@ pub(super) mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    /// The little-endian f16 at `p` as f32. SAFETY (callers): the features above; `p` readable for 2 bytes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn h2f(p: *const u8) -> f32 {
+    pub(in crate::quant) unsafe fn h2f(p: *const u8) -> f32 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([*p, *p.add(1)]) as i32)))
     }
 
@@ -259,10 +261,11 @@ pub(super) mod avx2 {
         _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off + PREFETCH) as *const i8);
     }
 
-    /// 16 bytes of nibbles -> 32 bytes (low nibbles first, then high), values 0..15.
+    /// 16 bytes of nibbles -> 32 bytes (low nibbles first, then high), values 0..15. SAFETY (callers): the
+    /// features above; `p` readable for 16 bytes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn nibbles(p: *const u8) -> __m256i {
+    pub(in crate::quant) unsafe fn nibbles(p: *const u8) -> __m256i {
         let q = _mm_loadu_si128(p as *const __m128i);
         let v = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
         _mm256_and_si256(v, _mm256_set1_epi8(0x0f))

@@ -9,22 +9,9 @@
 pub mod avx2 {
     use std::arch::x86_64::*;
 
+    use crate::quant::dot::avx2::{h2f, hsum, nibbles};
     use crate::quant::format::kquant::scale_min_k4;
     use crate::quant::BlockQ8;
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn h2f(p: *const u8) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([*p, *p.add(1)]) as i32)))
-    }
 
     /// The activation block's 32 codes.
     #[inline]
@@ -60,14 +47,6 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn bits_at(v: __m256i, k: i32, mask: __m256i) -> __m256i {
         _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(k)), mask)
-    }
-
-    /// 16 bytes of nibbles -> 32 bytes (low nibbles first, then high), values 0..15.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn nibbles(p: *const u8) -> __m256i {
-        let q = _mm_loadu_si128(p as *const __m128i);
-        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f))
     }
 
     /// One Q5_0 row. SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len()` blocks of 22 bytes.

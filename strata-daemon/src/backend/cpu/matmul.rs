@@ -56,8 +56,10 @@ pub struct Act {
     /// `t * n / 32` blocks (valid after [`Act::quantize`]).
     pub q: Vec<BlockQ8>,
     /// The same values quantized as ggml's Q8_K (one scale per 256: [`crate::quant::quantize_q8_k`]) for the
-    /// K-quant weights, when `n` is a multiple of 256 (else empty: they read `q`).
+    /// K-quant weights, when [`Act::with_q8k`] is set and `n` is a multiple of 256 (else empty: they read `q`).
     pub qk: Vec<BlockQ8>,
+    /// Whether [`Act::quantize`] also fills `qk` (a model with K-quant weights; off, the work is skipped).
+    pub with_q8k: bool,
 }
 
 impl Act {
@@ -79,7 +81,7 @@ impl Act {
             return;
         }
         quantize_q8(&self.f, &mut self.q);
-        if self.n % 256 == 0 {
+        if self.with_q8k && self.n % 256 == 0 {
             self.qk.resize(self.t * nb, BlockQ8::default());
             crate::quant::quantize_q8_k(&self.f, &mut self.qk);
         } else {

@@ -57,6 +57,9 @@ impl Backend for CpuBackend {
             let k = (e as f32).sqrt();
             s.x.iter_mut().for_each(|v| *v *= k);
         }
+        // the activations the K-quant products read, only for a model that has them
+        let k = m.weights.q8k_activations;
+        (s.xn.with_q8k, s.attn.with_q8k, s.h.with_q8k) = (k, k, k);
         super::rope_angles(cfg, pos0, t, &mut s.rope);
         if (0..cfg.n_layer).any(|l| cfg.is_swa(l)) {
             super::rope_angles_swa(cfg, pos0, t, &mut s.rope_swa);
