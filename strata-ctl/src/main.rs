@@ -460,7 +460,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 pb::Tier::Unspecified => "?",
             };
             if cli.json {
-                let layers: Vec<_> = r.layers.iter().map(|l| json!({"layer": l.layer, "vram_experts": l.vram_experts, "ram_experts": l.ram_experts, "file_experts": l.file_experts, "vram_bytes": l.vram_bytes, "ram_bytes": l.ram_bytes, "file_bytes": l.file_bytes})).collect();
+                let layers: Vec<_> = r.layers.iter().map(|l| json!({"layer": l.layer, "vram_experts": l.vram_experts, "ram_experts": l.ram_experts, "file_experts": l.file_experts, "vram_bytes": l.vram_bytes, "ram_bytes": l.ram_bytes, "file_bytes": l.file_bytes, "stage": l.stage})).collect();
                 let experts: Vec<_> = r.experts.iter().map(|e| json!({"layer": e.layer, "expert": e.expert, "tier": tier(e.tier), "usage": e.usage, "heat": e.heat})).collect();
                 println!(
                     "{}",
@@ -473,10 +473,23 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
             }
             let mib = |b: u64| b as f64 / 1048576.0;
             println!("RAM copy: mode {}, {}", r.mode, if r.ram_locked { "locked (mlock)" } else { "pageable" });
-            println!("layer   vram    ram   file   vram MiB    ram MiB   file MiB");
+            // a layer split: which stage (card) holds each layer's VRAM experts, and each stage's totals
+            let split = r.layers.iter().any(|l| l.stage > 0);
+            if split {
+                let n = r.layers.iter().map(|l| l.stage).max().unwrap_or(0) + 1;
+                for s in 0..n {
+                    let of: Vec<_> = r.layers.iter().filter(|l| l.stage == s).collect();
+                    let (first, last) = (of.first().map_or(0, |l| l.layer), of.last().map_or(0, |l| l.layer));
+                    let (v, vb): (u32, u64) =
+                        (of.iter().map(|l| l.vram_experts).sum(), of.iter().map(|l| l.vram_bytes).sum());
+                    println!("stage {s}: layers {first}..={last}, {v} experts in VRAM ({:.1} MiB)", mib(vb));
+                }
+            }
+            println!("layer {}  vram    ram   file   vram MiB    ram MiB   file MiB", if split { "stage" } else { "" });
             for l in &r.layers {
+                let stage = if split { format!("{:>5} ", l.stage) } else { String::new() };
                 println!(
-                    "{:>5} {:>6} {:>6} {:>6} {:>10.1} {:>10.1} {:>10.1}",
+                    "{:>5} {stage}{:>6} {:>6} {:>6} {:>10.1} {:>10.1} {:>10.1}",
                     l.layer,
                     l.vram_experts,
                     l.ram_experts,

@@ -111,9 +111,21 @@ struct Args {
     /// slot size.
     #[arg(long, default_value = "auto", value_name = "N|auto")]
     expert_cache: CacheSize,
-    /// VRAM kept free by `--expert-cache auto` (MiB).
+    /// VRAM kept free by `--expert-cache auto` (MiB; the first card of a layer split).
     #[arg(long, default_value_t = 700, value_name = "MIB")]
     vram_reserve_mib: u64,
+    /// VRAM kept free on the cards of later stages of a layer split (MiB) [default: --vram-reserve-mib].
+    #[arg(long, value_name = "MIB")]
+    vram_reserve_later_mib: Option<u64>,
+    /// Layer split over GPU stages: the first layer of each later stage (`24`, `12,24,36`), or `auto` (chosen
+    /// from each card's free VRAM and the expert profile). Each stage holds its layers' dense weights, KV cache
+    /// and VRAM expert cache.
+    #[arg(long, value_name = "K1[,K2..]|auto")]
+    layer_split: Option<strata::tiers::split::LayerSplit>,
+    /// CUDA device of each stage of the layer split; one may repeat (`0,0`: two stages on one card)
+    /// [default: the first visible devices].
+    #[arg(long, value_delimiter = ',', value_name = "D1,..")]
+    split_device: Vec<usize>,
     /// Share of the RAM-resident misses' bytes served over PCIe, in [0, 1] (live knob `pcie_frac`): each miss's
     /// first F × n_ff_exp intermediate rows (in steps of 64, 256 for K-quants) are uploaded and computed on the
     /// GPU, the rest on the CPU pool.
@@ -255,6 +267,9 @@ fn main() -> Result<()> {
         device: args.gpu_device,
         cache: args.expert_cache,
         reserve_mib: args.vram_reserve_mib,
+        reserve_later_mib: args.vram_reserve_later_mib,
+        layer_split: args.layer_split.clone(),
+        split_devices: args.split_device.clone(),
         n_ctx,
         max_chunk: args.batch,
     };

@@ -104,6 +104,9 @@ fn without_a_gpu_the_resident_mode_is_the_all_in_ram_mode() {
         device: 0,
         cache: strata::tiers::vram::CacheSize::Auto,
         reserve_mib: 700,
+        reserve_later_mib: None,
+        layer_split: None,
+        split_devices: Vec::new(),
         n_ctx: 256,
         max_chunk: 64,
     };
@@ -282,4 +285,103 @@ fn greedy_tokens_with_exchanges_running_equal_the_all_in_ram_modes() {
     assert_eq!(got, base);
     assert!(swaps > 0, "the rounds should have swapped");
     assert!(faults(&st, &slots).is_empty(), "{:?}", faults(&st, &slots));
+}
+
+/// A resident-mode store whose VRAM tier is a layer split: stage `i` owns layers `starts[i]..` and `n_slots[i]`
+/// host slots filled hottest-first from its own layers; the RAM copy built after every stage.
+fn resident_split(m: &Model, starts: &[usize], n_slots: &[usize], exchange: usize) -> (ExpertStore, Vec<HostSlots>) {
+    let st = store_for(m, &fixture_path("split"), ResidentMode::Disjoint(None), FileIo::Buffered, None);
+    st.init_slot_stages(starts, n_slots).unwrap();
+    let mut stages = Vec::new();
+    for (range, &n) in st.stage_layers().into_iter().zip(n_slots) {
+        let s = HostSlots::new(n, blob_bytes(&st));
+        s.fill_layers(&st, range);
+        stages.push(s);
+    }
+    st.build_ram_copy(exchange).unwrap();
+    (st, stages)
+}
+
+/// Every fault of a split's tiers: RAM places against the file, each slot against the file in its own stage.
+fn split_faults(st: &ExpertStore, stages: &[HostSlots]) -> Vec<String> {
+    let mut f = st.verify_ram_copy();
+    let b = blob_bytes(st);
+    for (l, e, s) in st.slotted() {
+        if stages[st.stage_of(l)].slot(s, b) != st.file_blob(l, e) {
+            f.push(format!("stage {} slot {s} does not hold expert ({l}, {e})", st.stage_of(l)));
+        }
+    }
+    f
+}
+
+#[test]
+fn a_split_fills_each_stage_from_its_own_layers() {
+    let m = model();
+    let (nl, ne) = (m.cfg.n_layer, m.cfg.n_expert);
+    let starts = [0, nl / 2];
+    let (st, stages) = resident_split(&m, &starts, &[nl / 2 * 2, (nl - nl / 2) * 3], 4);
+    assert!(split_faults(&st, &stages).is_empty(), "{:?}", split_faults(&st, &stages));
+    assert_eq!(st.stage_layers(), vec![0..nl / 2, nl / 2..nl]);
+    for l in 0..nl {
+        let vram = (0..ne).filter(|&e| st.tier(l, e) == Tier::Vram).count();
+        // each stage's slots over its own layers, hottest first (expert-major without a profile: 2 or 3 per layer)
+        assert_eq!(vram, if l < nl / 2 { 2 } else { 3 }, "layer {l}");
+        assert_eq!(st.stage_of(l), usize::from(l >= nl / 2));
+    }
+    // slot numbers are each stage's own, from 0
+    let mut per_stage = [Vec::new(), Vec::new()];
+    for (l, _, s) in st.slotted() {
+        per_stage[st.stage_of(l)].push(s);
+    }
+    for (i, mut v) in per_stage.into_iter().enumerate() {
+        v.sort();
+        assert_eq!(v, (0..stages[i].n_slots() as u32).collect::<Vec<_>>(), "stage {i}");
+    }
+    // VRAM (either stage) and RAM disjoint and complete
+    let ram = (0..nl).flat_map(|l| (0..ne).map(move |e| (l, e))).filter(|&(l, e)| st.tier(l, e) == Tier::Ram).count();
+    assert_eq!(ram + st.slotted().len(), nl * ne);
+    // bad stage lists are refused
+    assert!(st.init_slot_stages(&[1, 3], &[1, 1]).is_err());
+    assert!(st.init_slot_stages(&[0, 3, 3], &[1, 1, 1]).is_err());
+    assert!(st.init_slot_stages(&[0, nl], &[1, 1]).is_err());
+    assert!(st.init_slot_stages(&[0, 2], &[1]).is_err());
+}
+
+#[test]
+fn split_rounds_copy_back_from_the_owning_stage() {
+    let m = model();
+    let nl = m.cfg.n_layer;
+    let starts = [0, nl / 3, 2 * nl / 3];
+    let n_slots: Vec<usize> = strata::tiers::split::stage_ranges(&starts, nl).iter().map(|r| r.len() * 2).collect();
+    let (st, stages) = resident_split(&m, &starts, &n_slots, 6);
+    st.knobs.set("adapt_every", "1").unwrap();
+    st.knobs.set("adapt_swaps", "64").unwrap();
+    let mut swaps = [0usize; 3];
+    for w in 0..90 {
+        route(&st, w..w + 1);
+        let plan = st.end_decode_window();
+        let n_plan = plan.len();
+        let parts = st.plan_by_stage(plan);
+        assert_eq!(parts.iter().map(Vec::len).sum::<usize>(), n_plan);
+        for (i, part) in parts.iter().enumerate() {
+            assert!(part.iter().all(|sw| st.stage_of(sw.layer) == i), "a swap in another stage's plan");
+            // each stage's swaps copy back from (and into) its own slots
+            let (n, fills) = ExchangeRound::run_blocking(&st, part, &stages[i]).unwrap();
+            assert!(fills.is_empty());
+            swaps[i] += n;
+        }
+        assert!(split_faults(&st, &stages).is_empty(), "window {w}: {:?}", split_faults(&st, &stages));
+    }
+    assert!(swaps.iter().all(|&n| n > 5), "every stage swaps: {swaps:?}");
+
+    // the seed's bug: a later stage's swap copied back from the first stage's cache — the byte check catches it
+    let (st, stages) = resident_split(&m, &starts, &n_slots, 6);
+    let l = nl - 1;
+    let ne = m.cfg.n_expert;
+    let out = (0..ne).find(|&e| st.tier(l, e) == Tier::Vram).unwrap();
+    let inc = (0..ne).find(|&e| st.tier(l, e) == Tier::Ram).unwrap();
+    let plan = [Swap { layer: l, outgoing: Some(out), incoming: inc, gain: 1.0 }];
+    ExchangeRound::run_blocking(&st, &plan, &stages[0]).unwrap();
+    let f = split_faults(&st, &stages);
+    assert!(!f.is_empty(), "a copy-back from the wrong stage's slots must show as a fault");
 }

@@ -64,6 +64,19 @@ pub struct BenchArgs {
     /// the file; with `--resident`, the hottest non-VRAM experts up to it.
     #[arg(long)]
     ram_share: Option<f64>,
+    /// Layer split (`--layer-split`): every arm runs on these stages (each arm attaches a new backend, since a
+    /// split's caches are sized at load).
+    #[arg(long, value_name = "K1[,K2..]|auto")]
+    layer_split: Option<strata::tiers::split::LayerSplit>,
+    /// The device of each stage (`--split-device`; `0,0`: two stages on one card).
+    #[arg(long, value_delimiter = ',')]
+    split_device: Vec<usize>,
+    /// `--vram-reserve-mib` of the arms (MiB).
+    #[arg(long, default_value_t = 700)]
+    vram_reserve_mib: u64,
+    /// `--vram-reserve-later-mib` of the arms (MiB; default: `--vram-reserve-mib`).
+    #[arg(long)]
+    vram_reserve_later_mib: Option<u64>,
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -536,21 +549,35 @@ pub fn check(a: CheckArgs) -> Result<()> {
                 "mean_kl": mean, "argmax_agreement": agree as f64 / kls.len() as f64}));
         }
         let q = CacheSize::Slots(total / 4);
-        for (name, cache, every, asyn, pcie, ram, resident) in [
-            ("all experts in VRAM", CacheSize::Auto, 0u32, 0u8, PcieArm::Share(0.0), None, false),
-            ("cache 25%, static", q, 0, 0, PcieArm::Share(0.0), None, false),
-            ("cache 25%, static, repeat", q, 0, 0, PcieArm::Share(0.0), None, false),
-            ("cache 25%, adaptive blocking", q, 1, 0, PcieArm::Share(0.0), None, false),
-            ("cache 25%, adaptive async", q, 1, 1, PcieArm::Share(0.0), None, false),
-            ("cache 25%, pcie-frac 0.5", q, 0, 0, PcieArm::Share(0.5), None, false),
-            ("cache 25%, pcie auto", q, 0, 0, PcieArm::Auto, None, false),
-            ("cache 25%, RAM 50%, ram-adapt 8", q, 1, 0, PcieArm::Share(0.0), Some(0.5), false),
+        let nl = cpu.cfg.n_layer;
+        let half = vec![nl / 2];
+        let thirds = if nl >= 3 { vec![nl / 3, 2 * nl / 3] } else { half.clone() };
+        let none: Vec<usize> = Vec::new();
+        let s = PcieArm::Share(0.0);
+        for (name, cache, every, asyn, pcie, ram, resident, split) in [
+            ("all experts in VRAM", CacheSize::Auto, 0u32, 0u8, s, None, false, &none),
+            ("cache 25%, static", q, 0, 0, s, None, false, &none),
+            ("cache 25%, static, repeat", q, 0, 0, s, None, false, &none),
+            ("cache 25%, adaptive blocking", q, 1, 0, s, None, false, &none),
+            ("cache 25%, adaptive async", q, 1, 1, s, None, false, &none),
+            ("cache 25%, pcie-frac 0.5", q, 0, 0, PcieArm::Share(0.5), None, false, &none),
+            ("cache 25%, pcie auto", q, 0, 0, PcieArm::Auto, None, false, &none),
+            ("cache 25%, RAM 50%, ram-adapt 8", q, 1, 0, s, Some(0.5), false, &none),
             // the resident mode (VRAM and RAM disjoint): static and blocking give the same bytes as above
-            ("cache 25%, resident, static", q, 0, 0, PcieArm::Share(0.0), None, true),
-            ("cache 25%, resident, blocking", q, 1, 0, PcieArm::Share(0.0), None, true),
-            ("cache 25%, resident, async", q, 1, 1, PcieArm::Share(0.0), None, true),
-            ("cache 25%, resident, async, pcie 0.5", q, 1, 1, PcieArm::Share(0.5), None, true),
-            ("cache 25%, resident RAM 50%, ram-adapt 8", q, 1, 1, PcieArm::Share(0.0), Some(0.5), true),
+            ("cache 25%, resident, static", q, 0, 0, s, None, true, &none),
+            ("cache 25%, resident, blocking", q, 1, 0, s, None, true, &none),
+            ("cache 25%, resident, async", q, 1, 1, s, None, true, &none),
+            ("cache 25%, resident, async, pcie 0.5", q, 1, 1, PcieArm::Share(0.5), None, true, &none),
+            ("cache 25%, resident RAM 50%, ram-adapt 8", q, 1, 1, s, Some(0.5), true, &none),
+            // the layer split on one card (--split-device 0,0[,0]): static and blocking give the same bytes as
+            // one stage; the byte check covers every stage's slots
+            ("split 0,0: all experts in VRAM", CacheSize::Auto, 0, 0, s, None, false, &half),
+            ("split 0,0: cache 25%, static", q, 0, 0, s, None, false, &half),
+            ("split 0,0,0: cache 25%, static", q, 0, 0, s, None, false, &thirds),
+            ("split 0,0: cache 25%, adaptive blocking", q, 1, 0, s, None, false, &half),
+            ("split 0,0: cache 25%, resident, blocking", q, 1, 0, s, None, true, &half),
+            ("split 0,0,0: cache 25%, resident, async", q, 1, 1, s, None, true, &thirds),
+            ("split 0,0: cache 25%, resident, async, pcie 0.5", q, 1, 1, PcieArm::Share(0.5), None, true, &half),
         ] {
             let (pcie, auto) = match pcie {
                 PcieArm::Share(p) => (p, "0"),
@@ -565,8 +592,17 @@ pub fn check(a: CheckArgs) -> Result<()> {
             knobs.set("pcie_frac", &pcie.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("pcie_auto", auto).map_err(|e| anyhow::anyhow!("{e}"))?;
             let mut m = load_mode(path, knobs, 8, resident, ram)?;
-            let opts =
-                GpuOptions { enabled: true, device: 0, cache, reserve_mib: 700, n_ctx: toks.len() + 8, max_chunk: 64 };
+            let opts = GpuOptions {
+                enabled: true,
+                device: 0,
+                cache,
+                reserve_mib: 700,
+                reserve_later_mib: None,
+                layer_split: (!split.is_empty()).then(|| strata::tiers::split::LayerSplit::At(split.clone())),
+                split_devices: vec![0; if split.is_empty() { 0 } else { split.len() + 1 }],
+                n_ctx: toks.len() + 8,
+                max_chunk: 64,
+            };
             let line = m.attach_gpu(&opts).map_err(|e| anyhow::anyhow!(e))?;
             eprintln!("{line}");
             let gl = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| teacher_force(&m, &toks))) {
@@ -727,17 +763,34 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         knobs.set("pcie_frac", &pcie.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
         knobs.set("pcie_auto", if auto { "1" } else { "0" }).map_err(|e| anyhow::anyhow!("{e}"))?;
         st.reset_usage();
-        if first {
+        if first || a.layer_split.is_some() {
+            // a split's caches are sized at load: a new backend per arm (the old one gone first, so that its
+            // VRAM and the RAM copy's registration are released)
+            m.backend = Box::new(strata::backend::CpuBackend);
             let opts = GpuOptions {
                 enabled: true,
                 device: 0,
-                cache: CacheSize::Slots(n),
-                reserve_mib: 700,
+                // with a split, the full-cache arm sizes from free VRAM and the reserves (the reserve flags' effect)
+                cache: if f >= 1.0 && a.layer_split.is_some() { CacheSize::Auto } else { CacheSize::Slots(n) },
+                reserve_mib: a.vram_reserve_mib,
+                reserve_later_mib: a.vram_reserve_later_mib,
+                layer_split: a.layer_split.clone(),
+                split_devices: a.split_device.clone(),
                 n_ctx: a.prompt + a.gen + 8,
                 max_chunk: 64,
             };
             let line = m.attach_gpu(&opts).map_err(|e| anyhow::anyhow!(e))?;
             eprintln!("{line}");
+            let stages = gpu(&m).stages();
+            if stages.len() > 1 {
+                let each: Vec<String> = stages
+                    .iter()
+                    .map(|s| {
+                        format!("layers {}..{} on CUDA {}: {} slots", s.layers.start, s.layers.end, s.device, s.slots)
+                    })
+                    .collect();
+                println!("layer split: {}", each.join("; "));
+            }
             first = false;
         } else {
             gpu_mut(&mut m).rebuild_cache(&st, CacheSize::Slots(n))?;
@@ -817,7 +870,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             100.0 * hit,
             d.swaps
         );
-        arms.push(serde_json::json!({"arm": name, "cache_frac": f, "slots": n, "adaptive": mode, "pcie_frac": pcie,
+        let stage_slots: Vec<usize> = gpu(&m).stages().iter().map(|s| s.slots).collect();
+        arms.push(serde_json::json!({"arm": name, "cache_frac": f, "slots": n, "stage_slots": stage_slots,
+            "adaptive": mode, "pcie_frac": pcie,
             "pcie_auto": auto,
             "prompt_tok_s": pt, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,
             "pcie_entries_per_token": pcie_per_tok, "blob_reads_per_token": blob_per_tok, "bound_tok_s": bound}));

@@ -55,10 +55,10 @@ fn slot_record_hits_adaptive_plan_residency_and_profile() {
     assert_eq!(order[0], (0, 0));
     assert_eq!(order[1], (1, 0), "expert-major across layers");
     for &(l, e) in order.iter().take(4) {
-        let s = st.reserve_slot().unwrap();
+        let s = st.reserve_slot(l).unwrap();
         st.admit_slot(l, e, s);
     }
-    assert!(st.reserve_slot().is_none(), "all slots taken");
+    assert!(st.reserve_slot(0).is_none(), "all slots taken");
     assert!(!st.all_in_vram());
     let table = st.slot_table();
     assert_eq!(table.iter().filter(|&&s| s >= 0).count(), 4);
@@ -95,7 +95,7 @@ fn slot_record_hits_adaptive_plan_residency_and_profile() {
     // every expert in VRAM → no lookup can miss
     st.init_slots(st.layout().n_layer() * ne);
     for &(l, e) in &st.placement_order() {
-        let s = st.reserve_slot().unwrap();
+        let s = st.reserve_slot(l).unwrap();
         st.admit_slot(l, e, s);
     }
     assert!(st.all_in_vram());

@@ -60,3 +60,29 @@ fn missing_truncated_garbage_unknown_arch_unsupported_type() {
 
     std::fs::remove_file(&t).unwrap();
 }
+
+#[test]
+fn bad_layer_split_flags_are_refused_at_start() {
+    // SmolLM2 has 30 layers: split points are layers 1..29, strictly increasing, one device per stage named
+    let model = model_path();
+    let m = model.to_str().unwrap();
+    for (args, needle) in [
+        (&["--layer-split", "30"][..], "a split point must be a layer in 1..29"),
+        (&["--layer-split", "0"], "a split point must be a layer in 1..29"),
+        (&["--layer-split", "20,10"], "must be strictly increasing"),
+        (&["--layer-split", "10,10"], "must be strictly increasing"),
+        (&["--layer-split", "10", "--split-device", "0"], "2 stages need 2 devices but --split-device names 1"),
+        (&["--layer-split", "10", "--split-device", "0,0,0"], "--split-device names 3 devices for 2 stages"),
+        (&["--layer-split", "ten"], "`ten` is not a layer number"),
+    ] {
+        let sock = temp_path(".sock");
+        let mut all = vec!["--model", m, "--socket", sock.to_str().unwrap()];
+        all.extend_from_slice(args);
+        let o = run_daemon(&all);
+        let e = stderr(&o);
+        assert!(!o.status.success(), "daemon must refuse {args:?}");
+        assert!(!e.contains("panicked"), "panic instead of an error: {e}");
+        assert!(e.contains(needle), "{args:?}: expected {needle:?} in: {e}");
+        assert!(!sock.exists());
+    }
+}

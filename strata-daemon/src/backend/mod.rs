@@ -159,6 +159,16 @@ pub trait Ops {
     fn experts(&mut self, layer: usize) -> Result<(), BackendError>;
     /// `output_norm` and the `output` product of rows `row0 .. row0 + rows` of `x` into the pass's logits.
     fn output(&mut self, row0: usize, rows: usize) -> Result<(), BackendError>;
+    /// The blocks this pass runs, of the model's `n_layer`: all of them, unless the pass is one stage of a layer
+    /// split (the CUDA backend's pipeline), which runs its own range and hands `x` on.
+    fn layers(&self, n_layer: usize) -> std::ops::Range<usize> {
+        0..n_layer
+    }
+    /// After the last block of a stage that is not the model's last: `x` completed (a pending MoE combine done)
+    /// for the next stage to take. Only called when [`Ops::layers`] ends before the last block.
+    fn hand_off(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
 }
 
 /// The body of a pass: the forward pass over the blocks, called with the pass's [`Ops`] and the logits rows
@@ -238,8 +248,14 @@ pub struct GpuOptions {
     pub device: usize,
     /// `--expert-cache N|auto`.
     pub cache: CacheSize,
-    /// `--vram-reserve-mib` (MiB).
+    /// `--vram-reserve-mib` (MiB): kept free on the first stage's card.
     pub reserve_mib: u64,
+    /// `--vram-reserve-later-mib` (MiB; `None` = `reserve_mib`): kept free on the cards of later stages.
+    pub reserve_later_mib: Option<u64>,
+    /// `--layer-split` (`None`: one stage, unless `split_devices` names several).
+    pub layer_split: Option<crate::tiers::split::LayerSplit>,
+    /// `--split-device`: the device of each stage (empty: the first visible ones).
+    pub split_devices: Vec<usize>,
     /// Context length (KV positions in VRAM).
     pub n_ctx: usize,
     /// Prefill chunk (tokens per pass).
@@ -251,6 +267,14 @@ pub struct GpuOptions {
 /// it with the one line to log (what runs where, or why the CPU). Errors: a GPU was found but loading onto it
 /// failed (out of VRAM, a format without kernels): the caller decides whether that is fatal.
 pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backend>>, String), String> {
+    // a layer split's points and device count are checked against the model before any GPU is looked for
+    if let Some(crate::tiers::split::LayerSplit::At(points)) = &o.layer_split {
+        let starts = crate::tiers::split::check_points(points, m.cfg.n_layer).map_err(|e| e.to_string())?;
+        if !o.split_devices.is_empty() {
+            crate::tiers::split::stage_devices(starts.len(), &o.split_devices, usize::MAX)
+                .map_err(|e| e.to_string())?;
+        }
+    }
     if !o.enabled {
         return Ok((None, "GPU off (--gpu off): running on the CPU".into()));
     }
@@ -262,17 +286,23 @@ pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backen
         };
         let d = probe.device.clone();
         let (free, total) = d.mem_info().map_err(|e| e.to_string())?;
-        let cfg =
-            cuda::GpuConfig { cache: o.cache, reserve: o.reserve_mib << 20, max_chunk: o.max_chunk, n_ctx: o.n_ctx };
-        let g = match cuda::GpuModel::load(m, d.clone(), &cfg) {
+        let cfg = cuda::GpuConfig {
+            cache: o.cache,
+            reserve: o.reserve_mib << 20,
+            reserve_later: o.reserve_later_mib.unwrap_or(o.reserve_mib) << 20,
+            max_chunk: o.max_chunk,
+            n_ctx: o.n_ctx,
+        };
+        let (starts, devices) = cuda::pipeline::plan_stages(m, o, &probe, &cfg)?;
+        let g = match cuda::GpuModel::load(m, &devices, &cfg, &starts) {
             Ok(g) => g,
             Err(e @ (cuda::GpuError::Architecture { .. } | cuda::GpuError::Format { .. })) => {
                 return Ok((None, format!("GPU {}: {e}: running on the CPU", d.name)))
             }
             Err(e) => return Err(format!("loading onto {}: {e}", d.name)),
         };
-        let slots = g.cache.as_ref().map(|c| c.n_slots).unwrap_or(0);
-        if g.cache.is_some() {
+        let slots = g.slots();
+        if g.has_cache() {
             crate::tiers::knobs::GPU_TIER.store(true, std::sync::atomic::Ordering::SeqCst);
         }
         let line = format!(
@@ -286,6 +316,18 @@ pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backen
             probe.libnvrtc,
             if slots > 0 { format!(", {slots} expert slots") } else { String::new() }
         );
+        let line = match g.stages().as_slice() {
+            [_] => line,
+            stages => {
+                let each: Vec<String> = stages
+                    .iter()
+                    .map(|s| {
+                        format!("layers {}..{} on CUDA {} ({} slots)", s.layers.start, s.layers.end, s.device, s.slots)
+                    })
+                    .collect();
+                format!("{line}; layer split: {}", each.join(", "))
+            }
+        };
         Ok((Some(Box::new(g)), line))
     }
     #[cfg(not(feature = "cuda"))]

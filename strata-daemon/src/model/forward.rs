@@ -187,7 +187,8 @@ impl Model {
 /// other choices.
 fn blocks(cfg: &ModelConfig, ops: &mut dyn Ops, rows: Option<(usize, usize)>) -> Result<(), BackendError> {
     let ffn = cfg.spec.ffn;
-    for l in 0..cfg.n_layer {
+    let layers = ops.layers(cfg.n_layer);
+    for l in layers.clone() {
         // attention, and (MoE) the routing: no host round trip inside
         ops.segment(l, &mut |ops| {
             ops.norm(Norm::Attn(l))?;
@@ -210,6 +211,9 @@ fn blocks(cfg: &ModelConfig, ops: &mut dyn Ops, rows: Option<(usize, usize)>) ->
             }
         }
     }
+    if layers.end < cfg.n_layer {
+        return ops.hand_off(); // a stage of a layer split: the next stage takes x
+    }
     match rows {
         Some((row0, n)) => ops.output(row0, n),
         None => Ok(()),
@@ -223,7 +227,7 @@ mod tests {
 
     /// An [`Ops`] that records the calls of a pass (what the backends see of the forward pass).
     #[derive(Default)]
-    struct Record(Vec<String>);
+    struct Record(Vec<String>, Option<std::ops::Range<usize>>);
 
     impl Ops for Record {
         fn segment(
@@ -276,6 +280,13 @@ mod tests {
             self.0.push(format!("output {row0}+{rows}"));
             Ok(())
         }
+        fn layers(&self, n_layer: usize) -> std::ops::Range<usize> {
+            self.1.clone().unwrap_or(0..n_layer)
+        }
+        fn hand_off(&mut self) -> Result<(), BackendError> {
+            self.0.push("hand_off".into());
+            Ok(())
+        }
     }
 
     fn cfg(ffn: FfnKind) -> ModelConfig {
@@ -309,6 +320,22 @@ mod tests {
         let mut r = Record::default();
         blocks(&cfg(ffn), &mut r, rows).unwrap();
         r.0.join(", ")
+    }
+
+    #[test]
+    fn a_stage_of_a_layer_split_runs_its_layers_and_hands_off() {
+        // the first of two stages: layer 0, then x handed on (no logits even when rows are asked for)
+        let mut r = Record(Vec::new(), Some(0..1));
+        blocks(&cfg(FfnKind::Moe), &mut r, Some((0, 1))).unwrap();
+        assert_eq!(r.0.first().map(String::as_str), Some("segment 0 {"));
+        assert_eq!(r.0[r.0.len() - 2..], ["experts 0".to_string(), "hand_off".to_string()]);
+        assert!(!r.0.iter().any(|c| c.contains(" 1") || c.starts_with("output")), "{:?}", r.0);
+        // the last stage: layer 1 and the logits
+        let mut r = Record(Vec::new(), Some(1..2));
+        blocks(&cfg(FfnKind::Moe), &mut r, Some((0, 1))).unwrap();
+        assert_eq!(r.0.first().map(String::as_str), Some("segment 1 {"));
+        assert_eq!(r.0.last().map(String::as_str), Some("output 0+1"));
+        assert!(!r.0.iter().any(|c| c == "hand_off" || c.contains(" 0 ")), "{:?}", r.0);
     }
 
     #[test]

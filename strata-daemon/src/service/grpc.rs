@@ -240,6 +240,7 @@ impl Strata for StrataService {
                     vram_bytes: l.bytes[0],
                     ram_bytes: l.bytes[1],
                     file_bytes: l.bytes[2],
+                    stage: l.stage,
                 })
                 .collect(),
             experts: res

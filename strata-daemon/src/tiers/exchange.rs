@@ -68,11 +68,23 @@ impl HostSlots {
     /// Fills the store's VRAM tier the way the GPU cache does at start: `n` slots in placement order, each with
     /// its expert's file bytes.
     pub fn fill(&self, store: &ExpertStore) {
-        let n = self.bytes.lock().unwrap_or_else(|e| e.into_inner()).len() / self.slot_bytes.max(1);
-        store.init_slots(n);
+        store.init_slots(self.n_slots());
+        self.fill_layers(store, 0..store.layout().n_layer());
+    }
+
+    /// Slots of the arena.
+    pub fn n_slots(&self) -> usize {
+        self.bytes.lock().unwrap_or_else(|e| e.into_inner()).len() / self.slot_bytes.max(1)
+    }
+
+    /// [`HostSlots::fill`] for one stage of a layer split (the store's stages already initialised,
+    /// [`ExpertStore::init_slot_stages`]): the hottest experts of `layers` only.
+    pub fn fill_layers(&self, store: &ExpertStore, layers: std::ops::Range<usize>) {
+        let n = self.n_slots();
         let mut blob = Vec::new();
-        for (l, e) in store.placement_order().into_iter().take(n) {
-            let slot = store.reserve_slot().expect("a free slot");
+        let order = store.placement_order().into_iter().filter(|(l, _)| layers.contains(l));
+        for (l, e) in order.take(n) {
+            let slot = store.reserve_slot(l).expect("a free slot");
             store.read_blob_simple(l, e, &mut blob).expect("blob read");
             // SAFETY: `blob` lives across the copy, which is done at once.
             unsafe { self.copy_in(slot, blob.as_ptr(), blob.len()) }.expect("host copy");

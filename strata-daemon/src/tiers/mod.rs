@@ -10,6 +10,7 @@ pub mod layout;
 pub mod policy;
 pub mod profile;
 pub mod replay;
+pub mod split;
 pub mod stats;
 pub mod store;
 pub mod vram;

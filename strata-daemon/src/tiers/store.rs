@@ -57,6 +57,9 @@ pub enum StoreError {
         /// OS error.
         source: std::io::Error,
     },
+    /// The stages of a layer split do not partition the layers.
+    #[error("layer split: {0}")]
+    BadSplit(String),
 }
 
 /// How the RAM copy is chosen (DESIGN.md §4).
@@ -317,8 +320,11 @@ struct State {
     windows: u64,
     /// VRAM slot of each expert (`layer × n_expert + expert`); all `None` without a GPU expert cache.
     slot: Vec<Option<u32>>,
-    /// Slots of the VRAM cache (0 without one) and which are free.
-    free_slots: Vec<u32>,
+    /// Free slots of each VRAM cache, by stage of a layer split (one stage without a split; slot numbers are
+    /// the stage's own).
+    free_slots: Vec<Vec<u32>>,
+    /// First layer of each stage (`[0]` without a split).
+    stage_start: Vec<usize>,
 }
 
 /// Per-layer residency (for `GetResidency`).
@@ -328,6 +334,8 @@ pub struct LayerResidency {
     pub experts: [u32; 3],
     /// Bytes in VRAM / RAM / file.
     pub bytes: [u64; 3],
+    /// The stage of a layer split whose VRAM cache holds the layer's experts (0 without a split).
+    pub stage: u32,
 }
 
 /// One expert's residency (for `GetResidency`).
@@ -442,7 +450,8 @@ impl ExpertStore {
                 copy_built: !matches!(cfg.mode, ResidentMode::Disjoint(_)),
                 windows: 0,
                 slot: vec![None; n_layer * ne],
-                free_slots: Vec::new(),
+                free_slots: vec![Vec::new()],
+                stage_start: vec![0],
             }),
             mode: cfg.mode,
             cfg: cfg.clone(),
@@ -612,14 +621,14 @@ impl ExpertStore {
         st.windows += 1;
         let mut plan = Vec::new();
         if k.every > 0 && st.windows.is_multiple_of(k.every as u64) {
-            let n_slots = st.slot.iter().filter(|s| s.is_some()).count() + st.free_slots.len();
+            let n_free: usize = st.free_slots.iter().map(Vec::len).sum();
+            let n_slots = st.slot.iter().filter(|s| s.is_some()).count() + n_free;
             if n_slots > 0 && k.swaps > 0 {
                 let ne = self.layout.n_expert;
-                let free = st.free_slots.len();
                 plan = plan_adaptive_round(
                     &st.usage,
                     |l| (0..ne).filter(|&e| st.slot[l * ne + e].is_some()).collect(),
-                    |_| free,
+                    |l| st.free_slots[stage_in(&st.stage_start, l)].len(),
                     k.swaps as usize,
                 );
             }
@@ -635,17 +644,63 @@ impl ExpertStore {
         st.windows = 0;
     }
 
-    /// Gives the store a VRAM cache of `n_slots` slots, all empty (replaces an earlier one).
+    /// Gives the store a VRAM cache of `n_slots` slots, all empty (replaces an earlier one; one stage).
     pub fn init_slots(&self, n_slots: usize) {
-        let mut st = self.state();
-        st.slot.iter_mut().for_each(|s| *s = None);
-        st.free_slots = (0..n_slots as u32).rev().collect();
+        self.init_slot_stages(&[0], &[n_slots]).expect("one stage from layer 0");
     }
 
-    /// Takes a free slot off the free list without giving it to any expert yet (the caller copies a blob
-    /// in, then [`ExpertStore::admit_slot`]s it); `None` when no slot is free.
-    pub fn reserve_slot(&self) -> Option<u32> {
-        self.state().free_slots.pop()
+    /// Gives the store the VRAM caches of a layer split, all empty (replaces earlier ones): stage `i` holds the
+    /// experts of layers `starts[i] .. starts[i + 1]` (the last to the final layer) in its own `n_slots[i]`
+    /// slots, numbered from 0 in each stage. Errors: `starts` not `0` followed by strictly increasing layers
+    /// below `n_layer`, or a count per stage that differs.
+    pub fn init_slot_stages(&self, starts: &[usize], n_slots: &[usize]) -> Result<(), StoreError> {
+        let nl = self.layout.n_layer();
+        let ok = starts.first() == Some(&0)
+            && starts.windows(2).all(|w| w[0] < w[1])
+            && starts.last().is_some_and(|&s| s < nl.max(1))
+            && starts.len() == n_slots.len();
+        if !ok {
+            return Err(StoreError::BadSplit(format!(
+                "stages starting at layers {starts:?} with {n_slots:?} slots for {nl} layers"
+            )));
+        }
+        let mut st = self.state();
+        st.slot.iter_mut().for_each(|s| *s = None);
+        st.free_slots = n_slots.iter().map(|&n| (0..n as u32).rev().collect()).collect();
+        st.stage_start = starts.to_vec();
+        Ok(())
+    }
+
+    /// The stage of a layer split whose VRAM cache holds `layer`'s experts (0 without a split).
+    pub fn stage_of(&self, layer: usize) -> usize {
+        stage_in(&self.state().stage_start, layer)
+    }
+
+    /// Layers of each stage of the split (one range over every layer without a split).
+    pub fn stage_layers(&self) -> Vec<std::ops::Range<usize>> {
+        let st = self.state();
+        let nl = self.layout.n_layer();
+        let s = &st.stage_start;
+        (0..s.len()).map(|i| s[i]..s.get(i + 1).copied().unwrap_or(nl)).collect()
+    }
+
+    /// Splits a round's swaps by the stage that owns each swap's layer (`out[i]` for stage `i`, in plan order):
+    /// each stage's cache carries out its own, on its own card's streams.
+    pub fn plan_by_stage(&self, plan: Vec<Swap>) -> Vec<Vec<Swap>> {
+        let st = self.state();
+        let mut out: Vec<Vec<Swap>> = vec![Vec::new(); st.stage_start.len()];
+        for sw in plan {
+            out[stage_in(&st.stage_start, sw.layer)].push(sw);
+        }
+        out
+    }
+
+    /// Takes a free slot of the stage owning `layer` off its free list without giving it to any expert yet (the
+    /// caller copies a blob in, then [`ExpertStore::admit_slot`]s it); `None` when that stage has no free slot.
+    pub fn reserve_slot(&self, layer: usize) -> Option<u32> {
+        let mut st = self.state();
+        let i = stage_in(&st.stage_start, layer);
+        st.free_slots[i].pop()
     }
 
     /// Marks `(layer, e)` resident in `slot` (its bytes have landed): from now on it is planned for the GPU.
@@ -661,9 +716,11 @@ impl ExpertStore {
         self.state().slot[layer * ne + e].take()
     }
 
-    /// Returns a slot to the free list.
-    pub fn release_slot(&self, slot: u32) {
-        self.state().free_slots.push(slot);
+    /// Returns a slot of the stage owning `layer` to its free list.
+    pub fn release_slot(&self, layer: usize, slot: u32) {
+        let mut st = self.state();
+        let i = stage_in(&st.stage_start, layer);
+        st.free_slots[i].push(slot);
     }
 
     /// The residency table for the GPU: `layer × n_expert + expert` → slot, −1 when not in VRAM.
@@ -1019,7 +1076,8 @@ impl ExpertStore {
         let mut experts = Vec::new();
         for (l, ll) in self.layout.layers.iter().enumerate() {
             let blob = ll.blob_bytes() as u64;
-            let mut lr = LayerResidency { experts: [0; 3], bytes: [0; 3] };
+            let stage = stage_in(&st.stage_start, l) as u32;
+            let mut lr = LayerResidency { experts: [0; 3], bytes: [0; 3], stage };
             for e in 0..ne {
                 let tier = if st.slot[l * ne + e].is_some() {
                     Tier::Vram
@@ -1121,6 +1179,11 @@ impl RamCopy {
 }
 
 /// `budget` clamped to `total` bytes of experts (said once when it was more).
+/// The stage of `layer` given each stage's first layer (ascending, from 0).
+fn stage_in(starts: &[usize], layer: usize) -> usize {
+    starts.partition_point(|&s| s <= layer).saturating_sub(1)
+}
+
 fn clamp_to_total(budget: u64, total: u64) -> u64 {
     if budget > total {
         tracing::info!(

@@ -31,6 +31,8 @@ pub struct Device {
     pub sms: i32,
     /// Largest dynamic shared memory a block may opt in to (bytes).
     pub max_smem_optin: i32,
+    /// Peak SM clock (kHz).
+    pub clock_khz: i32,
 }
 
 // SAFETY: a CUDA context handle may be used from any thread once made current there (Device::bind);
@@ -66,7 +68,8 @@ impl Device {
             );
             let sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
             let max_smem_optin = attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-            Ok(Arc::new(Device { ctx, dev, ordinal, name, cc, sms, max_smem_optin }))
+            let clock_khz = attr(CU_DEVICE_ATTRIBUTE_CLOCK_RATE)?;
+            Ok(Arc::new(Device { ctx, dev, ordinal, name, cc, sms, max_smem_optin, clock_khz }))
         }
     }
 
@@ -403,7 +406,9 @@ impl Drop for Event {
 /// # Safety
 /// `ptr..ptr+bytes` must stay mapped until [`host_unregister`] is called.
 pub unsafe fn host_register(ptr: *mut u8, bytes: usize) -> Result<(), GpuError> {
-    check("cuMemHostRegister", sys::cuMemHostRegister_v2(ptr as *mut c_void, bytes, 0))
+    // CU_MEMHOSTREGISTER_PORTABLE (1): page-locked for every context, so every card of a layer split copies
+    // from the one registration
+    check("cuMemHostRegister", sys::cuMemHostRegister_v2(ptr as *mut c_void, bytes, 1))
 }
 
 /// Undoes [`host_register`].

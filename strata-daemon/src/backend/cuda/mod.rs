@@ -10,12 +10,14 @@ pub mod kernels;
 pub mod model;
 pub mod ops;
 mod pass;
+pub mod pipeline;
 pub mod slots;
 
 use std::sync::Arc;
 
 pub use driver::Device;
-pub use model::{GpuConfig, GpuModel};
+pub use model::GpuConfig;
+pub use pipeline::{GpuModel, StageInfo};
 
 impl From<crate::backend::BackendError> for GpuError {
     /// A pass's error seen from inside the backend (a recorded pass's ops).
@@ -101,6 +103,8 @@ pub struct Probe {
     pub libcuda: String,
     /// NVRTC library name.
     pub libnvrtc: String,
+    /// Devices the driver sees.
+    pub visible: usize,
 }
 
 /// Looks for the CUDA driver and NVRTC libraries, then for device `ordinal`. Errors (the caller runs on the
@@ -121,5 +125,5 @@ pub fn probe(ordinal: usize) -> Result<Probe, GpuError> {
         return Err(GpuError::NoLibrary(format!("CUDA driver found but no device {ordinal} ({n} devices)")));
     }
     let device = Device::open(ordinal)?;
-    Ok(Probe { device, libcuda, libnvrtc })
+    Ok(Probe { device, libcuda, libnvrtc, visible: n as usize })
 }

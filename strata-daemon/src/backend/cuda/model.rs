@@ -20,20 +20,22 @@ use crate::arch::config::ModelConfig;
 use crate::arch::weights::{ExpertWeights, Ffn, Weight};
 use crate::backend::cpu::experts::experts as cpu_experts;
 use crate::backend::moe::dispatch;
-use crate::backend::{Backend, BackendError, Body, KvCache, Logits, ModelRef, Scratch};
+use crate::backend::{BackendError, Body, Logits, ModelRef, Scratch};
 use crate::quant::{dequantize_row, GgmlType};
 use crate::tiers::arena::HostArena;
 use crate::tiers::knobs::Knob;
 use crate::tiers::store::{ExpertStore, Source};
-use crate::tiers::vram::{auto_slots, shrink_slots, slot_bytes, CacheSize};
+use crate::tiers::vram::{shrink_slots, CacheSize};
 
 /// GPU settings (flags of DESIGN.md §4).
 #[derive(Debug, Clone)]
 pub struct GpuConfig {
     /// `--expert-cache`.
     pub cache: CacheSize,
-    /// `--vram-reserve-mib` in bytes.
+    /// `--vram-reserve-mib` in bytes (the first stage's card).
     pub reserve: u64,
+    /// `--vram-reserve-later-mib` in bytes (the cards of later stages of a layer split).
+    pub reserve_later: u64,
     /// Largest prefill chunk a pass handles at once (tokens).
     pub max_chunk: usize,
     /// Context length (KV positions).
@@ -158,14 +160,20 @@ struct HybridProf {
     cpu_experts: usize,
 }
 
-/// A model on the GPU.
-pub struct GpuModel {
+/// One stage of the model on a GPU: the dense weights, KV cache, scratch and VRAM expert cache of a contiguous
+/// range of layers (every layer without a layer split; see [`super::pipeline::GpuModel`]), the output head when
+/// it holds the last layer.
+pub struct Stage {
     dev: Arc<Device>,
     pub(super) k: Kernels,
     pub(super) s: Stream,
+    /// The stage's layers (`layers[i]` is layer `l0 + i`).
     pub(super) layers: Vec<GLayer>,
-    out_norm: DevBuf,
-    output: DMat,
+    /// First layer of the stage.
+    pub(super) l0: usize,
+    /// `output_norm` and `output` (the last stage only).
+    head: Option<(DevBuf, DMat)>,
+    /// KV cache of the stage's layers (`kc[i]` for layer `l0 + i`).
     pub(super) kc: Vec<DevBuf>,
     pub(super) vc: Vec<DevBuf>,
     n_ctx: usize,
@@ -197,7 +205,7 @@ pub struct GpuModel {
     norm_topk: bool,
 }
 
-impl Drop for GpuModel {
+impl Drop for Stage {
     fn drop(&mut self) {
         let _ = self.dev.bind();
         let _ = self.s.sync();
@@ -243,7 +251,7 @@ const PIN_OUT_MAX: usize = 16 << 20;
 
 /// Exchange places of the resident mode's RAM copy: one round at the default `adapt_swaps` (REFERENCE.md §4
 /// caps a round at 96); swaps beyond them wait for a later round.
-const EXCHANGE_PLACES: usize = 96;
+pub(super) const EXCHANGE_PLACES: usize = 96;
 
 /// `buf`, grown to at least `bytes` (a power of two) when smaller or absent. No copy may be in flight from or
 /// to the old buffer (callers grow after a stream sync). Errors: the driver refused the allocation.
@@ -257,15 +265,26 @@ fn grow_pinned(
     Ok(buf.as_mut().expect("just set"))
 }
 
-fn mib(b: u64) -> f64 {
-    b as f64 / (1u64 << 20) as f64
+/// What a stage's pass takes in: the chunk's tokens (the first stage embeds them) or the hidden state `x` the
+/// previous stage handed on (`t × n_embd`).
+#[derive(Clone, Copy)]
+pub(super) enum StageIn<'a> {
+    Tokens(&'a [u32]),
+    Hidden(&'a [f32]),
 }
 
-impl GpuModel {
-    /// Loads `model` onto `dev`: compiles (or loads from the cache) the kernels, uploads dense weights,
-    /// allocates the KV cache and scratch, then sizes and fills the VRAM expert cache (MoE models with a
-    /// store) hottest-first. Errors: a tensor format without kernels, out of VRAM, driver/NVRTC failures.
-    pub fn load(model: &ModelRef<'_>, dev: Arc<Device>, cfg: &GpuConfig) -> Result<GpuModel, GpuError> {
+impl Stage {
+    /// Loads layers `layers` of `model` onto `dev` (with the output head when `last`): compiles (or loads from
+    /// the cache) the kernels, uploads dense weights, allocates the KV cache and scratch. The VRAM expert cache
+    /// comes after every stage is loaded ([`Stage::alloc_cache`]). Errors: a tensor format without kernels, out
+    /// of VRAM, driver/NVRTC failures.
+    pub(super) fn load(
+        model: &ModelRef<'_>,
+        dev: Arc<Device>,
+        cfg: &GpuConfig,
+        layers: std::ops::Range<usize>,
+        last: bool,
+    ) -> Result<Stage, GpuError> {
         dev.bind()?;
         let (img, cached) = cubin(&dev.arch())?;
         let pdl = super::kernels::pdl_wanted(dev.cc);
@@ -299,9 +318,12 @@ impl GpuModel {
                 max_smem >> 10
             )));
         }
-        let mut layers = Vec::with_capacity(c.n_layer);
+        let l0 = layers.start;
+        let n_stage = layers.len();
+        let blocks = &model.weights.blocks[layers];
+        let mut layers = Vec::with_capacity(n_stage);
         let (qd0, kvd0) = (c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
-        for b in &model.weights.blocks {
+        for b in blocks {
             let bias = if b.bias.q.is_some() || b.bias.k.is_some() || b.bias.v.is_some() {
                 let mut all = Vec::with_capacity(qd0 + 2 * kvd0);
                 for (v, n) in [(&b.bias.q, qd0), (&b.bias.k, kvd0), (&b.bias.v, kvd0)] {
@@ -374,13 +396,17 @@ impl GpuModel {
                 shared,
             });
         }
-        check_ty(&model.weights.output)?;
-        let output = up(model, &model.weights.output)?;
-        let out_norm = DevBuf::from_slice(&model.weights.out_norm)?;
+        let head = if last {
+            check_ty(&model.weights.output)?;
+            let output = up(model, &model.weights.output)?;
+            Some((DevBuf::from_slice(&model.weights.out_norm)?, output))
+        } else {
+            None
+        };
         let kvd = c.n_head_kv * c.head_dim;
         let mut kc = Vec::new();
         let mut vc = Vec::new();
-        for _ in 0..c.n_layer {
+        for _ in 0..n_stage {
             kc.push(DevBuf::alloc(cfg.n_ctx * kvd * 2)?);
             vc.push(DevBuf::alloc(cfg.n_ctx * kvd * 2)?);
         }
@@ -411,19 +437,19 @@ impl GpuModel {
             cpu: f4(t * e)?,
             cs: f4(t * c.n_rot + 2)?,
             sh: f4(if c.n_ff_shexp > 0 { t * e } else { 1 })?,
-            logits: f4(t * c.n_vocab)?,
+            logits: f4(if last { t * c.n_vocab } else { 1 })?,
             win_ids: f4(c.n_layer * t * kk)?,
         };
         let s = Stream::new()?;
         let n_moe_layers = layers.iter().filter(|g| matches!(g.ffn, GFfn::Moe { .. })).count();
         let norm_topk = c.spec.def.norm_topk;
-        let mut g = GpuModel {
+        Ok(Stage {
             dev,
             k,
             s,
             layers,
-            out_norm,
-            output,
+            l0,
+            head,
             kc,
             vc,
             n_ctx: cfg.n_ctx,
@@ -440,81 +466,51 @@ impl GpuModel {
             timing: std::env::var_os("STRATA_GPU_TIMING").is_some(),
             n_moe_layers,
             norm_topk,
-        };
-        if let Some(store) = &model.experts {
-            g.cache = g.make_cache(model, store, cfg)?;
-        }
-        Ok(g)
+        })
     }
 
-    fn make_cache(
+    /// The stage's layers.
+    pub(super) fn layer_range(&self) -> std::ops::Range<usize> {
+        self.l0..self.l0 + self.layers.len()
+    }
+
+    /// Layer `l` of the model (one of the stage's).
+    pub(super) fn layer(&self, l: usize) -> &GLayer {
+        &self.layers[l - self.l0]
+    }
+
+    /// Whether the stage holds the model's last layer (and the output head).
+    pub(super) fn is_last(&self) -> bool {
+        self.head.is_some()
+    }
+
+    /// Allocates the stage's VRAM expert cache (empty): `n` slots and `n_staging` staging slots of `sb` bytes
+    /// for blobs of `blob` bytes, a table of `entries` experts. With `reserve` (an `auto` cache), slots are
+    /// given back while less than the reserve stays free on the card (at most 6 rounds). Errors: the driver's.
+    pub(super) fn alloc_cache(
         &self,
-        model: &ModelRef<'_>,
-        store: &Arc<ExpertStore>,
-        cfg: &GpuConfig,
-    ) -> Result<Option<SlotCache>, GpuError> {
-        let lay = store.layout();
-        let blob = lay.layers.iter().map(|l| l.blob_bytes()).max().unwrap_or(0);
-        if lay.layers.iter().any(|l| l.blob_bytes() != blob) {
-            return Err(GpuError::Unsupported("layers with different blob sizes".into()));
-        }
-        let sb = slot_bytes(blob);
-        let total = lay.n_layer() * lay.n_expert;
-        let n_staging = (model.cfg.n_expert_used * MAX_NT).min(lay.n_expert);
-        let (free, _) = self.dev.mem_info()?;
-        let staging_bytes = (n_staging * sb) as u64;
-        let want = match cfg.cache {
-            CacheSize::Auto => {
-                auto_slots(free.saturating_sub(staging_bytes as usize) as u64, cfg.reserve, sb as u64, total)
-            }
-            CacheSize::Slots(n) => {
-                let fit = (free as u64).saturating_sub(staging_bytes + (64 << 20)) / sb as u64;
-                if n as u64 > fit {
-                    tracing::warn!("--expert-cache {n}: only {fit} slots fit in free VRAM; using {fit}");
-                }
-                n.min(total).min(fit as usize)
-            }
-        };
-        let mut n = want;
-        let mut cache;
+        (n, n_staging, sb, blob, entries): (usize, usize, usize, usize, usize),
+        reserve: Option<u64>,
+    ) -> Result<SlotCache, GpuError> {
+        self.dev.bind()?;
+        let mut n = n;
         let mut rounds = 0;
         loop {
-            cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, total, false)?;
+            let cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, entries, false)?;
             let (free_after, _) = self.dev.mem_info()?;
-            let give =
-                if cfg.cache == CacheSize::Auto { shrink_slots(free_after as u64, cfg.reserve, sb as u64) } else { 0 };
+            let give = reserve.map_or(0, |r| shrink_slots(free_after as u64, r, sb as u64));
             if give == 0 || n == 0 || rounds == 6 {
-                break;
+                return Ok(cache);
             }
             drop(cache);
             n = n.saturating_sub(give);
             rounds += 1;
         }
-        let placed = cache.fill(store, &self.s)?;
-        // the resident mode's RAM copy: the experts the cache did not take, and the exchange places of its swaps
-        store.build_ram_copy(EXCHANGE_PLACES).map_err(|e| GpuError::Unsupported(e.to_string()))?;
-        cache.async_ok = self.register_arena(store);
-        let pinned = cache.async_ok;
-        let (free_now, _) = self.dev.mem_info()?;
-        tracing::info!(
-            "expert cache: {placed} slots of {:.2} MiB ({:.2} GiB, {:.1}% of {total} experts) + {n_staging} staging slots; \
-             {:.0} MiB of VRAM free (reserve {:.0} MiB); RAM copy {}",
-            mib(sb as u64),
-            (placed * sb) as f64 / (1u64 << 30) as f64,
-            100.0 * placed as f64 / total.max(1) as f64,
-            mib(free_now as u64),
-            mib(cfg.reserve),
-            if pinned { "page-locked" } else { "pageable" }
-        );
-        if (free_now as u64) < 256 << 20 {
-            tracing::warn!("VRAM LOW: {:.0} MiB free; raise --vram-reserve-mib", mib(free_now as u64));
-        }
-        Ok(Some(cache))
     }
 
     /// Registers the store's RAM copy with the driver (page-locked: copies from and into it run at full link
     /// speed and asynchronously), replacing an earlier registration. Returns whether it is registered.
-    fn register_arena(&self, store: &ExpertStore) -> bool {
+    pub(super) fn register_arena(&self, store: &ExpertStore) -> bool {
         self.unregister_arena();
         let (ptr, len) = store.arena_range();
         if len == 0 {
@@ -534,8 +530,8 @@ impl GpuModel {
         }
     }
 
-    /// Undoes [`GpuModel::register_arena`] (the streams must be idle).
-    fn unregister_arena(&self) {
+    /// Undoes [`Stage::register_arena`] (the streams must be idle).
+    pub(super) fn unregister_arena(&self) {
         let p = self.registered.swap(0, std::sync::atomic::Ordering::SeqCst);
         if p != 0 {
             // SAFETY: registered by register_arena; the caller has no copy from it in flight.
@@ -543,8 +539,9 @@ impl GpuModel {
         }
     }
 
-    /// Replaces the VRAM expert cache with one of `size` (benchmarks; the store's usage is kept).
-    pub fn rebuild_cache(&mut self, store: &Arc<ExpertStore>, size: CacheSize) -> Result<(), GpuError> {
+    /// Replaces the VRAM expert cache with one of `size` (benchmarks; the store's usage is kept; a model of one
+    /// stage).
+    pub(super) fn rebuild_cache(&mut self, store: &Arc<ExpertStore>, size: CacheSize) -> Result<(), GpuError> {
         self.dev.bind()?;
         if let Some(c) = &self.cache {
             c.poll(store, &self.s, true)?;
@@ -563,7 +560,8 @@ impl GpuModel {
             CacheSize::Auto => entries,
         };
         let mut cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, entries, pinned)?;
-        cache.fill(store, &self.s)?;
+        store.init_slots(cache.n_slots);
+        cache.fill(store, &self.s, self.layer_range())?;
         if store.ram_copy_built() && matches!(store.mode(), crate::tiers::store::ResidentMode::Disjoint(_)) {
             // resident mode: the copy is the complement of the new cache
             self.unregister_arena();
@@ -574,9 +572,9 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Bytes of the dense weights in VRAM (read once per token).
-    pub fn dense_bytes(&self) -> usize {
-        let mut n = self.output.buf.bytes;
+    /// Bytes of the stage's dense weights in VRAM (read once per token).
+    pub(super) fn dense_bytes(&self) -> usize {
+        let mut n = self.head.as_ref().map_or(0, |(_, o)| o.buf.bytes);
         for l in &self.layers {
             n += l.q.buf.bytes + l.k.buf.bytes + l.v.buf.bytes + l.o.buf.bytes;
             match &l.ffn {
@@ -588,23 +586,31 @@ impl GpuModel {
     }
 
     /// The device.
-    pub fn device(&self) -> &Arc<Device> {
+    pub(super) fn device(&self) -> &Arc<Device> {
         &self.dev
     }
 
-    fn chunk(
+    /// One chunk of `input` at `pos0` through the stage's layers. Returns the logits rows `which` asks for (the
+    /// last stage) or the hidden state `x` for the next stage (`t × n_embd`).
+    pub(super) fn chunk(
         &self,
         m: &ModelRef<'_>,
-        tokens: &[u32],
+        input: StageIn<'_>,
         pos0: usize,
         which: Option<Logits>,
         s: &mut Scratch,
         body: &mut Body<'_>,
     ) -> Result<Vec<f32>, BackendError> {
         let c = m.cfg;
-        let t = tokens.len();
+        let t = match input {
+            StageIn::Tokens(tokens) => tokens.len(),
+            StageIn::Hidden(x) => x.len() / c.n_embd,
+        };
         let e = c.n_embd;
         let b = &self.b;
+        self.dev.bind()?;
+        let last = self.is_last();
+        let which = which.filter(|_| last);
         let mut host = self.host.lock().unwrap_or_else(|e| e.into_inner());
         let host = &mut *host;
         if host.pass_open {
@@ -612,12 +618,20 @@ impl GpuModel {
             let _ = self.s.sync();
         }
         host.pass_open = true;
-        // embeddings (host dequantization of the rows) and RoPE angles
-        let emb = m.mat(&m.weights.tok_embd);
-        host.x.resize(t * e, 0.0);
-        for (i, &tok) in tokens.iter().enumerate() {
-            let tok = (tok as usize).min(c.n_vocab - 1);
-            dequantize_row(emb.ty, emb.row(tok), &mut host.x[i * e..(i + 1) * e]).expect("embedding row");
+        // embeddings (host dequantization of the rows) or the previous stage's x, and RoPE angles
+        match input {
+            StageIn::Tokens(tokens) => {
+                let emb = m.mat(&m.weights.tok_embd);
+                host.x.resize(t * e, 0.0);
+                for (i, &tok) in tokens.iter().enumerate() {
+                    let tok = (tok as usize).min(c.n_vocab - 1);
+                    dequantize_row(emb.ty, emb.row(tok), &mut host.x[i * e..(i + 1) * e]).expect("embedding row");
+                }
+            }
+            StageIn::Hidden(x) => {
+                host.x.clear();
+                host.x.extend_from_slice(x);
+            }
         }
         crate::backend::rope_angles(c, pos0, t, &mut host.rope);
         // [pos0 (int bits), pad, (cos, sin) pairs]: the kernels read pos0 from the device (graph replays)
@@ -651,9 +665,13 @@ impl GpuModel {
         host.prof = HybridProf::default();
         let rows = which.map(|w| w.rows(t));
         // a decode token with no host round trip inside: replay a CUDA graph (one launch instead of ~15 per
-        // layer), captured once per attention size class
-        let graph =
-            s.decode && t == 1 && rows.is_some() && (fast || !any_moe) && s.routes.is_none() && self.graphs_on();
+        // layer), captured once per attention size class (a stage before the last hands x on instead of logits)
+        let graph = s.decode
+            && t == 1
+            && (rows.is_some() || !last)
+            && (fast || !any_moe)
+            && s.routes.is_none()
+            && self.graphs_on();
         if graph {
             let cap = (pos0 + t).next_power_of_two().max(256).min(self.n_ctx.max(pos0 + t));
             let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
@@ -684,9 +702,12 @@ impl GpuModel {
         // routing on the device; the store counts it from here) and the logits rows
         // (many rows of logits — a perplexity pass — go straight into the pageable result instead, so the
         // staging stays small)
-        let ids_n = if fast && s.decode && m.experts.is_some() { c.n_layer * t * c.n_expert_used } else { 0 };
+        let n_pairs = t * c.n_expert_used;
+        let ids_n = if fast && s.decode && m.experts.is_some() { self.layers.len() * n_pairs } else { 0 };
         let ids_bytes = (ids_n * 4).next_multiple_of(16);
-        let logits_n = rows.map_or(0, |(_, r)| r * c.n_vocab);
+        // the logits rows, or (a stage before the last) x for the next stage
+        let (logits_n, out_src) =
+            if last { (rows.map_or(0, |(_, r)| r * c.n_vocab), b.logits.ptr) } else { (t * e, b.x.ptr) };
         let staged = logits_n * 4 <= PIN_OUT_MAX;
         let mut logits = vec![0f32; logits_n];
         let out = grow_pinned(&mut host.pin_out, ids_bytes + if staged { logits_n * 4 } else { 0 })?;
@@ -695,11 +716,11 @@ impl GpuModel {
         // read only after the sync below.
         unsafe {
             if ids_n > 0 {
-                self.s.dtoh_raw(out.ptr(), b.win_ids.ptr, ids_n * 4)?;
+                self.s.dtoh_raw(out.ptr(), b.win_ids.at(self.l0 * n_pairs * 4), ids_n * 4)?;
             }
             if logits_n > 0 {
                 let dst = if staged { out.ptr().add(ids_bytes) } else { logits.as_mut_ptr() as *mut u8 };
-                self.s.dtoh_raw(dst, b.logits.ptr, logits_n * 4)?;
+                self.s.dtoh_raw(dst, out_src, logits_n * 4)?;
             }
         }
         self.s.sync()?;
@@ -708,8 +729,8 @@ impl GpuModel {
             host.deferred.resize(ids_n, 0);
             out.read(0, &mut host.deferred);
             let st = m.experts.as_ref().expect("experts");
-            for (l, ids) in host.deferred.chunks_exact(t * c.n_expert_used).enumerate() {
-                st.record_vram_window(l, ids.iter().map(|&v| v as usize));
+            for (i, ids) in host.deferred.chunks_exact(n_pairs).enumerate() {
+                st.record_vram_window(self.l0 + i, ids.iter().map(|&v| v as usize));
             }
         }
         if staged {
@@ -779,9 +800,21 @@ impl GpuModel {
     ) -> Result<(), GpuError> {
         let ops = Ops { k: &self.k, s: &self.s };
         let (b, e) = (&self.b, c.n_embd);
+        let (out_norm, output) = self.head.as_ref().expect("the output of the last stage");
         let pend = pend.map(|p| p.from_row(row0, e));
-        ops.rms_norm_q8(b.x.at(row0 * e * 4), self.out_norm.ptr, c.rms_eps, e, rows, b.xn.ptr, b.xq.ptr, pend)?;
-        ops.mmv(&[&self.output], b.xq.ptr, b.xn.ptr, rows, b.logits.ptr, c.n_vocab, false)
+        ops.rms_norm_q8(b.x.at(row0 * e * 4), out_norm.ptr, c.rms_eps, e, rows, b.xn.ptr, b.xq.ptr, pend)?;
+        ops.mmv(&[output], b.xq.ptr, b.xn.ptr, rows, b.logits.ptr, c.n_vocab, false)
+    }
+
+    /// A stage's hand-off: the last MoE layer's pending combine added into `x` (rows `0 .. t`), by a norm whose
+    /// outputs are scratch (the combine is the same kernel code the next stage's first norm would run, so the
+    /// split stays bit-exact).
+    pub(super) fn enqueue_hand_off(&self, c: &ModelConfig, t: usize, pend: Option<Combine>) -> Result<(), GpuError> {
+        let Some(pend) = pend else { return Ok(()) };
+        let ops = Ops { k: &self.k, s: &self.s };
+        let b = &self.b;
+        let w = self.layers.last().expect("a stage has layers").ffn_norm.ptr;
+        ops.rms_norm_q8(b.x.ptr, w, c.rms_eps, c.n_embd, t, b.xn.ptr, b.xq.ptr, Some(pend))
     }
 
     /// The layer's shared expert, when it has one, from the FFN input (`b.xq` / `b.xn`) into the residual:
@@ -826,7 +859,7 @@ impl GpuModel {
     }
 
     /// Enqueues the copy of `n_pairs` routing entries (ids, weights) and `n_x` normalized activations into the
-    /// routing staging at `dst` (see [`GpuModel::routing_staging`]).
+    /// routing staging at `dst` (see [`Stage::routing_staging`]).
     pub(super) fn routing_dtoh(&self, dst: *mut u8, n_pairs: usize, n_x: usize) -> Result<(), GpuError> {
         let b = &self.b;
         let ni = n_pairs * 4;
@@ -1124,9 +1157,13 @@ impl GpuModel {
         Ok(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: b.cpu.ptr, k: kk })
     }
 
-    /// Between decode windows: carries out an adaptive round's swaps (blocking, or started asynchronously)
-    /// and, asynchronously, admits a landed round. `plan` comes from `ExpertStore::end_decode_window`.
-    pub fn adapt(&self, store: &Arc<ExpertStore>, plan: Vec<crate::tiers::policy::Swap>) -> Result<(), GpuError> {
+    /// Between decode windows: carries out this stage's share of an adaptive round's swaps (blocking, or started
+    /// asynchronously) and, asynchronously, admits a landed round. `plan`: the swaps of the stage's layers.
+    pub(super) fn adapt(
+        &self,
+        store: &Arc<ExpertStore>,
+        plan: Vec<crate::tiers::policy::Swap>,
+    ) -> Result<(), GpuError> {
         let Some(cache) = &self.cache else { return Ok(()) };
         self.dev.bind()?;
         let want = store.knobs.value(Knob::AdaptAsync) >= 1.0;
@@ -1146,86 +1183,43 @@ impl GpuModel {
 
     /// The PCIe share that `pcie_auto` has settled on so far (a fraction of a miss's intermediate rows; `None`
     /// before a split layer ran with it on).
-    pub fn pcie_share(&self) -> Option<f32> {
+    pub(super) fn pcie_share(&self) -> Option<f32> {
         self.host.lock().unwrap_or_else(|e| e.into_inner()).balance.current()
     }
 
-    /// Checks the tiers' bytes against the file after draining any round: every VRAM slot and every RAM place
-    /// holds the expert the residency says, and (resident mode) no expert is in both. One line per fault.
-    pub fn verify_tiers(&self, store: &Arc<ExpertStore>) -> Result<Vec<String>, GpuError> {
+    /// Checks the stage's VRAM slots against the file after draining any round (one line per fault).
+    pub(super) fn verify_slots(&self, store: &Arc<ExpertStore>) -> Result<Vec<String>, GpuError> {
         self.drain(store)?;
         self.s.sync()?;
-        let mut f = store.verify_ram_copy();
-        if let Some(c) = &self.cache {
-            f.extend(c.verify(store, &self.s)?);
+        match &self.cache {
+            Some(c) => c.verify(store, &self.s, self.layer_range()),
+            None => Ok(Vec::new()),
         }
-        Ok(f)
     }
 
     /// At a request's start: waits for an asynchronous round in flight and admits it.
-    pub fn drain(&self, store: &Arc<ExpertStore>) -> Result<(), GpuError> {
+    pub(super) fn drain(&self, store: &Arc<ExpertStore>) -> Result<(), GpuError> {
         if let Some(cache) = &self.cache {
             self.dev.bind()?;
             cache.poll(store, &self.s, true)?;
         }
         Ok(())
     }
-}
 
-impl Backend for GpuModel {
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
-
-    fn new_kv(&self, m: &ModelRef<'_>, n_ctx: usize) -> KvCache {
-        // K/V live in VRAM; the host cache only tracks the length
-        KvCache::new(0, n_ctx, m.cfg.n_head_kv * m.cfg.head_dim)
-    }
-
-    fn forward(
-        &self,
-        m: &ModelRef<'_>,
-        tokens: &[u32],
-        kv: &mut KvCache,
-        which: Logits,
-        s: &mut Scratch,
-        body: &mut Body<'_>,
-    ) -> Result<Vec<f32>, BackendError> {
-        // the host `kv` only tracks the length (K/V live in VRAM); chunks longer than the scratch are split
+    /// Waits for the stage's stream (and binds its card).
+    pub(super) fn sync(&self) -> Result<(), GpuError> {
         self.dev.bind()?;
-        assert!(kv.len + tokens.len() <= self.n_ctx.min(kv.n_ctx), "KV cache overflow");
-        let mut out = Vec::new();
-        let n = tokens.len();
-        let mut i = 0;
-        while i < n {
-            let end = (i + self.max_t).min(n);
-            let last = end == n;
-            let w = match which {
-                Logits::All => Some(Logits::All),
-                Logits::Last if last => Some(Logits::Last),
-                _ => None,
-            };
-            out.extend(self.chunk(m, &tokens[i..end], kv.len, w, s, body)?);
-            kv.len += end - i;
-            i = end;
-        }
-        Ok(out)
+        self.s.sync()
     }
 
-    fn end_window(&self, store: &Arc<ExpertStore>, plan: Vec<crate::tiers::policy::Swap>) -> Result<(), BackendError> {
-        Ok(self.adapt(store, plan)?)
+    /// Tokens per pass at most (the scratch's size).
+    pub(super) fn max_t(&self) -> usize {
+        self.max_t
     }
 
-    fn drain(&self, store: &Arc<ExpertStore>) -> Result<(), BackendError> {
-        Ok(GpuModel::drain(self, store)?)
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
+    /// Positions of the KV cache.
+    pub(super) fn n_ctx(&self) -> usize {
+        self.n_ctx
     }
 }
 

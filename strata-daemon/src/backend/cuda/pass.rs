@@ -4,16 +4,16 @@
 //! left pending and done by the next RMSNorm (the next block's, or the output norm), one launch less per
 //! layer. In a hybrid decode token each MoE block's [`Ops::segment`] (norm, attention, FFN norm, router, top-k
 //! and the routing's copy to the host) is recorded once per (layer, attention size class) as a CUDA graph and
-//! replayed; [`super::model::GpuModel`] records a whole decode token the same way when no layer needs the host.
+//! replayed; [`super::model::Stage`] records a whole decode token the same way when no layer needs the host.
 
-use super::model::{GFfn, GpuModel, Host};
+use super::model::{GFfn, Host, Stage};
 use super::ops::{Combine, Ops as Launch};
 use super::GpuError;
 use crate::backend::{BackendError, ModelRef, Norm, Ops, Scratch};
 
 /// The state of one chunk's pass.
 pub(super) struct GpuPass<'p, 'm> {
-    g: &'p GpuModel,
+    g: &'p Stage,
     m: &'p ModelRef<'m>,
     s: &'p mut Scratch,
     host: &'p mut Host,
@@ -40,7 +40,7 @@ impl<'p, 'm> GpuPass<'p, 'm> {
     /// A pass of `t` tokens at `pos0` with attention sized for `cap` positions (see the fields).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        g: &'p GpuModel,
+        g: &'p Stage,
         m: &'p ModelRef<'m>,
         s: &'p mut Scratch,
         host: &'p mut Host,
@@ -77,7 +77,7 @@ impl Ops for GpuPass<'_, '_> {
         layer: usize,
         ops: &mut dyn FnMut(&mut dyn Ops) -> Result<(), BackendError>,
     ) -> Result<(), BackendError> {
-        if !(self.segments && matches!(self.g.layers[layer].ffn, GFfn::Moe { .. })) {
+        if !(self.segments && matches!(self.g.layer(layer).ffn, GFfn::Moe { .. })) {
             return ops(self);
         }
         let g = self.g;
@@ -106,8 +106,8 @@ impl Ops for GpuPass<'_, '_> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let (b, e) = (&g.b, c.n_embd);
         let w = match which {
-            Norm::Attn(l) => g.layers[l].attn_norm.ptr,
-            Norm::Ffn(l) => g.layers[l].ffn_norm.ptr,
+            Norm::Attn(l) => g.layer(l).attn_norm.ptr,
+            Norm::Ffn(l) => g.layer(l).ffn_norm.ptr,
         };
         let pend = self.pend.take();
         Ok(self.launch().rms_norm_q8(b.x.ptr, w, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, pend)?)
@@ -115,7 +115,7 @@ impl Ops for GpuPass<'_, '_> {
 
     fn qkv(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
-        let (b, gl) = (&g.b, &g.layers[l]);
+        let (b, gl) = (&g.b, &g.layer(l));
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
         let (qd, kvd) = (nh * hd, nkv * hd);
         let k = self.launch();
@@ -131,7 +131,7 @@ impl Ops for GpuPass<'_, '_> {
     fn rope_store(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let b = &g.b;
-        let (kc, vc) = (g.kc[l].ptr, g.vc[l].ptr);
+        let (kc, vc) = (g.kc[l - g.l0].ptr, g.vc[l - g.l0].ptr);
         let neox = c.spec.def.rope == crate::arch::RopeKind::Neox;
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
         Ok(self.launch().rope_store(b.qkv.ptr, b.cs.at(8), nh, nkv, hd, c.n_rot, b.cs.ptr, t, b.q.ptr, kc, vc, neox)?)
@@ -140,7 +140,7 @@ impl Ops for GpuPass<'_, '_> {
     fn attention(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t, cap) = (self.g, self.m.cfg, self.t, self.cap);
         let b = &g.b;
-        let (kc, vc) = (g.kc[l].ptr, g.vc[l].ptr);
+        let (kc, vc) = (g.kc[l - g.l0].ptr, g.vc[l - g.l0].ptr);
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
         Ok(self.launch().attention(b.q.ptr, kc, vc, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr)?)
     }
@@ -148,13 +148,13 @@ impl Ops for GpuPass<'_, '_> {
     fn attn_output(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
         let b = &g.b;
-        Ok(self.launch().mmv(&[&g.layers[l].o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?)
+        Ok(self.launch().mmv(&[&g.layer(l).o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?)
     }
 
     fn ffn(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
         let b = &g.b;
-        let GFfn::Dense { gate, up, down } = &g.layers[l].ffn else { unreachable!("ffn() on an MoE block") };
+        let GFfn::Dense { gate, up, down } = &g.layer(l).ffn else { unreachable!("ffn() on an MoE block") };
         let ff = gate.rows;
         let k = self.launch();
         k.mmv(&[gate, up], b.xq.ptr, b.xn.ptr, t, b.gu.ptr, 2 * ff, false)?;
@@ -166,7 +166,7 @@ impl Ops for GpuPass<'_, '_> {
     fn route(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let b = &g.b;
-        let GFfn::Moe { router, .. } = &g.layers[l].ffn else { unreachable!("route() on a dense block") };
+        let GFfn::Moe { router, .. } = &g.layer(l).ffn else { unreachable!("route() on a dense block") };
         let (kk, ne, e) = (c.n_expert_used, c.n_expert, c.n_embd);
         let n_pairs = t * kk;
         if self.fast {
@@ -187,13 +187,13 @@ impl Ops for GpuPass<'_, '_> {
 
     fn shared_expert(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
-        Ok(g.shared_expert(&self.launch(), &g.layers[l], t, e)?)
+        Ok(g.shared_expert(&self.launch(), &g.layer(l), t, e)?)
     }
 
     fn experts(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let b = &g.b;
-        let GFfn::Moe { gate_ty, down_ty, down_off, .. } = g.layers[l].ffn else {
+        let GFfn::Moe { gate_ty, down_ty, down_off, .. } = g.layer(l).ffn else {
             unreachable!("experts() on a dense block")
         };
         let (kk, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
@@ -215,5 +215,14 @@ impl Ops for GpuPass<'_, '_> {
         let (g, c) = (self.g, self.m.cfg);
         let pend = self.pend.take();
         Ok(g.enqueue_output(c, (row0, rows), pend)?)
+    }
+
+    fn layers(&self, _n_layer: usize) -> std::ops::Range<usize> {
+        self.g.layer_range()
+    }
+
+    fn hand_off(&mut self) -> Result<(), BackendError> {
+        let pend = self.pend.take();
+        Ok(self.g.enqueue_hand_off(self.m.cfg, self.t, pend)?)
     }
 }

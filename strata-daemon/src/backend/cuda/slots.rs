@@ -193,15 +193,16 @@ impl SlotCache {
         Ok(())
     }
 
-    /// Fills the cache hottest-first (profile order) at start: each expert's bytes from the RAM copy, else the
-    /// file. Returns how many experts it placed. Reads slot 0 back and compares it byte for byte.
-    pub fn fill(&self, store: &ExpertStore, s: &Stream) -> Result<usize, GpuError> {
-        store.init_slots(self.n_slots);
+    /// Fills the cache hottest-first (profile order) at start with experts of `layers` (every layer without a
+    /// split; the store's slots of this stage were just initialised, [`ExpertStore::init_slot_stages`]): each
+    /// expert's bytes from the RAM copy, else the file. Returns how many experts it placed. Reads slot 0 back and
+    /// compares it byte for byte.
+    pub fn fill(&self, store: &ExpertStore, s: &Stream, layers: std::ops::Range<usize>) -> Result<usize, GpuError> {
         let order = store.placement_order();
         let mut placed = 0;
         let mut first: Option<Vec<u8>> = None;
-        for &(l, e) in order.iter().take(self.n_slots) {
-            let slot = store.reserve_slot().expect("free slot");
+        for &(l, e) in order.iter().filter(|(l, _)| layers.contains(l)).take(self.n_slots) {
+            let slot = store.reserve_slot(l).expect("free slot");
             let bytes = blob_of(store, l, e)?;
             s.htod_sync(self.slot_addr(slot), &bytes)?;
             if first.is_none() {
@@ -225,13 +226,18 @@ impl SlotCache {
     /// Reads every occupied slot back and compares it with its expert's file bytes (the store's residency says
     /// which expert each slot holds). Returns one line per slot that differs. Reads the whole cache: a check for
     /// tests and benchmarks (no round may be in flight; `s` is idle after it).
-    pub fn verify(&self, store: &ExpertStore, s: &Stream) -> Result<Vec<String>, GpuError> {
+    pub fn verify(
+        &self,
+        store: &ExpertStore,
+        s: &Stream,
+        layers: std::ops::Range<usize>,
+    ) -> Result<Vec<String>, GpuError> {
         let mut faults = Vec::new();
         let mut back = vec![0u8; self.blob_bytes];
-        for (l, e, slot) in store.slotted() {
+        for (l, e, slot) in store.slotted().into_iter().filter(|(l, _, _)| layers.contains(l)) {
             s.dtoh_sync(&mut back, self.slot_addr(slot))?;
             if back != store.file_blob(l, e) {
-                faults.push(format!("VRAM slot {slot} does not hold expert ({l}, {e})"));
+                faults.push(format!("VRAM slot {slot} of stage {} does not hold expert ({l}, {e})", store.stage_of(l)));
             }
         }
         Ok(faults)
@@ -448,7 +454,7 @@ impl SlotCache {
         for sw in &plan {
             let slot = match sw.outgoing {
                 Some(o) => store.evict_slot(sw.layer, o),
-                None => store.reserve_slot(),
+                None => store.reserve_slot(sw.layer),
             };
             if let Some(slot) = slot {
                 moves.push(Move { layer: sw.layer, incoming: sw.incoming, slot });
@@ -516,7 +522,7 @@ impl SlotCache {
             return;
         }
         for m in moves {
-            store.release_slot(m.slot);
+            store.release_slot(m.layer, m.slot);
         }
         tracing::warn!(
             "adaptive round failed: {} slots returned empty; their experts are computed on the CPU",

@@ -1,0 +1,458 @@
+//! The CUDA backend's model: one [`Stage`] per card of a layer split (`--layer-split`, `--split-device`; one stage
+//! over every layer without a split). Each stage holds the dense weights, KV cache, scratch and VRAM expert cache
+//! of its own layers on its own streams; a chunk runs through the stages in order, each handing its hidden state
+//! `x` (`t × n_embd` f32) to the next through page-locked host memory (no peer-to-peer access needed), the last
+//! stage computing the logits. Two stages may share a card (`--split-device 0,0`): the bit-exact A/B of a split.
+//!
+//! The expert store's slot records are per stage ([`ExpertStore::init_slot_stages`]); an adaptive round's swaps
+//! go to the stage owning each swap's layer, whose cache copies on its own card ([`ExpertStore::plan_by_stage`]).
+//! The resident mode's RAM copy leaves out every stage's cached experts and is registered once, for every card.
+
+use std::sync::Arc;
+
+use super::driver::Device;
+use super::model::{Stage, StageIn, EXCHANGE_PLACES};
+use super::ops::MAX_NT;
+use super::GpuConfig;
+use super::GpuError;
+use crate::backend::{Backend, BackendError, Body, KvCache, Logits, ModelRef, Scratch};
+use crate::tiers::split::{share_slots, stage_ranges};
+use crate::tiers::store::ExpertStore;
+use crate::tiers::vram::{auto_slots, slot_bytes, CacheSize};
+
+/// A model on one GPU or a pipeline of GPU stages.
+pub struct GpuModel {
+    stages: Vec<Stage>,
+}
+
+/// What one stage holds (logs, residency, benchmarks).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageInfo {
+    /// Its layers.
+    pub layers: std::ops::Range<usize>,
+    /// CUDA device ordinal.
+    pub device: usize,
+    /// Expert slots of its VRAM cache (0 without one).
+    pub slots: usize,
+}
+
+impl Drop for GpuModel {
+    fn drop(&mut self) {
+        // every stage's stream idle and its cache's copies done before the first stage unregisters the RAM copy
+        for st in &self.stages {
+            let _ = st.sync();
+        }
+        for st in &mut self.stages {
+            let _ = st.device().bind();
+            st.cache = None;
+        }
+    }
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+impl GpuModel {
+    /// Loads `model` as stages starting at layers `starts` (`[0]`: one stage) on `devices` (one per stage): each
+    /// stage's dense weights, KV cache and scratch, then (MoE models with a store) every stage's VRAM expert
+    /// cache, sized from its card's free VRAM (stages sharing a card share it by their experts; the first stage
+    /// keeps `cfg.reserve` of its share free, each later one `cfg.reserve_later`) and filled
+    /// hottest-first from its own layers; then the resident mode's RAM copy. Errors: a tensor format without
+    /// kernels, out of VRAM, driver/NVRTC failures.
+    pub fn load(
+        model: &ModelRef<'_>,
+        devices: &[Arc<Device>],
+        cfg: &GpuConfig,
+        starts: &[usize],
+    ) -> Result<GpuModel, GpuError> {
+        assert_eq!(devices.len(), starts.len(), "one device per stage");
+        let ranges = stage_ranges(starts, model.cfg.n_layer);
+        let mut stages = Vec::with_capacity(ranges.len());
+        for (i, r) in ranges.iter().enumerate() {
+            stages.push(Stage::load(model, devices[i].clone(), cfg, r.clone(), i + 1 == ranges.len())?);
+        }
+        let mut g = GpuModel { stages };
+        if let Some(store) = &model.experts {
+            g.make_caches(model, store, cfg, starts)?;
+        }
+        Ok(g)
+    }
+
+    fn make_caches(
+        &mut self,
+        model: &ModelRef<'_>,
+        store: &Arc<ExpertStore>,
+        cfg: &GpuConfig,
+        starts: &[usize],
+    ) -> Result<(), GpuError> {
+        let lay = store.layout();
+        let blob = lay.layers.iter().map(|l| l.blob_bytes()).max().unwrap_or(0);
+        if lay.layers.iter().any(|l| l.blob_bytes() != blob) {
+            return Err(GpuError::Unsupported("layers with different blob sizes".into()));
+        }
+        let sb = slot_bytes(blob);
+        let ne = lay.n_expert;
+        let entries = lay.n_layer() * ne;
+        let n_staging = (model.cfg.n_expert_used * MAX_NT).min(ne);
+        let staging_bytes = (n_staging * sb) as u64;
+        let n = self.stages.len();
+        let experts: Vec<usize> = self.stages.iter().map(|s| s.layer_range().len() * ne).collect();
+        let ordinals: Vec<usize> = self.stages.iter().map(|s| s.device().ordinal).collect();
+        // the first stage keeps --vram-reserve-mib free, every later one --vram-reserve-later-mib (per stage, so
+        // that two stages on one card — the A/B of a split — show the flag's effect as two cards would)
+        let reserve_of = |i: usize| if i == 0 { cfg.reserve } else { cfg.reserve_later };
+        // an explicit size is shared among the stages by their experts, then each card's share clamped to it;
+        // `auto`: stage i of a card takes its experts' share of (free − its reserve), so a later stage's reserve
+        // shrinks only that stage's cache even when the stages share a card
+        let asked = match cfg.cache {
+            CacheSize::Slots(k) => share_slots(k.min(entries), &experts),
+            CacheSize::Auto => experts.clone(),
+        };
+        let mut want = vec![0usize; n];
+        let mut seen = Vec::new();
+        for i in 0..n {
+            let ord = ordinals[i];
+            if seen.contains(&ord) {
+                continue;
+            }
+            seen.push(ord);
+            let on: Vec<usize> = (0..n).filter(|&j| ordinals[j] == ord).collect();
+            let (free, _) = self.stages[i].device().mem_info()?;
+            let room = (free as u64).saturating_sub(staging_bytes * on.len() as u64);
+            let weight: usize = on.iter().map(|&j| experts[j]).sum();
+            match cfg.cache {
+                CacheSize::Auto => {
+                    for &j in &on {
+                        let share = (room.saturating_sub(reserve_of(j)) as u128 * experts[j] as u128
+                            / weight.max(1) as u128) as u64;
+                        want[j] = auto_slots(share, 0, sb as u64, experts[j]);
+                    }
+                }
+                CacheSize::Slots(k) => {
+                    let fit = (room.saturating_sub(64 << 20) / sb as u64) as usize;
+                    let asked_here: Vec<usize> = on.iter().map(|&j| asked[j]).collect();
+                    let sum: usize = asked_here.iter().sum();
+                    if sum > fit {
+                        let what = if n == 1 { k.to_string() } else { format!("{sum} (this card's share)") };
+                        tracing::warn!("--expert-cache {what}: only {fit} slots fit in free VRAM; using {fit}");
+                    }
+                    for (&j, v) in on.iter().zip(share_slots(fit.min(sum), &asked_here)) {
+                        want[j] = v;
+                    }
+                }
+            }
+        }
+        let mut caches = Vec::with_capacity(n);
+        for (i, st) in self.stages.iter().enumerate() {
+            // `auto`: give slots back while less than the card's smallest reserve stays free (allocation overhead)
+            let floor = (0..n).filter(|&j| ordinals[j] == ordinals[i]).map(reserve_of).min();
+            let reserve = floor.filter(|_| cfg.cache == CacheSize::Auto);
+            caches.push(st.alloc_cache((want[i], n_staging, sb, blob, entries), reserve)?);
+        }
+        let counts: Vec<usize> = caches.iter().map(|c| c.n_slots).collect();
+        store.init_slot_stages(starts, &counts).map_err(|e| GpuError::Unsupported(e.to_string()))?;
+        let mut placed = Vec::with_capacity(n);
+        for (st, cache) in self.stages.iter().zip(&caches) {
+            st.device().bind()?;
+            placed.push(cache.fill(store, &st.s, st.layer_range())?);
+        }
+        // the resident mode's RAM copy: the experts no stage's cache took, and the exchange places of its swaps
+        store.build_ram_copy(EXCHANGE_PLACES).map_err(|e| GpuError::Unsupported(e.to_string()))?;
+        let pinned = self.stages[0].register_arena(store);
+        for (st, mut cache) in self.stages.iter_mut().zip(caches) {
+            cache.async_ok = pinned;
+            st.cache = Some(cache);
+        }
+        let copy = if pinned { "page-locked" } else { "pageable" };
+        for (i, st) in self.stages.iter().enumerate() {
+            let (free_now, _) = st.device().mem_info()?;
+            let (p, total) = (placed[i], experts[i]);
+            let what = if n == 1 {
+                format!("expert cache: {p} slots")
+            } else {
+                let r = st.layer_range();
+                format!(
+                    "stage {i} (layers {}..{}, CUDA {}): expert cache {p} slots",
+                    r.start,
+                    r.end,
+                    st.device().ordinal
+                )
+            };
+            tracing::info!(
+                "{what} of {:.2} MiB ({:.2} GiB, {:.1}% of {total} experts) + {n_staging} staging slots; \
+                 {:.0} MiB of VRAM free (reserve {:.0} MiB); RAM copy {copy}",
+                mib(sb as u64),
+                (p * sb) as f64 / (1u64 << 30) as f64,
+                100.0 * p as f64 / total.max(1) as f64,
+                mib(free_now as u64),
+                mib(reserve_of(i)),
+            );
+            if (free_now as u64) < 256 << 20 {
+                let flag = if i == 0 { "--vram-reserve-mib" } else { "--vram-reserve-later-mib" };
+                tracing::warn!(
+                    "VRAM LOW: {:.0} MiB free on CUDA {}; raise {flag}",
+                    mib(free_now as u64),
+                    st.device().ordinal
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The stages: layers, card and expert slots of each.
+    pub fn stages(&self) -> Vec<StageInfo> {
+        self.stages
+            .iter()
+            .map(|s| StageInfo {
+                layers: s.layer_range(),
+                device: s.device().ordinal,
+                slots: s.cache.as_ref().map_or(0, |c| c.n_slots),
+            })
+            .collect()
+    }
+
+    /// Expert slots of every stage's VRAM cache together (0 without one).
+    pub fn slots(&self) -> usize {
+        self.stages.iter().filter_map(|s| s.cache.as_ref()).map(|c| c.n_slots).sum()
+    }
+
+    /// Whether the model has a VRAM expert cache.
+    pub fn has_cache(&self) -> bool {
+        self.stages.iter().any(|s| s.cache.is_some())
+    }
+
+    /// Replaces the VRAM expert cache with one of `size` (benchmarks; the store's usage is kept). Errors: the
+    /// driver's, or a layer split (whose caches are sized at load).
+    pub fn rebuild_cache(&mut self, store: &Arc<ExpertStore>, size: CacheSize) -> Result<(), GpuError> {
+        match self.stages.as_mut_slice() {
+            [one] => one.rebuild_cache(store, size),
+            _ => Err(GpuError::Unsupported("the VRAM caches of a layer split are sized at load".into())),
+        }
+    }
+
+    /// Bytes of the dense weights in VRAM over every stage (read once per token).
+    pub fn dense_bytes(&self) -> usize {
+        self.stages.iter().map(|s| s.dense_bytes()).sum()
+    }
+
+    /// The first stage's device.
+    pub fn device(&self) -> &Arc<Device> {
+        self.stages[0].device()
+    }
+
+    /// Between decode windows: carries out an adaptive round's swaps, each in the cache of the stage owning its
+    /// layer (blocking, or started asynchronously), and admits landed asynchronous rounds. `plan` comes from
+    /// `ExpertStore::end_decode_window`.
+    pub fn adapt(&self, store: &Arc<ExpertStore>, plan: Vec<crate::tiers::policy::Swap>) -> Result<(), GpuError> {
+        if let [one] = self.stages.as_slice() {
+            return one.adapt(store, plan);
+        }
+        for (st, part) in self.stages.iter().zip(store.plan_by_stage(plan)) {
+            st.adapt(store, part)?;
+        }
+        Ok(())
+    }
+
+    /// The PCIe share that `pcie_auto` has settled on so far on the first stage (`None` before a split layer ran
+    /// with it on).
+    pub fn pcie_share(&self) -> Option<f32> {
+        self.stages[0].pcie_share()
+    }
+
+    /// Checks the tiers' bytes against the file after draining any round: every VRAM slot of every stage and
+    /// every RAM place holds the expert the residency says, and (resident mode) no expert is in both. One line
+    /// per fault.
+    pub fn verify_tiers(&self, store: &Arc<ExpertStore>) -> Result<Vec<String>, GpuError> {
+        let mut f = Vec::new();
+        for st in &self.stages {
+            f.extend(st.verify_slots(store)?);
+        }
+        let mut all = store.verify_ram_copy();
+        all.extend(f);
+        Ok(all)
+    }
+
+    /// At a request's start: waits for every stage's asynchronous round in flight and admits it.
+    pub fn drain(&self, store: &Arc<ExpertStore>) -> Result<(), GpuError> {
+        for st in &self.stages {
+            st.drain(store)?;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for GpuModel {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn new_kv(&self, m: &ModelRef<'_>, n_ctx: usize) -> KvCache {
+        // K/V live in VRAM; the host cache only tracks the length
+        KvCache::new(0, n_ctx, m.cfg.n_head_kv * m.cfg.head_dim)
+    }
+
+    fn forward(
+        &self,
+        m: &ModelRef<'_>,
+        tokens: &[u32],
+        kv: &mut KvCache,
+        which: Logits,
+        s: &mut Scratch,
+        body: &mut Body<'_>,
+    ) -> Result<Vec<f32>, BackendError> {
+        // the host `kv` only tracks the length (K/V live in VRAM); chunks longer than the scratch are split
+        let first = &self.stages[0];
+        assert!(kv.len + tokens.len() <= first.n_ctx().min(kv.n_ctx), "KV cache overflow");
+        let mut out = Vec::new();
+        let n = tokens.len();
+        let mut i = 0;
+        while i < n {
+            let end = (i + first.max_t()).min(n);
+            let last = end == n;
+            let w = match which {
+                Logits::All => Some(Logits::All),
+                Logits::Last if last => Some(Logits::Last),
+                _ => None,
+            };
+            let mut h = first.chunk(m, StageIn::Tokens(&tokens[i..end]), kv.len, w, s, body)?;
+            for st in &self.stages[1..] {
+                h = st.chunk(m, StageIn::Hidden(&h), kv.len, w, s, body)?;
+            }
+            out.extend(h);
+            kv.len += end - i;
+            i = end;
+        }
+        Ok(out)
+    }
+
+    fn end_window(&self, store: &Arc<ExpertStore>, plan: Vec<crate::tiers::policy::Swap>) -> Result<(), BackendError> {
+        Ok(self.adapt(store, plan)?)
+    }
+
+    fn drain(&self, store: &Arc<ExpertStore>) -> Result<(), BackendError> {
+        Ok(GpuModel::drain(self, store)?)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// VRAM a stage needs beside its layers' weights and KV cache (scratch, kernels, streams), as the auto split
+/// counts it; REFERENCE.md §6 adds 96 MiB of window buffers on later stages.
+const STAGE_FIXED: u64 = 256 << 20;
+const LATER_STAGE_FIXED: u64 = 96 << 20;
+
+/// The stages of `o`'s layer split: the first layer of each and its (opened) device — one stage on the probed
+/// device without a split; `--split-device` without `--layer-split` splits `auto` over the devices named.
+/// Errors (fatal at start, one line): split points outside `1..n_layer−1`, unsorted or repeated; more stages than
+/// devices named (or fewer); a device ordinal that does not exist; no split whose dense weights fit.
+pub fn plan_stages(
+    m: &ModelRef<'_>,
+    o: &crate::backend::GpuOptions,
+    probe: &super::Probe,
+    cfg: &GpuConfig,
+) -> Result<(Vec<usize>, Vec<Arc<Device>>), String> {
+    use crate::tiers::split::{auto_split, check_points, layer_ms, stage_devices, LayerSplit, SplitModel};
+    use crate::tiers::split::{StageBudget, MISS_MS};
+    let n_layer = m.cfg.n_layer;
+    let split = match (&o.layer_split, o.split_devices.is_empty()) {
+        (None, true) => return Ok((vec![0], vec![probe.device.clone()])),
+        (None, false) => LayerSplit::Auto,
+        (Some(s), _) => s.clone(),
+    };
+    let (starts, ordinals) = match split {
+        LayerSplit::At(points) => {
+            let starts = check_points(&points, n_layer).map_err(|e| e.to_string())?;
+            let ords = stage_devices(starts.len(), &o.split_devices, probe.visible).map_err(|e| e.to_string())?;
+            (Some(starts), ords)
+        }
+        LayerSplit::Auto => {
+            let n = if o.split_devices.is_empty() { probe.visible } else { o.split_devices.len() };
+            let ords = stage_devices(n, &o.split_devices, probe.visible).map_err(|e| e.to_string())?;
+            (None, ords)
+        }
+    };
+    let mut devs: Vec<Arc<Device>> = Vec::with_capacity(ordinals.len());
+    for &ord in &ordinals {
+        let d = match devs.iter().find(|d| d.ordinal == ord) {
+            Some(d) => d.clone(),
+            None if ord == probe.device.ordinal => probe.device.clone(),
+            None => Device::open(ord).map_err(|e| format!("opening CUDA device {ord}: {e}"))?,
+        };
+        devs.push(d);
+    }
+    if let Some(starts) = starts {
+        return Ok((starts, devs));
+    }
+    if devs.len() == 1 {
+        tracing::info!("--layer-split auto: one device, no split");
+        return Ok((vec![0], devs));
+    }
+    // auto (REFERENCE.md §6): every layer's dense weights and KV, the experts hottest first, each card's room
+    let c = m.cfg;
+    let kv = 2 * o.n_ctx as u64 * (c.n_head_kv * c.head_dim) as u64 * 2;
+    let layer_bytes: Vec<u64> = m
+        .weights
+        .blocks
+        .iter()
+        .map(|b| {
+            let mut n = (b.q.bytes() + b.k.bytes() + b.v.bytes() + b.o.bytes()) as u64;
+            n += match &b.ffn {
+                crate::arch::weights::Ffn::Dense { gate, up, down } => {
+                    (gate.bytes() + up.bytes() + down.bytes()) as u64
+                }
+                crate::arch::weights::Ffn::Moe(ex) => {
+                    let sh = ex.shared.as_ref().map_or(0, |s| s.gate.bytes() + s.up.bytes() + s.down.bytes());
+                    (ex.router.bytes() + sh) as u64
+                }
+            };
+            n + kv
+        })
+        .collect();
+    let (sb, hot) = match m.experts {
+        Some(st) => {
+            let blob = st.layout().layers.iter().map(|l| l.blob_bytes()).max().unwrap_or(0);
+            (slot_bytes(blob) as u64, st.placement_order())
+        }
+        None => (0, Vec::new()),
+    };
+    let n_staging = (c.n_expert_used * MAX_NT).min(c.n_expert) as u64;
+    let head = m.weights.output.bytes() as u64;
+    let mut budgets = Vec::with_capacity(devs.len());
+    for (i, d) in devs.iter().enumerate() {
+        let (free, _) = d.mem_info().map_err(|e| e.to_string())?;
+        let sharing = ordinals.iter().filter(|&&x| x == d.ordinal).count() as u64;
+        let reserve = if i == 0 { cfg.reserve } else { cfg.reserve_later };
+        let mut fixed = STAGE_FIXED + n_staging * sb;
+        if i > 0 {
+            fixed += LATER_STAGE_FIXED;
+        }
+        if i + 1 == devs.len() {
+            fixed += head;
+        }
+        let capacity = ((free as u64) / sharing).saturating_sub(reserve / sharing + fixed);
+        budgets.push(StageBudget { capacity, layer_ms: layer_ms(d.sms as u32, d.clock_khz as f64 / 1e6) });
+    }
+    let miss_ms = std::env::var("STRATA_SPLIT_MISS_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(MISS_MS);
+    let model = SplitModel { layer_bytes: &layer_bytes, slot_bytes: sb, n_expert: c.n_expert, hot: &hot };
+    let a = auto_split(&model, &budgets, miss_ms)
+        .ok_or_else(|| format!("--layer-split auto: {} stages for {n_layer} layers", devs.len()))?;
+    if !a.predicted_ms.is_finite() {
+        return Err("--layer-split auto: no split fits every stage's dense weights and KV cache on its card".into());
+    }
+    tracing::info!(
+        "--layer-split auto: stages start at layers {:?} on CUDA {:?} (predicted {:.1} ms per token; expert slots \
+         {:?})",
+        a.starts,
+        ordinals,
+        a.predicted_ms,
+        a.slots
+    );
+    Ok((a.starts, devs))
+}
