@@ -956,6 +956,44 @@ extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_
     for (int j = j0; j < kvd; j += js) vc[j] = float_to_half(src[qd + kvd + j]);
 }
 
+// The maximum of `v` over the block (every thread gets it), through `red` (one float per warp, shared); ends with a
+// barrier, so `red` may be reused.
+__device__ __forceinline__ float block_max(float v, float* red) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+    v = warp_max(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = red[0];
+    for (int w = 1; w < nw; w++) v = fmaxf(v, red[w]);
+    __syncthreads();
+    return v;
+}
+
+// The attention score q · k of one position (unscaled): f16 keys `kr`, f32 query `qs` (shared); `vec`: 16-byte
+// key reads (hd % 8 == 0 and 16-byte aligned rows). The CPU path's order of rounded products and sums
+// (model/llama.rs dot_f32): eight partial sums, then a fixed tree.
+__device__ __forceinline__ float att_score(const float* qs, const u16* kr, int hd, bool vec) {
+    if (vec) {
+        float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+        for (int d = 0; d < hd; d += 8) {
+            const uint4 kv = *(const uint4*)(kr + d);
+            const u32 wds[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                a[2 * j] = __fadd_rn(a[2 * j], __fmul_rn(qs[d + 2 * j], half_to_float((u16)(wds[j] & 0xffff))));
+                a[2 * j + 1] =
+                    __fadd_rn(a[2 * j + 1], __fmul_rn(qs[d + 2 * j + 1], half_to_float((u16)(wds[j] >> 16))));
+            }
+        }
+        return __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(a[0], a[4]), __fadd_rn(a[1], a[5])), __fadd_rn(a[2], a[6])),
+                         __fadd_rn(a[3], a[7]));
+    }
+    float s = 0.f;
+    for (int d = 0; d < hd; d++) s = __fadd_rn(s, __fmul_rn(qs[d], half_to_float(kr[d])));
+    return s;
+}
+
 // Causal grouped-query attention of t query rows over the KV cache (f16), position of row i = pos0 + i.
 // q: t * n_head * hd (already f16-rounded); out: t * n_head * hd. Probabilities are rounded to f16 before the
 // product with V (as llama.cpp over an F16 cache). Grid: (n_head, t); block: 128 threads; dynamic shared
@@ -981,39 +1019,13 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
     const bool vec = hd % 8 == 0 && kvd % 8 == 0 && ((size_t)kcache & 15) == 0;
     float mx = -INFINITY;
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
-        const u16* kr = kcache + (size_t)p * kvd + kh * hd;
-        float s;
-        if (vec) {
-            // eight partial sums of rounded products, summed as the CPU path does (model/llama.rs dot_f32)
-            float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-            for (int d = 0; d < hd; d += 8) {
-                const uint4 kv = *(const uint4*)(kr + d);
-                const u32 wds[4] = {kv.x, kv.y, kv.z, kv.w};
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    a[2 * j] = __fadd_rn(a[2 * j], __fmul_rn(qs[d + 2 * j], half_to_float((u16)(wds[j] & 0xffff))));
-                    a[2 * j + 1] =
-                        __fadd_rn(a[2 * j + 1], __fmul_rn(qs[d + 2 * j + 1], half_to_float((u16)(wds[j] >> 16))));
-                }
-            }
-            s = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(a[0], a[4]), __fadd_rn(a[1], a[5])), __fadd_rn(a[2], a[6])),
-                          __fadd_rn(a[3], a[7]));
-        } else {
-            s = 0.f;
-            for (int d = 0; d < hd; d++) s = __fadd_rn(s, __fmul_rn(qs[d], half_to_float(kr[d])));
-        }
+        float s = att_score(qs, kcache + (size_t)p * kvd + kh * hd, hd, vec);
         s = __fmul_rn(s, scale);
         sc[p] = s;
         mx = fmaxf(mx, s);
     }
     __shared__ float red[32];
-    mx = warp_max(mx);
-    if (lane == 0) red[warp] = mx;
-    __syncthreads();
-    mx = red[0];
-    for (int w = 1; w < nw; w++) mx = fmaxf(mx, red[w]);
-    __syncthreads();
+    mx = block_max(mx, red);
     float sum = 0.f;
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
         float e = expf(sc[p] - mx);
@@ -1037,6 +1049,103 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
             const u16* vp = vcache + kh * hd + d;
 #pragma unroll 4
             for (int p = 0; p < n; p++) acc = __fadd_rn(acc, __fmul_rn(sc[p], half_to_float(vp[(size_t)p * kvd])));
+            o[d] = acc;
+        }
+        if (outq && d - lane < hd) quantize_block_warp(acc, outq + ((size_t)i * n_head + h) * (hd / 32) + d / 32, lane);
+    }
+}
+
+// Split-K attention of a few query rows over a long KV cache (decode windows, `cap` > ATT_SPLIT_MIN positions).
+// Block (h, i, z) takes positions [z * ATT_CHUNK, min((z + 1) * ATT_CHUNK, n)) of row i (n = pos0 + i + 1, the
+// causal length) and writes its partial softmax — the chunk's max score m, l = Σ exp(s − m) and Σ exp(s − m) · V
+// (hd values) — at part + ((i * n_head + h) * gridDim.z + z) * (hd + 2); a chunk past n writes l = 0.
+// attention_combine merges a row's chunks. Scores are computed as in `attention` (same products and order); the
+// probabilities are not rounded to f16 before the product with V (the merge rescales them), so the result
+// differs from `attention` by rounding only. Grid: (n_head, t, ceil(cap / ATT_CHUNK)); block: 128 threads;
+// hd <= 256.
+#define ATT_CHUNK 256
+extern "C" __global__ void attention_split(const float* q, const u16* kcache, const u16* vcache, int n_head,
+                                           int n_head_kv, int hd, const int* pos, float scale, float* part) {
+    pdl_entry();
+    __shared__ float qs[256];
+    __shared__ float sc[ATT_CHUNK];
+    __shared__ float red[32];
+    const int pos0 = *pos;
+    const int h = blockIdx.x, i = blockIdx.y, z = blockIdx.z;
+    const int n = pos0 + i + 1;
+    const int p0 = z * ATT_CHUNK, p1 = min(p0 + ATT_CHUNK, n);
+    float* pr = part + (((size_t)i * n_head + h) * gridDim.z + z) * (hd + 2);
+    if (p0 >= n) {
+        if (threadIdx.x == 0) {
+            pr[0] = -INFINITY;
+            pr[1] = 0.f;
+        }
+        return;
+    }
+    const int kvd = n_head_kv * hd;
+    const int kh = h / (n_head / n_head_kv);
+    const float* qv = q + ((size_t)i * n_head + h) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qv[d];
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+    const bool vec = hd % 8 == 0 && kvd % 8 == 0 && ((size_t)kcache & 15) == 0;
+    float mx = -INFINITY;
+    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+        const float s = __fmul_rn(att_score(qs, kcache + (size_t)p * kvd + kh * hd, hd, vec), scale);
+        sc[p - p0] = s;
+        mx = fmaxf(mx, s);
+    }
+    mx = block_max(mx, red);
+    float sum = 0.f;
+    for (int p = threadIdx.x; p < p1 - p0; p += blockDim.x) {
+        const float e = expf(sc[p] - mx);
+        sc[p] = e;
+        sum += e;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float l = 0.f;
+        for (int w = 0; w < nw; w++) l += red[w];
+        pr[0] = mx;
+        pr[1] = l;
+    }
+    const u16* vp = vcache + (size_t)p0 * kvd + kh * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.f;
+#pragma unroll 4
+        for (int p = 0; p < p1 - p0; p++) acc = fmaf(sc[p], half_to_float(vp[(size_t)p * kvd + d]), acc);
+        pr[2 + d] = acc;
+    }
+}
+
+// Merges the chunks of attention_split: out = Σ_z exp(m_z − M) · acc_z / Σ_z exp(m_z − M) · l_z (M the largest
+// m_z of the chunks with l_z > 0), and its Q8 blocks when outq != null (hd % 32 == 0). Grid: (n_head, t); block:
+// 128 threads.
+extern "C" __global__ void attention_combine(const float* part, int n_head, int hd, int nz, float* out, Q8* outq) {
+    pdl_entry();
+    const int h = blockIdx.x, i = blockIdx.y, lane = threadIdx.x % 32;
+    const float* pr = part + ((size_t)i * n_head + h) * nz * (hd + 2);
+    float M = -INFINITY;
+    for (int z = 0; z < nz; z++)
+        if (pr[(size_t)z * (hd + 2) + 1] > 0.f) M = fmaxf(M, pr[(size_t)z * (hd + 2)]);
+    float L = 0.f;
+    for (int z = 0; z < nz; z++) {
+        const float l = pr[(size_t)z * (hd + 2) + 1];
+        if (l > 0.f) L += l * expf(pr[(size_t)z * (hd + 2)] - M);
+    }
+    const float inv = 1.0f / L;
+    float* o = out + ((size_t)i * n_head + h) * hd;
+    for (int d0 = 0; d0 < hd; d0 += blockDim.x) {
+        const int d = d0 + threadIdx.x;
+        float acc = 0.f;
+        if (d < hd) {
+            for (int z = 0; z < nz; z++) {
+                const float* c = pr + (size_t)z * (hd + 2);
+                if (c[1] > 0.f) acc = fmaf(expf(c[0] - M), c[2 + d], acc);
+            }
+            acc *= inv;
             o[d] = acc;
         }
         if (outq && d - lane < hd) quantize_block_warp(acc, outq + ((size_t)i * n_head + h) * (hd / 32) + d / 32, lane);

@@ -260,6 +260,37 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 /// flags and weights, plus a CPU sum): the device's kernel (the cluster one on sm_90+) against the CPU's
 /// arithmetic (combine in rank order, `rms_norm`, Q8). Returns the relative error of the normalized rows and
 /// of the written-back residual, and whether the Q8 bytes match.
+/// The split-K attention against the one-block kernel on random q and f16 K/V caches of `pos0 + t` positions:
+/// the relative error of the output rows.
+fn check_attention(
+    ops: &strata::backend::cuda::ops::Ops,
+    (nh, nkv, hd): (usize, usize, usize),
+    pos0: usize,
+    t: usize,
+    seed: &mut u64,
+) -> Result<f64> {
+    use strata::backend::cuda::driver::DevBuf;
+    let n = pos0 + t;
+    let mut r = |scale: f32| ((rng(seed) % 20001) as f32 / 10000.0 - 1.0) * scale;
+    // f16-rounded queries, as RoPE leaves them
+    let q: Vec<f32> = (0..t * nh * hd).map(|_| half::f16::from_f32(r(2.0)).to_f32()).collect();
+    let kc: Vec<u16> = (0..n * nkv * hd).map(|_| half::f16::from_f32(r(2.0)).to_bits()).collect();
+    let vc: Vec<u16> = (0..n * nkv * hd).map(|_| half::f16::from_f32(r(1.0)).to_bits()).collect();
+    let (dq, dk, dv) = (DevBuf::from_slice(&q)?, DevBuf::from_slice(&kc)?, DevBuf::from_slice(&vc)?);
+    let pos = DevBuf::from_slice(&[pos0 as i32, 0])?;
+    let out1 = DevBuf::from_slice(&vec![f32::NAN; t * nh * hd])?;
+    let out2 = DevBuf::from_slice(&vec![f32::NAN; t * nh * hd])?;
+    let oq = DevBuf::alloc(t * nh * hd.div_ceil(32) * 34 + 64)?;
+    let part = DevBuf::alloc(strata::backend::cuda::ops::split_part_floats(t, nh, hd, n) * 4)?;
+    ops.attention(dq.ptr, dk.ptr, dv.ptr, nh, nkv, hd, pos.ptr, n, t, out1.ptr, oq.ptr, None)?;
+    ops.attention(dq.ptr, dk.ptr, dv.ptr, nh, nkv, hd, pos.ptr, n, t, out2.ptr, oq.ptr, Some(part.ptr))?;
+    ops.s.sync()?;
+    let (mut a, mut b) = (vec![0f32; t * nh * hd], vec![0f32; t * nh * hd]);
+    out1.read_sync(0, &mut a)?;
+    out2.read_sync(0, &mut b)?;
+    Ok(rel_err(&b, &a))
+}
+
 fn check_norm(
     ops: &strata::backend::cuda::ops::Ops,
     n: usize,
@@ -473,6 +504,22 @@ pub fn check(a: CheckArgs) -> Result<()> {
         );
         kern.push(serde_json::json!({"kernel": "rms_norm_q8", "n": n, "k": k, "t": t, "rel_err_vs_cpu": ro,
             "residual_rel_err_vs_cpu": rx, "q8_bytes_match": qm}));
+    }
+    // 1a'. split-K attention over a long context against the one-block kernel (same scores; the one-block kernel
+    // rounds the probabilities to f16, the split one rescales in f32)
+    println!("{:<6} {:>6} {:>6} {:>6} {:>3} {:>12}", "attn", "heads", "hd", "pos0", "t", "rel_err_1blk");
+    for &(nh, nkv, hd, pos0, t) in &[
+        (32usize, 4usize, 128usize, 4095usize, 1usize),
+        (16, 16, 64, 3000, 3),
+        (8, 2, 128, 1100, 8),
+        (12, 4, 80, 2047, 2),
+        (32, 4, 128, 20000, 1),
+    ] {
+        let r = check_attention(&ops, (nh, nkv, hd), pos0, t, &mut seed)?;
+        worst = worst.max(r);
+        println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {r:>12.2e}", "split");
+        kern.push(serde_json::json!({"kernel": "attention_split", "n_head": nh, "n_head_kv": nkv, "hd": hd,
+            "pos0": pos0, "t": t, "rel_err_vs_one_block": r}));
     }
     // 1b. expert gate/up + down from a VRAM slot (staged and row-by-row shapes, one and several tokens)
     println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "expert", "e", "ff", "t", "rel_err_cpu");

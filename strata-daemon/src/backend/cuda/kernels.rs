@@ -152,6 +152,10 @@ pub struct Kernels {
     pub gated_add: Func,
     /// `attention`.
     pub attention: Func,
+    /// `attention_split` (split-K partials of a long context's few query rows).
+    pub attention_split: Func,
+    /// `attention_combine` (merges `attention_split`'s partials).
+    pub attention_combine: Func,
     /// `route_topk`.
     pub route_topk: Func,
     /// `swiglu`.
@@ -260,6 +264,8 @@ impl Kernels {
             rope_store: get("rope_store")?,
             gated_add: get("gated_add")?,
             attention: get("attention")?,
+            attention_split: get("attention_split")?,
+            attention_combine: get("attention_combine")?,
             route_topk: get("route_topk")?,
             swiglu: get("swiglu")?,
         };

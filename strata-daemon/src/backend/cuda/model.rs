@@ -100,6 +100,9 @@ pub(super) struct Bufs {
     pub(super) logits: DevBuf,
     /// Routed experts of every layer of a window (`n_layer × t × k`), read once after the window.
     pub(super) win_ids: DevBuf,
+    /// Split-K attention partials of a long context's decode rows (`None`: contexts of at most
+    /// [`super::ops::ATT_SPLIT_MIN`] positions, or `STRATA_ATTN_SPLIT=0`).
+    pub(super) attn_part: Option<DevBuf>,
 }
 
 /// Host scratch of the hybrid path.
@@ -439,6 +442,13 @@ impl Stage {
             sh: f4(if c.n_ff_shexp > 0 { t * e } else { 1 })?,
             logits: f4(if last { t * c.n_vocab } else { 1 })?,
             win_ids: f4(c.n_layer * t * kk)?,
+            attn_part: if cfg.n_ctx > super::ops::ATT_SPLIT_MIN
+                && std::env::var("STRATA_ATTN_SPLIT").map_or(true, |v| v != "0")
+            {
+                Some(f4(super::ops::split_part_floats(t, c.n_head, c.head_dim, cfg.n_ctx))?)
+            } else {
+                None
+            },
         };
         let s = Stream::new()?;
         let n_moe_layers = layers.iter().filter(|g| matches!(g.ffn, GFfn::Moe { .. })).count();

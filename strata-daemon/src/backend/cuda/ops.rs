@@ -90,6 +90,30 @@ impl Combine {
     }
 }
 
+/// The arguments both attention kernels start with: queries, K and V caches, head counts and size, the device
+/// address of pos0, the score scale.
+fn attention_args(q: u64, kc: u64, vc: u64, (nh, nkv, hd): (usize, usize, usize), pos: u64, scale: f32) -> Args {
+    Args::new().ptr(q).ptr(kc).ptr(vc).i32(nh as i32).i32(nkv as i32).i32(hd as i32).ptr(pos).f32(scale)
+}
+
+/// Positions per block of the split-K attention (`ATT_CHUNK` in strata.cu).
+pub const ATT_CHUNK: usize = 256;
+/// The split-K attention runs for attention size classes above this many positions (shorter contexts keep the
+/// bit-exact one-block kernel, so their output bytes are those of earlier builds).
+pub const ATT_SPLIT_MIN: usize = 1024;
+/// ... and for at most this many query rows (decode windows; a prefill chunk has enough blocks without it).
+pub const ATT_SPLIT_ROWS: usize = 8;
+
+/// Whether [`Ops::attention`] splits a pass of `t` rows in attention size class `cap` (head size `hd`).
+pub fn split_applies(cap: usize, t: usize, hd: usize) -> bool {
+    cap > ATT_SPLIT_MIN && t <= ATT_SPLIT_ROWS && hd <= 256
+}
+
+/// f32 values of the split-K scratch for `rows` query rows of `n_head` heads of size `hd` over `n_ctx` positions.
+pub fn split_part_floats(rows: usize, n_head: usize, hd: usize, n_ctx: usize) -> usize {
+    rows.min(ATT_SPLIT_ROWS) * n_head * n_ctx.div_ceil(ATT_CHUNK) * (hd + 2)
+}
+
 /// Kernel launches on one stream.
 pub struct Ops<'a> {
     /// The kernels.
@@ -249,9 +273,14 @@ impl Ops<'_> {
     }
 
     /// Causal attention of `t` rows at positions `pos0..` over the cache; `pos` is the device address of pos0,
-    /// `cap` ≥ pos0 + t the positions the shared memory is sized for. The output rows go to `out` (f32) and
-    /// to `outq` as Q8 blocks (written by the kernel when the head size is a multiple of 32, else by a separate
-    /// quantize launch).
+    /// `cap` ≥ pos0 + t the positions the shared memory is sized for (an attention size class: the same kernel
+    /// for every position of a class). The output rows go to `out` (f32) and to `outq` as Q8 blocks (written by
+    /// the kernel when the head size is a multiple of 32, else by a separate quantize launch).
+    ///
+    /// `split`: scratch for split-K partials (`t × n_head × ⌈cap / ATT_CHUNK⌉ × (hd + 2)` f32, see
+    /// [`split_part_floats`]): where [`split_applies`] (a long context, a few rows), the positions are cut into
+    /// chunks computed by parallel blocks and merged — not bit-exact with the one-block kernel (f32 rescaling
+    /// instead of f16-rounded probabilities), which every shorter context keeps.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -266,25 +295,51 @@ impl Ops<'_> {
         t: usize,
         out: u64,
         outq: u64,
+        split: Option<u64>,
     ) -> Result<(), GpuError> {
-        let smem = ((hd + cap) * 4) as u32;
         let scale = 1.0 / (hd as f32).sqrt();
-        let args = Args::new()
-            .ptr(q)
-            .ptr(kc)
-            .ptr(vc)
-            .i32(n_head as i32)
-            .i32(n_head_kv as i32)
-            .i32(hd as i32)
-            .ptr(pos)
-            .f32(scale)
-            .ptr(out)
-            .ptr(if hd.is_multiple_of(32) { outq } else { 0 });
-        self.k.attention.launch(self.s, (n_head as u32, t as u32, 1), 128, smem, args)?;
+        if let Some(part) = split.filter(|_| split_applies(cap, t, hd)) {
+            // split-K: chunks of ATT_CHUNK positions in parallel, then the merge (with the Q8 rows)
+            let nz = cap.div_ceil(ATT_CHUNK) as u32;
+            let args = attention_args(q, kc, vc, (n_head, n_head_kv, hd), pos, scale).ptr(part);
+            self.k.attention_split.launch(self.s, (n_head as u32, t as u32, nz), 128, 0, args)?;
+            let args = Args::new()
+                .ptr(part)
+                .i32(n_head as i32)
+                .i32(hd as i32)
+                .i32(nz as i32)
+                .ptr(out)
+                .ptr(if hd.is_multiple_of(32) { outq } else { 0 });
+            self.k.attention_combine.launch(self.s, (n_head as u32, t as u32, 1), 128, 0, args)?;
+        } else {
+            self.attention_exact(q, kc, vc, (n_head, n_head_kv, hd), pos, scale, cap, t, out, outq)?;
+        }
         if !hd.is_multiple_of(32) {
             self.quantize(out, outq, t * n_head * hd / 32)?;
         }
         Ok(())
+    }
+
+    /// The one-block-per-row attention kernel (bit-exact with the CPU path; see `attention`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_exact(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        (n_head, n_head_kv, hd): (usize, usize, usize),
+        pos: u64,
+        scale: f32,
+        cap: usize,
+        t: usize,
+        out: u64,
+        outq: u64,
+    ) -> Result<(), GpuError> {
+        let smem = ((hd + cap) * 4) as u32;
+        let args = attention_args(q, kc, vc, (n_head, n_head_kv, hd), pos, scale)
+            .ptr(out)
+            .ptr(if hd.is_multiple_of(32) { outq } else { 0 });
+        self.k.attention.launch(self.s, (n_head as u32, t as u32, 1), 128, smem, args)
     }
 
     /// Softmax + top-k of `t` rows of router logits into `ids`/`w` (`t × k`). With `fast = Some((table,

@@ -142,7 +142,8 @@ impl Ops for GpuPass<'_, '_> {
         let b = &g.b;
         let (kc, vc) = (g.kc[l - g.l0].ptr, g.vc[l - g.l0].ptr);
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
-        Ok(self.launch().attention(b.q.ptr, kc, vc, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr)?)
+        let part = b.attn_part.as_ref().map(|p| p.ptr);
+        Ok(self.launch().attention(b.q.ptr, kc, vc, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr, part)?)
     }
 
     fn attn_output(&mut self, l: usize) -> Result<(), BackendError> {
