@@ -1121,19 +1121,22 @@ extern "C" __global__ void attention_split(const float* q, const u16* kcache, co
 }
 
 // Merges the chunks of attention_split: out = Σ_z exp(m_z − M) · acc_z / Σ_z exp(m_z − M) · l_z (M the largest
-// m_z of the chunks with l_z > 0), and its Q8 blocks when outq != null (hd % 32 == 0). Grid: (n_head, t); block:
+// m_z of the chunks inside the row), and its Q8 blocks when outq != null (hd % 32 == 0). Grid: (n_head, t); block:
 // 128 threads.
 extern "C" __global__ void attention_combine(const float* part, int n_head, int hd, int nz, float* out, Q8* outq) {
     pdl_entry();
     const int h = blockIdx.x, i = blockIdx.y, lane = threadIdx.x % 32;
     const float* pr = part + ((size_t)i * n_head + h) * nz * (hd + 2);
+    // a chunk past the row's positions wrote (m, l) = (−inf, 0) and nothing else; any other chunk counts (a NaN in
+    // it reaches the output, as in the one-block kernel)
+#define ATT_LIVE(c) (!((c)[0] == -INFINITY && (c)[1] == 0.f))
     float M = -INFINITY;
     for (int z = 0; z < nz; z++)
-        if (pr[(size_t)z * (hd + 2) + 1] > 0.f) M = fmaxf(M, pr[(size_t)z * (hd + 2)]);
+        if (ATT_LIVE(pr + (size_t)z * (hd + 2))) M = fmaxf(M, pr[(size_t)z * (hd + 2)]);
     float L = 0.f;
     for (int z = 0; z < nz; z++) {
-        const float l = pr[(size_t)z * (hd + 2) + 1];
-        if (l > 0.f) L += l * expf(pr[(size_t)z * (hd + 2)] - M);
+        const float* c = pr + (size_t)z * (hd + 2);
+        if (ATT_LIVE(c)) L += c[1] * expf(c[0] - M);
     }
     const float inv = 1.0f / L;
     float* o = out + ((size_t)i * n_head + h) * hd;
@@ -1143,7 +1146,7 @@ extern "C" __global__ void attention_combine(const float* part, int n_head, int 
         if (d < hd) {
             for (int z = 0; z < nz; z++) {
                 const float* c = pr + (size_t)z * (hd + 2);
-                if (c[1] > 0.f) acc = fmaf(expf(c[0] - M), c[2 + d], acc);
+                if (ATT_LIVE(c)) acc = fmaf(expf(c[0] - M), c[2 + d], acc);
             }
             acc *= inv;
             o[d] = acc;

@@ -87,10 +87,14 @@ fn promotions_move_the_files_bytes_and_refusals_change_nothing() {
     assert_eq!(st.promote(3, in_ram[1], in_ram[0]), Err(Refusal::InAlreadyInRam(3, in_ram[1])));
     st.set_exchange_staged(true);
     assert_eq!(st.promote(3, on_file[0], in_ram[0]), Err(Refusal::ExchangeStaged));
+    // two stages of a layer split with rounds in flight: the first ending does not end the second
+    st.set_exchange_staged(true);
+    st.set_exchange_staged(false);
+    assert_eq!(st.promote(3, on_file[0], in_ram[0]), Err(Refusal::ExchangeStaged));
     st.set_exchange_staged(false);
     assert_eq!(ram_snapshot(&st, nl, ne), before, "a refusal changed the copy");
     assert_eq!(st.counters.totals().promotions, 0);
-    assert_eq!(st.counters.totals().promotions_refused, 3);
+    assert_eq!(st.counters.totals().promotions_refused, 4);
     // a failed read (the file behind the store is shorter than the model) leaves the copy as it was
     let short = std::env::temp_dir().join(format!("strata-short-{}.gguf", std::process::id()));
     std::fs::write(&short, &std::fs::read(&path).unwrap()[..1 << 20]).unwrap();

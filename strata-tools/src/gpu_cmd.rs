@@ -256,17 +256,13 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     }
 }
 
-/// RMSNorm + Q8 of `t` random rows of `n` values after a combine of `k` random expert rows per token (random
-/// flags and weights, plus a CPU sum): the device's kernel (the cluster one on sm_90+) against the CPU's
-/// arithmetic (combine in rank order, `rms_norm`, Q8). Returns the relative error of the normalized rows and
-/// of the written-back residual, and whether the Q8 bytes match.
-/// The split-K attention against the one-block kernel on random q and f16 K/V caches of `pos0 + t` positions:
-/// the relative error of the output rows.
+/// The split-K attention against the one-block kernel on random q and f16 K/V caches of `pos0 + t` positions,
+/// the split one launched for attention size class `cap` ≥ pos0 + t (chunks past the rows' positions, as a
+/// replayed decode graph has them): the relative error of the output rows.
 fn check_attention(
     ops: &strata::backend::cuda::ops::Ops,
     (nh, nkv, hd): (usize, usize, usize),
-    pos0: usize,
-    t: usize,
+    (pos0, t, cap): (usize, usize, usize),
     seed: &mut u64,
 ) -> Result<f64> {
     use strata::backend::cuda::driver::DevBuf;
@@ -280,10 +276,10 @@ fn check_attention(
     let pos = DevBuf::from_slice(&[pos0 as i32, 0])?;
     let out1 = DevBuf::from_slice(&vec![f32::NAN; t * nh * hd])?;
     let out2 = DevBuf::from_slice(&vec![f32::NAN; t * nh * hd])?;
-    let oq = DevBuf::alloc(t * nh * hd.div_ceil(32) * 34 + 64)?;
-    let part = DevBuf::alloc(strata::backend::cuda::ops::split_part_floats(t, nh, hd, n) * 4)?;
+    let oq = DevBuf::alloc(t * nh * hd.div_ceil(32) * strata::backend::cuda::ops::Q8_BYTES)?;
+    let part = DevBuf::alloc(strata::backend::cuda::ops::split_part_floats(t, nh, hd, cap) * 4)?;
     ops.attention(dq.ptr, dk.ptr, dv.ptr, nh, nkv, hd, pos.ptr, n, t, out1.ptr, oq.ptr, None)?;
-    ops.attention(dq.ptr, dk.ptr, dv.ptr, nh, nkv, hd, pos.ptr, n, t, out2.ptr, oq.ptr, Some(part.ptr))?;
+    ops.attention(dq.ptr, dk.ptr, dv.ptr, nh, nkv, hd, pos.ptr, cap, t, out2.ptr, oq.ptr, Some(part.ptr))?;
     ops.s.sync()?;
     let (mut a, mut b) = (vec![0f32; t * nh * hd], vec![0f32; t * nh * hd]);
     out1.read_sync(0, &mut a)?;
@@ -291,6 +287,10 @@ fn check_attention(
     Ok(rel_err(&b, &a))
 }
 
+/// RMSNorm + Q8 of `t` random rows of `n` values after a combine of `k` random expert rows per token (random
+/// flags and weights, plus a CPU sum): the device's kernel (the cluster one on sm_90+) against the CPU's
+/// arithmetic (combine in rank order, `rms_norm`, Q8). Returns the relative error of the normalized rows and
+/// of the written-back residual, and whether the Q8 bytes match.
 fn check_norm(
     ops: &strata::backend::cuda::ops::Ops,
     n: usize,
@@ -507,19 +507,22 @@ pub fn check(a: CheckArgs) -> Result<()> {
     }
     // 1a'. split-K attention over a long context against the one-block kernel (same scores; the one-block kernel
     // rounds the probabilities to f16, the split one rescales in f32)
-    println!("{:<6} {:>6} {:>6} {:>6} {:>3} {:>12}", "attn", "heads", "hd", "pos0", "t", "rel_err_1blk");
-    for &(nh, nkv, hd, pos0, t) in &[
-        (32usize, 4usize, 128usize, 4095usize, 1usize),
-        (16, 16, 64, 3000, 3),
-        (8, 2, 128, 1100, 8),
-        (12, 4, 80, 2047, 2),
-        (32, 4, 128, 20000, 1),
+    println!("{:<6} {:>6} {:>6} {:>6} {:>3} {:>6} {:>12}", "attn", "heads", "hd", "pos0", "t", "cap", "rel_err_1blk");
+    for &(nh, nkv, hd, pos0, t, cap) in &[
+        (32usize, 4usize, 128usize, 4095usize, 1usize, 4096usize),
+        (16, 16, 64, 3000, 3, 3003),
+        (8, 2, 128, 1100, 8, 1108),
+        (12, 4, 80, 2047, 2, 2049),
+        (32, 4, 128, 20000, 1, 20001),
+        // a decode graph's size class: cap the next power of two, many chunks past the row
+        (32, 4, 128, 2049, 1, 4096),
+        (8, 2, 64, 1500, 4, 2048),
     ] {
-        let r = check_attention(&ops, (nh, nkv, hd), pos0, t, &mut seed)?;
+        let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), &mut seed)?;
         worst = worst.max(r);
-        println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {r:>12.2e}", "split");
+        println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {r:>12.2e}", "split");
         kern.push(serde_json::json!({"kernel": "attention_split", "n_head": nh, "n_head_kv": nkv, "hd": hd,
-            "pos0": pos0, "t": t, "rel_err_vs_one_block": r}));
+            "pos0": pos0, "t": t, "cap": cap, "rel_err_vs_one_block": r}));
     }
     // 1b. expert gate/up + down from a VRAM slot (staged and row-by-row shapes, one and several tokens)
     println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "expert", "e", "ff", "t", "rel_err_cpu");

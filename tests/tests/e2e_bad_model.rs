@@ -71,7 +71,10 @@ fn bad_layer_split_flags_are_refused_at_start() {
         (&["--layer-split", "0"], "a split point must be a layer in 1..29"),
         (&["--layer-split", "20,10"], "must be strictly increasing"),
         (&["--layer-split", "10,10"], "must be strictly increasing"),
-        (&["--layer-split", "10", "--split-device", "0"], "2 stages need 2 devices but --split-device names 1"),
+        (
+            &["--layer-split", "10", "--split-device", "0"],
+            "2 stages need 2 devices but --split-device names (or the driver sees) 1",
+        ),
         (&["--layer-split", "10", "--split-device", "0,0,0"], "--split-device names 3 devices for 2 stages"),
         (&["--layer-split", "ten"], "`ten` is not a layer number"),
     ] {

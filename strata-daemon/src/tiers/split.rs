@@ -49,8 +49,8 @@ pub enum SplitError {
     /// Points not strictly increasing.
     #[error("--layer-split {0}: split points must be strictly increasing (no repeats)")]
     Unsorted(String),
-    /// Fewer devices named than stages.
-    #[error("{stages} stages need {stages} devices but --split-device names {named}")]
+    /// Fewer devices named (or, none named, visible) than stages.
+    #[error("{stages} stages need {stages} devices but --split-device names (or the driver sees) {named}")]
     TooFewDevices {
         /// Stages of the split.
         stages: usize,
@@ -73,7 +73,7 @@ pub enum SplitError {
         /// Devices the driver sees.
         visible: usize,
     },
-    /// `--split-device` without `--layer-split`, or a split of a model with one layer.
+    /// A split of a model with one layer.
     #[error("{0}")]
     Unusable(String),
 }

@@ -307,8 +307,8 @@ struct State {
     usage: Usage,
     /// The profile's ranks at start (ties of a save).
     prior: Option<Vec<Option<u32>>>,
-    /// An asynchronous round of the VRAM tier is in flight (always false without one).
-    exchange_staged: bool,
+    /// Asynchronous rounds of the VRAM tier in flight (one per stage of a layer split at most; 0 without one).
+    rounds_staged: usize,
     /// Exchanges with the VRAM tier reserved and not yet flipped or cancelled (RAM adapt is refused while any
     /// is; [`ResidentMode::Disjoint`] only).
     exchanges: usize,
@@ -444,7 +444,7 @@ impl ExpertStore {
                 place,
                 usage: Usage::new(n_layer, ne),
                 prior: ranks,
-                exchange_staged: false,
+                rounds_staged: 0,
                 exchanges: 0,
                 exchange_free: Vec::new(),
                 copy_built: !matches!(cfg.mode, ResidentMode::Disjoint(_)),
@@ -770,7 +770,7 @@ impl ExpertStore {
         }
         let plan = {
             let st = self.state();
-            if st.exchange_staged || st.exchanges > 0 {
+            if st.rounds_staged > 0 || st.exchanges > 0 {
                 return Vec::new();
             }
             let ne = self.layout.n_expert;
@@ -811,7 +811,7 @@ impl ExpertStore {
         }
         let off = {
             let st = self.state();
-            if st.exchange_staged || st.exchanges > 0 {
+            if st.rounds_staged > 0 || st.exchanges > 0 {
                 return Err(Refusal::ExchangeStaged);
             }
             if st.place[layer * ne + incoming].is_some() {
@@ -838,10 +838,12 @@ impl ExpertStore {
         Ok(())
     }
 
-    /// Marks an exchange with the VRAM tier as staged (promotions are refused meanwhile). The GPU tier sets it;
-    /// without one it stays false.
+    /// Counts an asynchronous round of a VRAM cache starting (`true`) or ending (`false`); promotions are refused
+    /// while any is in flight (the stages of a layer split each run their own). The GPU tier calls it once each
+    /// way per round; without one no round is ever counted.
     pub fn set_exchange_staged(&self, staged: bool) {
-        self.state().exchange_staged = staged;
+        let mut st = self.state();
+        st.rounds_staged = if staged { st.rounds_staged + 1 } else { st.rounds_staged.saturating_sub(1) };
     }
 
     /// Builds the [`ResidentMode::Disjoint`] RAM copy once the VRAM cache is filled: the experts no slot holds,
@@ -1178,12 +1180,12 @@ impl RamCopy {
     }
 }
 
-/// `budget` clamped to `total` bytes of experts (said once when it was more).
 /// The stage of `layer` given each stage's first layer (ascending, from 0).
 fn stage_in(starts: &[usize], layer: usize) -> usize {
     starts.partition_point(|&s| s <= layer).saturating_sub(1)
 }
 
+/// `budget` clamped to `total` bytes of experts (said once when it was more).
 fn clamp_to_total(budget: u64, total: u64) -> u64 {
     if budget > total {
         tracing::info!(

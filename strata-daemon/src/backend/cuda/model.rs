@@ -443,6 +443,7 @@ impl Stage {
             logits: f4(if last { t * c.n_vocab } else { 1 })?,
             win_ids: f4(c.n_layer * t * kk)?,
             attn_part: if cfg.n_ctx > super::ops::ATT_SPLIT_MIN
+                && super::ops::split_applies(cfg.n_ctx, 1, c.head_dim)
                 && std::env::var("STRATA_ATTN_SPLIT").map_or(true, |v| v != "0")
             {
                 Some(f4(super::ops::split_part_floats(t, c.n_head, c.head_dim, cfg.n_ctx))?)

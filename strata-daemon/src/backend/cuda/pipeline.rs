@@ -99,12 +99,13 @@ impl GpuModel {
         let n = self.stages.len();
         let experts: Vec<usize> = self.stages.iter().map(|s| s.layer_range().len() * ne).collect();
         let ordinals: Vec<usize> = self.stages.iter().map(|s| s.device().ordinal).collect();
-        // the first stage keeps --vram-reserve-mib free, every later one --vram-reserve-later-mib (per stage, so
-        // that two stages on one card — the A/B of a split — show the flag's effect as two cards would)
+        // the first stage's reserve is --vram-reserve-mib, every later one's --vram-reserve-later-mib (per stage,
+        // so that two stages on one card — the A/B of a split — show which caches the flag moves)
         let reserve_of = |i: usize| if i == 0 { cfg.reserve } else { cfg.reserve_later };
         // an explicit size is shared among the stages by their experts, then each card's share clamped to it;
-        // `auto`: stage i of a card takes its experts' share of (free − its reserve), so a later stage's reserve
-        // shrinks only that stage's cache even when the stages share a card
+        // `auto`: stage i of a card takes its experts' share of (free − its reserve) — a stage alone on its card
+        // keeps the whole reserve free; stages sharing a card each keep their share of theirs, so a later stage's
+        // reserve moves only that stage's cache there too
         let asked = match cfg.cache {
             CacheSize::Slots(k) => share_slots(k.min(entries), &experts),
             CacheSize::Auto => experts.clone(),
@@ -159,6 +160,7 @@ impl GpuModel {
         }
         // the resident mode's RAM copy: the experts no stage's cache took, and the exchange places of its swaps
         store.build_ram_copy(EXCHANGE_PLACES).map_err(|e| GpuError::Unsupported(e.to_string()))?;
+        self.stages[0].device().bind()?;
         let pinned = self.stages[0].register_arena(store);
         for (st, mut cache) in self.stages.iter_mut().zip(caches) {
             cache.async_ok = pinned;

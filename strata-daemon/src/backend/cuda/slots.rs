@@ -48,6 +48,8 @@ struct InFlight {
     /// The helper's final report, once received.
     finished: Option<Result<(), GpuError>>,
     reports: crossbeam_channel::Receiver<Report>,
+    /// The store whose round this is (counted staged until it ends).
+    store: Arc<ExpertStore>,
 }
 
 /// An asynchronous resident-mode round in flight: the helper thread is doing `phase` (1 copy back, 2 copy in,
@@ -511,8 +513,15 @@ impl SlotCache {
                 let _ = tx.send(Report::Finished(r));
             })
             .map_err(|e| GpuError::Unsupported(format!("adaptive helper thread: {e}")))?;
-        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(InFlight { moves, events, recorded: 0, admitted: 0, finished: None, reports: rx });
+        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some(InFlight {
+            moves,
+            events,
+            recorded: 0,
+            admitted: 0,
+            finished: None,
+            reports: rx,
+            store: store.clone(),
+        });
         Ok(plan.len())
     }
 
@@ -729,6 +738,8 @@ impl Drop for SlotCache {
                 while let Ok(Report::Recorded(_)) = f.reports.recv() {}
             }
             let _ = self.copy.sync();
+            // the round ends with the cache (its moves are lost with the slots)
+            f.store.set_exchange_staged(false);
         }
     }
 }
