@@ -213,12 +213,7 @@ fn main() -> Result<()> {
     model.set_threads(threads)?;
     // a layer split that cannot fit the model is refused before anything is loaded (the devices are checked when
     // the GPU is found)
-    if let Some(strata::tiers::split::LayerSplit::At(points)) = &args.layer_split {
-        let starts = strata::tiers::split::check_points(points, model.cfg.n_layer)?;
-        if !args.split_device.is_empty() {
-            strata::tiers::split::stage_devices(starts.len(), &args.split_device, usize::MAX)?;
-        }
-    }
+    strata::tiers::split::check_flags(args.layer_split.as_ref(), &args.split_device, model.cfg.n_layer)?;
     let knobs = Arc::new(Knobs::default());
     for (name, v) in [
         ("ram_adapt", args.ram_adapt.to_string()),

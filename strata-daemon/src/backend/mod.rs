@@ -268,13 +268,8 @@ pub struct GpuOptions {
 /// failed (out of VRAM, a format without kernels): the caller decides whether that is fatal.
 pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backend>>, String), String> {
     // a layer split's points and device count are checked against the model before any GPU is looked for
-    if let Some(crate::tiers::split::LayerSplit::At(points)) = &o.layer_split {
-        let starts = crate::tiers::split::check_points(points, m.cfg.n_layer).map_err(|e| e.to_string())?;
-        if !o.split_devices.is_empty() {
-            crate::tiers::split::stage_devices(starts.len(), &o.split_devices, usize::MAX)
-                .map_err(|e| e.to_string())?;
-        }
-    }
+    crate::tiers::split::check_flags(o.layer_split.as_ref(), &o.split_devices, m.cfg.n_layer)
+        .map_err(|e| e.to_string())?;
     if !o.enabled {
         return Ok((None, "GPU off (--gpu off): running on the CPU".into()));
     }

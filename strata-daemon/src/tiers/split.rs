@@ -94,6 +94,19 @@ pub fn check_points(points: &[usize], n_layer: usize) -> Result<Vec<usize>, Spli
     Ok(std::iter::once(0).chain(points.iter().copied()).collect())
 }
 
+/// The checks of the split flags that need no GPU: explicit points against a model of `n_layer` layers
+/// ([`check_points`]) and, when devices are named, one per stage. `auto` and unnamed devices pass (they are
+/// resolved when the GPU is found, [`stage_devices`] then checks the ordinals). Errors: as those two.
+pub fn check_flags(split: Option<&LayerSplit>, devices: &[usize], n_layer: usize) -> Result<(), SplitError> {
+    if let Some(LayerSplit::At(points)) = split {
+        let starts = check_points(points, n_layer)?;
+        if !devices.is_empty() {
+            stage_devices(starts.len(), devices, usize::MAX)?;
+        }
+    }
+    Ok(())
+}
+
 /// The device of each of `stages` stages: the ordinals named by `--split-device` (one per stage; the same one may
 /// repeat — two stages on one card), or the first `stages` visible devices when none are named. Errors: a count
 /// that does not match, an ordinal past the `visible` devices.

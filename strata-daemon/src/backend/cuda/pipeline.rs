@@ -247,9 +247,6 @@ impl GpuModel {
     /// layer (blocking, or started asynchronously), and admits landed asynchronous rounds. `plan` comes from
     /// `ExpertStore::end_decode_window`.
     pub fn adapt(&self, store: &Arc<ExpertStore>, plan: Vec<crate::tiers::policy::Swap>) -> Result<(), GpuError> {
-        if let [one] = self.stages.as_slice() {
-            return one.adapt(store, plan);
-        }
         for (st, part) in self.stages.iter().zip(store.plan_by_stage(plan)) {
             st.adapt(store, part)?;
         }
@@ -266,13 +263,15 @@ impl GpuModel {
     /// every RAM place holds the expert the residency says, and (resident mode) no expert is in both. One line
     /// per fault.
     pub fn verify_tiers(&self, store: &Arc<ExpertStore>) -> Result<Vec<String>, GpuError> {
-        let mut f = Vec::new();
+        self.drain(store)?;
+        for st in &self.stages {
+            st.sync()?;
+        }
+        let mut f = store.verify_ram_copy();
         for st in &self.stages {
             f.extend(st.verify_slots(store)?);
         }
-        let mut all = store.verify_ram_copy();
-        all.extend(f);
-        Ok(all)
+        Ok(f)
     }
 
     /// At a request's start: waits for every stage's asynchronous round in flight and admits it.
