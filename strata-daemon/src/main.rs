@@ -14,7 +14,7 @@ use strata::model::{Model, Tokenizer};
 use strata::service::{socket, StrataService};
 use strata::tiers::fileio::FileIo;
 use strata::tiers::knobs::{Knob, Knobs};
-use strata::tiers::policy::{DEFAULT_ADAPT_DECAY, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS};
+use strata::tiers::policy::{DEFAULT_ADAPT_DECAY, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS, DEFAULT_POLICY};
 use strata::tiers::profile::Profile;
 use strata::tiers::store::{ExpertStore, ResidentMode, StoreConfig};
 use strata::tiers::vram::CacheSize;
@@ -81,9 +81,14 @@ struct Args {
     /// RAM adapt: promotions of hot file-tier experts into the RAM copy per decode window (0 = off).
     #[arg(long, env = "STRATA_RAM_ADAPT", default_value_t = 0)]
     ram_adapt: u32,
-    /// Decode windows per adaptive round (usage decay; 0 = static).
+    /// Decode windows per adaptive round of the seed policy and per usage decay (the lrfu policy plans every
+    /// window); 0 = static placement.
     #[arg(long, default_value_t = DEFAULT_ADAPT_EVERY)]
     adapt_every: u32,
+    /// Placement policy of the adaptive tier: lrfu (recency-weighted frequency, its decay chosen online) or seed
+    /// (the reference engine's rule).
+    #[arg(long, default_value = DEFAULT_POLICY.name())]
+    adapt_policy: String,
     /// Swaps per adaptive round (VRAM tier).
     #[arg(long, default_value_t = DEFAULT_ADAPT_SWAPS)]
     adapt_swaps: u32,
@@ -218,6 +223,7 @@ fn main() -> Result<()> {
     for (name, v) in [
         ("ram_adapt", args.ram_adapt.to_string()),
         ("adapt_every", args.adapt_every.to_string()),
+        ("adapt_policy", args.adapt_policy.clone()),
         ("adapt_swaps", args.adapt_swaps.to_string()),
         ("adapt_decay", args.adapt_decay.to_string()),
         ("expert_profile_save_every", args.expert_profile_save_every.to_string()),

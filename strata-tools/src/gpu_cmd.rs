@@ -74,6 +74,10 @@ pub struct BenchArgs {
     /// `--vram-reserve-mib` of the arms (MiB).
     #[arg(long, default_value_t = 700)]
     vram_reserve_mib: u64,
+    /// Placement policies of the adaptive arms (`--adapt-policy`; each blocking and async arm runs once per
+    /// policy).
+    #[arg(long, value_delimiter = ',', default_value = "lrfu")]
+    adapt_policy: Vec<String>,
     /// `--vram-reserve-later-mib` of the arms (MiB; default: `--vram-reserve-mib`).
     #[arg(long)]
     vram_reserve_later_mib: Option<u64>,
@@ -610,6 +614,12 @@ pub fn check(a: CheckArgs) -> Result<()> {
             ("cache 25%, static, repeat", q, 0, 0, s, None, false, &none),
             ("cache 25%, adaptive blocking", q, 1, 0, s, None, false, &none),
             ("cache 25%, adaptive async", q, 1, 1, s, None, false, &none),
+            // the lrfu policy (the default; the configurations above pin the seed rule so that their digests
+            // stay comparable across stops)
+            ("cache 25%, lrfu blocking", q, 1, 0, s, None, false, &none),
+            ("cache 25%, lrfu async", q, 1, 1, s, None, false, &none),
+            ("cache 25%, resident, lrfu blocking", q, 1, 0, s, None, true, &none),
+            ("cache 25%, resident, lrfu async", q, 1, 1, s, None, true, &none),
             ("cache 25%, pcie-frac 0.5", q, 0, 0, PcieArm::Share(0.5), None, false, &none),
             ("cache 25%, pcie auto", q, 0, 0, PcieArm::Auto, None, false, &none),
             ("cache 25%, RAM 50%, ram-adapt 8", q, 1, 0, s, Some(0.5), false, &none),
@@ -628,6 +638,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
             ("split 0,0: cache 25%, resident, blocking", q, 1, 0, s, None, true, &half),
             ("split 0,0,0: cache 25%, resident, async", q, 1, 1, s, None, true, &thirds),
             ("split 0,0: cache 25%, resident, async, pcie 0.5", q, 1, 1, PcieArm::Share(0.5), None, true, &half),
+            ("split 0,0: cache 25%, resident, lrfu async", q, 1, 1, s, None, true, &half),
         ] {
             let (pcie, auto) = match pcie {
                 PcieArm::Share(p) => (p, "0"),
@@ -639,6 +650,8 @@ pub fn check(a: CheckArgs) -> Result<()> {
             }
             knobs.set("adapt_every", &every.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("adapt_async", &asyn.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let policy = if name.contains("lrfu") { "lrfu" } else { "seed" };
+            knobs.set("adapt_policy", policy).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("pcie_frac", &pcie.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("pcie_auto", auto).map_err(|e| anyhow::anyhow!("{e}"))?;
             let mut m = load_mode(path, knobs, 8, resident, ram)?;
@@ -787,25 +800,33 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         "{:<34} {:>8} {:>8} {:>7} {:>7} {:>9} {:>8} {:>9}",
         "arm", "prompt/s", "decode/s", "hit%", "swaps", "pcie/tok", "blob/tok", "bound/s"
     );
-    let mut plan: Vec<(f64, &str, PcieArm)> = Vec::new();
+    for p in &a.adapt_policy {
+        Knobs::validate("adapt_policy", p).map_err(|e| anyhow::anyhow!("--adapt-policy: {e}"))?;
+    }
+    let first_policy = a.adapt_policy.first().map(String::as_str).unwrap_or("lrfu");
+    let mut plan: Vec<(f64, &str, PcieArm, &str)> = Vec::new();
     for &f in &a.fracs {
         if f >= 1.0 {
-            plan.push((f, "off", PcieArm::Share(0.0)));
+            plan.push((f, "off", PcieArm::Share(0.0), first_policy));
         } else {
-            for mode in ["off", "blocking", "async"] {
-                plan.push((f, mode, PcieArm::Share(0.0)));
+            plan.push((f, "off", PcieArm::Share(0.0), first_policy));
+            for mode in ["blocking", "async"] {
+                for p in &a.adapt_policy {
+                    plan.push((f, mode, PcieArm::Share(0.0), p));
+                }
             }
             for &p in &a.pcie {
-                plan.push((f, "off", p));
-                plan.push((f, "async", p));
+                plan.push((f, "off", p, first_policy));
+                plan.push((f, "async", p, first_policy));
             }
         }
     }
     let mut first = true;
-    for (f, mode, pcie) in plan {
+    for (f, mode, pcie, policy) in plan {
         let n = ((total as f64 * f).round() as usize).min(total);
         knobs.set("adapt_every", if mode == "off" { "0" } else { "4" }).map_err(|e| anyhow::anyhow!("{e}"))?;
         knobs.set("adapt_async", if mode == "async" { "1" } else { "0" }).map_err(|e| anyhow::anyhow!("{e}"))?;
+        knobs.set("adapt_policy", policy).map_err(|e| anyhow::anyhow!("{e}"))?;
         let (pcie, auto) = match pcie {
             PcieArm::Share(p) => (p, false),
             PcieArm::Auto => (0.5, true),
@@ -905,8 +926,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             .max((cpu_bytes + pcie_bytes) / (ram_bw * 1e9));
         let bound = 1.0 / (gpu_s + host_s);
         let name = format!(
-            "cache {:>3.0}%, adaptive {mode}{}",
+            "cache {:>3.0}%, adaptive {mode}{}{}",
             f * 100.0,
+            if mode != "off" && a.adapt_policy.len() > 1 { format!(" {policy}") } else { String::new() },
             match share {
                 Some(s) => format!(", pcie auto {s:.3}"),
                 None if auto => ", pcie auto (no split)".to_string(),
@@ -922,7 +944,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         );
         let stage_slots: Vec<usize> = gpu(&m).stages().iter().map(|s| s.slots).collect();
         arms.push(serde_json::json!({"arm": name, "cache_frac": f, "slots": n, "stage_slots": stage_slots,
-            "adaptive": mode, "pcie_frac": pcie,
+            "adaptive": mode, "policy": policy, "pcie_frac": pcie,
             "pcie_auto": auto,
             "prompt_tok_s": pt, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,
             "pcie_entries_per_token": pcie_per_tok, "blob_reads_per_token": blob_per_tok, "bound_tok_s": bound}));

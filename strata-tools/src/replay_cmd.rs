@@ -9,14 +9,18 @@ use clap::{Args, ValueEnum};
 use strata::tiers::policy::{
     validate_decay, AdaptKnobs, DEFAULT_ADAPT_DECAY, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS,
 };
-use strata::tiers::replay::{replay, PhaseFilter, Policy, Trace};
+use strata::tiers::profile::Profile;
+use strata::tiers::replay::{prediction_accuracy, replay_with, PhaseFilter, Policy, ReplayOpts, Trace};
 use strata::tiers::stats::trace_stats;
 
 /// Policies the replay can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PolicyName {
-    /// The adaptive tier's rule (the engine's code; --adapt-every/--adapt-swaps/--adapt-decay).
-    Adaptive,
+    /// The seed rule, the reference engine's (--adapt-every/--adapt-swaps/--adapt-decay); `adaptive` is an alias.
+    #[value(alias = "adaptive")]
+    Seed,
+    /// Recency-weighted frequency with its decay chosen online (--adapt-every/--adapt-swaps).
+    Lrfu,
     /// Least recently used, demand fetch.
     Lru,
     /// Belady's offline optimum (demand fetch with bypass): the upper bound for demand caches.
@@ -32,6 +36,15 @@ pub enum PhaseArg {
     All,
 }
 
+/// How the cache lives across requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CacheArg {
+    /// One cache for the whole trace (a daemon serving request after request).
+    Warm,
+    /// Every request starts from the initial fill with fresh policy state.
+    Cold,
+}
+
 /// `replay` arguments.
 #[derive(Debug, Args)]
 pub struct ReplayArgs {
@@ -42,17 +55,24 @@ pub struct ReplayArgs {
     #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
     slots_per_layer: Vec<usize>,
     /// Policies to replay (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "adaptive,lru,belady")]
+    #[arg(long, value_delimiter = ',', default_value = "seed,lrfu,lru,belady")]
     policy: Vec<PolicyName>,
-    /// Adaptive tier: decode windows per round (0 = static).
+    /// Engine policies: decode windows per round (0 = static: the initial fill is kept).
     #[arg(long, default_value_t = DEFAULT_ADAPT_EVERY)]
     adapt_every: u32,
-    /// Adaptive tier: most swaps per round, all layers together (0 = static).
+    /// Engine policies: most swaps per round, all layers together (0 = static).
     #[arg(long, default_value_t = DEFAULT_ADAPT_SWAPS)]
     adapt_swaps: u32,
-    /// Adaptive tier: usage decay per round, in (0, 1].
+    /// Seed rule: usage decay per round, in (0, 1].
     #[arg(long, default_value_t = DEFAULT_ADAPT_DECAY)]
     adapt_decay: f32,
+    /// Expert profile whose ranks order the initial fill, as `--expert-profile` does in the engine (default:
+    /// the engine's order without a profile).
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Cache lifetimes to report (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "warm,cold")]
+    cache: Vec<CacheArg>,
     /// Which records form windows.
     #[arg(long, value_enum, default_value_t = PhaseArg::Decode)]
     phase: PhaseArg,
@@ -69,57 +89,126 @@ pub fn run(a: ReplayArgs) -> Result<()> {
     }
     let f = std::fs::File::open(&a.trace).with_context(|| format!("--trace {}", a.trace.display()))?;
     let filter = if a.phase == PhaseArg::Decode { PhaseFilter::Decode } else { PhaseFilter::All };
-    let trace = Trace::read(BufReader::new(f), filter).with_context(|| format!("--trace {}", a.trace.display()))?;
+    let mut trace = Trace::read(BufReader::new(f), filter).with_context(|| format!("--trace {}", a.trace.display()))?;
+    let ranks = match &a.profile {
+        Some(p) => {
+            let bytes = std::fs::read(p).with_context(|| format!("--profile {}", p.display()))?;
+            let prof = Profile::from_bytes(&bytes, p)?;
+            let (nl, ne) = (prof.geometry.n_layer as usize, prof.geometry.n_expert as usize);
+            if nl < trace.n_layer || ne < trace.n_expert {
+                bail!(
+                    "--profile {}: {nl} layers × {ne} experts, the trace routes to {} × {}",
+                    p.display(),
+                    trace.n_layer,
+                    trace.n_expert
+                );
+            }
+            // the model's geometry (the trace may never route to its last experts or layers)
+            trace.n_layer = nl;
+            trace.n_expert = ne;
+            for w in &mut trace.windows {
+                w.layers.resize(nl, Vec::new());
+                w.predicted.resize(nl, None);
+            }
+            Some(prof.ranks())
+        }
+        None => None,
+    };
     let knobs = AdaptKnobs { every: a.adapt_every, swaps: a.adapt_swaps, decay: a.adapt_decay };
     let policies: Vec<Policy> = a
         .policy
         .iter()
         .map(|p| match p {
-            PolicyName::Adaptive => Policy::Adaptive(knobs),
+            PolicyName::Seed => Policy::Seed(knobs),
+            PolicyName::Lrfu => Policy::Lrfu(knobs),
             PolicyName::Lru => Policy::Lru,
             PolicyName::Belady => Policy::Belady,
         })
         .collect();
     let stats = trace_stats(&trace);
+    let accuracy = prediction_accuracy(&trace);
+    let n_requests = trace.requests().len();
     let mut rows = Vec::new();
-    for &slots in &a.slots_per_layer {
-        for p in &policies {
-            let o = replay(&trace, *p, slots);
-            rows.push(serde_json::json!({
-                "slots_per_layer": slots, "policy": p.name(), "hit_rate": o.hit_rate(),
-                "hits": o.hits, "lookups": o.lookups, "loads": o.loads,
-            }));
+    for &cache in &a.cache {
+        for &slots in &a.slots_per_layer {
+            for p in &policies {
+                let opts = ReplayOpts { slots, ranks: ranks.as_deref(), cold: cache == CacheArg::Cold };
+                let o = replay_with(&trace, *p, &opts);
+                let mut row = serde_json::json!({
+                    "cache": if cache == CacheArg::Cold { "cold" } else { "warm" },
+                    "slots_per_layer": slots, "policy": p.name(), "hit_rate": o.hit_rate(),
+                    "hits": o.hits, "lookups": o.lookups, "loads": o.loads,
+                });
+                if accuracy.is_some() {
+                    row["prefetch_hit_rate"] = o.prefetch_hit_rate().into();
+                }
+                rows.push(row);
+            }
         }
     }
     if a.json {
         let out = serde_json::json!({
-            "trace": a.trace, "windows": trace.windows.len(), "layers": trace.n_layer, "experts": trace.n_expert,
-            "top_k": trace.top_k, "adapt": {"every": knobs.every, "swaps": knobs.swaps, "decay": knobs.decay},
-            "replay": rows, "stats": stats,
+            "trace": a.trace, "windows": trace.windows.len(), "requests": n_requests, "layers": trace.n_layer,
+            "experts": trace.n_expert, "top_k": trace.top_k,
+            "adapt": {"every": knobs.every, "swaps": knobs.swaps, "decay": knobs.decay},
+            "initial_fill": if a.profile.is_some() { "profile" } else { "engine default" },
+            "prediction_accuracy": accuracy, "replay": rows, "stats": stats,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
     println!(
-        "trace {}: {} windows, {} layers, {} experts, top-{}",
+        "trace {}: {} windows in {} requests, {} layers, {} experts, top-{}",
         a.trace.display(),
         trace.windows.len(),
+        n_requests,
         trace.n_layer,
         trace.n_expert,
         trace.top_k
     );
-    println!("adaptive knobs: every {} windows, {} swaps, decay {}", knobs.every, knobs.swaps, knobs.decay);
-    print!("\nhit rate\nslots/layer");
-    for p in &policies {
-        print!("  {:>9}", p.name());
-    }
-    println!();
-    for (i, &slots) in a.slots_per_layer.iter().enumerate() {
-        print!("{slots:>11}");
-        for j in 0..policies.len() {
-            print!("  {:>8.1}%", rows[i * policies.len() + j]["hit_rate"].as_f64().unwrap_or(0.0) * 100.0);
+    println!(
+        "engine policies: every {} windows, {} swaps (seed rule decay {}); caches start as the engine fills them ({})",
+        knobs.every,
+        knobs.swaps,
+        knobs.decay,
+        if a.profile.is_some() { "profile order" } else { "default order" }
+    );
+    let per_table = a.slots_per_layer.len() * policies.len();
+    for (t, cache) in a.cache.iter().enumerate() {
+        let what = match cache {
+            CacheArg::Warm => "one warm cache",
+            CacheArg::Cold => "a cold cache per request",
+        };
+        print!("\nhit rate, {what}\nslots/layer");
+        for p in &policies {
+            print!("  {:>9}", p.name());
+        }
+        if accuracy.is_some() {
+            for p in &policies {
+                print!("  {:>9}", format!("{}+pf", p.name()));
+            }
         }
         println!();
+        for (i, &slots) in a.slots_per_layer.iter().enumerate() {
+            print!("{slots:>11}");
+            let row = |j: usize| &rows[t * per_table + i * policies.len() + j];
+            for j in 0..policies.len() {
+                print!("  {:>8.1}%", row(j)["hit_rate"].as_f64().unwrap_or(0.0) * 100.0);
+            }
+            if accuracy.is_some() {
+                for j in 0..policies.len() {
+                    print!("  {:>8.1}%", row(j)["prefetch_hit_rate"].as_f64().unwrap_or(0.0) * 100.0);
+                }
+            }
+            println!();
+        }
+    }
+    if let Some(acc) = accuracy {
+        println!(
+            "\nnext-layer prediction: {:.1}% of routed experts named (+pf: hit rate when every predicted miss is \
+             prefetched)",
+            acc * 100.0
+        );
     }
     println!(
         "\none-token reuse: {:.1}% (uniform routing: {:.1}%)",

@@ -46,6 +46,7 @@ fn slot_record_hits_adaptive_plan_residency_and_profile() {
     let path = synth(&dir, "tiny.gguf", 1.0);
     let knobs = Arc::new(Knobs::default());
     knobs.set("adapt_every", "1").unwrap();
+    knobs.set("adapt_policy", "seed").unwrap();
     let m = load(&path, knobs);
     let st = m.experts.clone().unwrap();
     let ne = st.layout().n_expert;

@@ -42,18 +42,33 @@ pub struct Scratch {
     /// When `Some`, every routing decision of the forward passes is appended
     /// here (the caller drains it, e.g. for `--dump-routing`).
     pub routes: Option<Vec<RouteRecord>>,
+    /// The next-layer prediction waiting for its layer: `(layer, experts per token by rank)`.
+    pub(crate) predicted: Option<(usize, Vec<Vec<usize>>)>,
+    /// Hidden state normalised for a prediction (`t × n_embd`).
+    pub(crate) xp: Act,
     /// The pass is a decode window: expert lookups count in the tier counters and usage.
     pub decode: bool,
 }
 
 impl Scratch {
     /// Appends the routing of a chunk whose first token is at `pos0` to [`Scratch::routes`] (when recording).
+    /// A prediction made for `layer` ([`Scratch::predict_next`]) is attached to the records of that layer.
     pub fn record_routes(&mut self, layer: usize, pos0: usize, routes: &[Vec<(usize, f32)>]) {
+        let predicted = match self.predicted.take() {
+            Some((l, p)) if l == layer && p.len() == routes.len() => Some(p),
+            _ => None,
+        };
         if let Some(rec) = self.routes.as_mut() {
             for (i, r) in routes.iter().enumerate() {
-                rec.push(RouteRecord { pos: pos0 + i, layer, experts: r.clone() });
+                let predicted = predicted.as_ref().map(|p| p[i].clone());
+                rec.push(RouteRecord { pos: pos0 + i, layer, experts: r.clone(), predicted });
             }
         }
+    }
+
+    /// Keeps the experts predicted for `layer`, per token of the chunk, until that layer's routing is recorded.
+    pub fn predict_next(&mut self, layer: usize, per_token: Vec<Vec<usize>>) {
+        self.predicted = Some((layer, per_token));
     }
 }
 
@@ -67,4 +82,8 @@ pub struct RouteRecord {
     pub layer: usize,
     /// `(expert, weight)` by rank (the weights sum to 1 when the architecture renormalises the top-k).
     pub experts: Vec<(usize, f32)>,
+    /// Experts predicted for this layer before it ran (its router applied to the hidden state the previous
+    /// layer's attention left, normalised with this layer's `ffn_norm`), by rank; `None` when no prediction was
+    /// made (the first MoE layer, a backend that does not predict).
+    pub predicted: Option<Vec<usize>>,
 }

@@ -1,7 +1,8 @@
 //! `--dump-routing FILE`: every routing decision as JSON Lines, one record per
 //! (token, layer), documented in docs/FORMATS.md:
 //! `{"seq": request id, "pos": token position, "phase": "prefill"|"decode",
-//!   "layer": L, "experts": [ids by rank], "weights": [renormalised weights]}`.
+//!   "layer": L, "experts": [ids by rank], "weights": [renormalised weights],
+//!   "predicted": [ids by rank, when the backend predicted this layer from the one before]}`.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -36,7 +37,7 @@ impl RoutingDump {
             Phase::Decode => "decode",
         };
         for r in recs.drain(..) {
-            let line = serde_json::json!({
+            let mut line = serde_json::json!({
                 "seq": seq,
                 "pos": r.pos,
                 "phase": phase,
@@ -44,6 +45,9 @@ impl RoutingDump {
                 "experts": r.experts.iter().map(|e| e.0).collect::<Vec<_>>(),
                 "weights": r.experts.iter().map(|e| e.1).collect::<Vec<_>>(),
             });
+            if let Some(p) = r.predicted {
+                line["predicted"] = p.into();
+            }
             serde_json::to_writer(&mut self.out, &line)?;
             self.out.write_all(b"\n")?;
         }

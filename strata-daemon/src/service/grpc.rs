@@ -41,6 +41,7 @@ fn status(e: ApiError) -> Status {
 fn range_text(r: Range) -> String {
     match r {
         Range::Int(lo, hi) => format!("{lo}..={hi}"),
+        Range::Choice(names) => names.join("|"),
         Range::Real { min, open_min, max } => format!("{}{min}, {max}]", if open_min { "(" } else { "[" }),
     }
 }

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::policy::{AdaptKnobs, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS};
+use super::policy::{AdaptKnobs, PolicyKind, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS, DEFAULT_POLICY, POLICY_NAMES};
 
 /// Errors setting a knob.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -27,6 +27,8 @@ pub enum KnobError {
 pub enum Range {
     /// Integer in `min..=max`.
     Int(i64, i64),
+    /// One of named choices, stored as its index (set by name or index).
+    Choice(&'static [&'static str]),
     /// Real number in `(min, max]` when `open_min`, else `[min, max]`.
     Real {
         /// Lower bound.
@@ -65,6 +67,8 @@ pub enum Knob {
     AdaptDecay,
     /// `adapt_async`: adaptive rounds on a helper thread.
     AdaptAsync,
+    /// `adapt_policy`: the adaptive tier's placement policy ([`PolicyKind`]).
+    AdaptPolicy,
     /// `vram_reserve_mib`: VRAM kept free on the first card.
     VramReserveMib,
     /// `vram_reserve_later_mib`: VRAM kept free on later cards of a split.
@@ -81,12 +85,13 @@ pub enum Knob {
 
 impl Knob {
     /// Every knob, in display order (the order of [`SPECS`]).
-    pub const ALL: [Knob; 11] = [
+    pub const ALL: [Knob; 12] = [
         Knob::RamAdapt,
         Knob::AdaptEvery,
         Knob::AdaptSwaps,
         Knob::AdaptDecay,
         Knob::AdaptAsync,
+        Knob::AdaptPolicy,
         Knob::VramReserveMib,
         Knob::VramReserveLaterMib,
         Knob::PcieFrac,
@@ -148,6 +153,12 @@ pub const SPECS: &[KnobSpec] = &[
         doc: "adaptive rounds on a helper thread (0/1)",
     },
     KnobSpec {
+        name: "adapt_policy",
+        default: DEFAULT_POLICY as usize as f64,
+        range: Range::Choice(&POLICY_NAMES),
+        doc: "placement policy of the adaptive tier: lrfu (recency-weighted frequency) or seed (the reference rule)",
+    },
+    KnobSpec {
         name: "vram_reserve_mib",
         default: 700.0,
         range: Range::Int(0, 1 << 24),
@@ -189,7 +200,8 @@ pub const SPECS: &[KnobSpec] = &[
 pub const ACTIVE: &[Knob] = &[Knob::RamAdapt, Knob::AdaptEvery, Knob::AdaptDecay, Knob::ExpertProfileSaveEvery];
 
 /// Knobs that act only when a GPU expert cache runs ([`GPU_TIER`]).
-pub const GPU_ACTIVE: &[Knob] = &[Knob::AdaptSwaps, Knob::AdaptAsync, Knob::PcieFrac, Knob::PcieAuto];
+pub const GPU_ACTIVE: &[Knob] =
+    &[Knob::AdaptSwaps, Knob::AdaptAsync, Knob::AdaptPolicy, Knob::PcieFrac, Knob::PcieAuto];
 
 /// Set once a VRAM expert cache is attached (makes [`GPU_ACTIVE`] knobs active).
 pub static GPU_TIER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -235,6 +247,11 @@ impl Knobs {
                     return Err(bad(format!("must be an integer in {lo}..={hi}, got {shown}")));
                 }
             }
+            Range::Choice(names) => {
+                if v.fract() != 0.0 || v < 0.0 || v >= names.len() as f64 {
+                    return Err(bad(format!("must be one of {}, got {shown}", names.join(", "))));
+                }
+            }
             Range::Real { min, open_min, max } => {
                 let low_ok = if open_min { v > min } else { v >= min };
                 if !low_ok || v > max {
@@ -251,10 +268,20 @@ impl Knobs {
     /// is out of range ([`KnobError`]).
     pub fn validate(name: &str, value: &str) -> Result<(Knob, f64), KnobError> {
         let k = Knob::parse(name)?;
-        let v: f64 = value
-            .trim()
-            .parse()
-            .map_err(|_| KnobError::Bad { name: k.name().to_string(), msg: format!("{value:?} is not a number") })?;
+        let by_name = match k.spec().range {
+            Range::Choice(names) => names.iter().position(|n| *n == value.trim()).map(|i| i as f64),
+            _ => None,
+        };
+        let v: f64 = match by_name {
+            Some(v) => v,
+            None => value.trim().parse().map_err(|_| KnobError::Bad {
+                name: k.name().to_string(),
+                msg: match k.spec().range {
+                    Range::Choice(names) => format!("{value:?} is not one of {}", names.join(", ")),
+                    _ => format!("{value:?} is not a number"),
+                },
+            })?,
+        };
         Ok((k, Self::check_shown(k, v, value)?))
     }
 
@@ -304,6 +331,11 @@ impl Knobs {
             decay: self.value(Knob::AdaptDecay) as f32,
         }
     }
+
+    /// The adaptive tier's placement policy.
+    pub fn policy(&self) -> PolicyKind {
+        PolicyKind::from_index(self.value(Knob::AdaptPolicy) as usize)
+    }
 }
 
 #[cfg(test)]
@@ -340,6 +372,7 @@ mod tests {
             (Knob::AdaptSwaps, "adapt_swaps"),
             (Knob::AdaptDecay, "adapt_decay"),
             (Knob::AdaptAsync, "adapt_async"),
+            (Knob::AdaptPolicy, "adapt_policy"),
             (Knob::VramReserveMib, "vram_reserve_mib"),
             (Knob::VramReserveLaterMib, "vram_reserve_later_mib"),
             (Knob::PcieFrac, "pcie_frac"),
@@ -357,5 +390,19 @@ mod tests {
             "ram_adapt: must be an integer in 0..=4096, got 1e5"
         );
         assert_eq!(Knob::ALL.len(), SPECS.len());
+        // a knob of named choices: set by name or index, shown in errors with its names
+        assert_eq!(k.policy(), PolicyKind::Lrfu);
+        assert_eq!(k.set("adapt-policy", "seed").unwrap(), (Knob::AdaptPolicy, 0.0, 1.0));
+        assert_eq!(k.policy(), PolicyKind::Seed);
+        assert_eq!(k.set("adapt_policy", "0").unwrap().2, 0.0);
+        assert_eq!(
+            k.set("adapt_policy", "lru").unwrap_err().to_string(),
+            "adapt_policy: \"lru\" is not one of lrfu, seed"
+        );
+        assert_eq!(
+            k.set("adapt_policy", "2").unwrap_err().to_string(),
+            "adapt_policy: must be one of lrfu, seed, got 2"
+        );
+        assert_eq!(k.policy(), PolicyKind::Lrfu);
     }
 }

@@ -7,6 +7,7 @@ pub mod exchange;
 pub mod fileio;
 pub mod knobs;
 pub mod layout;
+pub mod lrfu;
 pub mod policy;
 pub mod profile;
 pub mod replay;

@@ -1,7 +1,8 @@
-//! Placement policy, pure and shared by the engine and `strata-daemon replay`:
-//! per-expert usage with decay and heat, and the adaptive tier's swap rule.
+//! Placement policy, pure and shared by the engine and `strata-tools replay`: per-expert usage with decay and
+//! heat, RAM adapt's rule, the choice of the adaptive tier's policy ([`PolicyKind`]: the seed rule below or
+//! [`super::lrfu`]), and the seed rule.
 //!
-//! Rule (DESIGN.md §5; REFERENCE.md §4, the C++ engine's serve loop): every
+//! Seed rule (DESIGN.md §5; REFERENCE.md §4, the C++ engine's serve loop): every
 //! `adapt_every` decode windows, per layer, candidates = experts outside the
 //! cache with usage ≥ [`CANDIDATE_MIN_USAGE`], hottest first; victims = cached
 //! experts, coldest first (an empty slot is the coldest victim, usage 0);
@@ -15,8 +16,42 @@ pub const CANDIDATE_MIN_USAGE: f32 = 2.0;
 /// A candidate replaces a victim only when its usage exceeds the victim's by this much (REFERENCE.md §4).
 pub const SWAP_MARGIN: f32 = 1.5;
 
-/// Default decode windows per adaptive round (`--adapt-every`; REFERENCE.md §4).
+/// Default decode windows per adaptive round of the seed rule and per usage decay (`--adapt-every`; REFERENCE.md
+/// §4). [`PolicyKind::Lrfu`] plans every window whatever its value (its scores age per window; rounds further
+/// apart lose the recency it lives on); 0 stops both (static placement).
 pub const DEFAULT_ADAPT_EVERY: u32 = 4;
+
+/// The adaptive tier's placement policy (`--adapt-policy`, live knob `adapt_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// Recency-weighted frequency with its decay chosen online ([`super::lrfu`]); the default.
+    Lrfu = 0,
+    /// The seed rule of this module (the reference engine's), every `adapt_every` windows.
+    Seed = 1,
+}
+
+/// Policy names by [`PolicyKind`] index.
+pub const POLICY_NAMES: [&str; 2] = ["lrfu", "seed"];
+
+/// The default policy: chosen by replaying the fixtures' routing and traces built from published counts
+/// (docs/FIXTURES.md).
+pub const DEFAULT_POLICY: PolicyKind = PolicyKind::Lrfu;
+
+impl PolicyKind {
+    /// The policy of index `i` in [`POLICY_NAMES`] (an index out of range gives the default).
+    pub fn from_index(i: usize) -> PolicyKind {
+        match i {
+            1 => PolicyKind::Seed,
+            0 => PolicyKind::Lrfu,
+            _ => DEFAULT_POLICY,
+        }
+    }
+
+    /// Its name (`lrfu`, `seed`).
+    pub fn name(self) -> &'static str {
+        POLICY_NAMES[self as usize]
+    }
+}
 /// Default swaps per adaptive round (`--adapt-swaps`; REFERENCE.md §4).
 pub const DEFAULT_ADAPT_SWAPS: u32 = 96;
 /// Default usage decay per round (`--adapt-decay`; REFERENCE.md §4).

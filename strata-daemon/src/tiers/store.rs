@@ -13,7 +13,8 @@ use super::arena::{HostArena, Lock};
 use super::fileio::{AlignedBuf, BlobReader, FileIo};
 use super::knobs::Knobs;
 use super::layout::ExpertLayout;
-use super::policy::{plan_adaptive_round, plan_ram_adapt, Promotion, Swap, Usage};
+use super::lrfu::Lrfu;
+use super::policy::{plan_adaptive_round, plan_ram_adapt, PolicyKind, Promotion, Swap, Usage};
 use super::profile::{rank_by_heat, Geometry, Profile};
 use crate::gguf::GgufFile;
 use crate::pool::WorkerPool;
@@ -305,6 +306,8 @@ struct State {
     /// Arena offset of each expert's place, `layer × n_expert + expert`; `None` = file tier.
     place: Vec<Option<usize>>,
     usage: Usage,
+    /// The `lrfu` policy's scores and shadow caches (fed while a VRAM cache exists).
+    lrfu: Lrfu,
     /// The profile's ranks at start (ties of a save).
     prior: Option<Vec<Option<u32>>>,
     /// Asynchronous rounds of the VRAM tier in flight (one per stage of a layer split at most; 0 without one).
@@ -443,6 +446,7 @@ impl ExpertStore {
             state: Mutex::new(State {
                 place,
                 usage: Usage::new(n_layer, ne),
+                lrfu: Lrfu::new(n_layer, ne),
                 prior: ranks,
                 rounds_staged: 0,
                 exchanges: 0,
@@ -506,9 +510,11 @@ impl ExpertStore {
                 _ => file += 1,
             }
             if decode {
-                for _ in 0..entries.get(j).copied().unwrap_or(1) {
+                let n = entries.get(j).copied().unwrap_or(1);
+                for _ in 0..n {
                     st.usage.record(layer, e);
                 }
+                st.lrfu.record(layer, e, n);
             }
             out.push(src);
         }
@@ -609,29 +615,39 @@ impl ExpertStore {
         Ok(())
     }
 
-    /// Ends a decode window: counts it and, every `adapt_every` windows, runs the adaptive round: with a VRAM
-    /// cache, plans at most `adapt_swaps` swaps by the rule of DESIGN.md §5 (REFERENCE.md §4) on the usage
-    /// before decaying it; then decays usage by `adapt_decay` (heat accumulates). Returns the planned swaps
+    /// Ends a decode window: counts it and runs the adaptive tier's policy (`adapt_policy`) on the VRAM cache,
+    /// if there is one. `lrfu` ([`super::lrfu`]) ages its scores every window and, unless `adapt_every` is 0,
+    /// plans a round every window; the seed rule (DESIGN.md §5, REFERENCE.md §4) plans every `adapt_every`
+    /// windows on the usage before it decays. Every `adapt_every` windows usage decays by `adapt_decay` (heat
+    /// accumulates; RAM adapt reads it). A round plans at most `adapt_swaps` swaps. Returns the planned swaps
     /// (empty without a VRAM cache or between rounds); the caller carries them out
     /// ([`ExpertStore::evict_slot`], [`ExpertStore::admit_slot`]).
     pub fn end_decode_window(&self) -> Vec<Swap> {
         self.counters.windows.fetch_add(1, Ordering::Relaxed);
         let k = self.knobs.adapt();
+        let policy = self.knobs.policy();
+        let ne = self.layout.n_expert;
         let mut st = self.state();
         st.windows += 1;
+        let n_free: usize = st.free_slots.iter().map(Vec::len).sum();
+        let n_slots = st.slot.iter().filter(|s| s.is_some()).count() + n_free;
         let mut plan = Vec::new();
-        if k.every > 0 && st.windows.is_multiple_of(k.every as u64) {
-            let n_free: usize = st.free_slots.iter().map(Vec::len).sum();
-            let n_slots = st.slot.iter().filter(|s| s.is_some()).count() + n_free;
-            if n_slots > 0 && k.swaps > 0 {
-                let ne = self.layout.n_expert;
-                plan = plan_adaptive_round(
-                    &st.usage,
-                    |l| (0..ne).filter(|&e| st.slot[l * ne + e].is_some()).collect(),
-                    |l| st.free_slots[stage_in(&st.stage_start, l)].len(),
-                    k.swaps as usize,
-                );
+        if n_slots > 0 {
+            let st = &mut *st;
+            let (slot, free, starts) = (&st.slot, &st.free_slots, &st.stage_start);
+            let cached = |l: usize| (0..ne).filter(|&e| slot[l * ne + e].is_some()).collect::<Vec<_>>();
+            let free_of = |l: usize| free[stage_in(starts, l)].len();
+            st.lrfu.end_window(cached, |l| cached(l).len() + free_of(l));
+            let due = k.every > 0 && st.windows.is_multiple_of(k.every as u64);
+            if k.active() {
+                match policy {
+                    PolicyKind::Lrfu => plan = st.lrfu.plan(cached, free_of, k.swaps as usize),
+                    PolicyKind::Seed if due => plan = plan_adaptive_round(&st.usage, cached, free_of, k.swaps as usize),
+                    PolicyKind::Seed => {}
+                }
             }
+        }
+        if k.every > 0 && st.windows.is_multiple_of(k.every as u64) {
             st.usage.decay(k.decay);
         }
         plan
@@ -641,6 +657,7 @@ impl ExpertStore {
     pub fn reset_usage(&self) {
         let mut st = self.state();
         st.usage = Usage::new(self.layout.n_layer(), self.layout.n_expert);
+        st.lrfu = Lrfu::new(self.layout.n_layer(), self.layout.n_expert);
         st.windows = 0;
     }
 
@@ -752,6 +769,7 @@ impl ExpertStore {
         let mut st = self.state();
         for e in routed {
             st.usage.record(layer, e);
+            st.lrfu.record(layer, e, 1);
             distinct[e] = true;
         }
         drop(st);

@@ -97,6 +97,28 @@ fn mm(m: &ModelRef<'_>, w: &Weight, x: &Act, out: &mut [f32]) {
 }
 
 impl CpuPass<'_, '_> {
+    /// Next-layer prediction (recorded in the routing dump): layer `l + 1`'s router applied to the hidden state
+    /// after layer `l`'s attention, normalised with layer `l + 1`'s `ffn_norm` — what a prefetcher could know
+    /// while layer `l`'s experts run. One small product (`n_expert × n_embd` per token); nothing when the next
+    /// layer is not an MoE layer or this is the last.
+    fn predict_next(&mut self, l: usize) {
+        let m = self.m;
+        let Some(next) = m.weights.blocks.get(l + 1) else { return };
+        let Ffn::Moe(ex) = &next.ffn else { return };
+        let e = m.cfg.n_embd;
+        let s = &mut *self.s;
+        s.xp.resize(self.t, e);
+        for i in 0..self.t {
+            rms_norm(&s.x[i * e..(i + 1) * e], &next.ffn_norm, m.cfg.rms_eps, &mut s.xp.f[i * e..(i + 1) * e]);
+        }
+        s.xp.with_q8k = s.xn.with_q8k;
+        s.xp.quantize();
+        let mut logits = vec![0f32; self.t * m.cfg.n_expert];
+        mm(m, &ex.router, &s.xp, &mut logits);
+        let pred = router::top_k(m.cfg, &logits, self.t);
+        s.predict_next(l + 1, pred.into_iter().map(|r| r.into_iter().map(|(e, _)| e).collect()).collect());
+    }
+
     /// Fails the pass when the hidden state holds a non-finite value after `tensor`'s op of layer `l` (one pass
     /// over `t × n_embd` values: cheap beside the op's own products).
     fn check_x(&self, l: usize, tensor: &'static str) -> Result<(), BackendError> {
@@ -329,6 +351,9 @@ impl Ops for CpuPass<'_, '_> {
         let routing = router::top_k(m.cfg, &s.router, self.t);
         s.record_routes(l, self.pos0, &routing);
         s.routing = routing;
+        if s.routes.is_some() {
+            self.predict_next(l);
+        }
         Ok(())
     }
 

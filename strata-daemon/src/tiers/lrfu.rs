@@ -1,0 +1,232 @@
+//! The `lrfu` placement policy: recency-weighted frequency (LRFU, Lee et al., "LRFU: a spectrum of policies
+//! that subsumes the least recently used and least frequently used policies", IEEE ToC 2001) with its decay
+//! chosen online per layer by shadow caches (the idea of ARC and LeCaR: keep the cheap metadata of a few
+//! candidate policies and follow the one that would have hit most lately).
+//!
+//! Each expert's score is `Σ λ^age` over the windows that used it (`age` in decode windows, each use
+//! counting its routing entries). λ ≤ 0.5 orders experts exactly as LRU does (one use now outweighs every older
+//! one); λ → 1 is LFU. Per layer, one shadow cache per λ of [`LRFU_DECAYS`] runs demand fetch with bypass on its
+//! own scores (after each window it keeps the cache's size of experts with the highest scores among those it
+//! held and those the window used); each λ's hits over all layers are counted with a decay of [`MERIT_DECAY`]
+//! per window. At an adaptive round the real cache follows the λ whose shadows lead — LRU's until another's
+//! exceed it by [`LEAD_MARGIN`], since LRU is the safe choice when the evidence is thin: candidates are uncached experts with a score
+//! above zero, victims are free slots first, then cached experts by lowest score; the i-th candidate replaces
+//! the i-th victim while its score is higher (free slots: any used expert enters, so short requests fill the
+//! cache, unlike the seed rule's usage floor of 2). Pairs of every layer are taken largest gain first, at most
+//! `adapt_swaps`. Rounds run every window (the engine and `replay` ignore `adapt_every` for this policy except
+//! 0, static), so the cache is as current as a demand-fetch cache; rounds further apart lose the recency that LRU
+//! lives on (every 4 windows fell up to 25 points below LRU on the traces below).
+//!
+//! The parameters were chosen by replaying the fixtures' routing and traces built from published routing counts
+//! (docs/FIXTURES.md, tools/routing-synth): per-layer leaders, a horizon of 20 windows or starting from λ = 0.9
+//! fell up to 1.5 points below LRU on some of them.
+//!
+//! Pure: the engine ([`super::store::ExpertStore`]) and `replay` ([`super::replay`]) run this same code.
+
+use super::policy::Swap;
+
+/// The decays (λ per decode window) the shadow caches try; the first behaves as LRU.
+pub const LRFU_DECAYS: [f32; 5] = [0.5, 0.8, 0.9, 0.95, 0.99];
+/// Decay per window of a shadow cache's hit count (a horizon of about 100 windows).
+pub const MERIT_DECAY: f32 = 0.99;
+/// How far another λ's decayed hits must exceed LRU's (λ = 0.5) for the cache to follow it (relative).
+pub const LEAD_MARGIN: f32 = 0.01;
+
+/// State of the `lrfu` policy for `n_layer × n_expert` experts (index `layer × n_expert + expert`).
+#[derive(Debug, Clone)]
+pub struct Lrfu {
+    n_layer: usize,
+    n_expert: usize,
+    /// Routing entries of the current window per expert.
+    window: Vec<u32>,
+    /// Scores per decay: `score[j][i]`.
+    score: Vec<Vec<f32>>,
+    /// Shadow cache per decay: `shadow[j][i]` = held.
+    shadow: Vec<Vec<bool>>,
+    /// Shadow capacity per layer (the real cache's size for that layer; `None` until first seen).
+    cap: Vec<Option<usize>>,
+    /// Decayed shadow hits over all layers, per decay.
+    merit: [f32; LRFU_DECAYS.len()],
+}
+
+impl Lrfu {
+    /// All scores zero, shadows empty until the first window tells their size.
+    pub fn new(n_layer: usize, n_expert: usize) -> Self {
+        let n = n_layer * n_expert;
+        let d = LRFU_DECAYS.len();
+        Lrfu {
+            n_layer,
+            n_expert,
+            window: vec![0; n],
+            score: vec![vec![0.0; n]; d],
+            shadow: vec![vec![false; n]; d],
+            cap: vec![None; n_layer],
+            merit: [0.0; LRFU_DECAYS.len()],
+        }
+    }
+
+    /// Counts `entries` routing entries of the current decode window for `(layer, expert)`. Panics on an index
+    /// out of range.
+    pub fn record(&mut self, layer: usize, expert: usize, entries: u32) {
+        assert!(layer < self.n_layer && expert < self.n_expert, "expert ({layer}, {expert}) out of range");
+        self.window[layer * self.n_expert + expert] += entries;
+    }
+
+    /// The decay the real cache follows now (index into [`LRFU_DECAYS`]): the shadows with the most decayed
+    /// hits, LRU's (0) unless another's exceed its by [`LEAD_MARGIN`].
+    pub fn leader(&self) -> usize {
+        let m = &self.merit;
+        let mut best = 0;
+        for (j, &v) in m.iter().enumerate() {
+            if v > m[best] && v > m[0] * (1.0 + LEAD_MARGIN) {
+                best = j;
+            }
+        }
+        best
+    }
+
+    /// Score of `(layer, expert)` under the leading decay.
+    pub fn score(&self, layer: usize, expert: usize) -> f32 {
+        self.score[self.leader()][layer * self.n_expert + expert]
+    }
+
+    /// Ends a decode window: counts each shadow's hits on the window's experts, ages every score by its λ and
+    /// adds the window's entries, lets each shadow keep its best, and clears the window. `cached(layer)` lists
+    /// the experts the real cache holds (the shadows of a layer start as its copy the first time); `size(layer)`
+    /// is the number of experts the layer's cache may hold (held + free for it).
+    pub fn end_window(&mut self, cached: impl Fn(usize) -> Vec<usize>, size: impl Fn(usize) -> usize) {
+        let ne = self.n_expert;
+        let mut order: Vec<usize> = Vec::with_capacity(ne);
+        self.merit.iter_mut().for_each(|m| *m *= MERIT_DECAY);
+        for l in 0..self.n_layer {
+            let r = l * ne..(l + 1) * ne;
+            let cap = size(l).min(ne);
+            if self.cap[l].is_none() {
+                for sh in &mut self.shadow {
+                    for e in cached(l) {
+                        sh[l * ne + e] = true;
+                    }
+                }
+            }
+            self.cap[l] = Some(cap);
+            let win = &self.window[r.clone()];
+            if win.iter().all(|&w| w == 0) {
+                // nothing routed at this layer (a layer without records): age only
+                for (j, sc) in self.score.iter_mut().enumerate() {
+                    sc[r.clone()].iter_mut().for_each(|s| *s *= LRFU_DECAYS[j]);
+                }
+                continue;
+            }
+            for (j, &lambda) in LRFU_DECAYS.iter().enumerate() {
+                let sh = &mut self.shadow[j][r.clone()];
+                let sc = &mut self.score[j][r.clone()];
+                let hits = win.iter().zip(sh.iter()).filter(|(&w, &h)| w > 0 && h).count();
+                self.merit[j] += hits as f32;
+                for (s, &w) in sc.iter_mut().zip(win) {
+                    *s = *s * lambda + w as f32;
+                }
+                // keep the `cap` best of (held ∪ used now); ties: held first, then lower id
+                order.clear();
+                order.extend((0..ne).filter(|&e| sh[e] || win[e] > 0));
+                order.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]).then(sh[b].cmp(&sh[a])).then(a.cmp(&b)));
+                sh.iter_mut().for_each(|h| *h = false);
+                for &e in order.iter().take(cap) {
+                    sh[e] = true;
+                }
+            }
+        }
+        self.window.iter_mut().for_each(|w| *w = 0);
+    }
+
+    /// Plans an adaptive round under the leading decay (module doc). `cached(layer)` lists the experts
+    /// the cache holds for `layer`; `free(layer)` is the number of empty slots that layer may fill. Returns at
+    /// most `max_swaps` swaps, largest gain first (ties: lower layer, then higher-ranked pair first).
+    pub fn plan(
+        &self,
+        cached: impl Fn(usize) -> Vec<usize>,
+        free: impl Fn(usize) -> usize,
+        max_swaps: usize,
+    ) -> Vec<Swap> {
+        let ne = self.n_expert;
+        let mut pairs: Vec<(Swap, usize)> = Vec::new();
+        let lead = self.leader();
+        for l in 0..self.n_layer {
+            let sc = &self.score[lead][l * ne..(l + 1) * ne];
+            let held = cached(l);
+            let mut in_cache = vec![false; ne];
+            for &e in &held {
+                in_cache[e] = true;
+            }
+            let mut cand: Vec<usize> = (0..ne).filter(|&e| !in_cache[e] && sc[e] > 0.0).collect();
+            if cand.is_empty() {
+                continue;
+            }
+            cand.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]).then(a.cmp(&b)));
+            let mut vict: Vec<(Option<usize>, f32)> = vec![(None, 0.0); free(l)];
+            let mut held_sorted = held;
+            held_sorted.sort_by(|&a, &b| sc[a].total_cmp(&sc[b]).then(a.cmp(&b)));
+            vict.extend(held_sorted.into_iter().map(|e| (Some(e), sc[e])));
+            for (rank, (&c, &(v, vs))) in cand.iter().zip(vict.iter()).enumerate() {
+                if sc[c] <= vs {
+                    break;
+                }
+                pairs.push((Swap { layer: l, outgoing: v, incoming: c, gain: sc[c] - vs }, rank));
+            }
+        }
+        pairs.sort_by(|(a, ra), (b, rb)| b.gain.total_cmp(&a.gain).then(a.layer.cmp(&b.layer)).then(ra.cmp(rb)));
+        pairs.truncate(max_swaps);
+        pairs.into_iter().map(|(s, _)| s).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lambda_half_orders_as_lru() {
+        // one layer, 3 experts, 1 slot: after uses 0, 0, 0, 1 the LRU-like score prefers 1 (used last)
+        let mut p = Lrfu::new(1, 3);
+        for e in [0, 0, 0, 1] {
+            p.record(0, e, 1);
+            p.end_window(|_| vec![], |_| 1);
+        }
+        let sc = &p.score[0];
+        assert!(sc[1] > sc[0], "{sc:?}");
+        // while λ = 0.99 still prefers the frequent one
+        let sc = &p.score[4];
+        assert!(sc[0] > sc[1], "{sc:?}");
+    }
+
+    #[test]
+    fn free_slots_take_any_used_expert_and_victims_need_a_lower_score() {
+        let mut p = Lrfu::new(1, 4);
+        p.record(0, 2, 1);
+        p.end_window(|_| vec![], |_| 2);
+        // one free slot: expert 2 (score 1) enters; nothing else was used
+        let s = p.plan(|_| vec![], |_| 1, 8);
+        assert_eq!(s, vec![Swap { layer: 0, outgoing: None, incoming: 2, gain: 1.0 }]);
+        // full cache holding 0 and 2: 2's score is not above itself, 0 (score 0) is not a candidate
+        assert!(p.plan(|_| vec![0, 2], |_| 0, 8).is_empty());
+        // cache holding 0 and 1 (both score 0): 2 replaces the lowest-id of the coldest
+        let s = p.plan(|_| vec![1, 0], |_| 0, 8);
+        assert_eq!(s, vec![Swap { layer: 0, outgoing: Some(0), incoming: 2, gain: 1.0 }]);
+    }
+
+    #[test]
+    fn the_leading_shadow_is_followed() {
+        // one hot expert every other window, one-off experts between: with one slot LRU always holds the one-off
+        // (0 never hits), a frequency-leaning λ keeps 0 (every use of 0 after the first hits)
+        let mut p = Lrfu::new(1, 101);
+        for i in 0..200 {
+            p.record(0, if i % 2 == 0 { 0 } else { 1 + i / 2 }, 1);
+            p.end_window(|_| vec![], |_| 1);
+        }
+        assert_eq!(p.merit[0], 0.0, "LRU's shadow never hits here");
+        assert_ne!(p.leader(), 0);
+        // the real cache follows: the hot expert replaces a one-off
+        let s = p.plan(|_| vec![100], |_| 0, 8);
+        assert_eq!(s.len(), 1);
+        assert_eq!((s[0].outgoing, s[0].incoming), (Some(100), 0));
+    }
+}

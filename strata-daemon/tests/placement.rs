@@ -1,0 +1,116 @@
+//! The engine's placement against `replay`: greedy decoding of the exact MoE fixture on the CPU with a VRAM expert
+//! cache stood in by the store's slot records (the adaptive rounds carried out as the GPU backend does: evict,
+//! then admit into the freed slot) counts the same hits as `replay` of the routing the pass recorded, for every
+//! engine policy; and the recorded next-layer prediction names far more of the routed experts than chance.
+
+mod common;
+
+use std::io::Cursor;
+use std::sync::Arc;
+
+use common::*;
+use strata::engine::routing_dump::{Phase, RoutingDump};
+use strata::gguf::GgufFile;
+use strata::model::forward::Scratch;
+use strata::model::{Logits, Model};
+use strata::tiers::fileio::FileIo;
+use strata::tiers::policy::AdaptKnobs;
+use strata::tiers::replay::{prediction_accuracy, replay, PhaseFilter, Policy, Trace};
+use strata::tiers::store::{ExpertStore, ResidentMode};
+
+const SLOTS_PER_LAYER: usize = 4;
+
+fn model() -> Model {
+    let mut m = Model::load(Arc::new(GgufFile::open(fixture_path("exact")).unwrap())).unwrap();
+    m.set_threads(2).unwrap();
+    m
+}
+
+/// Decodes `n` greedy tokens after each prompt with the store's adaptive rounds carried out after every window;
+/// returns the decode routing as `--dump-routing` JSON Lines (one request per prompt).
+fn decode(m: &Model, st: &ExpertStore, prompts: &[Vec<u32>], n: usize) -> String {
+    let path = std::env::temp_dir().join(format!(
+        "strata-placement-{}-{}.jsonl",
+        std::process::id(),
+        st.knobs.policy().name()
+    ));
+    let mut dump = RoutingDump::create(&path).unwrap();
+    for (seq, p) in prompts.iter().enumerate() {
+        let mut kv = m.new_kv(256);
+        let mut s = Scratch::default();
+        let mut logits = m.forward(p, &mut kv, Logits::Last, &mut s);
+        s.routes = Some(Vec::new());
+        for _ in 0..n {
+            let t = strata::engine::sampler::argmax(&logits);
+            s.decode = true;
+            logits = m.forward(&[t], &mut kv, Logits::Last, &mut s);
+            for sw in st.end_decode_window() {
+                let slot = match sw.outgoing {
+                    Some(o) => st.evict_slot(sw.layer, o),
+                    None => st.reserve_slot(sw.layer),
+                };
+                st.admit_slot(sw.layer, sw.incoming, slot.expect("a victim's or a free slot"));
+            }
+            dump.write(seq as u64, Phase::Decode, s.routes.as_mut().unwrap()).unwrap();
+        }
+    }
+    dump.flush().unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    text
+}
+
+#[test]
+fn engine_hits_equal_the_replay_for_every_policy() {
+    let m = model();
+    let (nl, ne) = (m.cfg.n_layer, m.cfg.n_expert);
+    let prompts: Vec<Vec<u32>> =
+        (0..3u32).map(|r| (0..12u32).map(|i| (i * 7919 + r * 104_729 + 13) % m.cfg.n_vocab as u32).collect()).collect();
+    for (name, policy) in [
+        ("lrfu", Policy::Lrfu(AdaptKnobs::default())),
+        ("seed", Policy::Seed(AdaptKnobs { every: 2, swaps: 96, decay: 0.9 })),
+    ] {
+        let st = store_for(&m, &fixture_path("exact"), ResidentMode::All, FileIo::Buffered, None);
+        st.knobs.set("adapt_policy", name).unwrap();
+        if let Policy::Seed(k) = policy {
+            st.knobs.set("adapt_every", &k.every.to_string()).unwrap();
+            st.knobs.set("adapt_decay", &k.decay.to_string()).unwrap();
+        }
+        // the VRAM cache as the GPU backend fills it: placement order, SLOTS_PER_LAYER × n_layer slots
+        st.init_slots(SLOTS_PER_LAYER * nl);
+        for (l, e) in st.placement_order().into_iter().take(SLOTS_PER_LAYER * nl) {
+            let slot = st.reserve_slot(l).unwrap();
+            st.admit_slot(l, e, slot);
+        }
+        let st = Arc::new(st);
+        let mut m = model();
+        m.experts = Some(st.clone());
+        let before = st.counters.totals();
+        let text = decode(&m, &st, &prompts, 40);
+        let d = st.counters.totals().since(&before);
+        let mut trace = Trace::read(Cursor::new(text), PhaseFilter::Decode).unwrap();
+        // the model's geometry (the trace's maxima could be smaller)
+        trace.n_expert = ne;
+        assert_eq!(trace.n_layer, nl);
+        let o = replay(&trace, policy, SLOTS_PER_LAYER);
+        eprintln!(
+            "{name}: engine {} hits of {} lookups ({:.1}%), replay {} of {} ({:.1}%), {} loads",
+            d.vram_hits,
+            d.lookups,
+            100.0 * d.vram_hits as f64 / d.lookups as f64,
+            o.hits,
+            o.lookups,
+            100.0 * o.hit_rate(),
+            o.loads
+        );
+        assert_eq!(o.lookups, d.lookups, "{name}: the replay sees every lookup the engine counted");
+        assert_eq!(o.hits, d.vram_hits, "{name}: the engine hits what the replay predicts");
+        assert!(o.loads > 0, "{name}: the cache moved");
+        // the next-layer prediction: every MoE layer but the first carries one, and it names far more than
+        // chance (top-4 of 16: 25%)
+        let acc = prediction_accuracy(&trace).expect("the CPU backend predicts");
+        eprintln!("{name}: next-layer prediction names {:.1}% of routed experts", acc * 100.0);
+        assert!(acc > 0.5, "{acc}");
+        assert!(trace.windows.iter().all(|w| w.predicted[0].is_none() && w.predicted[1..].iter().all(Option::is_some)));
+    }
+}
