@@ -141,6 +141,10 @@ struct Args {
     /// finish a layer together.
     #[arg(long, default_value_t = 0, value_name = "0|1")]
     pcie_auto: u8,
+    /// Next-layer prefetch on the hybrid GPU path (live knob `prefetch`): at most N of the next layer's predicted
+    /// experts that are in RAM are uploaded while a layer computes, and computed on the GPU when routed; 0 = off.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    prefetch: u8,
     /// Adaptive tier rounds asynchronous (1: copies run on a helper thread between windows; not bit-exact run
     /// to run) or blocking (0).
     #[arg(long, default_value_t = 0, value_name = "0|1")]
@@ -229,6 +233,7 @@ fn main() -> Result<()> {
         ("expert_profile_save_every", args.expert_profile_save_every.to_string()),
         ("pcie_frac", args.pcie_frac.to_string()),
         ("pcie_auto", args.pcie_auto.to_string()),
+        ("prefetch", args.prefetch.to_string()),
         ("adapt_async", args.adapt_async.to_string()),
     ] {
         knobs.set(name, &v).map_err(|e| anyhow::anyhow!("--{}: {e}", name.replace('_', "-")))?;

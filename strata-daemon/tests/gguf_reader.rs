@@ -17,10 +17,22 @@ fn write_tmp(bytes: &[u8]) -> std::path::PathBuf {
     p
 }
 
+/// Opens `bytes` as a file and, through [`GgufFile::from_bytes`], from memory: both must agree (the same metadata,
+/// tensors and bytes, or the same error), so every test here covers both.
 fn open_bytes(bytes: &[u8]) -> Result<GgufFile, GgufError> {
     let p = write_tmp(bytes);
     let r = GgufFile::open(&p);
     std::fs::remove_file(&p).unwrap();
+    let m = GgufFile::from_bytes(&p, bytes.to_vec());
+    match (&r, &m) {
+        (Ok(a), Ok(b)) => {
+            assert_eq!(format!("{:?}", a.metadata), format!("{:?}", b.metadata));
+            assert_eq!(format!("{:?}", a.tensors), format!("{:?}", b.tensors));
+            assert_eq!((a.bytes(), a.data_offset, a.path()), (b.bytes(), b.data_offset, b.path()));
+        }
+        (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+        _ => panic!("file and memory disagree: {:?} vs {:?}", r.as_ref().err(), m.as_ref().err()),
+    }
     r
 }
 
@@ -211,4 +223,22 @@ fn an_alignment_of_the_wrong_type_says_so() {
     w.set("general.alignment", Value::U32(48));
     let e = err_of(&w.to_bytes());
     assert!(e.contains("power of two") && e.contains("48"), "{e}");
+}
+
+/// Inputs the fuzzer (tools/fuzz, target `gguf`) found crashing the load: a `block_count` of billions in a small
+/// file sized the layer table before any tensor was looked up (an allocation of terabytes, an abort). Each must now
+/// load to a one-line error.
+#[test]
+fn fuzz_findings_are_errors() {
+    use strata::arch::config::ModelConfig;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/fuzz/gguf");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let p = entry.unwrap().path();
+        let f = GgufFile::from_bytes(&p, std::fs::read(&p).unwrap()).expect("the header parses");
+        let e = ModelConfig::from_gguf(&f).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("block_count") && !e.contains('\n'), "{}: {e:?}", p.display());
+        n += 1;
+    }
+    assert!(n >= 4, "{n} findings");
 }

@@ -74,6 +74,10 @@ pub struct BenchArgs {
     /// `--vram-reserve-mib` of the arms (MiB).
     #[arg(long, default_value_t = 700)]
     vram_reserve_mib: u64,
+    /// Live knob `prefetch` in every arm: at most N of the next layer's predicted misses are uploaded while a
+    /// layer computes (0 = off).
+    #[arg(long, default_value_t = 0)]
+    prefetch: u32,
     /// Placement policies of the adaptive arms (`--adapt-policy`; each blocking and async arm runs once per
     /// policy).
     #[arg(long, value_delimiter = ',', default_value = "lrfu")]
@@ -620,6 +624,12 @@ pub fn check(a: CheckArgs) -> Result<()> {
             ("cache 25%, lrfu async", q, 1, 1, s, None, false, &none),
             ("cache 25%, resident, lrfu blocking", q, 1, 0, s, None, true, &none),
             ("cache 25%, resident, lrfu async", q, 1, 1, s, None, true, &none),
+            // the prefetch (live knob `prefetch`): predicted misses of the next layer computed on the GPU
+            ("cache 25%, static, prefetch", q, 0, 0, s, None, false, &none),
+            ("cache 25%, lrfu blocking, prefetch", q, 1, 0, s, None, false, &none),
+            ("cache 25%, resident, lrfu async, prefetch", q, 1, 1, s, None, true, &none),
+            ("cache 25%, pcie-frac 0.5, prefetch", q, 0, 0, PcieArm::Share(0.5), None, false, &none),
+            ("split 0,0: cache 25%, lrfu blocking, prefetch", q, 1, 0, s, None, false, &half),
             ("cache 25%, pcie-frac 0.5", q, 0, 0, PcieArm::Share(0.5), None, false, &none),
             ("cache 25%, pcie auto", q, 0, 0, PcieArm::Auto, None, false, &none),
             ("cache 25%, RAM 50%, ram-adapt 8", q, 1, 0, s, Some(0.5), false, &none),
@@ -652,6 +662,9 @@ pub fn check(a: CheckArgs) -> Result<()> {
             knobs.set("adapt_async", &asyn.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             let policy = if name.contains("lrfu") { "lrfu" } else { "seed" };
             knobs.set("adapt_policy", policy).map_err(|e| anyhow::anyhow!("{e}"))?;
+            knobs
+                .set("prefetch", if name.contains("prefetch") { "64" } else { "0" })
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("pcie_frac", &pcie.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("pcie_auto", auto).map_err(|e| anyhow::anyhow!("{e}"))?;
             let mut m = load_mode(path, knobs, 8, resident, ram)?;
@@ -691,9 +704,20 @@ pub fn check(a: CheckArgs) -> Result<()> {
                 "{name:<32} positions {n}  mean KL {mean:.2e}  argmax {:.2}%  hits {}/{}  swaps {}  pcie entries {}  promotions {}  file reads {}  tier faults {}  digest {bytes_digest:016x}",
                 100.0 * agree as f64 / n as f64, tt.vram_hits, tt.lookups, tt.swaps, tt.pcie_entries, tt.promotions, tt.file_blob_reads, faults.len()
             );
+            if name.contains("prefetch") {
+                println!(
+                    "{:<32} prefetched {}  used {}  wasted {:.1} MiB  prediction names {:.1}% of routed experts",
+                    "",
+                    tt.prefetched,
+                    tt.prefetch_hits,
+                    tt.prefetch_wasted_bytes as f64 / 1048576.0,
+                    100.0 * tt.predicted_named as f64 / tt.predicted_routed.max(1) as f64
+                );
+            }
             configs.push(serde_json::json!({"config": name, "positions": n, "mean_kl": mean,
                 "argmax_agreement": agree as f64 / n as f64, "vram_hits": tt.vram_hits, "lookups": tt.lookups,
                 "swaps": tt.swaps, "pcie_entries": tt.pcie_entries, "promotions": tt.promotions,
+                "prefetched": tt.prefetched, "prefetch_hits": tt.prefetch_hits,
                 "file_blob_reads": tt.file_blob_reads, "tier_faults": faults.len(), "digest": format!("{bytes_digest:016x}")}));
         }
         report.insert("model".into(), path.display().to_string().into());
@@ -827,6 +851,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         knobs.set("adapt_every", if mode == "off" { "0" } else { "4" }).map_err(|e| anyhow::anyhow!("{e}"))?;
         knobs.set("adapt_async", if mode == "async" { "1" } else { "0" }).map_err(|e| anyhow::anyhow!("{e}"))?;
         knobs.set("adapt_policy", policy).map_err(|e| anyhow::anyhow!("{e}"))?;
+        knobs.set("prefetch", &a.prefetch.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
         let (pcie, auto) = match pcie {
             PcieArm::Share(p) => (p, false),
             PcieArm::Auto => (0.5, true),
@@ -942,11 +967,24 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             100.0 * hit,
             d.swaps
         );
+        if a.prefetch > 0 {
+            println!(
+                "{:<34} prefetched {:.2}/tok, used {:.1}%, wasted {:.1} MiB/tok; prediction names {:.1}% of routed experts",
+                "",
+                d.prefetched as f64 / a.gen as f64,
+                100.0 * d.prefetch_hits as f64 / d.prefetched.max(1) as f64,
+                d.prefetch_wasted_bytes as f64 / a.gen as f64 / 1048576.0,
+                100.0 * d.predicted_named as f64 / d.predicted_routed.max(1) as f64
+            );
+        }
         let stage_slots: Vec<usize> = gpu(&m).stages().iter().map(|s| s.slots).collect();
         arms.push(serde_json::json!({"arm": name, "cache_frac": f, "slots": n, "stage_slots": stage_slots,
             "adaptive": mode, "policy": policy, "pcie_frac": pcie,
             "pcie_auto": auto,
             "prompt_tok_s": pt, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,
+            "prefetched": d.prefetched, "prefetch_hits": d.prefetch_hits,
+            "prefetch_wasted_bytes": d.prefetch_wasted_bytes,
+            "prediction_accuracy": d.predicted_named as f64 / (d.predicted_routed.max(1)) as f64,
             "pcie_entries_per_token": pcie_per_tok, "blob_reads_per_token": blob_per_tok, "bound_tok_s": bound}));
     }
     let report = serde_json::json!({"model": a.model.display().to_string(), "shift": a.shift,

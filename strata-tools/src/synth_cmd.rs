@@ -23,7 +23,8 @@ pub struct SynthArgs {
     out: PathBuf,
     /// Geometry: mixtral-8x7b (32 layers, 4096, 8 experts × 14336, top-2), olmoe-1b-7b (16 layers, 2048, 64
     /// experts × 1024, top-8), qwen3-30b-a3b (48 layers, 2048, 128 experts × 768, top-8, head size 128),
-    /// qwen2-57b-a14b (28 layers, 3584, 64 experts × 2560, top-8, shared expert 20480), tiny.
+    /// qwen2-57b-a14b (28 layers, 3584, 64 experts × 2560, top-8, shared expert 20480), tiny, micro (2 layers,
+    /// 32, 4 experts × 32, top-2, a shared expert: a few KiB, for fuzzing seeds).
     #[arg(long, default_value = "mixtral-8x7b")]
     preset: String,
     /// Override the layer count.
@@ -60,7 +61,7 @@ pub(crate) struct Geo {
     ff_shexp: usize,
 }
 
-/// The geometry of preset `name` (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, qwen2-57b-a14b, tiny); errors on
+/// The geometry of preset `name` (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, qwen2-57b-a14b, tiny, micro); errors on
 /// other names.
 pub(crate) fn preset(name: &str) -> Result<Geo> {
     Ok(match name {
@@ -116,6 +117,20 @@ pub(crate) fn preset(name: &str) -> Result<Geo> {
             native: "qwen3moe",
             ff_shexp: 0,
         },
+        // the smallest file every architecture path accepts (a few KiB: fuzzing seeds)
+        "micro" => Geo {
+            layers: 2,
+            embd: 32,
+            ff_exp: 32,
+            experts: 4,
+            top_k: 2,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 16,
+            vocab: 32,
+            native: "qwen2moe",
+            ff_shexp: 32,
+        },
         "qwen2-57b-a14b" => Geo {
             layers: 28,
             embd: 3584,
@@ -129,7 +144,9 @@ pub(crate) fn preset(name: &str) -> Result<Geo> {
             native: "qwen2moe",
             ff_shexp: 20480,
         },
-        other => bail!("unknown preset {other:?} (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, qwen2-57b-a14b, tiny)"),
+        other => {
+            bail!("unknown preset {other:?} (mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, qwen2-57b-a14b, tiny, micro)")
+        }
     })
 }
 

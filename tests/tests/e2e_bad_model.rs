@@ -58,6 +58,12 @@ fn missing_truncated_garbage_unknown_arch_unsupported_type() {
     std::fs::write(&t, tiny("llama", GgmlType::IQ2_XS).to_bytes()).unwrap();
     refuse(&t, "unsupported tensor type IQ2_XS");
 
+    // a block count far above the file's tensors (a fuzzing finding: it sized the layer table, an abort)
+    let mut w = tiny("llama", GgmlType::F32);
+    w.set("llama.block_count", Value::U32(u32::MAX));
+    std::fs::write(&t, w.to_bytes()).unwrap();
+    refuse(&t, "block_count 4294967295 but the file holds 1 tensors");
+
     std::fs::remove_file(&t).unwrap();
 }
 

@@ -171,6 +171,11 @@ impl ModelConfig {
         if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 {
             return bad(format!("block_count {n_layer}, embedding_length {n_embd}, head_count {n_head}, head_count_kv {n_head_kv} must be > 0"));
         }
+        // every layer has tensors of its own: a block count above the file's tensors is not this file's (it would
+        // size the layer tables before any tensor is looked up)
+        if n_layer > f.tensors.len() {
+            return bad(format!("block_count {n_layer} but the file holds {} tensors", f.tensors.len()));
+        }
         if n_head % n_head_kv != 0 {
             return bad(format!("head_count {n_head} is not a multiple of head_count_kv {n_head_kv}"));
         }

@@ -173,7 +173,8 @@ impl Weights {
             None => tok_embd.clone(),
         };
         let spec = cfg.spec;
-        let mut blocks = Vec::with_capacity(cfg.n_layer);
+        // grown as the layers are found (not sized from the metadata's block count)
+        let mut blocks = Vec::new();
         for l in 0..cfg.n_layer {
             let n = |s: &str| tensor::weight(l, s);
             // the post-norms: required where the architecture has them, refused where it does not

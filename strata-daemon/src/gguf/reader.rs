@@ -45,6 +45,8 @@ impl TensorInfo {
 /// The bytes of a model: one mapped file, or the parts of a split one joined ([`split`]).
 enum Mapping {
     One(Mmap),
+    /// Bytes held in memory ([`GgufFile::from_bytes`]).
+    Owned(Vec<u8>),
     Joined(Joined),
 }
 
@@ -155,7 +157,7 @@ impl GgufFile {
         // SAFETY: the file is mapped read-only; strata never writes model files while
         // they are mapped. A concurrent external truncation could fault, as with any mmap reader.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let first = Self::parse(path, mmap)?;
+        let first = Self::parse(path, Mapping::One(mmap))?;
         match first.get(split::KEY_COUNT).and_then(|v| v.as_u64()) {
             Some(n) if n > 1 => Self::open_split(first, n as usize),
             _ => Ok(first),
@@ -250,11 +252,25 @@ impl GgufFile {
         let file = File::open(path).map_err(io)?;
         // SAFETY: as in `open`: mapped read-only, never written while mapped.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Self::parse(path.to_path_buf(), mmap)
+        Self::parse(path.to_path_buf(), Mapping::One(mmap))
     }
 
-    fn parse(path: PathBuf, mmap: Mmap) -> Result<Self, GgufError> {
-        let mut c = Cursor { buf: &mmap[..], pos: 0 };
+    /// Decodes a GGUF file held in memory (`name` stands for its path in errors and [`GgufFile::path`]), with the
+    /// checks of [`GgufFile::open`]; a split model's other parts are not followed (they are files), so a split
+    /// header reads as its first part alone. For checking bytes (tests, fuzzing): `path` and the parts name no
+    /// real file, so nothing that reads blobs from the file (the expert store's file tier) may use the result.
+    /// Errors: as [`GgufFile::open`]'s, without I/O.
+    pub fn from_bytes(name: impl Into<PathBuf>, bytes: Vec<u8>) -> Result<Self, GgufError> {
+        Self::parse(name.into(), Mapping::Owned(bytes))
+    }
+
+    fn parse(path: PathBuf, map: Mapping) -> Result<Self, GgufError> {
+        let buf: &[u8] = match &map {
+            Mapping::One(m) => &m[..],
+            Mapping::Owned(v) => v,
+            Mapping::Joined(j) => j.bytes(),
+        };
+        let mut c = Cursor { buf, pos: 0 };
         let magic: [u8; 4] = c.take(4, &|| "magic".into())?.try_into().unwrap();
         if &magic != b"GGUF" {
             return Err(GgufError::BadMagic(magic));
@@ -411,18 +427,7 @@ impl GgufFile {
             }
         }
         let parts = vec![Part { path: path.clone(), base: 0, len: file_len }];
-        Ok(GgufFile {
-            path,
-            map: Mapping::One(mmap),
-            parts,
-            version,
-            metadata,
-            meta_index,
-            tensors,
-            tensor_index,
-            alignment,
-            data_offset,
-        })
+        Ok(GgufFile { path, map, parts, version, metadata, meta_index, tensors, tensor_index, alignment, data_offset })
     }
 
     /// Path the file was opened from.
@@ -440,6 +445,7 @@ impl GgufFile {
     pub fn bytes(&self) -> &[u8] {
         match &self.map {
             Mapping::One(m) => &m[..],
+            Mapping::Owned(v) => v,
             Mapping::Joined(j) => j.bytes(),
         }
     }

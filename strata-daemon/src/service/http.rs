@@ -444,6 +444,19 @@ async fn metrics(State(st): State<Arc<HttpState>>) -> Response {
         "Routing entries computed after a PCIe upload.",
         tiers.pcie_entries as f64,
     );
+    metric("strata_prefetched_total", "counter", "Experts uploaded ahead by the prefetch.", tiers.prefetched as f64);
+    metric(
+        "strata_prefetch_hits_total",
+        "counter",
+        "Prefetched experts the next layer used.",
+        tiers.prefetch_hits as f64,
+    );
+    metric(
+        "strata_prefetch_wasted_bytes_total",
+        "counter",
+        "Bytes prefetched and not used.",
+        tiers.prefetch_wasted_bytes as f64,
+    );
     metric("strata_resident_memory_bytes", "gauge", "Resident set size.", s.rss_bytes as f64);
     let mut r = out.into_response();
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));

@@ -79,13 +79,15 @@ pub enum Knob {
     PcieAuto,
     /// `route_tail_skip`: skip missed experts routed only at rank >= R.
     RouteTailSkip,
+    /// `prefetch`: upload at most N of the next layer's predicted misses while a layer computes.
+    Prefetch,
     /// `expert_profile_save_every`: minutes between profile saves.
     ExpertProfileSaveEvery,
 }
 
 impl Knob {
     /// Every knob, in display order (the order of [`SPECS`]).
-    pub const ALL: [Knob; 12] = [
+    pub const ALL: [Knob; 13] = [
         Knob::RamAdapt,
         Knob::AdaptEvery,
         Knob::AdaptSwaps,
@@ -97,6 +99,7 @@ impl Knob {
         Knob::PcieFrac,
         Knob::PcieAuto,
         Knob::RouteTailSkip,
+        Knob::Prefetch,
         Knob::ExpertProfileSaveEvery,
     ];
 
@@ -189,6 +192,12 @@ pub const SPECS: &[KnobSpec] = &[
         doc: "skip missed experts routed only at rank >= R (0 = off; lossy)",
     },
     KnobSpec {
+        name: "prefetch",
+        default: 0.0,
+        range: Range::Int(0, 64),
+        doc: "upload at most N of the next layer's predicted misses over PCIe while a layer computes (0 = off)",
+    },
+    KnobSpec {
         name: "expert_profile_save_every",
         default: 10.0,
         range: Range::Int(0, 1 << 20),
@@ -201,7 +210,7 @@ pub const ACTIVE: &[Knob] = &[Knob::RamAdapt, Knob::AdaptEvery, Knob::AdaptDecay
 
 /// Knobs that act only when a GPU expert cache runs ([`GPU_TIER`]).
 pub const GPU_ACTIVE: &[Knob] =
-    &[Knob::AdaptSwaps, Knob::AdaptAsync, Knob::AdaptPolicy, Knob::PcieFrac, Knob::PcieAuto];
+    &[Knob::AdaptSwaps, Knob::AdaptAsync, Knob::AdaptPolicy, Knob::PcieFrac, Knob::PcieAuto, Knob::Prefetch];
 
 /// Set once a VRAM expert cache is attached (makes [`GPU_ACTIVE`] knobs active).
 pub static GPU_TIER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -378,6 +387,7 @@ mod tests {
             (Knob::PcieFrac, "pcie_frac"),
             (Knob::PcieAuto, "pcie_auto"),
             (Knob::RouteTailSkip, "route_tail_skip"),
+            (Knob::Prefetch, "prefetch"),
             (Knob::ExpertProfileSaveEvery, "expert_profile_save_every"),
         ];
         assert_eq!(names.len(), Knob::ALL.len());

@@ -4,8 +4,8 @@
 //! candidate policies and follow the one that would have hit most lately).
 //!
 //! Each expert's score is `Σ λ^age` over the windows that used it (`age` in decode windows, each use
-//! counting its routing entries). λ ≤ 0.5 orders experts exactly as LRU does (one use now outweighs every older
-//! one); λ → 1 is LFU. Per layer, one shadow cache per λ of [`LRFU_DECAYS`] runs demand fetch with bypass on its
+//! counting its routing entries). λ = 0.5 orders experts nearly as LRU does (one use now outweighs the older ones
+//! of one-entry windows, ties aside); λ → 1 is LFU. Per layer, one shadow cache per λ of [`LRFU_DECAYS`] runs demand fetch with bypass on its
 //! own scores (after each window it keeps the cache's size of experts with the highest scores among those it
 //! held and those the window used); each λ's hits over all layers are counted with a decay of [`MERIT_DECAY`]
 //! per window. At an adaptive round the real cache follows the λ whose shadows lead — LRU's until another's
@@ -25,7 +25,7 @@
 
 use super::policy::Swap;
 
-/// The decays (λ per decode window) the shadow caches try; the first behaves as LRU.
+/// The decays (λ per decode window) the shadow caches try; the first behaves nearly as LRU.
 pub const LRFU_DECAYS: [f32; 5] = [0.5, 0.8, 0.9, 0.95, 0.99];
 /// Decay per window of a shadow cache's hit count (a horizon of about 100 windows).
 pub const MERIT_DECAY: f32 = 0.99;
@@ -70,6 +70,11 @@ impl Lrfu {
     pub fn record(&mut self, layer: usize, expert: usize, entries: u32) {
         assert!(layer < self.n_layer && expert < self.n_expert, "expert ({layer}, {expert}) out of range");
         self.window[layer * self.n_expert + expert] += entries;
+    }
+
+    /// Forgets the current window's entries without ageing anything (a window with no VRAM cache to plan for).
+    pub fn clear_window(&mut self) {
+        self.window.iter_mut().for_each(|w| *w = 0);
     }
 
     /// The decay the real cache follows now (index into [`LRFU_DECAYS`]): the shadows with the most decayed

@@ -171,7 +171,19 @@ impl Profile {
             n_expert_used: u32_at(20),
             fingerprint: u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes")),
         };
-        let total = geometry.n_layer as usize * geometry.n_expert as usize;
+        if u32_at(36) != 0 {
+            return Err(bad(format!("reserved field is {}, not 0", u32_at(36))));
+        }
+        // entries name layers and experts in 16 bits; a geometry beyond that (or beyond 2^24 experts in all, far
+        // above any model) is not a profile this format can hold, and would size the tables below
+        let total = geometry.n_layer as u64 * geometry.n_expert as u64;
+        if geometry.n_layer > 1 << 16 || geometry.n_expert > 1 << 16 || total > 1 << 24 {
+            return Err(bad(format!(
+                "implausible geometry {} layers × {} experts",
+                geometry.n_layer, geometry.n_expert
+            )));
+        }
+        let total = total as usize;
         if n_ranked > total {
             return Err(bad(format!("{n_ranked} entries for {total} experts")));
         }
@@ -294,6 +306,22 @@ mod tests {
         assert!(Profile::from_bytes(&dup, Path::new("d")).unwrap_err().to_string().contains("twice"));
         let oor = Profile { geometry: geo(), ranked: vec![(2, 0, 1.0)] }.to_bytes();
         assert!(Profile::from_bytes(&oor, Path::new("o")).unwrap_err().to_string().contains("out of range"));
+        // a forged header (valid checksum) with a huge geometry or a reserved field not 0 is refused, not sized
+        let reseal = |mut b: Vec<u8>| {
+            let n = b.len() - 8;
+            let sum = fnv1a64(&b[..n]);
+            b[n..].copy_from_slice(&sum.to_le_bytes());
+            b
+        };
+        let mut huge = Profile { geometry: geo(), ranked: vec![] }.to_bytes();
+        huge[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        huge[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        let e = Profile::from_bytes(&reseal(huge), Path::new("h")).unwrap_err().to_string();
+        assert!(e.contains("implausible geometry"), "{e}");
+        let mut res = Profile { geometry: geo(), ranked: vec![(0, 1, 1.0)] }.to_bytes();
+        res[36] = 1;
+        let e = Profile::from_bytes(&reseal(res), Path::new("r")).unwrap_err().to_string();
+        assert!(e.contains("reserved"), "{e}");
     }
 
     #[test]

@@ -171,7 +171,7 @@ impl Trace {
                 w.predicted.resize(l + 1, None);
             }
             if !w.layers[l].is_empty() {
-                return Err(bad(format!("layer {l} of request {} position {} given twice", w.seq, w.pos)));
+                return Err(bad(format!("layer {l} of request {:?} position {} given twice", w.seq, w.pos)));
             }
             w.layers[l] = distinct(ev.experts);
             w.predicted[l] = ev.predicted.map(distinct);

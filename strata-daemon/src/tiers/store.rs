@@ -151,6 +151,16 @@ pub struct TierCounters {
     pub swap_bytes: AtomicU64,
     /// Decode routing entries of missed experts computed on the GPU after an upload over PCIe (`--pcie-frac`).
     pub pcie_entries: AtomicU64,
+    /// Experts uploaded ahead by the prefetch (`prefetch`): predicted for the next layer, in RAM and not in VRAM.
+    pub prefetched: AtomicU64,
+    /// Prefetched experts the next layer then routed to (computed on the GPU instead of the CPU).
+    pub prefetch_hits: AtomicU64,
+    /// Bytes of prefetched experts the next layer did not route to.
+    pub prefetch_wasted_bytes: AtomicU64,
+    /// Routed experts of decode layers that had a next-layer prediction (the prefetch's denominator).
+    pub predicted_routed: AtomicU64,
+    /// Of those, the ones the prediction named.
+    pub predicted_named: AtomicU64,
 }
 
 /// A copy of [`TierCounters`] at one moment.
@@ -182,6 +192,16 @@ pub struct TierTotals {
     pub swap_bytes: u64,
     /// Entries served over PCIe.
     pub pcie_entries: u64,
+    /// Experts prefetched.
+    pub prefetched: u64,
+    /// Prefetched experts used.
+    pub prefetch_hits: u64,
+    /// Bytes prefetched and not used.
+    pub prefetch_wasted_bytes: u64,
+    /// Routed experts of layers with a prediction.
+    pub predicted_routed: u64,
+    /// Routed experts the prediction named.
+    pub predicted_named: u64,
 }
 
 impl TierTotals {
@@ -201,6 +221,11 @@ impl TierTotals {
             swaps: self.swaps.saturating_sub(earlier.swaps),
             swap_bytes: self.swap_bytes.saturating_sub(earlier.swap_bytes),
             pcie_entries: self.pcie_entries.saturating_sub(earlier.pcie_entries),
+            prefetched: self.prefetched.saturating_sub(earlier.prefetched),
+            prefetch_hits: self.prefetch_hits.saturating_sub(earlier.prefetch_hits),
+            prefetch_wasted_bytes: self.prefetch_wasted_bytes.saturating_sub(earlier.prefetch_wasted_bytes),
+            predicted_routed: self.predicted_routed.saturating_sub(earlier.predicted_routed),
+            predicted_named: self.predicted_named.saturating_sub(earlier.predicted_named),
         }
     }
 }
@@ -223,6 +248,11 @@ impl TierCounters {
             swaps: g(&self.swaps),
             swap_bytes: g(&self.swap_bytes),
             pcie_entries: g(&self.pcie_entries),
+            prefetched: g(&self.prefetched),
+            prefetch_hits: g(&self.prefetch_hits),
+            prefetch_wasted_bytes: g(&self.prefetch_wasted_bytes),
+            predicted_routed: g(&self.predicted_routed),
+            predicted_named: g(&self.predicted_named),
         }
     }
 }
@@ -306,7 +336,8 @@ struct State {
     /// Arena offset of each expert's place, `layer × n_expert + expert`; `None` = file tier.
     place: Vec<Option<usize>>,
     usage: Usage,
-    /// The `lrfu` policy's scores and shadow caches (fed while a VRAM cache exists).
+    /// The `lrfu` policy's scores and shadow caches (aged while a VRAM cache exists; without one each window's
+    /// entries are dropped).
     lrfu: Lrfu,
     /// The profile's ranks at start (ties of a save).
     prior: Option<Vec<Option<u32>>>,
@@ -637,6 +668,8 @@ impl ExpertStore {
             let (slot, free, starts) = (&st.slot, &st.free_slots, &st.stage_start);
             let cached = |l: usize| (0..ne).filter(|&e| slot[l * ne + e].is_some()).collect::<Vec<_>>();
             let free_of = |l: usize| free[stage_in(starts, l)].len();
+            // a layer's size: its slots and the stage's free ones (equal to the replay's per-layer size once the
+            // cache is full, as it is after the fill whenever not every expert fits)
             st.lrfu.end_window(cached, |l| cached(l).len() + free_of(l));
             let due = k.every > 0 && st.windows.is_multiple_of(k.every as u64);
             if k.active() {
@@ -646,6 +679,9 @@ impl ExpertStore {
                     PolicyKind::Seed => {}
                 }
             }
+        }
+        if n_slots == 0 {
+            st.lrfu.clear_window();
         }
         if k.every > 0 && st.windows.is_multiple_of(k.every as u64) {
             st.usage.decay(k.decay);

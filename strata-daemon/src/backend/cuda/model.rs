@@ -144,6 +144,13 @@ pub(super) struct Host {
     x: Vec<f32>,
     /// Where the pass's hybrid layers spent their host time (`STRATA_GPU_TIMING` only).
     prof: HybridProf,
+    /// Experts uploaded ahead for the next hybrid layer (live knob `prefetch`): (layer, expert, staging slot).
+    /// Cleared at every pass's start.
+    prefetched: Vec<(usize, usize, u32)>,
+    /// Experts the prediction named for that layer (prefetched or not).
+    predicted: Vec<(usize, usize)>,
+    /// Routers of the prediction by layer, made on first use ([`predict_next`]).
+    router_f32: std::collections::HashMap<usize, Vec<u8>>,
 }
 
 /// Host time of a pass's hybrid MoE layers, in seconds, summed over the layers (`STRATA_GPU_TIMING`).
@@ -629,6 +636,8 @@ impl Stage {
             let _ = self.s.sync();
         }
         host.pass_open = true;
+        host.prefetched.clear();
+        host.predicted.clear();
         // embeddings (host dequantization of the rows) or the previous stage's x, and RoPE angles
         match input {
             StageIn::Tokens(tokens) => {
@@ -966,20 +975,59 @@ impl Stage {
         let mut by_expert = dispatch::by_expert(&routes, c.n_expert);
         let src = dispatch::plan_sources(m.experts.map(|st| &**st), l, &by_expert, s.decode);
         let Ffn::Moe(ex) = &m.weights.blocks[l].ffn else { unreachable!("MoE layer") };
-        // GPU work: hits, then (pcie_frac) a share of the RAM-resident misses, most entries first
+        // experts the previous layer prefetched for this one: their bytes are in staging slots (copied on this
+        // stream before this layer's launches)
+        let prefetched = std::mem::take(&mut host.prefetched);
+        let predicted = std::mem::take(&mut host.predicted);
+        let pf_slot = |x: usize| prefetched.iter().find(|p| p.0 == l && p.1 == x).map(|p| p.2);
+        // GPU work: hits and prefetched misses, then (pcie_frac) a share of the RAM-resident misses, most entries
+        // first
         let mut gpu: Vec<(usize, u32)> = Vec::new();
         let mut ram_miss: Vec<(usize, usize)> = Vec::new();
+        let (mut pf_used, mut routed_n, mut named_n) = (0u64, 0u64, 0u64);
         for (x, toks) in by_expert.iter().enumerate() {
             if toks.is_empty() {
                 continue;
             }
-            match src[x] {
-                Source::Vram(slot) => gpu.push((x, slot)),
-                Source::Ram(off) => ram_miss.push((x, off)),
+            routed_n += 1;
+            if predicted.contains(&(l, x)) {
+                named_n += 1;
+            }
+            match (src[x], pf_slot(x)) {
+                (Source::Vram(slot), _) => gpu.push((x, slot)),
+                (Source::Ram(_), Some(slot)) => {
+                    gpu.push((x, slot));
+                    pf_used += 1;
+                }
+                (Source::Ram(off), None) => ram_miss.push((x, off)),
                 _ => {}
             }
         }
+        if let (Some(st), true) = (&m.experts, s.decode) {
+            use std::sync::atomic::Ordering::Relaxed;
+            let c = &st.counters;
+            let pf_here = prefetched.iter().filter(|p| p.0 == l).count() as u64;
+            c.prefetch_hits.fetch_add(pf_used, Relaxed);
+            c.prefetch_wasted_bytes.fetch_add((pf_here - pf_used) * st.layout().layers[l].blob_bytes() as u64, Relaxed);
+            if predicted.iter().any(|p| p.0 == l) {
+                c.predicted_routed.fetch_add(routed_n, Relaxed);
+                c.predicted_named.fetch_add(named_n, Relaxed);
+            }
+        }
         let cache = self.cache.as_ref();
+        // live knob `prefetch` (N): while this layer computes, at most N of layer l + 1's predicted misses
+        // (highest router probability first) are uploaded into the last `kk` staging slots (decode windows of
+        // one token; not while an adaptive round is in flight, whose exchanges may move RAM places); PCIe
+        // staging keeps to the others
+        let next = l + 1;
+        let pf_max = m.experts.as_ref().map_or(0, |st| st.knobs.value(Knob::Prefetch) as usize).min(kk);
+        let prefetch = cache.is_some_and(|c| c.n_staging >= 2 * kk && !c.round_in_flight())
+            && pf_max > 0
+            && s.decode
+            && t == 1
+            && next < self.layer_range().end
+            && matches!(m.weights.blocks[next].ffn, Ffn::Moe(_));
+        let n_stage_max = cache.map_or(0, |c| if prefetch { c.n_staging - kk } else { c.n_staging });
         // live knob `pcie_frac` (--pcie-frac): that share of the RAM-resident misses' bytes goes over PCIe. Each
         // miss is split at intermediate row k (steps of 64 rows, `split_rows`): rows 0..k are uploaded (packed) and computed
         // on the GPU, rows k.. on the CPU, both adding into the expert's output — so PCIe and the CPU pool share
@@ -1012,11 +1060,11 @@ impl Stage {
             let mut entries = 0u64;
             let n = if k > 0 && k < ff {
                 geom = Some(super::slots::SplitGeom::new(k, gate_ty.row_bytes(e), ff, down_ty, e));
-                ram_miss.len().min(cache.n_staging)
+                ram_miss.len().min(n_stage_max)
             } else {
                 // error diffusion across layers: over a window, `frac` of the RAM misses go over PCIe
                 host.pcie_carry += ram_miss.len() as f32 * frac.min(1.0);
-                let n = (host.pcie_carry.floor() as usize).min(ram_miss.len()).min(cache.n_staging);
+                let n = (host.pcie_carry.floor() as usize).min(ram_miss.len()).min(n_stage_max);
                 host.pcie_carry -= n as f32;
                 n
             };
@@ -1083,21 +1131,25 @@ impl Stage {
         // CPU pool starts on the misses (the copies and launches are asynchronous; issuing them takes tens of
         // microseconds per layer that would otherwise delay the CPU experts)
         let mut issued: Option<Result<f64, GpuError>> = None;
+        let (mut pf_new, mut pf_named) = (Vec::new(), Vec::new());
+        let mut router_f32 = std::mem::take(&mut host.router_f32);
         let mut issue = |held: Option<&HostArena>| {
             issued = Some((|| {
                 let ti = std::time::Instant::now();
+                // the RAM copy's read lock for the staging and prefetch copies: the one the CPU experts hold, else
+                // our own
+                let guard;
+                let arena = match (held, m.experts.as_ref()) {
+                    (Some(a), _) => Some(a),
+                    (None, Some(st)) if !staged.is_empty() || prefetch => {
+                        guard = st.arena();
+                        Some(&*guard)
+                    }
+                    _ => None,
+                };
                 if !staged.is_empty() {
-                    let (Some(cache), Some(st)) = (cache, m.experts.as_ref()) else {
+                    let (Some(cache), Some(arena)) = (cache, arena) else {
                         unreachable!("staged misses come from the cache and the store")
-                    };
-                    // the RAM copy's read lock: the one the CPU experts hold, else our own
-                    let guard;
-                    let arena = match held {
-                        Some(a) => a,
-                        None => {
-                            guard = st.arena();
-                            &*guard
-                        }
                     };
                     let slots = match &geom {
                         Some(g) => cache.stage_split(arena, &staged, g, &self.s)?,
@@ -1127,6 +1179,32 @@ impl Stage {
                 if let (true, Some(ev)) = (measure, &host.split_done) {
                     ev.record(&self.s)?;
                 }
+                if prefetch {
+                    let (Some(cache), Some(st), Some(arena)) = (cache, m.experts.as_ref(), arena) else {
+                        unreachable!("checked")
+                    };
+                    let named = predict_next(m, l, next, &host.xn, &mut router_f32);
+                    for &x in &named {
+                        pf_named.push((next, x));
+                    }
+                    // the named experts neither in VRAM nor without a RAM place: upload each into a prefetch slot
+                    let items: Vec<(usize, usize, usize)> = named
+                        .iter()
+                        .filter(|&&x| st.tier(next, x) == crate::tiers::store::Tier::Ram)
+                        .filter_map(|&x| st.place_of(next, x).map(|off| (next, x, off)))
+                        .take(pf_max)
+                        .collect();
+                    for (j, &(_, x, off)) in items.iter().enumerate() {
+                        let slot = cache.staging_slot(cache.n_staging - kk + j);
+                        let src = arena.slice(off, cache.blob_bytes);
+                        // SAFETY: as in `SlotCache::stage`: a RAM place is not rewritten while a window runs
+                        // (promotions between windows; no adaptive round in flight here), and the prefetch slots
+                        // are read by the next layer's launches, enqueued after this copy on this stream.
+                        unsafe { self.s.htod_raw(cache.slot_addr(slot), src.as_ptr(), cache.blob_bytes)? };
+                        pf_new.push((next, x, slot));
+                    }
+                    st.counters.prefetched.fetch_add(items.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                }
                 Ok(ti.elapsed().as_secs_f64())
             })());
         };
@@ -1139,6 +1217,9 @@ impl Stage {
         } else {
             issue(None);
         }
+        host.router_f32 = router_f32;
+        host.prefetched = pf_new;
+        host.predicted = pf_named;
         let issue_s = issued.expect("the CPU experts run their side work exactly once")?;
         if let (true, Some(ev)) = (measure && any_cpu, &host.split_done) {
             let gpu_done = ev.done()?;
@@ -1234,6 +1315,73 @@ impl Stage {
     }
 }
 
+/// `f` (a multiple of 32 values) as ggml Q8_0 blocks: per 32 values an f16 scale `max|x| / 127` and 32 signed
+/// bytes `round(x / scale)` (ggml's `quantize_row_q8_0` reference).
+fn q8_0_bytes(f: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(f.len() / 32 * 34);
+    for block in f.chunks_exact(32) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        out.extend_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+        out.extend(block.iter().map(|v| (v * id).round() as i8 as u8));
+    }
+    out
+}
+
+/// Next-layer prediction on the host (live knob `prefetch`): layer `next`'s router applied to layer `l`'s
+/// normalised FFN input `xn` (one token, `n_embd` values) re-weighted to `next`'s `ffn_norm` (`xn ⊙ w_next / w_l`:
+/// the same RMS-normalised hidden state, as the CPU backend's prediction for the routing dump), top-k by the
+/// architecture's gating; expert ids by rank. The routers are kept in `routers` (by layer, made on first use) as
+/// Q8_0 rows (`n_expert` rows of `n_embd`, ggml's Q8_0 block: f16 scale, 32 × i8) and the product runs on the SIMD
+/// kernels with 8-bit activations (a few microseconds per layer; this runs on the thread that issues the GPU
+/// work); with `n_embd` not a multiple of 32, as f32 rows. Empty when a weight of `l`'s norm is 0 (the hidden state
+/// cannot be recovered) or `next` is not an MoE layer.
+fn predict_next(
+    m: &ModelRef<'_>,
+    l: usize,
+    next: usize,
+    xn: &[f32],
+    routers: &mut std::collections::HashMap<usize, Vec<u8>>,
+) -> Vec<usize> {
+    let c = m.cfg;
+    let e = c.n_embd;
+    let (wl, wn) = (&m.weights.blocks[l].ffn_norm, &m.weights.blocks[next].ffn_norm);
+    let Ffn::Moe(ex) = &m.weights.blocks[next].ffn else { return Vec::new() };
+    if xn.len() < e || wl.iter().any(|&v| v == 0.0) {
+        return Vec::new();
+    }
+    let xp: Vec<f32> = (0..e).map(|i| xn[i] / wl[i] * wn[i]).collect();
+    let q8 = e % 32 == 0;
+    let router = routers.entry(next).or_insert_with(|| {
+        let mat = m.mat(&ex.router);
+        let mut f = vec![0f32; c.n_expert * e];
+        for (j, row) in f.chunks_exact_mut(e).enumerate() {
+            dequantize_row(mat.ty, mat.row(j), row).expect("router row");
+        }
+        if q8 {
+            q8_0_bytes(&f)
+        } else {
+            f.iter().flat_map(|v| v.to_le_bytes()).collect()
+        }
+    });
+    let logits: Vec<f32> = if q8 {
+        let mut xq = vec![crate::quant::BlockQ8::default(); e / 32];
+        crate::quant::quantize_q8(&xp, &mut xq);
+        let rb = GgmlType::Q8_0.row_bytes(e);
+        router.chunks_exact(rb).map(|row| crate::quant::dot_q8(GgmlType::Q8_0, row, &xq)).collect()
+    } else {
+        router
+            .chunks_exact(e * 4)
+            .map(|row| {
+                let w: Vec<f32> = row.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                crate::backend::cpu::math::dot_f32(&w, &xp)
+            })
+            .collect()
+    };
+    crate::backend::moe::router::top_k(c, &logits, 1).remove(0).into_iter().map(|(x, _)| x).collect()
+}
+
 /// Rows per step of a PCIe split for formats of `block`-wide blocks: `max(64, block)` (see [`split_rows`]).
 pub fn split_step(block: usize) -> usize {
     block.max(64)
@@ -1254,7 +1402,25 @@ pub fn split_rows(frac: f32, ff: usize, block: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::split_rows;
+    use super::{q8_0_bytes, split_rows};
+    use crate::quant::{dequantize_row, GgmlType};
+
+    #[test]
+    fn router_rows_as_q8_0_read_back_within_half_a_step() {
+        let f: Vec<f32> = (0..96).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+        let b = q8_0_bytes(&f);
+        assert_eq!(b.len(), GgmlType::Q8_0.row_bytes(96));
+        let mut back = vec![0f32; 96];
+        dequantize_row(GgmlType::Q8_0, &b, &mut back).unwrap();
+        for (blk, (x, y)) in f.chunks(32).zip(back.chunks(32)).enumerate() {
+            let step = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            for (a, c) in x.iter().zip(y) {
+                assert!((a - c).abs() <= step * 0.51 + 1e-3, "block {blk}: {a} vs {c}");
+            }
+        }
+        // an all-zero block has scale 0 and zero codes
+        assert!(q8_0_bytes(&[0.0; 32]).iter().all(|&v| v == 0));
+    }
 
     #[test]
     fn split_rows_are_whole_steps_of_the_share() {
