@@ -21,7 +21,7 @@ struct Args {
 
 #[derive(clap::Subcommand, Debug)]
 enum Command {
-    /// Replay a --dump-routing trace through the cache policies (adaptive, LRU, Belady) and print hit rates,
+    /// Replay a --dump-routing trace through the cache policies (seed, lrfu, LRU, Belady) and print hit rates,
     /// one-token reuse and per-layer skew.
     Replay(replay_cmd::ReplayArgs),
     /// Perplexity of a model over a text file (chunks of --ctx tokens, second half of each scored, as
