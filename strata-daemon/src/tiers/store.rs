@@ -660,8 +660,10 @@ impl ExpertStore {
         let ne = self.layout.n_expert;
         let mut st = self.state();
         st.windows += 1;
+        // experts each layer holds in VRAM, counted once per window (the policies read it per layer)
+        let held: Vec<usize> = st.slot.chunks(ne.max(1)).map(|c| c.iter().filter(|s| s.is_some()).count()).collect();
         let n_free: usize = st.free_slots.iter().map(Vec::len).sum();
-        let n_slots = st.slot.iter().filter(|s| s.is_some()).count() + n_free;
+        let n_slots = held.iter().sum::<usize>() + n_free;
         let mut plan = Vec::new();
         if n_slots > 0 {
             let st = &mut *st;
@@ -670,7 +672,7 @@ impl ExpertStore {
             let free_of = |l: usize| free[stage_in(starts, l)].len();
             // a layer's size: its slots and the stage's free ones (equal to the replay's per-layer size once the
             // cache is full, as it is after the fill whenever not every expert fits)
-            st.lrfu.end_window(cached, |l| cached(l).len() + free_of(l));
+            st.lrfu.end_window(cached, |l| held[l] + free_of(l));
             let due = k.every > 0 && st.windows.is_multiple_of(k.every as u64);
             if k.active() {
                 match policy {
