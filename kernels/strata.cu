@@ -575,6 +575,268 @@ MMV_KERNEL(mmv_q4_0, FMT_Q4_0)
 MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 
 // ---------------------------------------------------------------------------------------------------------------
+// Prefill products on tensor cores (MMQ): out[t, r] (+)= Σ_c W[r, c] x[t, c] for the stacked rows of up to three
+// block-format matrices (Q8_0, Q4_0, Q4_1) and a chunk of tokens' Q8 rows, each 32-value block one int8 MMA
+// (m16n8k32, s32 accumulation) whose integer sums are scaled per block as the one-row kernels do (Q8_0: d·dx·Σ;
+// Q4_0: d·dx·Σ(q − 8)·qx, the same integer as their Σ − 8·Σqx; Q4_1: d·dx·Σ + m·sx); the blocks' scaled sums are
+// added in another order than theirs, so results differ by rounding only. Block: MQ_WARPS warps, MQ_BM = 16 rows
+// per warp by MQ_BN tokens (8 MMA column tiles); the tokens' Q8 blocks pass through shared memory MQ_KB blocks at a
+// time ([block][token][12 ints]: 8 of quants, d, s; the 12-int stride keeps the B loads off each other's banks), the
+// weights are read straight into the A fragments. Grid: (ceil(rows / MQ_BM), ceil(t / MQ_BN)).
+#define MQ_WARPS 4
+#define MQ_BM (16 * MQ_WARPS)
+#define MQ_BN 64
+#define MQ_KB 8
+#define MQ_XS 12
+#define MQ_GPT (MQ_BN / MAX_NT)  // expert groups per tile of the tensor-core expert kernels
+
+__device__ __forceinline__ void mma_s8_16832(int* d, const int* a, int b0, int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Row r's block ib of a block-format matrix as the A fragment's two 4-byte pieces of this thread (columns
+// 4·tg .. 4·tg + 3 and 16 + 4·tg ..), with its scale d (and Q4_1's m).
+template <int FMT>
+__device__ __forceinline__ void mq_load_a(const u8* row, int ib, int tg, int& lo, int& hi, float& d, float& m) {
+    if (FMT == FMT_Q8_0) {
+        const u8* b = row + (size_t)ib * 34;
+        d = h2f(b);
+        lo = ld_i32_a2(b + 2 + 4 * tg);
+        hi = ld_i32_a2(b + 2 + 16 + 4 * tg);
+    } else if (FMT == FMT_Q4_0) {
+        const u8* b = row + (size_t)ib * 18;
+        d = h2f(b);
+        const int v = ld_i32_a2(b + 2 + 4 * tg);
+        lo = __vsub4(v & 0x0F0F0F0F, 0x08080808);
+        hi = __vsub4((v >> 4) & 0x0F0F0F0F, 0x08080808);
+    } else {  // Q4_1
+        const u8* b = row + (size_t)ib * 20;
+        d = h2f(b);
+        m = h2f(b + 2);
+        const int v = *(const int*)(b + 4 + 4 * tg);
+        lo = v & 0x0F0F0F0F;
+        hi = (v >> 4) & 0x0F0F0F0F;
+    }
+}
+
+// One block's MMA into acc (this thread's rows g, g + 8 × columns 2·tg, 2·tg + 1 of one column tile), its integer
+// sums scaled by the rows' d (da, db) and the columns' dx, plus Q4_1's m·sx.
+template <int FMT>
+__device__ __forceinline__ void mq_mma_scaled(float* acc, const int* a, int b0, int b1, float da, float db, float ma,
+                                              float mb, float dx0, float dx1, float sx0, float sx1) {
+    int c[4] = {0, 0, 0, 0};
+    mma_s8_16832(c, a, b0, b1);
+    acc[0] += da * dx0 * (float)c[0];
+    acc[1] += da * dx1 * (float)c[1];
+    acc[2] += db * dx0 * (float)c[2];
+    acc[3] += db * dx1 * (float)c[3];
+    if (FMT == FMT_Q4_1) {
+        acc[0] += ma * sx0;
+        acc[1] += ma * sx1;
+        acc[2] += mb * sx0;
+        acc[3] += mb * sx1;
+    }
+}
+
+// The MMA loop of the tensor-core products: acc[j][·] (and, GATED, accu: a second matrix's rows, the up rows of an
+// expert's gate/up) over nb blocks of this thread's rows rp[0] (row g of the warp's 16) and rp[1] (row g + 8),
+// against the Q8 rows xq + xrow[c] · xb (one per tile column c; xrow[c] < 0: a column of zeros). `xrow` is in
+// shared memory, written and synced by the caller; `xs` is the block's staging.
+template <int FMT, bool GATED>
+__device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* const (&ru)[2], int nb, const Q8* xq,
+                                        int xb, const int* xrow, int* xs, float (&acc)[MQ_BN / 8][4],
+                                        float (&accu)[MQ_BN / 8][4]) {
+    const int lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+#pragma unroll
+    for (int j = 0; j < MQ_BN / 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][e] = accu[j][e] = 0.f;
+    for (int kb0 = 0; kb0 < nb; kb0 += MQ_KB) {
+        const int kn = min(MQ_KB, nb - kb0);
+        __syncthreads();
+        // the columns' Q8 blocks kb0 .. kb0 + kn into shared memory
+        for (int i = threadIdx.x; i < kn * MQ_BN; i += 32 * MQ_WARPS) {
+            const int kb = i / MQ_BN, c = i % MQ_BN;
+            int* dst = xs + (kb * MQ_BN + c) * MQ_XS;
+            const int xr = xrow[c];
+            if (xr >= 0) {
+                const int* src = (const int*)(xq + (size_t)xr * xb + kb0 + kb);
+#pragma unroll
+                for (int q = 0; q < 8; q++) dst[q] = src[2 + q];
+                dst[8] = src[0];
+                dst[9] = src[1];
+            } else {
+#pragma unroll
+                for (int q = 0; q < 10; q++) dst[q] = 0;
+            }
+        }
+        __syncthreads();
+        for (int kb = 0; kb < kn; kb++) {
+            int a[4], au[4];
+            float da, db, ma = 0.f, mb = 0.f, dua = 0.f, dub = 0.f, mua = 0.f, mub = 0.f;
+            mq_load_a<FMT>(rp[0], kb0 + kb, tg, a[0], a[2], da, ma);
+            mq_load_a<FMT>(rp[1], kb0 + kb, tg, a[1], a[3], db, mb);
+            if (GATED) {
+                mq_load_a<FMT>(ru[0], kb0 + kb, tg, au[0], au[2], dua, mua);
+                mq_load_a<FMT>(ru[1], kb0 + kb, tg, au[1], au[3], dub, mub);
+            }
+            const int* xk = xs + kb * MQ_BN * MQ_XS;
+#pragma unroll
+            for (int j = 0; j < MQ_BN / 8; j++) {
+                const int* xb0 = xk + (j * 8 + g) * MQ_XS;
+                const int b0 = xb0[tg], b1 = xb0[tg + 4];
+                // this thread's outputs: rows g (c0, c1) and g + 8 (c2, c3), columns j·8 + 2·tg and + 1
+                const int* x0 = xk + (j * 8 + 2 * tg) * MQ_XS;
+                const float dx0 = __int_as_float(x0[8]), dx1 = __int_as_float(x0[MQ_XS + 8]);
+                const float sx0 = __int_as_float(x0[9]), sx1 = __int_as_float(x0[MQ_XS + 9]);
+                mq_mma_scaled<FMT>(acc[j], a, b0, b1, da, db, ma, mb, dx0, dx1, sx0, sx1);
+                if (GATED) mq_mma_scaled<FMT>(accu[j], au, b0, b1, dua, dub, mua, mub, dx0, dx1, sx0, sx1);
+            }
+        }
+    }
+}
+
+template <int FMT>
+__device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
+                         const Q8* xq, int x_stride, int nt, float* out, int out_stride, int accumulate) {
+    __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
+    __shared__ int xrow[MQ_BN];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+    const int rows = rows0 + rows1 + rows2;
+    const int ra = blockIdx.x * MQ_BM + warp * 16 + g, rb = ra + 8;  // this thread's two rows
+    const int t0 = blockIdx.y * MQ_BN;
+    const size_t rbytes = row_bytes(FMT, cols);
+    const u8* rp[2];
+    {
+        const int rr[2] = {min(ra, rows - 1), min(rb, rows - 1)};
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int r = rr[j];
+            rp[j] = r < rows0 ? w0 + (size_t)r * rbytes
+                  : r < rows0 + rows1 ? w1 + (size_t)(r - rows0) * rbytes
+                                      : w2 + (size_t)(r - rows0 - rows1) * rbytes;
+        }
+    }
+    for (int c = threadIdx.x; c < MQ_BN; c += 32 * MQ_WARPS) xrow[c] = t0 + c < nt ? t0 + c : -1;
+    float acc[MQ_BN / 8][4], unused[MQ_BN / 8][4];
+    pdl_trigger();
+    pdl_wait();
+    mq_core<FMT, false>(rp, rp, cols / 32, xq, x_stride / 32, xrow, xs, acc, unused);
+#pragma unroll
+    for (int j = 0; j < MQ_BN / 8; j++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = e < 2 ? ra : rb, tok = t0 + j * 8 + 2 * tg + (e & 1);
+            if (r < rows && tok < nt) {
+                float* o = out + (size_t)tok * out_stride + r;
+                *o = accumulate ? *o + acc[j][e] : acc[j][e];
+            }
+        }
+    }
+}
+
+// Prefill products of float-format matrices (F32, F16, BF16: routers, small dense weights): out[t, r] (+)=
+// Σ_c W[r, c] x[t, c] in f32 on CUDA cores, tiled MF_BM rows × MF_BN tokens per block of 256 threads through shared
+// memory MF_BK columns at a time (each thread RT rows × 4 tokens, 16 apart: MF_BM = 16 · RT rows per block; RT = 4,
+// or 1 in the `_r16` kernels for matrices of few rows). Sums in another order than the row kernel's: results differ
+// by rounding only. Grid: (ceil(rows / MF_BM), ceil(t / MF_BN)).
+#define MF_BN 64
+#define MF_BK 32
+template <int FMT, int RT>
+__device__ void mmf_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
+                         const float* xf, int x_stride, int nt, float* out, int out_stride, int accumulate) {
+    constexpr int MF_BM = 16 * RT;  // rows per block: RT per thread, 16 apart
+    __shared__ float ws[MF_BK][MF_BM + 4];
+    __shared__ float xs[MF_BK][MF_BN + 4];
+    const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+    const int rows = rows0 + rows1 + rows2;
+    const int r0 = blockIdx.x * MF_BM, t0 = blockIdx.y * MF_BN;
+    const size_t rb = row_bytes(FMT, cols);
+    float acc[RT][4];
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.f;
+    pdl_trigger();
+    pdl_wait();
+    for (int k0 = 0; k0 < cols; k0 += MF_BK) {
+        __syncthreads();
+        for (int e = tid; e < MF_BM * MF_BK; e += 256) {
+            const int rr = e / MF_BK, c = e % MF_BK, r = r0 + rr, col = k0 + c;
+            float v = 0.f;
+            if (r < rows && col < cols) {
+                const u8* row = r < rows0 ? w0 + (size_t)r * rb
+                              : r < rows0 + rows1 ? w1 + (size_t)(r - rows0) * rb
+                                                  : w2 + (size_t)(r - rows0 - rows1) * rb;
+                if (FMT == FMT_F32) v = ((const float*)row)[col];
+                else if (FMT == FMT_F16) v = half_to_float(((const u16*)row)[col]);
+                else v = bf16_to_float(((const u16*)row)[col]);
+            }
+            ws[c][rr] = v;
+        }
+        for (int e = tid; e < MF_BN * MF_BK; e += 256) {
+            const int tt = e / MF_BK, c = e % MF_BK, col = k0 + c;
+            xs[c][tt] = t0 + tt < nt && col < cols ? xf[(size_t)(t0 + tt) * x_stride + col] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int c = 0; c < MF_BK; c++) {
+            float a[RT], b[4];
+#pragma unroll
+            for (int i = 0; i < RT; i++) a[i] = ws[c][ty + 16 * i];
+#pragma unroll
+            for (int j = 0; j < 4; j++) b[j] = xs[c][tx + 16 * j];
+#pragma unroll
+            for (int i = 0; i < RT; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int r = r0 + ty + 16 * i, tok = t0 + tx + 16 * j;
+            if (r < rows && tok < nt) {
+                float* o = out + (size_t)tok * out_stride + r;
+                *o = accumulate ? *o + acc[i][j] : acc[i][j];
+            }
+        }
+}
+
+#define MMF_KERNEL(NAME, FMT)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                      \
+        const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2, int rows0, int rows1,    \
+        int rows2, int cols, const Q8* xq, const float* xf, int x_stride, int nt, float* out, int out_stride,      \
+        int accumulate) {                                                                                        \
+        mmf_body<FMT, 4>(w0, w1, w2, rows0, rows1, rows2, cols, xf, x_stride, nt, out, out_stride, accumulate);   \
+    }                                                                                                            \
+    /* few rows (a router): 16 rows per block, four times the blocks */                                          \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_r16(                                                \
+        const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2, int rows0, int rows1,    \
+        int rows2, int cols, const Q8* xq, const float* xf, int x_stride, int nt, float* out, int out_stride,      \
+        int accumulate) {                                                                                        \
+        mmf_body<FMT, 1>(w0, w1, w2, rows0, rows1, rows2, cols, xf, x_stride, nt, out, out_stride, accumulate);   \
+    }
+MMF_KERNEL(mmf_f32, FMT_F32)
+MMF_KERNEL(mmf_f16, FMT_F16)
+MMF_KERNEL(mmf_bf16, FMT_BF16)
+
+#define MMQ_KERNEL(NAME, FMT)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * MQ_WARPS) NAME(                                            \
+        const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2, int rows0, int rows1,    \
+        int rows2, int cols, const Q8* xq, const float* xf, int x_stride, int nt, float* out, int out_stride,      \
+        int accumulate) {                                                                                        \
+        mmq_body<FMT>(w0, w1, w2, rows0, rows1, rows2, cols, xq, x_stride, nt, out, out_stride, accumulate);      \
+    }
+MMQ_KERNEL(mmq_q8_0, FMT_Q8_0)
+MMQ_KERNEL(mmq_q4_0, FMT_Q4_0)
+MMQ_KERNEL(mmq_q4_1, FMT_Q4_1)
+
+// ---------------------------------------------------------------------------------------------------------------
 // Quantize `n_rows` rows of `cols` f32 values (cols % 32 == 0) to Q8 blocks: one warp per block.
 // `v` is this lane's element of a 32-value block (the whole warp takes part).
 __device__ __forceinline__ void quantize_block_warp(float v, Q8* out, int lane) {
@@ -1156,6 +1418,179 @@ extern "C" __global__ void attention_combine(const float* part, int n_head, int 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Tiled (flash-style) causal attention of a prefill chunk on tensor cores: no score matrix in memory, each K/V tile
+// read once per block of FA_BQ query rows.
+//
+// Block (x, h): query rows [x * FA_BQ, x * FA_BQ + FA_BQ) of head h (FA_WARPS warps of 16 rows), walking the KV
+// cache in tiles of FA_BK positions up to the block's last causal position; per tile, S = Q·Kᵀ on f16 MMA
+// (m16n8k16, f32 accumulation; q is already f16-rounded, the cache is f16), s = S * scale, positions past a row's
+// own masked, online softmax (running max m and sum l per row, in f32), then P·V with the probabilities exp(s − m)
+// rounded to f16 (f32 accumulation); out = acc / l at the end. The arithmetic differs from `attention` (which
+// rounds the normalised probabilities to f16 and sums in position order) by rounding only. Head size HD (a multiple
+// of 16, at most 128); K/V rows are read 16 bytes at a time (kvd % 8 == 0 and 16-byte aligned caches). Grid:
+// (ceil(t / FA_BQ), n_head); block: 32 * FA_WARPS threads. The Q8 rows of out are a separate quantize launch.
+#define FA_WARPS 4
+#define FA_BQ (16 * FA_WARPS)
+#define FA_BK 64
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+    return (u32)float_to_half(lo) | ((u32)float_to_half(hi) << 16);
+}
+
+// D = A·B + D for one m16n8k16 tile (A row-major f16 16×16, B column-major f16 16×8, D f32 16×8).
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int HD>
+__device__ void attention_tiled_body(const float* q, const u16* kcache, const u16* vcache, int n_head, int n_head_kv,
+                                     int t, const int* pos, float scale, float* out) {
+    constexpr int LD = HD + 8;  // shared row stride in halves: rows 4 banks apart, no conflicts in the B loads
+    __shared__ __align__(16) u16 ks[FA_BK * LD];
+    __shared__ __align__(16) u16 vs[FA_BK * LD];
+    // q (RoPE's output) and pos0 are read after the wait on the previous kernel
+    pdl_trigger();
+    pdl_wait();
+    const int pos0 = *pos;
+    const int h = blockIdx.y, kh = h / (n_head / n_head_kv);
+    const int kvd = n_head_kv * HD;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+    const int qb = blockIdx.x * FA_BQ;
+    const int i0 = qb + warp * 16 + g, i1 = i0 + 8;  // this thread's two rows
+    const int n_blk = pos0 + min(t, qb + FA_BQ);       // causal length of the block's last row
+    // Q fragments (rows past t read as zeros; their results are not written)
+    u32 qa[HD / 16][4];
+    {
+        const float* r0 = q + ((size_t)i0 * n_head + h) * HD;
+        const float* r1 = q + ((size_t)i1 * n_head + h) * HD;
+#pragma unroll
+        for (int kt = 0; kt < HD / 16; kt++) {
+            const int c = kt * 16 + 2 * tg;
+            float2 a0 = i0 < t ? *(const float2*)(r0 + c) : make_float2(0.f, 0.f);
+            float2 a1 = i1 < t ? *(const float2*)(r1 + c) : make_float2(0.f, 0.f);
+            float2 a2 = i0 < t ? *(const float2*)(r0 + c + 8) : make_float2(0.f, 0.f);
+            float2 a3 = i1 < t ? *(const float2*)(r1 + c + 8) : make_float2(0.f, 0.f);
+            qa[kt][0] = pack_half2(a0.x, a0.y);
+            qa[kt][1] = pack_half2(a1.x, a1.y);
+            qa[kt][2] = pack_half2(a2.x, a2.y);
+            qa[kt][3] = pack_half2(a3.x, a3.y);
+        }
+    }
+    const int qp0 = pos0 + i0, qp1 = pos0 + i1;  // the rows' positions: keys at or before them count
+    float acc[HD / 8][4];
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    for (int p0 = 0; p0 < n_blk; p0 += FA_BK) {
+        __syncthreads();  // the previous tile's readers are done
+        constexpr int CH = HD / 8;  // 16-byte chunks per row
+        for (int c = threadIdx.x; c < FA_BK * CH; c += 32 * FA_WARPS) {
+            const int r = c / CH, off = (c % CH) * 8;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (p0 + r < n_blk) {
+                const size_t src = (size_t)(p0 + r) * kvd + (size_t)kh * HD + off;
+                kv = *(const uint4*)(kcache + src);
+                vv = *(const uint4*)(vcache + src);
+            }
+            *(uint4*)(ks + r * LD + off) = kv;
+            *(uint4*)(vs + r * LD + off) = vv;
+        }
+        __syncthreads();
+        if (p0 > pos0 + min(qb + warp * 16 + 15, t - 1)) continue;  // the warp's rows all end before this tile
+        float s[FA_BK / 8][4];
+#pragma unroll
+        for (int j = 0; j < FA_BK / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int kt = 0; kt < HD / 16; kt++) {
+#pragma unroll
+            for (int j = 0; j < FA_BK / 8; j++) {
+                const u16* kr = ks + (j * 8 + g) * LD + kt * 16 + 2 * tg;
+                mma_16816(s[j], qa[kt], *(const u32*)kr, *(const u32*)(kr + 8));
+            }
+        }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < FA_BK / 8; j++) {
+            const int p = p0 + j * 8 + 2 * tg;
+            s[j][0] = p <= qp0 ? s[j][0] * scale : -INFINITY;
+            s[j][1] = p + 1 <= qp0 ? s[j][1] * scale : -INFINITY;
+            s[j][2] = p <= qp1 ? s[j][2] * scale : -INFINITY;
+            s[j][3] = p + 1 <= qp1 ? s[j][3] * scale : -INFINITY;
+            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+        }
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+        }
+        // every row has position 0 in the first tile, so its running max is finite from then on
+        const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
+        const float a0 = expf(m0 - nm0), a1 = expf(m1 - nm1);
+        m0 = nm0;
+        m1 = nm1;
+        l0 *= a0;
+        l1 *= a1;
+#pragma unroll
+        for (int j = 0; j < HD / 8; j++) {
+            acc[j][0] *= a0;
+            acc[j][1] *= a0;
+            acc[j][2] *= a1;
+            acc[j][3] *= a1;
+        }
+#pragma unroll
+        for (int j = 0; j < FA_BK / 8; j++) {
+            s[j][0] = expf(s[j][0] - m0);
+            s[j][1] = expf(s[j][1] - m0);
+            s[j][2] = expf(s[j][2] - m1);
+            s[j][3] = expf(s[j][3] - m1);
+            l0 += s[j][0] + s[j][1];
+            l1 += s[j][2] + s[j][3];
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_BK / 16; kk++) {
+            const u32 pa[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                               pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                               pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            const u16* v0 = vs + (kk * 16 + 2 * tg) * LD + g;
+#pragma unroll
+            for (int j = 0; j < HD / 8; j++) {
+                const u16* vp = v0 + j * 8;
+                const u32 b0 = (u32)vp[0] | ((u32)vp[LD] << 16);
+                const u32 b1 = (u32)vp[8 * LD] | ((u32)vp[9 * LD] << 16);
+                mma_16816(acc[j], pa, b0, b1);
+            }
+        }
+    }
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+    }
+    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++) {
+        const int d = j * 8 + 2 * tg;
+        if (i0 < t) *(float2*)(out + ((size_t)i0 * n_head + h) * HD + d) = make_float2(acc[j][0] * inv0, acc[j][1] * inv0);
+        if (i1 < t) *(float2*)(out + ((size_t)i1 * n_head + h) * HD + d) = make_float2(acc[j][2] * inv1, acc[j][3] * inv1);
+    }
+}
+
+#define ATTENTION_TILED(HD)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) attention_tiled_##HD(                             \
+        const float* q, const u16* kcache, const u16* vcache, int n_head, int n_head_kv, int t, const int* pos,   \
+        float scale, float* out) {                                                                                \
+        attention_tiled_body<HD>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out);                      \
+    }
+ATTENTION_TILED(64)
+ATTENTION_TILED(80)
+ATTENTION_TILED(96)
+ATTENTION_TILED(128)
+
+// ---------------------------------------------------------------------------------------------------------------
 // Experts from VRAM slots.
 //
 // A group = one expert (its slot) and up to MAX_NT tokens routed to it; `pair[j]` is the routing entry
@@ -1262,6 +1697,83 @@ extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, 
     for (int e = threadIdx.x; e < n_expert; e += 32) ls[e] = logits[(size_t)i * n_expert + e];
     __syncwarp();
     topk_warp(ls, n_expert, k, i, ids, w, table, groups, flag, win, norm);
+}
+
+// Groups of up to MAX_NT tokens per expert from a prefill chunk's routing (every expert in VRAM): the n_pairs =
+// t * k entries `ids` are counted per expert, each entry takes the next place of its expert (shared-memory atomics:
+// the order of tokens inside an expert's groups varies between runs, which changes no result, since each token's
+// sums are computed alike wherever it sits in a group), and the experts' groups are laid out in expert order.
+// groups[0 .. max_groups) are written: the used ones, then empty ones (nt = 0) up to max_groups, which must be at
+// least Σ_e ceil(count_e / MAX_NT) (≤ min(n_pairs, ceil(n_pairs / MAX_NT) + n_expert)). flag[p] = 1 for every
+// entry whose expert has a slot (table[e] >= 0; -1: no group, flag 0). `rank` is scratch of n_pairs ints.
+// tiles != null: also each expert's groups in tiles of up to MQ_GPT consecutive groups ({first group, groups}),
+// max_tiles of them (≥ Σ_e ceil(count_e / MQ_BN)), the empty ones ({0, 0}) last.
+// One block of GROUP_THREADS threads; n_expert <= TOPK_MAX_EXPERTS.
+#define GROUP_THREADS 1024
+extern "C" __global__ void group_by_expert(const int* ids, int n_pairs, int k, int n_expert, const int* table,
+                                           Group* groups, int max_groups, int* flag, int* rank, int2* tiles,
+                                           int max_tiles) {
+    pdl_entry();
+    __shared__ int cnt[TOPK_MAX_EXPERTS];
+    __shared__ int off[TOPK_MAX_EXPERTS];
+    __shared__ int toff[TOPK_MAX_EXPERTS];
+    __shared__ int total, total_tiles;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) rank[p] = atomicAdd(&cnt[ids[p]], 1);
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        // groups per expert, prefix sum in expert order (one warp, 32 experts per step)
+        int carry = 0, tcarry = 0;
+        for (int e0 = 0; e0 < n_expert; e0 += 32) {
+            const int e = e0 + threadIdx.x;
+            const int n = e < n_expert && table[e] >= 0 ? (cnt[e] + MAX_NT - 1) / MAX_NT : 0;
+            const int nt = (n + MQ_GPT - 1) / MQ_GPT;
+            int inc = n, tinc = nt;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, inc, o);
+                const int tv = __shfl_up_sync(0xffffffffu, tinc, o);
+                if ((int)threadIdx.x >= o) {
+                    inc += v;
+                    tinc += tv;
+                }
+            }
+            if (e < n_expert) {
+                off[e] = carry + inc - n;
+                toff[e] = tcarry + tinc - nt;
+            }
+            carry += __shfl_sync(0xffffffffu, inc, 31);
+            tcarry += __shfl_sync(0xffffffffu, tinc, 31);
+        }
+        if (threadIdx.x == 0) {
+            total = carry;
+            total_tiles = tcarry;
+        }
+    }
+    __syncthreads();
+    if (tiles) {
+        // an expert's groups in tiles of up to MQ_GPT (the tensor-core expert kernels' MQ_BN columns)
+        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+            const int n = table[e] >= 0 ? (cnt[e] + MAX_NT - 1) / MAX_NT : 0;
+            for (int i = 0; i * MQ_GPT < n; i++) tiles[toff[e] + i] = make_int2(off[e] + i * MQ_GPT, min(MQ_GPT, n - i * MQ_GPT));
+        }
+        for (int i = total_tiles + threadIdx.x; i < max_tiles; i += blockDim.x) tiles[i] = make_int2(0, 0);
+    }
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+        const int e = ids[p], slot = table[e];
+        flag[p] = slot >= 0 ? 1 : 0;
+        if (slot < 0) continue;
+        const int r = rank[p];
+        Group* g = groups + off[e] + r / MAX_NT;
+        g->tok[r % MAX_NT] = p / k;
+        g->pair[r % MAX_NT] = p;
+        if (r % MAX_NT == 0) {
+            g->slot = slot;
+            g->nt = min(MAX_NT, cnt[e] - r);
+        }
+    }
+    for (int i = total + threadIdx.x; i < max_groups; i += blockDim.x) groups[i].nt = 0;
 }
 
 // h[pair, r] = silu(gate_r · x_tok) * (up_r · x_tok) for r < ff (one warp: gate and up of one r).
@@ -1541,6 +2053,97 @@ EXPERT_KERNELS(q4_1, FMT_Q4_1)
 EXPERT_NARROW_KERNEL(q8_0, FMT_Q8_0)
 EXPERT_NARROW_KERNEL(q4_0, FMT_Q4_0)
 EXPERT_NARROW_KERNEL(q4_1, FMT_Q4_1)
+
+// Tensor-core expert products over the tiles of group_by_expert (prefill chunks, every expert in VRAM): a tile is up
+// to MQ_GPT consecutive groups of one expert (MQ_BN tokens), its columns the groups' entries in order. The gate/up
+// kernel computes h[pair, r] = silu(gate_r · x_tok) · (up_r · x_tok) for MQ_BM indices r per block (the gate and up
+// rows of a warp's 16 indices side by side, two MMAs per column tile), the down kernel out[pair, r] = down_r · h_pair
+// from h's Q8 rows (hq, by entry); arithmetic as mmq_body. Grid: (ceil(ff / MQ_BM) or ceil(e / MQ_BM), max_tiles).
+__device__ __forceinline__ void mq_tile_cols(const Group* groups, int2 tl, bool by_pair, int* xrow, int* prow) {
+    for (int c = threadIdx.x; c < MQ_BN; c += blockDim.x) {
+        const int gi = c / MAX_NT, j = c % MAX_NT;
+        int x = -1, p = -1;
+        if (gi < tl.y) {
+            const Group& gr = groups[tl.x + gi];
+            if (j < gr.nt) {
+                p = gr.pair[j];
+                x = by_pair ? p : gr.tok[j];
+            }
+        }
+        xrow[c] = x;
+        prow[c] = p;
+    }
+}
+
+template <int FMT>
+__device__ void expert_gate_up_mmq_body(const Group* groups, const int2* tiles, const u8* slots, size_t slot_bytes,
+                                        int ff, int e, const Q8* xq, float* h) {
+    __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
+    __shared__ int xrow[MQ_BN], prow[MQ_BN];
+    pdl_entry();
+    const int2 tl = tiles[blockIdx.y];
+    if (tl.y == 0) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+    const int ra = blockIdx.x * MQ_BM + warp * 16 + g, rb = ra + 8;
+    const u8* blob = slots + (size_t)groups[tl.x].slot * slot_bytes;
+    const size_t rbytes = row_bytes(FMT, e);
+    const u8* rp[2] = {blob + (size_t)min(ra, ff - 1) * rbytes, blob + (size_t)min(rb, ff - 1) * rbytes};
+    const u8* ru[2] = {rp[0] + (size_t)ff * rbytes, rp[1] + (size_t)ff * rbytes};
+    mq_tile_cols(groups, tl, false, xrow, prow);
+    float acc[MQ_BN / 8][4], accu[MQ_BN / 8][4];
+    mq_core<FMT, true>(rp, ru, e / 32, xq, e / 32, xrow, xs, acc, accu);
+#pragma unroll
+    for (int j = 0; j < MQ_BN / 8; j++) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int r = q < 2 ? ra : rb, p = prow[j * 8 + 2 * tg + (q & 1)];
+            if (r < ff && p >= 0) {
+                const float gv = acc[j][q], uv = accu[j][q];
+                h[(size_t)p * ff + r] = gv / (1.0f + expf(-gv)) * uv;
+            }
+        }
+    }
+}
+
+template <int FMT>
+__device__ void expert_down_mmq_body(const Group* groups, const int2* tiles, const u8* slots, size_t slot_bytes,
+                                     size_t down_off, size_t down_rb, int ff, int e, const Q8* hq, float* out) {
+    __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
+    __shared__ int xrow[MQ_BN], prow[MQ_BN];
+    pdl_entry();
+    const int2 tl = tiles[blockIdx.y];
+    if (tl.y == 0) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+    const int ra = blockIdx.x * MQ_BM + warp * 16 + g, rb = ra + 8;
+    const u8* down = slots + (size_t)groups[tl.x].slot * slot_bytes + down_off;
+    const u8* rp[2] = {down + (size_t)min(ra, e - 1) * down_rb, down + (size_t)min(rb, e - 1) * down_rb};
+    mq_tile_cols(groups, tl, true, xrow, prow);
+    float acc[MQ_BN / 8][4], unused[MQ_BN / 8][4];
+    mq_core<FMT, false>(rp, rp, ff / 32, hq, ff / 32, xrow, xs, acc, unused);
+#pragma unroll
+    for (int j = 0; j < MQ_BN / 8; j++) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int r = q < 2 ? ra : rb, p = prow[j * 8 + 2 * tg + (q & 1)];
+            if (r < e && p >= 0) out[(size_t)p * e + r] = acc[j][q];
+        }
+    }
+}
+
+#define EXPERT_MMQ_KERNELS(SUFFIX, FMT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * MQ_WARPS) expert_gate_up_mmq_##SUFFIX(                     \
+        const Group* groups, const int2* tiles, const u8* __restrict__ slots, size_t slot_bytes, int ff, int e,     \
+        const Q8* xq, float* h) {                                                                                 \
+        expert_gate_up_mmq_body<FMT>(groups, tiles, slots, slot_bytes, ff, e, xq, h);                             \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * MQ_WARPS) expert_down_mmq_##SUFFIX(                        \
+        const Group* groups, const int2* tiles, const u8* __restrict__ slots, size_t slot_bytes, size_t down_off,   \
+        size_t down_rb, int ff, int e, const Q8* hq, float* out) {                                                \
+        expert_down_mmq_body<FMT>(groups, tiles, slots, slot_bytes, down_off, down_rb, ff, e, hq, out);           \
+    }
+EXPERT_MMQ_KERNELS(q8_0, FMT_Q8_0)
+EXPERT_MMQ_KERNELS(q4_0, FMT_Q4_0)
+EXPERT_MMQ_KERNELS(q4_1, FMT_Q4_1)
 
 // A shared expert's output added to the residual (Qwen2-MoE): x[i] += sigmoid(gw · xn[i]) * y[i] for each of
 // the t rows of e values (gw: e weights of ffn_gate_inp_shexp; xn: the normalized FFN input). One block of

@@ -85,6 +85,9 @@ pub struct BenchArgs {
     /// `--vram-reserve-later-mib` of the arms (MiB; default: `--vram-reserve-mib`).
     #[arg(long)]
     vram_reserve_later_mib: Option<u64>,
+    /// Prefill chunk (the daemon's `--batch`): the prompt runs through the model this many tokens at a time.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -264,35 +267,81 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     }
 }
 
-/// The split-K attention against the one-block kernel on random q and f16 K/V caches of `pos0 + t` positions,
-/// the split one launched for attention size class `cap` ≥ pos0 + t (chunks past the rows' positions, as a
-/// replayed decode graph has them): the relative error of the output rows.
+/// Random f16-rounded queries (as RoPE leaves them) and f16 K/V caches of `pos0 + t` positions on the device, with
+/// two output buffers (NaN-filled) for two attention kernels to be compared.
+struct AttentionCase {
+    q: strata::backend::cuda::driver::DevBuf,
+    k: strata::backend::cuda::driver::DevBuf,
+    v: strata::backend::cuda::driver::DevBuf,
+    pos: strata::backend::cuda::driver::DevBuf,
+    out: [strata::backend::cuda::driver::DevBuf; 2],
+    outq: strata::backend::cuda::driver::DevBuf,
+    len: usize,
+}
+
+impl AttentionCase {
+    fn new((nh, nkv, hd): (usize, usize, usize), (pos0, t): (usize, usize), seed: &mut u64) -> Result<AttentionCase> {
+        use strata::backend::cuda::driver::DevBuf;
+        let n = pos0 + t;
+        let mut r = |scale: f32| ((rng(seed) % 20001) as f32 / 10000.0 - 1.0) * scale;
+        let q: Vec<f32> = (0..t * nh * hd).map(|_| half::f16::from_f32(r(2.0)).to_f32()).collect();
+        let kc: Vec<u16> = (0..n * nkv * hd).map(|_| half::f16::from_f32(r(2.0)).to_bits()).collect();
+        let vc: Vec<u16> = (0..n * nkv * hd).map(|_| half::f16::from_f32(r(1.0)).to_bits()).collect();
+        let len = t * nh * hd;
+        Ok(AttentionCase {
+            q: DevBuf::from_slice(&q)?,
+            k: DevBuf::from_slice(&kc)?,
+            v: DevBuf::from_slice(&vc)?,
+            pos: DevBuf::from_slice(&[pos0 as i32, 0])?,
+            out: [DevBuf::from_slice(&vec![f32::NAN; len])?, DevBuf::from_slice(&vec![f32::NAN; len])?],
+            outq: DevBuf::alloc(t * nh * hd.div_ceil(32) * strata::backend::cuda::ops::Q8_BYTES)?,
+            len,
+        })
+    }
+
+    /// The relative error of the second output against the first, once the stream is done.
+    fn diff(&self, ops: &strata::backend::cuda::ops::Ops) -> Result<f64> {
+        ops.s.sync()?;
+        let (mut a, mut b) = (vec![0f32; self.len], vec![0f32; self.len]);
+        self.out[0].read_sync(0, &mut a)?;
+        self.out[1].read_sync(0, &mut b)?;
+        Ok(rel_err(&b, &a))
+    }
+}
+
+/// The split-K attention against the one-block kernel ([`AttentionCase`]), the split one launched for attention
+/// size class `cap` ≥ pos0 + t (chunks past the rows' positions, as a replayed decode graph has them): the relative
+/// error of the output rows.
 fn check_attention(
     ops: &strata::backend::cuda::ops::Ops,
     (nh, nkv, hd): (usize, usize, usize),
     (pos0, t, cap): (usize, usize, usize),
     seed: &mut u64,
 ) -> Result<f64> {
-    use strata::backend::cuda::driver::DevBuf;
-    let n = pos0 + t;
-    let mut r = |scale: f32| ((rng(seed) % 20001) as f32 / 10000.0 - 1.0) * scale;
-    // f16-rounded queries, as RoPE leaves them
-    let q: Vec<f32> = (0..t * nh * hd).map(|_| half::f16::from_f32(r(2.0)).to_f32()).collect();
-    let kc: Vec<u16> = (0..n * nkv * hd).map(|_| half::f16::from_f32(r(2.0)).to_bits()).collect();
-    let vc: Vec<u16> = (0..n * nkv * hd).map(|_| half::f16::from_f32(r(1.0)).to_bits()).collect();
-    let (dq, dk, dv) = (DevBuf::from_slice(&q)?, DevBuf::from_slice(&kc)?, DevBuf::from_slice(&vc)?);
-    let pos = DevBuf::from_slice(&[pos0 as i32, 0])?;
-    let out1 = DevBuf::from_slice(&vec![f32::NAN; t * nh * hd])?;
-    let out2 = DevBuf::from_slice(&vec![f32::NAN; t * nh * hd])?;
-    let oq = DevBuf::alloc(t * nh * hd.div_ceil(32) * strata::backend::cuda::ops::Q8_BYTES)?;
-    let part = DevBuf::alloc(strata::backend::cuda::ops::split_part_floats(t, nh, hd, cap) * 4)?;
-    ops.attention(dq.ptr, dk.ptr, dv.ptr, nh, nkv, hd, pos.ptr, n, t, out1.ptr, oq.ptr, None)?;
-    ops.attention(dq.ptr, dk.ptr, dv.ptr, nh, nkv, hd, pos.ptr, cap, t, out2.ptr, oq.ptr, Some(part.ptr))?;
-    ops.s.sync()?;
-    let (mut a, mut b) = (vec![0f32; t * nh * hd], vec![0f32; t * nh * hd]);
-    out1.read_sync(0, &mut a)?;
-    out2.read_sync(0, &mut b)?;
-    Ok(rel_err(&b, &a))
+    let c = AttentionCase::new((nh, nkv, hd), (pos0, t), seed)?;
+    let part = strata::backend::cuda::driver::DevBuf::alloc(
+        strata::backend::cuda::ops::split_part_floats(t, nh, hd, cap) * 4,
+    )?;
+    let (q, k, v, p) = (c.q.ptr, c.k.ptr, c.v.ptr, c.pos.ptr);
+    ops.attention(q, k, v, nh, nkv, hd, p, pos0 + t, t, c.out[0].ptr, c.outq.ptr, None)?;
+    ops.attention(q, k, v, nh, nkv, hd, p, cap, t, c.out[1].ptr, c.outq.ptr, Some(part.ptr))?;
+    c.diff(ops)
+}
+
+/// The tiled prefill attention (what [`strata::backend::cuda::ops::Ops::attention`] runs for more than a decode
+/// window's rows) against the one-block kernel ([`AttentionCase`]): the relative error of the output rows.
+fn check_attention_tiled(
+    ops: &strata::backend::cuda::ops::Ops,
+    (nh, nkv, hd): (usize, usize, usize),
+    (pos0, t): (usize, usize),
+    seed: &mut u64,
+) -> Result<f64> {
+    let c = AttentionCase::new((nh, nkv, hd), (pos0, t), seed)?;
+    let (q, k, v, p) = (c.q.ptr, c.k.ptr, c.v.ptr, c.pos.ptr);
+    let scale = 1.0 / (hd as f32).sqrt();
+    ops.attention_exact(q, k, v, (nh, nkv, hd), p, scale, pos0 + t, t, c.out[0].ptr, c.outq.ptr)?;
+    ops.attention(q, k, v, nh, nkv, hd, p, pos0 + t, t, c.out[1].ptr, c.outq.ptr, None)?;
+    c.diff(ops)
 }
 
 /// RMSNorm + Q8 of `t` random rows of `n` values after a combine of `k` random expert rows per token (random
@@ -427,6 +476,128 @@ fn check_expert(
     Ok((errs, same))
 }
 
+/// The experts of an all-VRAM prefill chunk as the pass runs them: `n_expert` random experts of `ty` (expert i in
+/// slot i + 1, the last one not in VRAM), `t` random tokens each routed to `k` distinct random experts, grouped on
+/// the device (`group_by_expert`) and computed by the tensor-core expert kernels, against the CPU's products per
+/// entry. Returns the relative error over the entries computed on the device and whether exactly the entries of
+/// experts in VRAM were flagged.
+fn check_expert_mmq(
+    ops: &strata::backend::cuda::ops::Ops,
+    pool: &WorkerPool,
+    ty: GgmlType,
+    (e, ff): (usize, usize),
+    (t, k, n_expert): (usize, usize, usize),
+    seed: &mut u64,
+) -> Result<(f64, bool)> {
+    use strata::backend::cuda::driver::DevBuf;
+    use strata::backend::cuda::ops::{max_expert_tiles, GROUP_BYTES, Q8_BYTES, TILE_BYTES};
+    let mut x = Act::default();
+    x.resize(t, e);
+    for v in x.f.iter_mut() {
+        *v = (rng(seed) % 20001) as f32 / 10000.0 - 1.0;
+    }
+    x.quantize();
+    let mut blobs = Vec::new();
+    let mut cpu = vec![vec![0f32; t * e]; n_expert]; // each expert's output for every token
+    let mut sb = 0;
+    for out in cpu.iter_mut() {
+        let gate = random_rows(ty, ff, e, seed);
+        let up = random_rows(ty, ff, e, seed);
+        let down = random_rows(ty, e, ff, seed);
+        let (mut g, mut u) = (vec![0f32; t * ff], vec![0f32; t * ff]);
+        matmul_with(
+            pool,
+            MatRef { data: &gate, ty, rows: ff, cols: e, stride: 0 },
+            &x,
+            &mut g,
+            Precision::Q8Activations,
+        );
+        matmul_with(pool, MatRef { data: &up, ty, rows: ff, cols: e, stride: 0 }, &x, &mut u, Precision::Q8Activations);
+        let mut h = Act::default();
+        h.resize(t, ff);
+        for (i, v) in h.f.iter_mut().enumerate() {
+            *v = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+        }
+        h.quantize();
+        matmul_with(pool, MatRef { data: &down, ty, rows: e, cols: ff, stride: 0 }, &h, out, Precision::Q8Activations);
+        let blob = [gate, up, down].concat();
+        sb = blob.len();
+        if blobs.is_empty() {
+            blobs.resize(sb, 0u8); // slot 0: zeros
+        }
+        blobs.extend(blob);
+    }
+    let table: Vec<i32> = (0..n_expert as i32).map(|i| if i + 1 == n_expert as i32 { -1 } else { i + 1 }).collect();
+    let mut ids = Vec::with_capacity(t * k);
+    for _ in 0..t {
+        let mut pick: Vec<i32> = Vec::new();
+        while pick.len() < k {
+            let v = (rng(seed) % n_expert as u64) as i32;
+            if !pick.contains(&v) {
+                pick.push(v);
+            }
+        }
+        ids.extend(pick);
+    }
+    let n_pairs = t * k;
+    let slots = DevBuf::from_slice(&blobs)?;
+    let (d_ids, d_table) = (DevBuf::from_slice(&ids)?, DevBuf::from_slice(&table)?);
+    let groups = DevBuf::alloc(n_pairs * GROUP_BYTES)?;
+    let tiles = DevBuf::alloc(n_pairs * TILE_BYTES)?;
+    let (flag, rank) = (DevBuf::from_slice(&vec![7i32; n_pairs])?, DevBuf::alloc(n_pairs * 4)?);
+    let xq = DevBuf::from_slice(&q8_bytes(&x))?;
+    let h = DevBuf::alloc(n_pairs * ff * 4)?;
+    let hq = DevBuf::alloc(n_pairs * ff / 32 * Q8_BYTES)?;
+    let y = DevBuf::from_slice(&vec![f32::NAN; n_pairs * e])?;
+    ops.group_by_expert(d_ids.ptr, n_pairs, k, n_expert, d_table.ptr, groups.ptr, flag.ptr, rank.ptr, tiles.ptr)?;
+    let down = (2 * ff * ty.row_bytes(e), ty.row_bytes(ff));
+    ops.experts_mmq(
+        (ty, ty),
+        groups.ptr,
+        tiles.ptr,
+        max_expert_tiles(n_pairs, n_expert),
+        (slots.ptr, sb),
+        down,
+        (ff, e),
+        (xq.ptr, h.ptr, hq.ptr, n_pairs),
+        y.ptr,
+    )
+    .ok_or_else(|| anyhow::anyhow!("no tensor-core expert kernels for {ty:?}"))??;
+    ops.s.sync()?;
+    let (mut gy, mut gf) = (vec![0f32; n_pairs * e], vec![0i32; n_pairs]);
+    y.read_sync(0, &mut gy)?;
+    flag.read_sync(0, &mut gf)?;
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    let mut flags_ok = true;
+    for p in 0..n_pairs {
+        let ex = ids[p] as usize;
+        let in_vram = table[ex] >= 0;
+        flags_ok &= gf[p] == in_vram as i32;
+        if in_vram {
+            got.extend_from_slice(&gy[p * e..(p + 1) * e]);
+            let tok = p / k;
+            want.extend_from_slice(&cpu[ex][tok * e..(tok + 1) * e]);
+        }
+    }
+    Ok((rel_err(&got, &want), flags_ok))
+}
+
+/// gpu-check's GPU options: device 0, `cache`, 700 MiB reserved, a layer split at `split` on that one card when
+/// not empty, `n_ctx` positions, prefill chunks of 64 tokens.
+fn check_gpu_options(cache: CacheSize, split: &[usize], n_ctx: usize) -> GpuOptions {
+    GpuOptions {
+        enabled: true,
+        device: 0,
+        cache,
+        reserve_mib: 700,
+        reserve_later_mib: None,
+        layer_split: (!split.is_empty()).then(|| strata::tiers::split::LayerSplit::At(split.to_vec())),
+        split_devices: vec![0; if split.is_empty() { 0 } else { split.len() + 1 }],
+        n_ctx,
+        max_chunk: 64,
+    }
+}
+
 pub fn check(a: CheckArgs) -> Result<()> {
     let mut report = serde_json::Map::new();
     let dev = match strata::backend::cuda::probe(0) {
@@ -457,9 +628,19 @@ pub fn check(a: CheckArgs) -> Result<()> {
     let mut worst: f64 = 0.0;
     println!("{:<6} {:>6} {:>6} {:>3} {:>12} {:>12}", "format", "rows", "cols", "t", "rel_err_cpu", "rel_err_f64");
     for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
-        for &(rows, cols, t) in
-            &[(64usize, 256usize, 1usize), (300, 1024, 3), (129, 2048, 8), (77, 4096, 11), (65, 14336, 1), (33, 96, 2)]
-        {
+        for &(rows, cols, t) in &[
+            (64usize, 256usize, 1usize),
+            (300, 1024, 3),
+            (129, 2048, 8),
+            (77, 4096, 11),
+            (65, 14336, 1),
+            (33, 96, 2),
+            // prefill chunks (the tensor-core kernel for block formats): rows and tokens not multiples of its
+            // 64 × 64 tile, a last shared-memory chunk of one block (800 = 25 blocks)
+            (131, 800, 100),
+            (64, 2048, 512),
+            (1100, 256, 70),
+        ] {
             let w = random_rows(ty, rows, cols, &mut seed);
             let mut x = Act::default();
             x.resize(t, cols);
@@ -532,6 +713,46 @@ pub fn check(a: CheckArgs) -> Result<()> {
         kern.push(serde_json::json!({"kernel": "attention_split", "n_head": nh, "n_head_kv": nkv, "hd": hd,
             "pos0": pos0, "t": t, "cap": cap, "rel_err_vs_one_block": r}));
     }
+    // 1a''. tiled prefill attention (tensor cores, online softmax) against the one-block kernel: odd row counts,
+    // rows not a multiple of the 64-row tile, GQA 1:1 to 8:1, every head size it has
+    if ops.k.attention_tiled(128).is_some() {
+        println!("{:<6} {:>6} {:>6} {:>6} {:>6} {:>12}", "attn", "heads", "kv", "hd", "pos0", "t  rel_err_1blk");
+        for &(nh, nkv, hd, pos0, t) in &[
+            (32usize, 4usize, 128usize, 0usize, 64usize),
+            (32, 4, 128, 3000, 512),
+            (16, 16, 64, 0, 37),
+            (12, 4, 80, 100, 129),
+            (8, 1, 96, 7, 9),
+            (9, 3, 64, 1000, 200),
+            (16, 2, 128, 4000, 77),
+        ] {
+            let r = check_attention_tiled(&ops, (nh, nkv, hd), (pos0, t), &mut seed)?;
+            worst = worst.max(r);
+            println!("{:<6} {nh:>6} {nkv:>6} {hd:>6} {pos0:>6} {t:>4} {r:>12.2e}", "tiled");
+            kern.push(serde_json::json!({"kernel": "attention_tiled", "n_head": nh, "n_head_kv": nkv, "hd": hd,
+                "pos0": pos0, "t": t, "rel_err_vs_one_block": r}));
+        }
+    }
+    // 1c. a prefill chunk's experts: grouped on the device, tensor-core kernels (several tiles per expert, partial
+    // tiles, an expert not in VRAM)
+    if ops.k.expert_mmq(GgmlType::Q4_0, GgmlType::Q4_0).is_some() {
+        println!("{:<6} {:>6} {:>6} {:>4} {:>3} {:>4} {:>12}", "mmq", "e", "ff", "t", "k", "ne", "rel_err_cpu");
+        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+            for &(e, ff, t, k, ne) in
+                &[(256usize, 512usize, 100usize, 4usize, 6usize), (2048, 768, 130, 8, 16), (96, 160, 9, 2, 3)]
+            {
+                let (r, flags) = check_expert_mmq(&ops, &pool, ty, (e, ff), (t, k, ne), &mut seed)?;
+                worst = worst.max(r);
+                println!(
+                    "{:<6} {e:>6} {ff:>6} {t:>4} {k:>3} {ne:>4} {r:>12.2e}{}",
+                    format!("{ty:?}"),
+                    if flags { "" } else { "  (flags differ)" }
+                );
+                kern.push(serde_json::json!({"kernel": "experts_mmq", "format": format!("{ty:?}"), "e": e, "ff": ff,
+                    "t": t, "k": k, "n_expert": ne, "rel_err_vs_cpu": r, "flags_ok": flags}));
+            }
+        }
+    }
     // 1b. expert gate/up + down from a VRAM slot (staged and row-by-row shapes, one and several tokens)
     println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "expert", "e", "ff", "t", "rel_err_cpu");
     for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F16] {
@@ -590,11 +811,13 @@ pub fn check(a: CheckArgs) -> Result<()> {
         let mut configs = Vec::new();
         // the fixture's own noise floor: the CPU path's batch (one prefill of every position) against its
         // decode windows
-        {
+        let cpu_all = {
             let mut kv = cpu.new_kv(toks.len() + 1);
             let mut s = Scratch::default();
-            let all = cpu.forward(&toks[..toks.len() - 1], &mut kv, Logits::All, &mut s);
-            let batch = &all[7 * n_vocab..];
+            cpu.forward(&toks[..toks.len() - 1], &mut kv, Logits::All, &mut s)
+        };
+        {
+            let batch = &cpu_all[7 * n_vocab..];
             let (kls, agree) = kl_argmax(&reference, batch, n_vocab);
             let mean = kls.iter().sum::<f64>() / kls.len() as f64;
             println!(
@@ -607,6 +830,34 @@ pub fn check(a: CheckArgs) -> Result<()> {
                 "mean_kl": mean, "argmax_agreement": agree as f64 / kls.len() as f64}));
         }
         let q = CacheSize::Slots(total / 4);
+        // prefill on the GPU (chunks of 64: tensor-core and tiled float products, tiled attention, all-VRAM experts
+        // grouped on the device) against the CPU's batch over the same positions
+        for (name, cache) in
+            [("prefill 64: all experts in VRAM", CacheSize::Auto), ("prefill 64: cache 25%, static", q)]
+        {
+            let knobs = Arc::new(Knobs::default());
+            knobs.set("adapt_every", "0").map_err(|e| anyhow::anyhow!("{e}"))?;
+            let mut m = load_mode(path, knobs, 8, false, None)?;
+            let opts = check_gpu_options(cache, &[], toks.len() + 8);
+            let line = m.attach_gpu(&opts).map_err(|e| anyhow::anyhow!(e))?;
+            eprintln!("{line}");
+            let mut kv = m.new_kv(toks.len() + 1);
+            let mut s = Scratch::default();
+            let gl = m.forward(&toks[..toks.len() - 1], &mut kv, Logits::All, &mut s);
+            let (kls, agree) = kl_argmax(&cpu_all[7 * n_vocab..], &gl[7 * n_vocab..], n_vocab);
+            let n = kls.len();
+            let mean = kls.iter().sum::<f64>() / n as f64;
+            let worst_kl = kls.iter().cloned().fold(0f64, f64::max);
+            let bytes_digest =
+                gl.iter().fold(0xcbf29ce484222325u64, |h, v| (h ^ v.to_bits() as u64).wrapping_mul(0x100000001b3));
+            println!(
+                "{name:<32} positions {n}  mean KL {mean:.2e} (max {worst_kl:.2e}) vs the CPU batch  argmax {:.2}%  digest {bytes_digest:016x}",
+                100.0 * agree as f64 / n as f64
+            );
+            configs.push(serde_json::json!({"config": name, "positions": n, "mean_kl_vs_cpu_batch": mean,
+                "max_kl": worst_kl, "argmax_agreement": agree as f64 / n as f64,
+                "digest": format!("{bytes_digest:016x}")}));
+        }
         let nl = cpu.cfg.n_layer;
         let half = vec![nl / 2];
         let thirds = if nl >= 3 { vec![nl / 3, 2 * nl / 3] } else { half.clone() };
@@ -668,17 +919,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
             knobs.set("pcie_frac", &pcie.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
             knobs.set("pcie_auto", auto).map_err(|e| anyhow::anyhow!("{e}"))?;
             let mut m = load_mode(path, knobs, 8, resident, ram)?;
-            let opts = GpuOptions {
-                enabled: true,
-                device: 0,
-                cache,
-                reserve_mib: 700,
-                reserve_later_mib: None,
-                layer_split: (!split.is_empty()).then(|| strata::tiers::split::LayerSplit::At(split.clone())),
-                split_devices: vec![0; if split.is_empty() { 0 } else { split.len() + 1 }],
-                n_ctx: toks.len() + 8,
-                max_chunk: 64,
-            };
+            let opts = check_gpu_options(cache, split, toks.len() + 8);
             let line = m.attach_gpu(&opts).map_err(|e| anyhow::anyhow!(e))?;
             eprintln!("{line}");
             let gl = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| teacher_force(&m, &toks))) {
@@ -873,7 +1114,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 layer_split: a.layer_split.clone(),
                 split_devices: a.split_device.clone(),
                 n_ctx: a.prompt + a.gen + 8,
-                max_chunk: 64,
+                max_chunk: a.batch.max(1),
             };
             let line = m.attach_gpu(&opts).map_err(|e| anyhow::anyhow!(e))?;
             eprintln!("{line}");

@@ -135,6 +135,14 @@ pub struct Kernels {
     mmv1: [Func; N],
     gate_up1: [Func; N],
     down1: [Func; N],
+    /// The prefill products: tensor-core `mmq_*` for formats with [`crate::quant::format::CudaFormat::mmq`], the
+    /// tiled f32 `mmf_*` for the float formats (None: off, see [`mmq_wanted`]).
+    mmq: [Option<Func>; N],
+    /// The float formats' prefill products for matrices of few rows (`mmf_*_r16`: 16 rows per block).
+    mmf16: [Option<Func>; N],
+    /// The tensor-core expert gate/up and down kernels over `group_by_expert`'s tiles (as `mmq`).
+    gate_up_mmq: [Option<Func>; N],
+    down_mmq: [Option<Func>; N],
     /// The narrow one-token gate/up and down kernels (`_t1n`, block formats; see [`narrow_wanted`]).
     gate_up1n: [Option<Func>; N],
     down1n: [Option<Func>; N],
@@ -156,8 +164,12 @@ pub struct Kernels {
     pub attention_split: Func,
     /// `attention_combine` (merges `attention_split`'s partials).
     pub attention_combine: Func,
+    /// `attention_tiled_<hd>` for the head sizes of [`TILED_HEAD_SIZES`] (None: off, see [`tiled_attention_wanted`]).
+    attention_tiled: [Option<Func>; TILED_HEAD_SIZES.len()],
     /// `route_topk`.
     pub route_topk: Func,
+    /// `group_by_expert` (a prefill chunk's groups, per expert, on the device).
+    pub group_by_expert: Func,
     /// `swiglu`.
     pub swiglu: Func,
 }
@@ -177,6 +189,22 @@ pub fn pdl_wanted(cc: (i32, i32)) -> bool {
 /// compute capability 9.0 or newer unless `STRATA_GPU_NORM_CLUSTER=0` (then one block per row).
 pub fn cluster_norm_wanted(cc: (i32, i32)) -> bool {
     cc.0 >= 9 && !std::env::var("STRATA_GPU_NORM_CLUSTER").is_ok_and(|v| v == "0")
+}
+
+/// Whether dense products of more than [`super::ops::MAX_NT`] tokens, and the experts of all-VRAM prefill chunks,
+/// run the tensor-core kernels (`mmq_*`, `expert_*_mmq_*`) in the formats that have them: unless
+/// `STRATA_GPU_MMQ=0` (then the row kernels over groups of up to MAX_NT tokens; for A/B measurements).
+pub fn mmq_wanted() -> bool {
+    !std::env::var("STRATA_GPU_MMQ").is_ok_and(|v| v == "0")
+}
+
+/// Head sizes with a tiled prefill attention kernel (`attention_tiled_<hd>` in strata.cu).
+pub const TILED_HEAD_SIZES: [usize; 4] = [64, 80, 96, 128];
+
+/// Whether prefill chunks use the tiled tensor-core attention (`attention_tiled_*`): unless
+/// `STRATA_ATTN_TILED=0` (then the one-block kernel, bit-exact with the CPU path; for A/B measurements).
+pub fn tiled_attention_wanted() -> bool {
+    !std::env::var("STRATA_ATTN_TILED").is_ok_and(|v| v == "0")
 }
 
 /// Whether one-token expert products of narrow experts use the `_t1n` kernels (gate/up: two indices per warp;
@@ -247,6 +275,16 @@ impl Kernels {
             }
             Ok(v)
         };
+        // the tensor-core prefill kernels of the formats that have them, when on
+        let mmq_per = |prefix: &str| -> Result<[Option<Func>; N], GpuError> {
+            let mut v = [None; N];
+            if mmq_wanted() {
+                for (i, f) in formats.iter().enumerate().filter(|(_, f)| f.mmq) {
+                    v[i] = Some(get(leak(format!("{prefix}{}", f.suffix)))?);
+                }
+            }
+            Ok(v)
+        };
         let k = Kernels {
             module,
             mmv: per("mmv_", "")?,
@@ -255,6 +293,28 @@ impl Kernels {
             mmv1: per("mmv_", "_t1")?,
             gate_up1: per("expert_gate_up_", "_t1")?,
             down1: per("expert_down_", "_t1")?,
+            mmq: {
+                // block formats: the int8 MMA kernel; float formats: the tiled f32 one
+                let mut v = [None; N];
+                if mmq_wanted() {
+                    for (i, f) in formats.iter().enumerate() {
+                        let name = if f.mmq { format!("mmq_{}", f.suffix) } else { format!("mmf_{}", f.suffix) };
+                        v[i] = Some(get(leak(name))?);
+                    }
+                }
+                v
+            },
+            mmf16: {
+                let mut v = [None; N];
+                if mmq_wanted() {
+                    for (i, f) in formats.iter().enumerate().filter(|(_, f)| !f.mmq) {
+                        v[i] = Some(get(leak(format!("mmf_{}_r16", f.suffix)))?);
+                    }
+                }
+                v
+            },
+            gate_up_mmq: mmq_per("expert_gate_up_mmq_")?,
+            down_mmq: mmq_per("expert_down_mmq_")?,
             gate_up1n: narrow_per("expert_gate_up_")?,
             down1n: narrow_per("expert_down_")?,
             quantize_q8: get("quantize_q8")?,
@@ -266,7 +326,17 @@ impl Kernels {
             attention: get("attention")?,
             attention_split: get("attention_split")?,
             attention_combine: get("attention_combine")?,
+            attention_tiled: {
+                let mut v = [None; TILED_HEAD_SIZES.len()];
+                if tiled_attention_wanted() {
+                    for (f, hd) in v.iter_mut().zip(TILED_HEAD_SIZES) {
+                        *f = Some(get(leak(format!("attention_tiled_{hd}")))?);
+                    }
+                }
+                v
+            },
             route_topk: get("route_topk")?,
+            group_by_expert: get("group_by_expert")?,
             swiglu: get("swiglu")?,
         };
         // the opt-in limit covers static shared memory too (a few hundred bytes in `attention`)
@@ -288,6 +358,25 @@ impl Kernels {
     pub fn down(&self, ty: GgmlType, one: bool) -> Result<Func, GpuError> {
         let i = fmt_index(ty)?;
         Ok(if one { self.down1[i] } else { self.down[i] })
+    }
+    /// The prefill product for `ty` (tensor-core for block formats, tiled f32 for float ones), if it is on.
+    pub fn mmq(&self, ty: GgmlType) -> Option<Func> {
+        fmt_index(ty).ok().and_then(|i| self.mmq[i])
+    }
+    /// The float formats' prefill product of 16 rows per block (for matrices of few rows), if it is on.
+    pub fn mmf_r16(&self, ty: GgmlType) -> Option<Func> {
+        fmt_index(ty).ok().and_then(|i| self.mmf16[i])
+    }
+    /// The tensor-core expert kernels (gate/up for `gate`, down for `down`) if both formats have them and they are
+    /// on.
+    pub fn expert_mmq(&self, gate: GgmlType, down: GgmlType) -> Option<(Func, Func)> {
+        let g = fmt_index(gate).ok().and_then(|i| self.gate_up_mmq[i])?;
+        let d = fmt_index(down).ok().and_then(|i| self.down_mmq[i])?;
+        Some((g, d))
+    }
+    /// The tiled prefill attention kernel for head size `hd`, if there is one and it is on.
+    pub fn attention_tiled(&self, hd: usize) -> Option<Func> {
+        TILED_HEAD_SIZES.iter().position(|&h| h == hd).and_then(|i| self.attention_tiled[i])
     }
     /// The narrow one-token gate/up kernel for `ty`, if it has one (block formats) and it is on.
     pub fn gate_up_narrow(&self, ty: GgmlType) -> Option<Func> {

@@ -92,6 +92,10 @@ pub(super) struct Bufs {
     pub(super) w: DevBuf,
     pub(super) flag: DevBuf,
     pub(super) groups: DevBuf,
+    /// Scratch of `group_by_expert` (one i32 per routing entry).
+    pub(super) rank: DevBuf,
+    /// `group_by_expert`'s tiles for the tensor-core expert kernels (at most one per routing entry).
+    pub(super) tiles: DevBuf,
     pub(super) y: DevBuf,
     pub(super) cpu: DevBuf,
     pub(super) cs: DevBuf,
@@ -209,6 +213,10 @@ pub struct Stage {
     graphs_off: std::sync::atomic::AtomicBool,
     /// `STRATA_GPU_TIMING` was set at load: log host and GPU time per pass.
     timing: bool,
+    /// All-VRAM passes of several tokens group each expert's tokens on the device (`group_by_expert`), so an
+    /// expert's weights are read once per [`super::ops::MAX_NT`] tokens instead of once per token; off with
+    /// `STRATA_GPU_GROUP=0` at load (one group per routing entry, as decode windows; for A/B measurements).
+    pub(super) group_prefill: bool,
     /// MoE layers of the model (a token's worth of `pcie_auto` votes).
     n_moe_layers: usize,
     /// The architecture renormalises the top-k weights.
@@ -443,6 +451,8 @@ impl Stage {
             w: f4(t * kk)?,
             flag: f4(t * kk)?,
             groups: DevBuf::alloc(t * kk * GROUP_BYTES)?,
+            rank: f4(t * kk)?,
+            tiles: DevBuf::alloc(t * kk * super::ops::TILE_BYTES)?,
             y: f4(t * kk * e)?,
             cpu: f4(t * e)?,
             cs: f4(t * c.n_rot + 2)?,
@@ -482,6 +492,7 @@ impl Stage {
             layer_graphs: Mutex::new(std::collections::HashMap::new()),
             graphs_off: std::sync::atomic::AtomicBool::new(std::env::var("STRATA_GPU_GRAPHS").is_ok_and(|v| v == "0")),
             timing: std::env::var_os("STRATA_GPU_TIMING").is_some(),
+            group_prefill: std::env::var("STRATA_GPU_GROUP").map_or(true, |v| v != "0"),
             n_moe_layers,
             norm_topk,
         })

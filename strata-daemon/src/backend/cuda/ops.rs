@@ -109,9 +109,71 @@ pub fn split_applies(cap: usize, t: usize, hd: usize) -> bool {
     cap > ATT_SPLIT_MIN && t <= ATT_SPLIT_ROWS && hd <= 256
 }
 
+/// Query rows per block and warps per block of the tiled prefill attention (`FA_BQ`, `FA_WARPS` in strata.cu).
+pub const FA_BQ: usize = 64;
+const FA_WARPS: u32 = 4;
+
+/// Whether [`Ops::attention`] runs a pass of `t` rows through the tiled kernel (when its head size has one):
+/// more rows than a decode window, K/V rows of whole 16-byte chunks (`kvd` values per position).
+pub fn tiled_applies(t: usize, kvd: usize) -> bool {
+    t > ATT_SPLIT_ROWS && kvd.is_multiple_of(8)
+}
+
 /// f32 values of the split-K scratch for `rows` query rows of `n_head` heads of size `hd` over `n_ctx` positions.
 pub fn split_part_floats(rows: usize, n_head: usize, hd: usize, n_ctx: usize) -> usize {
     rows.min(ATT_SPLIT_ROWS) * n_head * n_ctx.div_ceil(ATT_CHUNK) * (hd + 2)
+}
+
+/// Threads of the one block of `group_by_expert` (GROUP_THREADS in strata.cu).
+const GROUP_THREADS: u32 = 1024;
+
+/// Groups [`Ops::group_by_expert`] may write for `n_pairs` routing entries over `n_expert` experts: Σ_e ⌈c_e /
+/// MAX_NT⌉ over the experts' entry counts c_e, bounded without knowing them.
+pub fn max_expert_groups(n_pairs: usize, n_expert: usize) -> usize {
+    n_pairs.min(n_pairs.div_ceil(MAX_NT) + n_expert)
+}
+
+/// Tiles (of up to [`MQ_BN`] tokens of one expert) [`Ops::group_by_expert`] may write: Σ_e ⌈c_e / MQ_BN⌉.
+pub fn max_expert_tiles(n_pairs: usize, n_expert: usize) -> usize {
+    n_pairs.min(n_pairs.div_ceil(MQ_BN) + n_expert)
+}
+
+/// Bytes of one tile (`int2`: first group, groups).
+pub const TILE_BYTES: usize = 8;
+
+/// Weight rows and tokens per block of the tensor-core prefill product (`MQ_BM`, `MQ_BN` in strata.cu; its
+/// blocks have [`WARPS`] warps).
+pub const MQ_BM: usize = 64;
+/// See [`MQ_BM`].
+pub const MQ_BN: usize = 64;
+
+/// Rows and tokens per block of the tiled float-format prefill product (`MF_BM`, `MF_BN`; 256 threads).
+pub const MF_BM: usize = 64;
+/// See [`MF_BM`].
+pub const MF_BN: usize = 64;
+/// Float matrices of at most this many rows run the 16-rows-per-block variant (`mmf_*_r16`).
+pub const MF_FEW_ROWS: usize = 1024;
+
+/// The parameter list the dense product kernels (`mmv_*`, `mmq_*`) share.
+fn mmv_args(mats: &[&DMat], xq: u64, xf: u64, t: usize, out: u64, out_stride: usize, accumulate: bool) -> Args {
+    let ptr = |i: usize| mats.get(i).map(|m| m.buf.ptr).unwrap_or(0);
+    let rows = |i: usize| mats.get(i).map(|m| m.rows).unwrap_or(0) as i32;
+    let cols = mats[0].cols as i32;
+    Args::new()
+        .ptr(ptr(0))
+        .ptr(ptr(1))
+        .ptr(ptr(2))
+        .i32(rows(0))
+        .i32(rows(1))
+        .i32(rows(2))
+        .i32(cols)
+        .ptr(xq)
+        .ptr(xf)
+        .i32(cols)
+        .i32(t as i32)
+        .ptr(out)
+        .i32(out_stride as i32)
+        .i32(accumulate as i32)
 }
 
 /// Kernel launches on one stream.
@@ -137,25 +199,25 @@ impl Ops<'_> {
         accumulate: bool,
     ) -> Result<(), GpuError> {
         let m0 = mats[0];
-        let f = self.k.mmv(m0.ty, t == 1)?;
-        let ptr = |i: usize| mats.get(i).map(|m| m.buf.ptr).unwrap_or(0);
-        let rows = |i: usize| mats.get(i).map(|m| m.rows).unwrap_or(0) as i32;
         let total: usize = mats.iter().map(|m| m.rows).sum();
-        let args = Args::new()
-            .ptr(ptr(0))
-            .ptr(ptr(1))
-            .ptr(ptr(2))
-            .i32(rows(0))
-            .i32(rows(1))
-            .i32(rows(2))
-            .i32(m0.cols as i32)
-            .ptr(xq)
-            .ptr(xf)
-            .i32(m0.cols as i32)
-            .i32(t as i32)
-            .ptr(out)
-            .i32(out_stride as i32)
-            .i32(accumulate as i32);
+        let block = m0.ty.block_size() > 1;
+        if let Some(f) = self.k.mmq(m0.ty).filter(|_| t > MAX_NT && (!block || m0.cols.is_multiple_of(32))) {
+            // a prefill chunk: the tensor-core kernel (MQ_BM rows × MQ_BN tokens per block), or for float formats
+            // the tiled one (MF_BM × MF_BN, 256 threads)
+            let args = mmv_args(mats, xq, xf, t, out, out_stride, accumulate);
+            return if block {
+                f.launch(self.s, (total.div_ceil(MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, 1), 32 * WARPS, 0, args)
+            } else {
+                // few rows (a router): 16 per block, so that the card has blocks enough
+                let (f, bm) = match self.k.mmf_r16(m0.ty) {
+                    Some(f16) if total <= MF_FEW_ROWS => (f16, 16),
+                    _ => (f, MF_BM),
+                };
+                f.launch(self.s, (total.div_ceil(bm) as u32, t.div_ceil(MF_BN) as u32, 1), 256, 0, args)
+            };
+        }
+        let f = self.k.mmv(m0.ty, t == 1)?;
+        let args = mmv_args(mats, xq, xf, t, out, out_stride, accumulate);
         // block formats: each warp RPW rows; float formats: each block RPW rows, its warps splitting the columns
         let per_block = if m0.ty.block_size() > 1 { WARPS as usize * RPW } else { RPW };
         f.launch(self.s, (total.div_ceil(per_block) as u32, 1, 1), 32 * WARPS, 0, args)
@@ -311,6 +373,20 @@ impl Ops<'_> {
                 .ptr(out)
                 .ptr(if hd.is_multiple_of(32) { outq } else { 0 });
             self.k.attention_combine.launch(self.s, (n_head as u32, t as u32, 1), 128, 0, args)?;
+        } else if let Some(f) = self.k.attention_tiled(hd).filter(|_| tiled_applies(t, n_head_kv * hd)) {
+            // a prefill chunk: the tiled tensor-core kernel, then the Q8 rows
+            let args = Args::new()
+                .ptr(q)
+                .ptr(kc)
+                .ptr(vc)
+                .i32(n_head as i32)
+                .i32(n_head_kv as i32)
+                .i32(t as i32)
+                .ptr(pos)
+                .f32(scale)
+                .ptr(out);
+            f.launch(self.s, (t.div_ceil(FA_BQ) as u32, n_head as u32, 1), 32 * FA_WARPS, 0, args)?;
+            return self.quantize(out, outq, t * n_head * hd / 32);
         } else {
             self.attention_exact(q, kc, vc, (n_head, n_head_kv, hd), pos, scale, cap, t, out, outq)?;
         }
@@ -320,9 +396,10 @@ impl Ops<'_> {
         Ok(())
     }
 
-    /// The one-block-per-row attention kernel (bit-exact with the CPU path; see `attention`).
+    /// The one-block-per-row attention kernel (bit-exact with the CPU path; see `attention`), whatever `t`: the
+    /// reference the other attention kernels are checked against. `cap` ≥ pos0 + t sizes its shared memory.
     #[allow(clippy::too_many_arguments)]
-    fn attention_exact(
+    pub fn attention_exact(
         &self,
         q: u64,
         kc: u64,
@@ -402,6 +479,90 @@ impl Ops<'_> {
             None => (self.k.gate_up(ty, one)?, 1),
         };
         f.launch(self.s, (ff.div_ceil(WARPS as usize * per_warp) as u32, n_groups as u32, 1), 32 * WARPS, 0, args)
+    }
+
+    /// Groups of up to [`MAX_NT`] tokens per expert from the `n_pairs` routing entries at `ids` (`k` per token;
+    /// `table`: the layer's slot per expert, −1 = not in VRAM): [`max_expert_groups`] groups written at `groups`
+    /// (the empty ones last, `nt` = 0), `flag[p]` = 1 where entry p's expert has a slot; `rank` is scratch of
+    /// `n_pairs` i32; `tiles` ≠ 0: also [`max_expert_tiles`] tiles there (each expert's groups by up to
+    /// [`MQ_BN`] tokens, for [`Ops::experts_mmq`]). Within an expert the order of tokens may differ between runs
+    /// (results do not).
+    #[allow(clippy::too_many_arguments)]
+    pub fn group_by_expert(
+        &self,
+        ids: u64,
+        n_pairs: usize,
+        k: usize,
+        n_expert: usize,
+        table: u64,
+        groups: u64,
+        flag: u64,
+        rank: u64,
+        tiles: u64,
+    ) -> Result<(), GpuError> {
+        let max_groups = max_expert_groups(n_pairs, n_expert);
+        let args = Args::new()
+            .ptr(ids)
+            .i32(n_pairs as i32)
+            .i32(k as i32)
+            .i32(n_expert as i32)
+            .ptr(table)
+            .ptr(groups)
+            .i32(max_groups as i32)
+            .ptr(flag)
+            .ptr(rank)
+            .ptr(tiles)
+            .i32(max_expert_tiles(n_pairs, n_expert) as i32);
+        self.k.group_by_expert.launch(self.s, (1, 1, 1), GROUP_THREADS, 0, args)
+    }
+
+    /// The experts of a prefill chunk on the tensor-core kernels, over `n_tiles` tiles at `tiles` of the groups at
+    /// `groups` ([`Ops::group_by_expert`]): h = silu(gate·x) ⊙ (up·x) for each entry (`xq`: the tokens' Q8 rows of
+    /// `e`), its Q8 rows into `hq` (`n_pairs` rows of `ff`), then `out[pair]` = down·h (`e` values per entry; down
+    /// rows `down_off` bytes into each slot, `down_rb` apart). `None` when the formats have no such kernels.
+    #[allow(clippy::too_many_arguments)]
+    pub fn experts_mmq(
+        &self,
+        (gate_ty, down_ty): (GgmlType, GgmlType),
+        groups: u64,
+        tiles: u64,
+        n_tiles: usize,
+        (slots, slot_bytes): (u64, usize),
+        (down_off, down_rb): (usize, usize),
+        (ff, e): (usize, usize),
+        (xq, h, hq, n_pairs): (u64, u64, u64, usize),
+        out: u64,
+    ) -> Option<Result<(), GpuError>> {
+        let (gu, dn) = self.k.expert_mmq(gate_ty, down_ty)?;
+        if !(e.is_multiple_of(32) && ff.is_multiple_of(32)) {
+            return None;
+        }
+        let run = || -> Result<(), GpuError> {
+            let args = Args::new()
+                .ptr(groups)
+                .ptr(tiles)
+                .ptr(slots)
+                .usize(slot_bytes)
+                .i32(ff as i32)
+                .i32(e as i32)
+                .ptr(xq)
+                .ptr(h);
+            gu.launch(self.s, (ff.div_ceil(MQ_BM) as u32, n_tiles as u32, 1), 32 * WARPS, 0, args)?;
+            self.quantize(h, hq, n_pairs * ff / 32)?;
+            let args = Args::new()
+                .ptr(groups)
+                .ptr(tiles)
+                .ptr(slots)
+                .usize(slot_bytes)
+                .usize(down_off)
+                .usize(down_rb)
+                .i32(ff as i32)
+                .i32(e as i32)
+                .ptr(hq)
+                .ptr(out);
+            dn.launch(self.s, (e.div_ceil(MQ_BM) as u32, n_tiles as u32, 1), 32 * WARPS, 0, args)
+        };
+        Some(run())
     }
 
     /// Expert down over `n_groups` groups (`one`: no group has more than one token) from h (`hf`: `h_rows`

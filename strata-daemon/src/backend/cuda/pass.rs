@@ -65,6 +65,12 @@ impl<'p, 'm> GpuPass<'p, 'm> {
         }
     }
 
+    /// An all-VRAM pass of several tokens whose experts' tokens are grouped on the device (see
+    /// [`Stage::group_prefill`]).
+    fn grouped(&self) -> bool {
+        self.fast && self.t > 1 && self.g.group_prefill
+    }
+
     /// The kernels on the model's stream.
     fn launch(&self) -> Launch<'_> {
         Launch { k: &self.g.k, s: &self.g.s }
@@ -172,10 +178,28 @@ impl Ops for GpuPass<'_, '_> {
         let n_pairs = t * kk;
         if self.fast {
             let cache = g.cache.as_ref().expect("all-VRAM passes have a cache");
+            let table = cache.table.at(l * ne * 4);
+            let win = if self.s.decode { b.win_ids.at(l * n_pairs * 4) } else { 0 };
+            if self.grouped() {
+                // several tokens: top-k, then each expert's tokens in groups of up to MAX_NT (on the device)
+                let k = self.launch();
+                g.route(&k, router, t, kk, None, win)?;
+                let tiles = b.tiles.ptr;
+                return Ok(k.group_by_expert(
+                    b.ids.ptr,
+                    n_pairs,
+                    kk,
+                    ne,
+                    table,
+                    b.groups.ptr,
+                    b.flag.ptr,
+                    b.rank.ptr,
+                    tiles,
+                )?);
+            }
             // top-k, groups from the residency table and (decode) the window's record, kept on the device and
             // read once after the window (no per-layer round trip)
-            let fast_groups = (cache.table.at(l * ne * 4), b.groups.ptr, b.flag.ptr);
-            let win = if self.s.decode { b.win_ids.at(l * n_pairs * 4) } else { 0 };
+            let fast_groups = (table, b.groups.ptr, b.flag.ptr);
             return Ok(g.route(&self.launch(), router, t, kk, Some(fast_groups), win)?);
         }
         g.route(&self.launch(), router, t, kk, None, 0)?;
@@ -200,9 +224,32 @@ impl Ops for GpuPass<'_, '_> {
         let (kk, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
         let n_pairs = t * kk;
         if self.fast {
-            // decode windows: one entry per group, so at most one token per group
             let down = (down_off, down_ty.row_bytes(ff));
-            g.experts_gpu((gate_ty, down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, down, e)?;
+            if self.grouped() {
+                let cache = g.cache.as_ref().expect("all-VRAM passes have a cache");
+                let n_tiles = super::ops::max_expert_tiles(n_pairs, c.n_expert);
+                let mmq = self.launch().experts_mmq(
+                    (gate_ty, down_ty),
+                    b.groups.ptr,
+                    b.tiles.ptr,
+                    n_tiles,
+                    (cache.slots.ptr, cache.slot_bytes),
+                    down,
+                    (ff, e),
+                    (b.xq.ptr, b.h.ptr, b.hq.ptr, n_pairs),
+                    b.y.ptr,
+                );
+                match mmq {
+                    Some(r) => r?,
+                    None => {
+                        let n_groups = super::ops::max_expert_groups(n_pairs, c.n_expert);
+                        g.experts_gpu((gate_ty, down_ty), false, b.groups.ptr, n_groups, n_pairs, ff, down, e)?;
+                    }
+                }
+            } else {
+                // decode windows: one entry per group, so at most one token per group
+                g.experts_gpu((gate_ty, down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, down, e)?;
+            }
             self.pend = Some(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: 0, k: kk });
             return Ok(());
         }

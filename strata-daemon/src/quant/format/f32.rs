@@ -11,7 +11,7 @@ pub const FORMAT: Format = Format {
     dequantize,
     q8: None,
     f32_dot: Some(dot),
-    cuda: Some(CudaFormat { index: 0, suffix: "f32", narrow: false }),
+    cuda: Some(CudaFormat { index: 0, suffix: "f32", narrow: false, mmq: false }),
 };
 
 fn dequantize(src: &[u8], dst: &mut [f32]) {

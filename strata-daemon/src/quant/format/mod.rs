@@ -73,6 +73,8 @@ pub struct CudaFormat {
     pub suffix: &'static str,
     /// The format has the narrow one-token expert kernels (`*_t1n`: the block formats).
     pub narrow: bool,
+    /// The format has a tensor-core prefill product (`mmq_*`: int8 MMA over the Q8 activations).
+    pub mmq: bool,
 }
 
 /// One block format.

@@ -21,7 +21,7 @@ pub const FORMAT: Format = Format {
         wide: true,
     }),
     f32_dot: None,
-    cuda: Some(CudaFormat { index: 4, suffix: "q4_0", narrow: true }),
+    cuda: Some(CudaFormat { index: 4, suffix: "q4_0", narrow: true, mmq: true }),
 };
 
 fn dequantize(src: &[u8], dst: &mut [f32]) {

@@ -20,7 +20,7 @@ pub const FORMAT: Format = Format {
         wide: false,
     }),
     f32_dot: None,
-    cuda: Some(CudaFormat { index: 3, suffix: "q8_0", narrow: true }),
+    cuda: Some(CudaFormat { index: 3, suffix: "q8_0", narrow: true, mmq: true }),
 };
 
 fn dequantize(src: &[u8], dst: &mut [f32]) {
