@@ -141,6 +141,11 @@ struct Args {
     /// finish a layer together.
     #[arg(long, default_value_t = 0, value_name = "0|1")]
     pcie_auto: u8,
+    /// Prefill chunks of at least N tokens compute their RAM-resident missed experts on the GPU, each uploaded
+    /// whole over PCIe into a staging slot (as many per layer as the staging slots hold, the rest on the CPU pool);
+    /// 0 = off (live knob `pcie_prefill`). Decode tokens keep `--pcie-frac`.
+    #[arg(long, default_value_t = strata::tiers::knobs::DEFAULT_PCIE_PREFILL, value_name = "N")]
+    pcie_prefill: usize,
     /// Next-layer prefetch on the hybrid GPU path (live knob `prefetch`): at most N of the next layer's predicted
     /// experts that are in RAM are uploaded while a layer computes, and computed on the GPU when routed; 0 = off.
     #[arg(long, default_value_t = 0, value_name = "N")]
@@ -233,6 +238,7 @@ fn main() -> Result<()> {
         ("expert_profile_save_every", args.expert_profile_save_every.to_string()),
         ("pcie_frac", args.pcie_frac.to_string()),
         ("pcie_auto", args.pcie_auto.to_string()),
+        ("pcie_prefill", args.pcie_prefill.to_string()),
         ("prefetch", args.prefetch.to_string()),
         ("adapt_async", args.adapt_async.to_string()),
     ] {

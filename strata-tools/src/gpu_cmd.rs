@@ -85,6 +85,13 @@ pub struct BenchArgs {
     /// `--vram-reserve-later-mib` of the arms (MiB; default: `--vram-reserve-mib`).
     #[arg(long)]
     vram_reserve_later_mib: Option<u64>,
+    /// Live knob `pcie_prefill` (`--pcie-prefill`): each arm runs once per value (prefill chunks of at least N
+    /// tokens upload their missed experts over PCIe; 0 = off).
+    #[arg(long, value_delimiter = ',', default_value = "16")]
+    pcie_prefill: Vec<usize>,
+    /// Adaptive modes of the partial-cache arms (`off`: static placement; `blocking`, `async`: adaptive rounds).
+    #[arg(long, value_delimiter = ',', default_value = "off,blocking,async")]
+    modes: Vec<String>,
     /// Prefill chunk (the daemon's `--batch`): the prompt runs through the model this many tokens at a time.
     #[arg(long, default_value_t = 64)]
     batch: usize,
@@ -832,11 +839,15 @@ pub fn check(a: CheckArgs) -> Result<()> {
         let q = CacheSize::Slots(total / 4);
         // prefill on the GPU (chunks of 64: tensor-core and tiled float products, tiled attention, all-VRAM experts
         // grouped on the device) against the CPU's batch over the same positions
-        for (name, cache) in
-            [("prefill 64: all experts in VRAM", CacheSize::Auto), ("prefill 64: cache 25%, static", q)]
-        {
+        // (cache 25%: its misses on the CPU pool, and uploaded over PCIe by `pcie_prefill`)
+        for (name, cache, pcie_prefill) in [
+            ("prefill 64: all experts in VRAM", CacheSize::Auto, "0"),
+            ("prefill 64: cache 25%, static", q, "0"),
+            ("prefill 64: cache 25%, pcie-prefill", q, "16"),
+        ] {
             let knobs = Arc::new(Knobs::default());
             knobs.set("adapt_every", "0").map_err(|e| anyhow::anyhow!("{e}"))?;
+            knobs.set("pcie_prefill", pcie_prefill).map_err(|e| anyhow::anyhow!("{e}"))?;
             let mut m = load_mode(path, knobs, 8, false, None)?;
             let opts = check_gpu_options(cache, &[], toks.len() + 8);
             let line = m.attach_gpu(&opts).map_err(|e| anyhow::anyhow!(e))?;
@@ -1069,25 +1080,35 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         Knobs::validate("adapt_policy", p).map_err(|e| anyhow::anyhow!("--adapt-policy: {e}"))?;
     }
     let first_policy = a.adapt_policy.first().map(String::as_str).unwrap_or("lrfu");
+    if let Some(m) = a.modes.iter().find(|m| !["off", "blocking", "async"].contains(&m.as_str())) {
+        bail!("--modes: {m:?} is none of off, blocking, async");
+    }
+    let want = |mode: &str| a.modes.iter().any(|m| m == mode);
     let mut plan: Vec<(f64, &str, PcieArm, &str)> = Vec::new();
     for &f in &a.fracs {
         if f >= 1.0 {
             plan.push((f, "off", PcieArm::Share(0.0), first_policy));
         } else {
-            plan.push((f, "off", PcieArm::Share(0.0), first_policy));
-            for mode in ["blocking", "async"] {
+            if want("off") {
+                plan.push((f, "off", PcieArm::Share(0.0), first_policy));
+            }
+            for mode in ["blocking", "async"].into_iter().filter(|m| want(m)) {
                 for p in &a.adapt_policy {
                     plan.push((f, mode, PcieArm::Share(0.0), p));
                 }
             }
             for &p in &a.pcie {
-                plan.push((f, "off", p, first_policy));
-                plan.push((f, "async", p, first_policy));
+                for mode in ["off", "async"].into_iter().filter(|m| want(m)) {
+                    plan.push((f, mode, p, first_policy));
+                }
             }
         }
     }
+    let plan: Vec<_> =
+        a.pcie_prefill.iter().flat_map(|&pp| plan.iter().map(move |&(f, m, p, pol)| (f, m, p, pol, pp))).collect();
     let mut first = true;
-    for (f, mode, pcie, policy) in plan {
+    for (f, mode, pcie, policy, pcie_prefill) in plan {
+        knobs.set("pcie_prefill", &pcie_prefill.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
         let n = ((total as f64 * f).round() as usize).min(total);
         knobs.set("adapt_every", if mode == "off" { "0" } else { "4" }).map_err(|e| anyhow::anyhow!("{e}"))?;
         knobs.set("adapt_async", if mode == "async" { "1" } else { "0" }).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -1192,7 +1213,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             .max((cpu_bytes + pcie_bytes) / (ram_bw * 1e9));
         let bound = 1.0 / (gpu_s + host_s);
         let name = format!(
-            "cache {:>3.0}%, adaptive {mode}{}{}",
+            "cache {:>3.0}%, adaptive {mode}{}{}{}",
             f * 100.0,
             if mode != "off" && a.adapt_policy.len() > 1 { format!(" {policy}") } else { String::new() },
             match share {
@@ -1200,7 +1221,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 None if auto => ", pcie auto (no split)".to_string(),
                 None if pcie > 0.0 => format!(", pcie {pcie}"),
                 None => String::new(),
-            }
+            },
+            if a.pcie_prefill.len() > 1 { format!(", pcie-prefill {pcie_prefill}") } else { String::new() }
         );
         let (pt, dt) = (a.prompt as f64 / prompt_s, a.gen as f64 / decode_s);
         println!(
@@ -1220,6 +1242,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
         let stage_slots: Vec<usize> = gpu(&m).stages().iter().map(|s| s.slots).collect();
         arms.push(serde_json::json!({"arm": name, "cache_frac": f, "slots": n, "stage_slots": stage_slots,
+            "pcie_prefill": pcie_prefill, "batch": a.batch,
             "adaptive": mode, "policy": policy, "pcie_frac": pcie,
             "pcie_auto": auto,
             "prompt_tok_s": pt, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,

@@ -77,6 +77,8 @@ pub enum Knob {
     PcieFrac,
     /// `pcie_auto`: balance the PCIe share while decoding.
     PcieAuto,
+    /// `pcie_prefill`: prefill chunks of at least this many tokens upload their missed experts over PCIe.
+    PciePrefill,
     /// `route_tail_skip`: skip missed experts routed only at rank >= R.
     RouteTailSkip,
     /// `prefetch`: upload at most N of the next layer's predicted misses while a layer computes.
@@ -87,7 +89,7 @@ pub enum Knob {
 
 impl Knob {
     /// Every knob, in display order (the order of [`SPECS`]).
-    pub const ALL: [Knob; 13] = [
+    pub const ALL: [Knob; 14] = [
         Knob::RamAdapt,
         Knob::AdaptEvery,
         Knob::AdaptSwaps,
@@ -98,6 +100,7 @@ impl Knob {
         Knob::VramReserveLaterMib,
         Knob::PcieFrac,
         Knob::PcieAuto,
+        Knob::PciePrefill,
         Knob::RouteTailSkip,
         Knob::Prefetch,
         Knob::ExpertProfileSaveEvery,
@@ -186,6 +189,13 @@ pub const SPECS: &[KnobSpec] = &[
         doc: "balance the PCIe share between link and CPU pool while decoding, from pcie_frac (0/1)",
     },
     KnobSpec {
+        name: "pcie_prefill",
+        default: DEFAULT_PCIE_PREFILL as f64,
+        range: Range::Int(0, 1 << 20),
+        doc: "prefill chunks of at least N tokens compute their missed experts on the GPU, uploading them whole over \
+              PCIe (as many as the staging slots hold; the rest on the CPU pool); 0 = off",
+    },
+    KnobSpec {
         name: "route_tail_skip",
         default: 0.0,
         range: Range::Int(0, 1024),
@@ -209,8 +219,19 @@ pub const SPECS: &[KnobSpec] = &[
 pub const ACTIVE: &[Knob] = &[Knob::RamAdapt, Knob::AdaptEvery, Knob::AdaptDecay, Knob::ExpertProfileSaveEvery];
 
 /// Knobs that act only when a GPU expert cache runs ([`GPU_TIER`]).
-pub const GPU_ACTIVE: &[Knob] =
-    &[Knob::AdaptSwaps, Knob::AdaptAsync, Knob::AdaptPolicy, Knob::PcieFrac, Knob::PcieAuto, Knob::Prefetch];
+pub const GPU_ACTIVE: &[Knob] = &[
+    Knob::AdaptSwaps,
+    Knob::AdaptAsync,
+    Knob::AdaptPolicy,
+    Knob::PcieFrac,
+    Knob::PcieAuto,
+    Knob::PciePrefill,
+    Knob::Prefetch,
+];
+
+/// Default of `pcie_prefill` (tokens): the smallest prefill chunk whose missed experts go over PCIe. Measured on
+/// the H200 for the Qwen3-30B-A3B geometry (docs/BENCHMARKS.md, stop 20).
+pub const DEFAULT_PCIE_PREFILL: usize = 16;
 
 /// Set once a VRAM expert cache is attached (makes [`GPU_ACTIVE`] knobs active).
 pub static GPU_TIER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -386,6 +407,7 @@ mod tests {
             (Knob::VramReserveLaterMib, "vram_reserve_later_mib"),
             (Knob::PcieFrac, "pcie_frac"),
             (Knob::PcieAuto, "pcie_auto"),
+            (Knob::PciePrefill, "pcie_prefill"),
             (Knob::RouteTailSkip, "route_tail_skip"),
             (Knob::Prefetch, "prefetch"),
             (Knob::ExpertProfileSaveEvery, "expert_profile_save_every"),

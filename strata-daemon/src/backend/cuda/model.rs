@@ -1060,16 +1060,23 @@ impl Stage {
         } else {
             knob(Knob::PcieFrac) as f32
         };
+        // live knob `pcie_prefill` (N): a prefill chunk of at least N tokens uploads its RAM-resident misses whole
+        // (as many as the staging slots hold, those with the most tokens first) and computes them on the GPU; the
+        // CPU pool takes the rest. Its `pcie_frac` share does not apply, nor does it move the decode carry.
+        let prefill_min = knob(Knob::PciePrefill) as usize;
+        let prefill_pcie = !s.decode && prefill_min > 0 && t >= prefill_min;
         let mut split: Vec<(usize, u32)> = Vec::new();
         let mut from = vec![0usize; c.n_expert];
         let mut geom = None;
         // (layer, expert, RAM offset) of the staged misses (split ones when `geom` is set)
         let mut staged: Vec<(usize, usize, usize)> = Vec::new();
-        if let (Some(cache), true) = (cache, frac > 0.0) {
+        if let (Some(cache), true) = (cache, frac > 0.0 || prefill_pcie) {
             ram_miss.sort_by(|a, b| by_expert[b.0].len().cmp(&by_expert[a.0].len()).then(a.0.cmp(&b.0)));
-            let k = split_rows(frac, ff, block);
+            let k = if prefill_pcie { ff } else { split_rows(frac, ff, block) };
             let mut entries = 0u64;
-            let n = if k > 0 && k < ff {
+            let n = if prefill_pcie {
+                ram_miss.len().min(n_stage_max)
+            } else if k > 0 && k < ff {
                 geom = Some(super::slots::SplitGeom::new(k, gate_ty.row_bytes(e), ff, down_ty, e));
                 ram_miss.len().min(n_stage_max)
             } else {
