@@ -590,11 +590,17 @@ MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 #define MQ_XS 12
 #define MQ_GPT (MQ_BN / MAX_NT)  // expert groups per tile of the tensor-core expert kernels
 
+// D = A·B + D for one m16n8k32 int8 tile (sm_80+; the host loads the kernels that use it only there, and older
+// architectures compile a trap instead).
 __device__ __forceinline__ void mma_s8_16832(int* d, const int* a, int b0, int b1) {
+#if __CUDA_ARCH__ >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
 }
 
 // Row r's block ib of a block-format matrix as the A fragment's two 4-byte pieces of this thread (columns
@@ -1437,12 +1443,17 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
     return (u32)float_to_half(lo) | ((u32)float_to_half(hi) << 16);
 }
 
-// D = A·B + D for one m16n8k16 tile (A row-major f16 16×16, B column-major f16 16×8, D f32 16×8).
+// D = A·B + D for one m16n8k16 tile (A row-major f16 16×16, B column-major f16 16×8, D f32 16×8; sm_80+, as
+// mma_s8_16832).
 __device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
 }
 
 template <int HD>

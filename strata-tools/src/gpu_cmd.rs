@@ -621,6 +621,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
             strata::backend::cuda::kernels::pdl_wanted(dev.cc),
             strata::backend::cuda::kernels::cluster_norm_wanted(dev.cc),
             narrow_down,
+            strata::backend::cuda::kernels::tensor_cores_ok(dev.cc),
         )
     };
     let k = load_kernels(true)?;

@@ -198,6 +198,12 @@ pub fn mmq_wanted() -> bool {
     !std::env::var("STRATA_GPU_MMQ").is_ok_and(|v| v == "0")
 }
 
+/// Whether the card runs the tensor-core kernels (`mma.sync` int8 and f16 tiles: compute capability 8.0 or newer);
+/// older cards keep the row kernels and the one-block attention.
+pub fn tensor_cores_ok(cc: (i32, i32)) -> bool {
+    cc.0 >= 8
+}
+
 /// Head sizes with a tiled prefill attention kernel (`attention_tiled_<hd>` in strata.cu).
 pub const TILED_HEAD_SIZES: [usize; 4] = [64, 80, 96, 128];
 
@@ -239,13 +245,15 @@ fn leak(s: String) -> &'static str {
 impl Kernels {
     /// Loads `image` (a CUBIN) into the current context and looks every kernel up; `pdl`: launch them with
     /// programmatic dependent launch (see [`pdl_wanted`]); `cluster_norm`: use the cluster norm (see
-    /// [`cluster_norm_wanted`]); `narrow`: use the narrow expert kernels (see [`narrow_wanted`]).
+    /// [`cluster_norm_wanted`]); `narrow`: use the narrow expert kernels (see [`narrow_wanted`]); `tensor_cores`:
+    /// the card has them (see [`tensor_cores_ok`]; without, the prefill keeps the row kernels).
     pub fn load(
         image: &[u8],
         max_smem_optin: i32,
         pdl: bool,
         cluster_norm: bool,
         narrow: bool,
+        tensor_cores: bool,
     ) -> Result<Kernels, GpuError> {
         let mut module = std::ptr::null_mut();
         // SAFETY: image is a complete CUBIN produced by NVRTC (checked ELF magic or just compiled).
@@ -275,15 +283,21 @@ impl Kernels {
             }
             Ok(v)
         };
-        // the tensor-core prefill kernels of the formats that have them, when on
-        let mmq_per = |prefix: &str| -> Result<[Option<Func>; N], GpuError> {
+        // the prefill kernels, when on: `name(format)` for the formats `which` picks (None: that format has none);
+        // the tensor-core ones only on cards that have them
+        let prefill_per = |which: &dyn Fn(&crate::quant::format::CudaFormat) -> Option<String>| {
             let mut v = [None; N];
             if mmq_wanted() {
-                for (i, f) in formats.iter().enumerate().filter(|(_, f)| f.mmq) {
-                    v[i] = Some(get(leak(format!("{prefix}{}", f.suffix)))?);
+                for (i, f) in formats.iter().enumerate() {
+                    if let Some(name) = which(f) {
+                        v[i] = Some(get(leak(name))?);
+                    }
                 }
             }
-            Ok(v)
+            Ok::<_, GpuError>(v)
+        };
+        let tc = |prefix: &'static str| {
+            move |f: &crate::quant::format::CudaFormat| (tensor_cores && f.mmq).then(|| format!("{prefix}{}", f.suffix))
         };
         let k = Kernels {
             module,
@@ -293,28 +307,11 @@ impl Kernels {
             mmv1: per("mmv_", "_t1")?,
             gate_up1: per("expert_gate_up_", "_t1")?,
             down1: per("expert_down_", "_t1")?,
-            mmq: {
-                // block formats: the int8 MMA kernel; float formats: the tiled f32 one
-                let mut v = [None; N];
-                if mmq_wanted() {
-                    for (i, f) in formats.iter().enumerate() {
-                        let name = if f.mmq { format!("mmq_{}", f.suffix) } else { format!("mmf_{}", f.suffix) };
-                        v[i] = Some(get(leak(name))?);
-                    }
-                }
-                v
-            },
-            mmf16: {
-                let mut v = [None; N];
-                if mmq_wanted() {
-                    for (i, f) in formats.iter().enumerate().filter(|(_, f)| !f.mmq) {
-                        v[i] = Some(get(leak(format!("mmf_{}_r16", f.suffix)))?);
-                    }
-                }
-                v
-            },
-            gate_up_mmq: mmq_per("expert_gate_up_mmq_")?,
-            down_mmq: mmq_per("expert_down_mmq_")?,
+            // block formats: the int8 MMA kernel; float formats: the tiled f32 ones (CUDA cores, any card)
+            mmq: prefill_per(&|f| if f.mmq { tc("mmq_")(f) } else { Some(format!("mmf_{}", f.suffix)) })?,
+            mmf16: prefill_per(&|f| (!f.mmq).then(|| format!("mmf_{}_r16", f.suffix)))?,
+            gate_up_mmq: prefill_per(&tc("expert_gate_up_mmq_"))?,
+            down_mmq: prefill_per(&tc("expert_down_mmq_"))?,
             gate_up1n: narrow_per("expert_gate_up_")?,
             down1n: narrow_per("expert_down_")?,
             quantize_q8: get("quantize_q8")?,
@@ -328,7 +325,7 @@ impl Kernels {
             attention_combine: get("attention_combine")?,
             attention_tiled: {
                 let mut v = [None; TILED_HEAD_SIZES.len()];
-                if tiled_attention_wanted() {
+                if tensor_cores && tiled_attention_wanted() {
                     for (f, hd) in v.iter_mut().zip(TILED_HEAD_SIZES) {
                         *f = Some(get(leak(format!("attention_tiled_{hd}")))?);
                     }

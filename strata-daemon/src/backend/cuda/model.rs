@@ -312,6 +312,7 @@ impl Stage {
             pdl,
             super::kernels::cluster_norm_wanted(dev.cc),
             super::kernels::narrow_wanted(),
+            super::kernels::tensor_cores_ok(dev.cc),
         )?;
         tracing::info!(
             "kernels for {} {} ({} bytes){}",
@@ -1063,8 +1064,10 @@ impl Stage {
         // live knob `pcie_prefill` (N): a prefill chunk of at least N tokens uploads its RAM-resident misses whole
         // (as many as the staging slots hold, those with the most tokens first) and computes them on the GPU; the
         // CPU pool takes the rest. Its `pcie_frac` share does not apply, nor does it move the decode carry.
+        // It needs the page-locked RAM copy (`async_ok`: the copy is registered with the driver); from pageable memory
+        // the link is several times slower and the CPU pool keeps the misses.
         let prefill_min = knob(Knob::PciePrefill) as usize;
-        let prefill_pcie = !s.decode && prefill_min > 0 && t >= prefill_min;
+        let prefill_pcie = !s.decode && prefill_min > 0 && t >= prefill_min && cache.is_some_and(|c| c.async_ok);
         let mut split: Vec<(usize, u32)> = Vec::new();
         let mut from = vec![0usize; c.n_expert];
         let mut geom = None;
