@@ -91,8 +91,9 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ProfileCmd,
     },
-    /// Live table of the running request's counters (tok/s, blob reads per token, promotions, hit rate) and
-    /// each finished request's; runs until interrupted (`--count N` stops after N finished requests).
+    /// Live table of the running request's counters (tok/s, blob reads per token, promotions, hit rate; a long
+    /// prompt's prefill as `prefill` with prompt tokens done / total) and each finished request's; runs until
+    /// interrupted (`--count N` stops after N finished requests).
     Watch {
         /// Stop after this many finished requests (0 = never).
         #[arg(long, default_value_t = 0)]
@@ -181,6 +182,7 @@ fn counters_json(c: &pb::RequestCounters) -> serde_json::Value {
         "request_id": c.request_id,
         "prompt_tokens": c.prompt_tokens,
         "prompt_reused": c.prompt_reused,
+        "prompt_done": c.prompt_done,
         "generated_tokens": c.generated_tokens,
         "queue_ms": c.queue_ms,
         "prompt_ms": c.prompt_ms,
@@ -533,6 +535,17 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 let Some(c) = u.counters else { continue };
                 if cli.json {
                     println!("{}", json!({"running": u.running, "counters": counters_json(&c)}));
+                } else if u.running && c.prompt_done < c.prompt_tokens {
+                    // a long prompt's prefill: prompt tokens done of all, and their rate so far
+                    let done = c.prompt_done.saturating_sub(c.prompt_reused) as f64;
+                    let rate = if c.prompt_ms > 0.0 { done * 1000.0 / c.prompt_ms } else { 0.0 };
+                    println!(
+                        "{:>8} {:>7} {:>8} {:>9.1}",
+                        c.request_id,
+                        "prefill",
+                        format!("{}/{}", c.prompt_done, c.prompt_tokens),
+                        rate
+                    );
                 } else {
                     println!(
                         "{:>8} {:>7} {:>8} {:>9.1} {:>9.1}% {:>11.2} {:>9}",

@@ -16,6 +16,11 @@ use strata::tiers::knobs::Knob;
 use strata::tiers::store::ResidentMode;
 
 fn control(moe: bool) -> (Arc<Engine>, Control) {
+    control_with(moe, EngineConfig { n_ctx: 256, threads: 2, batch: 64 })
+}
+
+/// [`control`] with another engine configuration.
+fn control_with(moe: bool, cfg: EngineConfig) -> (Arc<Engine>, Control) {
     let path = if moe { common::fixture_path("split") } else { common::model_path() };
     let file = Arc::new(GgufFile::open(&path).unwrap());
     let mut m = Model::load(file.clone()).unwrap();
@@ -27,9 +32,7 @@ fn control(moe: bool) -> (Arc<Engine>, Control) {
     let knobs = m.experts.as_ref().map(|st| st.knobs.clone()).unwrap_or_default();
     let tok = Arc::new(Tokenizer::from_gguf(&file).unwrap());
     let model = Arc::new(m);
-    let engine = Arc::new(
-        Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx: 256, threads: 2, batch: 64 }, None).unwrap(),
-    );
+    let engine = Arc::new(Engine::start(model.clone(), tok.clone(), cfg, None).unwrap());
     let profile = std::env::temp_dir().join(format!("strata-control-api-{}.prof", std::process::id()));
     let api = Control::new(engine.clone(), &model, tok, knobs, Some(profile));
     (engine, api)
@@ -201,4 +204,35 @@ fn a_non_finite_value_fails_the_request_naming_the_layer_and_the_daemon_keeps_se
     }
     engine.shutdown();
     std::fs::remove_file(&path).unwrap();
+}
+
+/// A prompt of many prefill chunks reports its progress in the live counters: some update of the running request
+/// has fewer prompt tokens done than the prompt has, and the final counters have them all.
+#[test]
+fn watch_reports_prefill_progress() {
+    // 8-token chunks: a prompt of ~400 tokens runs 50 of them
+    let (engine, api) = control_with(false, EngineConfig { n_ctx: 512, threads: 2, batch: 8 });
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut watch = api.watch();
+        let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(40);
+        let raw = RawRequest { prompt, max_tokens: 2, ..Default::default() };
+        let _rx = api.generate(&raw).unwrap();
+        let (mut partial, mut last) = (None, None);
+        while let Ok(Some(Ok(u))) = tokio::time::timeout(std::time::Duration::from_secs(60), watch.recv()).await {
+            let c = u.counters;
+            if u.running && c.prompt_done < c.prompt_tokens {
+                partial.get_or_insert((c.prompt_done, c.prompt_tokens));
+            }
+            if !u.running {
+                last = Some(c);
+                break;
+            }
+        }
+        let (done, total) = partial.expect("a live update during the prefill");
+        assert!(total > 300 && done > 0 && done < total, "{done} of {total}");
+        let last = last.expect("the finished request's counters");
+        assert_eq!(last.prompt_done, last.prompt_tokens);
+    });
+    engine.shutdown();
 }

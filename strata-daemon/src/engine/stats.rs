@@ -16,6 +16,9 @@ pub struct Counters {
     pub prompt_tokens: usize,
     /// Prompt tokens whose KV was reused from the previous request.
     pub prompt_reused: usize,
+    /// Prompt tokens in the KV cache so far (reused ones included): below `prompt_tokens` while the prefill runs
+    /// (live counters report it chunk by chunk), equal to it after.
+    pub prompt_done: usize,
     /// Generated tokens.
     pub generated_tokens: usize,
     /// Time waiting in the queue.

@@ -261,6 +261,7 @@ impl Worker {
             request_id: job.id,
             prompt_tokens: ids.len(),
             prompt_reused: 0,
+            prompt_done: 0,
             generated_tokens: 0,
             queue_ms: ms(start - job.enqueued),
             prompt_ms: 0.0,
@@ -315,6 +316,7 @@ impl Worker {
         self.kv.truncate(common);
         self.cached.truncate(common);
         c.prompt_reused = common;
+        c.prompt_done = common;
         let mut logits = Vec::new();
         let mut pos = common;
         self.scratch.decode = false;
@@ -322,6 +324,9 @@ impl Worker {
         if let Err(e) = self.model.drain() {
             tracing::error!("adaptive tier: {e}");
         }
+        // a prompt of several chunks reports its progress in the live counters (the first chunk, then at most every
+        // LIVE_EVERY)
+        let mut last_live: Option<Instant> = None;
         while pos < ids.len() {
             let end = (pos + self.batch).min(ids.len());
             logits = match self.model.try_forward(&ids[pos..end], &mut self.kv, Logits::Last, &mut self.scratch) {
@@ -331,6 +336,12 @@ impl Worker {
             self.dump_routes(job.id, Phase::Prefill);
             self.cached.extend_from_slice(&ids[pos..end]);
             pos = end;
+            c.prompt_done = pos;
+            if pos < ids.len() && last_live.is_none_or(|t| t.elapsed() >= LIVE_EVERY) {
+                c.prompt_ms = ms(start.elapsed());
+                self.stats.set_live(&c);
+                last_live = Some(Instant::now());
+            }
             if let Some(sh) = self.stopped(job) {
                 c.prompt_ms = ms(start.elapsed());
                 return finish(self, &mut c, &mut text, FinishReason::Cancelled, sh);

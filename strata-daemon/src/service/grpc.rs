@@ -71,6 +71,7 @@ pub fn counters_pb(c: &Counters) -> pb::RequestCounters {
         expert_lookups: c.expert_lookups,
         queue_ms: c.queue_ms,
         prompt_reused: c.prompt_reused as u32,
+        prompt_done: c.prompt_done as u32,
         vram_hits: c.tiers.vram_hits,
         hit_rate: crate::engine::stats::per(c.tiers.vram_hits, c.tiers.lookups),
         ram_reads: c.tiers.ram_reads,
