@@ -164,7 +164,19 @@ fn models_dir() -> PathBuf {
     home.join(".cache/strata/models")
 }
 
-fn main() -> Result<()> {
+/// Runs the daemon; an error ends it with one line on stderr (its causes joined by ": ", no backtrace even with
+/// `RUST_BACKTRACE` set) and exit status 1.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("strata-daemon: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "info".into()))

@@ -41,7 +41,25 @@ enum Command {
     BenchGpu(gpu_cmd::BenchArgs),
 }
 
-fn main() -> Result<()> {
+/// Runs one command; an error ends it with one line on stderr (its causes joined by ": ", no backtrace even with
+/// `RUST_BACKTRACE` set) and exit status 1.
+fn main() -> std::process::ExitCode {
+    // Output piped into `head` and the like ends the process quietly when the reader goes away, as other
+    // command-line tools do, instead of a panic in the next println!.
+    // SAFETY: restoring the default disposition of SIGPIPE at start, before any thread exists.
+    unsafe {
+        let _ = nix::sys::signal::signal(nix::sys::signal::Signal::SIGPIPE, nix::sys::signal::SigHandler::SigDfl);
+    }
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("strata-tools: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "info".into()))

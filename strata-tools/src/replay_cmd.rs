@@ -114,6 +114,12 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         }
         None => None,
     };
+    if let Some(&big) = a.slots_per_layer.iter().find(|&&n| n > trace.n_expert) {
+        bail!(
+            "--slots-per-layer {big}: the trace has {} experts per layer (a layer's cache holds at most all of them)",
+            trace.n_expert
+        );
+    }
     let knobs = AdaptKnobs { every: a.adapt_every, swaps: a.adapt_swaps, decay: a.adapt_decay };
     let policies: Vec<Policy> = a
         .policy

@@ -95,3 +95,22 @@ fn bad_layer_split_flags_are_refused_at_start() {
         assert!(!sock.exists());
     }
 }
+
+/// With `RUST_BACKTRACE=1` (as many shells set it) a refused start is still one line on stderr: no backtrace, the
+/// causes joined on that line.
+#[test]
+fn errors_stay_one_line_with_rust_backtrace() {
+    let sock = temp_path(".sock");
+    let missing = temp_path(".gguf");
+    let o = std::process::Command::new(bin("strata-daemon"))
+        .args(["--model", missing.to_str().unwrap(), "--socket", sock.to_str().unwrap()])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let e = stderr(&o);
+    assert!(!o.status.success());
+    let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("strata-daemon: ")).collect();
+    assert_eq!(lines.len(), 1, "one error line: {e}");
+    assert!(lines[0].contains(missing.file_name().unwrap().to_str().unwrap()), "names the file: {e}");
+    assert!(!e.contains("Stack backtrace") && !e.contains("Caused by"), "{e}");
+}
