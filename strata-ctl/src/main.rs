@@ -177,6 +177,17 @@ fn finish_name(f: i32) -> &'static str {
     }
 }
 
+/// A knob's value as text: the name for a knob of named choices (its range `a|b|..`, the value an index), else the
+/// number.
+fn knob_value_text(range: &str, v: f64) -> String {
+    let names: Vec<&str> = range.split('|').collect();
+    let named = names.len() > 1 && names.iter().all(|n| n.starts_with(|c: char| c.is_ascii_alphabetic()));
+    match names.get(v as usize) {
+        Some(n) if named && v >= 0.0 && v.fract() == 0.0 => n.to_string(),
+        _ => v.to_string(),
+    }
+}
+
 fn counters_json(c: &pb::RequestCounters) -> serde_json::Value {
     json!({
         "request_id": c.request_id,
@@ -427,7 +438,11 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 );
             } else {
                 let note = if r.active { "" } else { " (inactive: this build or model has no such tier)" };
-                println!("{}: {} -> {}{note}", r.name, r.old_value, r.new_value);
+                // a knob of named choices shows names (its range, from the knob list)
+                let knobs = client.get_knobs(pb::GetKnobsRequest {}).await.map_err(status_err)?.into_inner().knobs;
+                let range = knobs.iter().find(|k| k.name == r.name).map_or("", |k| k.range.as_str());
+                let (old, new) = (knob_value_text(range, r.old_value), knob_value_text(range, r.new_value));
+                println!("{}: {old} -> {new}{note}", r.name);
             }
             Ok(())
         }
@@ -448,7 +463,13 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
             } else {
                 for k in list {
                     let act = if k.active { "" } else { "  (inactive)" };
-                    println!("{:<26} {:>8}   {:<16} {}{act}", k.name, k.value, k.range, k.doc);
+                    println!(
+                        "{:<26} {:>8}   {:<16} {}{act}",
+                        k.name,
+                        knob_value_text(&k.range, k.value),
+                        k.range,
+                        k.doc
+                    );
                 }
             }
             Ok(())

@@ -56,6 +56,11 @@ fn knobs_watch_residency_and_profile_through_strata_ctl() {
             assert!(o.status.success(), "{}", stderr(&o));
             assert!(stdout(&o).contains("ram_adapt: 0 -> 8"), "{}", stdout(&o));
             set_at = Some(gen_tokens);
+            // a knob of named choices reads and writes by name
+            let o = d.ctl(&["set", "adapt-policy", "seed"]);
+            assert!(stdout(&o).contains("adapt_policy: lrfu -> seed"), "{}", stdout(&o));
+            let o = d.ctl(&["get", "adapt-policy"]);
+            assert!(stdout(&o).split_whitespace().nth(1) == Some("seed"), "{}", stdout(&o));
             // bad values are refused and change nothing
             for (k, v) in [("ram-adapt", "-1"), ("adapt-decay", "2"), ("ram-adapt", "x"), ("no-such-knob", "1")] {
                 let o = d.ctl(&["set", k, v]);
