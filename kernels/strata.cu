@@ -399,15 +399,18 @@ __device__ __forceinline__ void rows_dot(const u8* const* rows, int cols, size_t
 // Grid: ceil(rows / (WARPS * RPW)) blocks of 32*WARPS threads (float formats: ceil(rows / RPW), mmv_float_body).
 // Addresses of the RPW stacked rows r0.. of up to three matrices (rows0 | rows1 | the rest), `rb` bytes per row;
 // rows past the end repeat the last row (computed, not written).
+// The address of stacked row r (< rows0 + rows1 + the third matrix's rows) of up to three matrices, `rb` bytes per row.
+__device__ __forceinline__ const u8* stacked_row(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int r,
+                                                 size_t rb) {
+    if (r < rows0) return w0 + (size_t)r * rb;
+    if (r < rows0 + rows1) return w1 + (size_t)(r - rows0) * rb;
+    return w2 + (size_t)(r - rows0 - rows1) * rb;
+}
+
 __device__ __forceinline__ void stacked_rows(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows,
                                              int r0, size_t rb, const u8* (&rp)[RPW]) {
 #pragma unroll
-    for (int j = 0; j < RPW; j++) {
-        const int r = min(r0 + j, rows - 1);
-        if (r < rows0) rp[j] = w0 + (size_t)r * rb;
-        else if (r < rows0 + rows1) rp[j] = w1 + (size_t)(r - rows0) * rb;
-        else rp[j] = w2 + (size_t)(r - rows0 - rows1) * rb;
-    }
+    for (int j = 0; j < RPW; j++) rp[j] = stacked_row(w0, w1, w2, rows0, rows1, min(r0 + j, rows - 1), rb);
 }
 
 // Float formats: each block computes RPW adjacent rows, its WARPS warps splitting the columns (warp w takes the
@@ -715,17 +718,8 @@ __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     const int ra = blockIdx.x * MQ_BM + warp * 16 + g, rb = ra + 8;  // this thread's two rows
     const int t0 = blockIdx.y * MQ_BN;
     const size_t rbytes = row_bytes(FMT, cols);
-    const u8* rp[2];
-    {
-        const int rr[2] = {min(ra, rows - 1), min(rb, rows - 1)};
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const int r = rr[j];
-            rp[j] = r < rows0 ? w0 + (size_t)r * rbytes
-                  : r < rows0 + rows1 ? w1 + (size_t)(r - rows0) * rbytes
-                                      : w2 + (size_t)(r - rows0 - rows1) * rbytes;
-        }
-    }
+    const u8* rp[2] = {stacked_row(w0, w1, w2, rows0, rows1, min(ra, rows - 1), rbytes),
+                       stacked_row(w0, w1, w2, rows0, rows1, min(rb, rows - 1), rbytes)};
     for (int c = threadIdx.x; c < MQ_BN; c += 32 * MQ_WARPS) xrow[c] = t0 + c < nt ? t0 + c : -1;
     float acc[MQ_BN / 8][4], unused[MQ_BN / 8][4];
     pdl_trigger();
@@ -774,9 +768,7 @@ __device__ void mmf_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
             const int rr = e / MF_BK, c = e % MF_BK, r = r0 + rr, col = k0 + c;
             float v = 0.f;
             if (r < rows && col < cols) {
-                const u8* row = r < rows0 ? w0 + (size_t)r * rb
-                              : r < rows0 + rows1 ? w1 + (size_t)(r - rows0) * rb
-                                                  : w2 + (size_t)(r - rows0 - rows1) * rb;
+                const u8* row = stacked_row(w0, w1, w2, rows0, rows1, r, rb);
                 if (FMT == FMT_F32) v = ((const float*)row)[col];
                 else if (FMT == FMT_F16) v = half_to_float(((const u16*)row)[col]);
                 else v = bf16_to_float(((const u16*)row)[col]);

@@ -426,25 +426,8 @@ fn check_expert(
     let gate = random_rows(ty, ff, e, seed);
     let up = random_rows(ty, ff, e, seed);
     let down = random_rows(ty, e, ff, seed);
-    let mut x = Act::default();
-    x.resize(t, e);
-    for v in x.f.iter_mut() {
-        *v = (rng(seed) % 20001) as f32 / 10000.0 - 1.0;
-    }
-    x.quantize();
-    // CPU: SwiGLU of the gate and up products, quantized, through down
-    let mut g = vec![0f32; t * ff];
-    let mut u = vec![0f32; t * ff];
-    matmul_with(pool, MatRef { data: &gate, ty, rows: ff, cols: e, stride: 0 }, &x, &mut g, Precision::Q8Activations);
-    matmul_with(pool, MatRef { data: &up, ty, rows: ff, cols: e, stride: 0 }, &x, &mut u, Precision::Q8Activations);
-    let mut h = Act::default();
-    h.resize(t, ff);
-    for (i, v) in h.f.iter_mut().enumerate() {
-        *v = g[i] / (1.0 + (-g[i]).exp()) * u[i];
-    }
-    h.quantize();
-    let mut cpu = vec![0f32; t * e];
-    matmul_with(pool, MatRef { data: &down, ty, rows: e, cols: ff, stride: 0 }, &h, &mut cpu, Precision::Q8Activations);
+    let x = random_act(t, e, seed);
+    let cpu = cpu_expert(pool, ty, (&gate, &up, &down), (e, ff), &x);
     // device: the blob in slot 1 (slot 0 zeros), one group of t tokens
     let drb = ty.row_bytes(ff);
     let pitch = if pad { drb.next_multiple_of(16) } else { drb };
@@ -483,6 +466,41 @@ fn check_expert(
     Ok((errs, same))
 }
 
+/// `t` random activation rows of `e` values in [−1, 1], with their Q8 blocks.
+fn random_act(t: usize, e: usize, seed: &mut u64) -> Act {
+    let mut x = Act::default();
+    x.resize(t, e);
+    for v in x.f.iter_mut() {
+        *v = (rng(seed) % 20001) as f32 / 10000.0 - 1.0;
+    }
+    x.quantize();
+    x
+}
+
+/// The CPU's expert for `x`'s rows (width `e`, hidden `ff`, weights of `ty`): SwiGLU of the gate and up products,
+/// quantized to Q8, through down; `rows × e` values.
+fn cpu_expert(
+    pool: &WorkerPool,
+    ty: GgmlType,
+    (gate, up, down): (&[u8], &[u8], &[u8]),
+    (e, ff): (usize, usize),
+    x: &Act,
+) -> Vec<f32> {
+    let t = x.f.len() / e;
+    let (mut g, mut u) = (vec![0f32; t * ff], vec![0f32; t * ff]);
+    matmul_with(pool, MatRef { data: gate, ty, rows: ff, cols: e, stride: 0 }, x, &mut g, Precision::Q8Activations);
+    matmul_with(pool, MatRef { data: up, ty, rows: ff, cols: e, stride: 0 }, x, &mut u, Precision::Q8Activations);
+    let mut h = Act::default();
+    h.resize(t, ff);
+    for (i, v) in h.f.iter_mut().enumerate() {
+        *v = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+    }
+    h.quantize();
+    let mut out = vec![0f32; t * e];
+    matmul_with(pool, MatRef { data: down, ty, rows: e, cols: ff, stride: 0 }, &h, &mut out, Precision::Q8Activations);
+    out
+}
+
 /// The experts of an all-VRAM prefill chunk as the pass runs them: `n_expert` random experts of `ty` (expert i in
 /// slot i + 1, the last one not in VRAM), `t` random tokens each routed to `k` distinct random experts, grouped on
 /// the device (`group_by_expert`) and computed by the tensor-core expert kernels, against the CPU's products per
@@ -498,35 +516,15 @@ fn check_expert_mmq(
 ) -> Result<(f64, bool)> {
     use strata::backend::cuda::driver::DevBuf;
     use strata::backend::cuda::ops::{max_expert_tiles, GROUP_BYTES, Q8_BYTES, TILE_BYTES};
-    let mut x = Act::default();
-    x.resize(t, e);
-    for v in x.f.iter_mut() {
-        *v = (rng(seed) % 20001) as f32 / 10000.0 - 1.0;
-    }
-    x.quantize();
+    let x = random_act(t, e, seed);
     let mut blobs = Vec::new();
-    let mut cpu = vec![vec![0f32; t * e]; n_expert]; // each expert's output for every token
+    let mut cpu = Vec::with_capacity(n_expert); // each expert's output for every token
     let mut sb = 0;
-    for out in cpu.iter_mut() {
+    for _ in 0..n_expert {
         let gate = random_rows(ty, ff, e, seed);
         let up = random_rows(ty, ff, e, seed);
         let down = random_rows(ty, e, ff, seed);
-        let (mut g, mut u) = (vec![0f32; t * ff], vec![0f32; t * ff]);
-        matmul_with(
-            pool,
-            MatRef { data: &gate, ty, rows: ff, cols: e, stride: 0 },
-            &x,
-            &mut g,
-            Precision::Q8Activations,
-        );
-        matmul_with(pool, MatRef { data: &up, ty, rows: ff, cols: e, stride: 0 }, &x, &mut u, Precision::Q8Activations);
-        let mut h = Act::default();
-        h.resize(t, ff);
-        for (i, v) in h.f.iter_mut().enumerate() {
-            *v = g[i] / (1.0 + (-g[i]).exp()) * u[i];
-        }
-        h.quantize();
-        matmul_with(pool, MatRef { data: &down, ty, rows: e, cols: ff, stride: 0 }, &h, out, Precision::Q8Activations);
+        cpu.push(cpu_expert(pool, ty, (&gate, &up, &down), (e, ff), &x));
         let blob = [gate, up, down].concat();
         sb = blob.len();
         if blobs.is_empty() {
