@@ -33,6 +33,18 @@ __device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float((
 #define FMT_Q8_0 3
 #define FMT_Q4_0 4
 #define FMT_Q4_1 5
+// The sub-block formats (generic decode below): compiled into a module only when a model uses them
+// (-DSTRATA_FMT_<suffix>, see the end of this file).
+#define FMT_Q5_0 6
+#define FMT_Q5_1 7
+#define FMT_Q2_K 8
+#define FMT_Q3_K 9
+#define FMT_Q4_K 10
+#define FMT_Q5_K 11
+#define FMT_Q6_K 12
+#define FMT_IQ4_NL 13
+#define FMT_IQ4_XS 14
+#define FMT_MXFP4 15
 
 #define MAX_NT 8
 #define INFINITY __int_as_float(0x7f800000)
@@ -104,8 +116,198 @@ __device__ __forceinline__ size_t row_bytes(int fmt, int cols) {
         case FMT_BF16: return (size_t)cols * 2;
         case FMT_Q8_0: return (size_t)(cols / 32) * 34;
         case FMT_Q4_0: return (size_t)(cols / 32) * 18;
-        default: return (size_t)(cols / 32) * 20;
+        case FMT_Q4_1: return (size_t)(cols / 32) * 20;
+        case FMT_Q5_0: return (size_t)(cols / 32) * 22;
+        case FMT_Q5_1: return (size_t)(cols / 32) * 24;
+        case FMT_Q2_K: return (size_t)(cols / 256) * 84;
+        case FMT_Q3_K: return (size_t)(cols / 256) * 110;
+        case FMT_Q4_K: return (size_t)(cols / 256) * 144;
+        case FMT_Q5_K: return (size_t)(cols / 256) * 176;
+        case FMT_Q6_K: return (size_t)(cols / 256) * 210;
+        case FMT_IQ4_NL: return (size_t)(cols / 32) * 18;
+        case FMT_IQ4_XS: return (size_t)(cols / 256) * 136;
+        default: return (size_t)(cols / 32) * 17;  // MXFP4
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Sub-block formats (Q5_0, Q5_1, the K-quants, IQ4_NL, IQ4_XS, MXFP4; block layouts as ggml's `ggml-common.h`):
+// every product sees a row as 32-value sub-blocks, each paired with one Q8 activation block. A sub-block decodes
+// to 32 signed 8-bit integers q (eight words of four) and scales: value_i = d0·q_i + m0 for i < 16 and
+// d1·q_i + m1 above (d0 == d1, m0 == m1 unless SUB_HALVES / SUB_MIN == 2), so its dot product with an activation
+// block (dx, qx) is dx·(d0·Σ_lo q·qx + d1·Σ_hi q·qx) plus the minimum's term (m0·s for one minimum, where
+// s = dx·Σqx; dx·(m0·Σ_lo qx + m1·Σ_hi qx) for two). The K-quants' and IQ4_XS's 256-value super-blocks hold eight
+// sub-blocks; the others are one sub-block each.
+#define IS_SUB(F) ((F) >= FMT_Q5_0)
+#define SUB_QK(F) ((((F) >= FMT_Q2_K && (F) <= FMT_Q6_K) || (F) == FMT_IQ4_XS) ? 256 : 32)
+#define SUB_BYTES(F)                                                                                         \
+    ((F) == FMT_Q5_0 ? 22 : (F) == FMT_Q5_1 ? 24 : (F) == FMT_Q2_K ? 84 : (F) == FMT_Q3_K ? 110               \
+     : (F) == FMT_Q4_K ? 144 : (F) == FMT_Q5_K ? 176 : (F) == FMT_Q6_K ? 210 : (F) == FMT_IQ4_NL ? 18          \
+     : (F) == FMT_IQ4_XS ? 136 : 17)
+// two scales per sub-block (one per 16 values)
+#define SUB_HALVES(F) ((F) == FMT_Q2_K || (F) == FMT_Q3_K || (F) == FMT_Q6_K)
+// the minimum: 0 none, 1 one per sub-block, 2 one per 16 values
+#define SUB_MIN(F) (((F) == FMT_Q5_1 || (F) == FMT_Q4_K || (F) == FMT_Q5_K) ? 1 : (F) == FMT_Q2_K ? 2 : 0)
+
+struct SubScales {
+    float d0, d1, m0, m1;
+};
+
+// 4 bytes of a sub-block format's block: aligned where its blocks are a multiple of 4 bytes (rows start 16-byte
+// aligned), else in 2-byte or (MXFP4's 17-byte blocks) 1-byte pieces.
+template <int F>
+__device__ __forceinline__ int sub_ld(const u8* p) {
+    if (F == FMT_MXFP4) return ld_i32_a1(p);
+    if (SUB_BYTES(F) % 4 == 0) return *(const int*)p;
+    return ld_i32_a2(p);
+}
+
+// The block (or super-block) holding sub-block ib of a row; s: the sub-block's index in it.
+template <int F>
+__device__ __forceinline__ const u8* sub_base(const u8* row, int ib, int& s) {
+    if (SUB_QK(F) == 256) {
+        s = ib & 7;
+        return row + (size_t)(ib >> 3) * SUB_BYTES(F);
+    }
+    s = 0;
+    return row + (size_t)ib * SUB_BYTES(F);
+}
+
+// Bit k (k < 4) of b moved to bit 0 of byte k.
+__device__ __forceinline__ int spread4(u32 b) {
+    return (int)((b & 1) | ((b & 2) << 7) | ((b & 4) << 14) | ((b & 8) << 21));
+}
+
+// Four 4-bit indices (one per byte) looked up in a table of 16 signed bytes given as four little-endian words.
+__device__ __forceinline__ int lut16(int idx, u32 t0, u32 t1, u32 t2, u32 t3) {
+    const u32 sel = (idx & 0xF) | ((idx >> 4) & 0xF0) | ((idx >> 8) & 0xF00) | ((idx >> 12) & 0xF000);
+    const u32 lo = __byte_perm(t0, t1, sel & 0x7777);
+    const u32 hi = __byte_perm(t2, t3, sel & 0x7777);
+    return (int)__byte_perm(lo, hi, 0x3210 | ((sel & 0x8888) >> 1));
+}
+
+// Half the E8M0 scale 2^(e - 127) (MXFP4's table is doubled), as ggml's ggml_e8m0_to_fp32_half.
+__device__ __forceinline__ float e8m0_half(u32 e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+// Q3_K's 6-bit scale k (0..15) of the 12 packed bytes sc.
+__device__ __forceinline__ int q3k_scale(const u8* sc, int k) {
+    const int lo = k < 8 ? sc[k] & 0xF : sc[k - 8] >> 4;
+    return lo | (((sc[8 + (k & 3)] >> (2 * (k >> 2))) & 3) << 4);
+}
+
+// Word j (values 4j .. 4j + 3 as signed bytes) of sub-block s of the block at b.
+template <int F>
+__device__ __forceinline__ int sub_word(const u8* b, int s, int j) {
+    if (F == FMT_Q5_0 || F == FMT_Q5_1) {
+        const u32 qh = (u32)sub_ld<F>(b + (F == FMT_Q5_0 ? 2 : 4));
+        const int v = sub_ld<F>(b + (F == FMT_Q5_0 ? 6 : 8) + 4 * (j & 3));
+        const int q = ((j < 4 ? v : v >> 4) & 0x0F0F0F0F) | (spread4((qh >> (4 * j)) & 0xF) << 4);
+        return F == FMT_Q5_0 ? (int)__vsub4(q, 0x10101010) : q;
+    } else if (F == FMT_Q4_K || F == FMT_Q5_K) {
+        const u8* qs = b + (F == FMT_Q4_K ? 16 : 48) + 32 * (s >> 1);
+        int q = (sub_ld<F>(qs + 4 * j) >> (4 * (s & 1))) & 0x0F0F0F0F;
+        if (F == FMT_Q5_K) q |= ((sub_ld<F>(b + 16 + 4 * j) >> s) & 0x01010101) << 4;
+        return q;
+    } else if (F == FMT_Q6_K) {
+        const int n = s >> 2, k = s & 3;
+        const int lo = (sub_ld<F>(b + 64 * n + 32 * (k & 1) + 4 * j) >> (4 * (k >> 1))) & 0x0F0F0F0F;
+        const int hi = (sub_ld<F>(b + 128 + 32 * n + 4 * j) >> (2 * k)) & 0x03030303;
+        return (int)__vsub4(lo | (hi << 4), 0x20202020);
+    } else if (F == FMT_Q2_K) {
+        return (sub_ld<F>(b + 16 + 32 * (s >> 2) + 4 * j) >> (2 * (s & 3))) & 0x03030303;
+    } else if (F == FMT_Q3_K) {
+        const int q = (sub_ld<F>(b + 32 + 32 * (s >> 2) + 4 * j) >> (2 * (s & 3))) & 0x03030303;
+        const int h = (sub_ld<F>(b + 4 * j) >> s) & 0x01010101;
+        return (int)__vsub4(q, (h ^ 0x01010101) << 2);
+    } else {  // IQ4_NL, IQ4_XS, MXFP4: 4-bit indices into a table, low nibbles the first 16 values
+        const u8* qs = F == FMT_IQ4_NL ? b + 2 : F == FMT_MXFP4 ? b + 1 : b + 8 + 16 * s;
+        const int v = sub_ld<F>(qs + 4 * (j & 3));
+        const int idx = (j < 4 ? v : v >> 4) & 0x0F0F0F0F;
+        // kvalues_mxfp4 and kvalues_iq4nl of ggml
+        if (F == FMT_MXFP4) return lut16(idx, 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu);
+        return lut16(idx, 0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u);
+    }
+}
+
+// The scales of sub-block s of the block at b.
+template <int F>
+__device__ __forceinline__ SubScales sub_scales(const u8* b, int s) {
+    SubScales r;
+    r.m0 = r.m1 = 0.f;
+    if (F == FMT_Q5_0 || F == FMT_IQ4_NL) {
+        r.d0 = r.d1 = h2f(b);
+    } else if (F == FMT_Q5_1) {
+        r.d0 = r.d1 = h2f(b);
+        r.m0 = r.m1 = h2f(b + 2);
+    } else if (F == FMT_MXFP4) {
+        r.d0 = r.d1 = e8m0_half(b[0]);
+    } else if (F == FMT_Q4_K || F == FMT_Q5_K) {
+        const u8* q = b + 4;
+        int sc, m;
+        if (s < 4) {
+            sc = q[s] & 63;
+            m = q[s + 4] & 63;
+        } else {
+            sc = (q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4);
+            m = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+        }
+        r.d0 = r.d1 = h2f(b) * (float)sc;
+        r.m0 = r.m1 = -h2f(b + 2) * (float)m;
+    } else if (F == FMT_Q6_K) {
+        const float d = h2f(b + 208);
+        const signed char* sc = (const signed char*)(b + 192);
+        r.d0 = d * (float)sc[2 * s];
+        r.d1 = d * (float)sc[2 * s + 1];
+    } else if (F == FMT_Q2_K) {
+        const float d = h2f(b + 80), dm = h2f(b + 82);
+        const int a = b[2 * s], c = b[2 * s + 1];
+        r.d0 = d * (float)(a & 0xF);
+        r.d1 = d * (float)(c & 0xF);
+        r.m0 = -dm * (float)(a >> 4);
+        r.m1 = -dm * (float)(c >> 4);
+    } else if (F == FMT_Q3_K) {
+        const float d = h2f(b + 108);
+        r.d0 = d * (float)(q3k_scale(b + 96, 2 * s) - 32);
+        r.d1 = d * (float)(q3k_scale(b + 96, 2 * s + 1) - 32);
+    } else {  // IQ4_XS
+        const int sh = *(const u16*)(b + 2);
+        const int ls = ((b[4 + s / 2] >> (4 * (s & 1))) & 0xF) | (((sh >> (2 * s)) & 3) << 4);
+        r.d0 = r.d1 = h2f(b) * (float)(ls - 32);
+    }
+    return r;
+}
+
+// The dot product of a decoded sub-block (w, sc) with one Q8 activation block.
+template <int F>
+__device__ __forceinline__ float sub_dot(const int (&w)[8], const SubScales& sc, const Q8& x) {
+    int lo = 0, hi = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        lo = __dp4a(w[j], x.qs[j], lo);
+        hi = __dp4a(w[j + 4], x.qs[j + 4], hi);
+    }
+    float r = SUB_HALVES(F) ? x.d * (sc.d0 * (float)lo + sc.d1 * (float)hi) : x.d * sc.d0 * (float)(lo + hi);
+    if (F == FMT_Q5_1) r += sc.m0 * x.s;  // as Q4_1 (ggml's Q8_1 sum)
+    if (F == FMT_Q4_K || F == FMT_Q5_K) {
+        // the minimum times the integer sum of the activation codes (as the CPU's Q8_K block sums: x.s is
+        // rounded to f16, and the minimum's term nearly cancels the scale's)
+        int sx = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++) sx = __dp4a(0x01010101, x.qs[j], sx);
+        r += sc.m0 * x.d * (float)sx;
+    }
+    if (SUB_MIN(F) == 2) {
+        int sl = 0, sh = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            sl = __dp4a(0x01010101, x.qs[j], sl);
+            sh = __dp4a(0x01010101, x.qs[j + 4], sh);
+        }
+        r += x.d * (sc.m0 * (float)sl + sc.m1 * (float)sh);
+    }
+    return r;
 }
 
 // One warp: acc[t] += row · x_t for the NT tokens (lane-strided partial sums; the caller reduces).
@@ -138,58 +340,72 @@ __device__ __forceinline__ void row_dot(const u8* row, int cols, const Q8* const
         return;
     }
     const int nb = cols / 32;
-#pragma unroll 4
-    for (int ib = lane; ib < nb; ib += 32) {
-        if (FMT == FMT_Q8_0) {
-            const u8* b = row + (size_t)ib * 34;
-            float d = h2f(b);
+    if constexpr (IS_SUB(FMT)) {
+        // each lane one 32-value sub-block at a time
+        for (int ib = lane; ib < nb; ib += 32) {
+            int s;
+            const u8* b = sub_base<FMT>(row, ib, s);
+            const SubScales sc = sub_scales<FMT>(b, s);
             int w[8];
 #pragma unroll
-            for (int j = 0; j < 8; j++) w[j] = ld_i32_a2(b + 2 + 4 * j);
+            for (int j = 0; j < 8; j++) w[j] = sub_word<FMT>(b, s, j);
 #pragma unroll
-            for (int t = 0; t < NT; t++) {
-                const Q8& x = xq[t][ib];
-                int s = 0;
+            for (int t = 0; t < NT; t++) acc[t] += sub_dot<FMT>(w, sc, xq[t][ib]);
+        }
+    } else {
+#pragma unroll 4
+        for (int ib = lane; ib < nb; ib += 32) {
+            if (FMT == FMT_Q8_0) {
+                const u8* b = row + (size_t)ib * 34;
+                float d = h2f(b);
+                int w[8];
 #pragma unroll
-                for (int j = 0; j < 8; j++) s = __dp4a(w[j], x.qs[j], s);
-                acc[t] += d * x.d * (float)s;
-            }
-        } else if (FMT == FMT_Q4_0) {
-            const u8* b = row + (size_t)ib * 18;
-            float d = h2f(b);
-            int v[4];
+                for (int j = 0; j < 8; j++) w[j] = ld_i32_a2(b + 2 + 4 * j);
 #pragma unroll
-            for (int j = 0; j < 4; j++) v[j] = ld_i32_a2(b + 2 + 4 * j);
+                for (int t = 0; t < NT; t++) {
+                    const Q8& x = xq[t][ib];
+                    int s = 0;
 #pragma unroll
-            for (int t = 0; t < NT; t++) {
-                const Q8& x = xq[t][ib];
-                int s = 0, sx = 0;
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    s = __dp4a(v[j] & 0x0F0F0F0F, x.qs[j], s);
-                    s = __dp4a((v[j] >> 4) & 0x0F0F0F0F, x.qs[j + 4], s);
-                    sx = __dp4a(0x01010101, x.qs[j], sx);
-                    sx = __dp4a(0x01010101, x.qs[j + 4], sx);
+                    for (int j = 0; j < 8; j++) s = __dp4a(w[j], x.qs[j], s);
+                    acc[t] += d * x.d * (float)s;
                 }
-                acc[t] += d * x.d * (float)(s - 8 * sx);
-            }
-        } else {  // Q4_1
-            const u8* b = row + (size_t)ib * 20;
-            float d = h2f(b);
-            float m = h2f(b + 2);
-            int v[4];
+            } else if (FMT == FMT_Q4_0) {
+                const u8* b = row + (size_t)ib * 18;
+                float d = h2f(b);
+                int v[4];
 #pragma unroll
-            for (int j = 0; j < 4; j++) v[j] = *(const int*)(b + 4 + 4 * j);
+                for (int j = 0; j < 4; j++) v[j] = ld_i32_a2(b + 2 + 4 * j);
 #pragma unroll
-            for (int t = 0; t < NT; t++) {
-                const Q8& x = xq[t][ib];
-                int s = 0;
+                for (int t = 0; t < NT; t++) {
+                    const Q8& x = xq[t][ib];
+                    int s = 0, sx = 0;
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    s = __dp4a(v[j] & 0x0F0F0F0F, x.qs[j], s);
-                    s = __dp4a((v[j] >> 4) & 0x0F0F0F0F, x.qs[j + 4], s);
+                    for (int j = 0; j < 4; j++) {
+                        s = __dp4a(v[j] & 0x0F0F0F0F, x.qs[j], s);
+                        s = __dp4a((v[j] >> 4) & 0x0F0F0F0F, x.qs[j + 4], s);
+                        sx = __dp4a(0x01010101, x.qs[j], sx);
+                        sx = __dp4a(0x01010101, x.qs[j + 4], sx);
+                    }
+                    acc[t] += d * x.d * (float)(s - 8 * sx);
                 }
-                acc[t] += d * x.d * (float)s + m * x.s;
+            } else {  // Q4_1
+                const u8* b = row + (size_t)ib * 20;
+                float d = h2f(b);
+                float m = h2f(b + 2);
+                int v[4];
+#pragma unroll
+                for (int j = 0; j < 4; j++) v[j] = *(const int*)(b + 4 + 4 * j);
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    const Q8& x = xq[t][ib];
+                    int s = 0;
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        s = __dp4a(v[j] & 0x0F0F0F0F, x.qs[j], s);
+                        s = __dp4a((v[j] >> 4) & 0x0F0F0F0F, x.qs[j + 4], s);
+                    }
+                    acc[t] += d * x.d * (float)s + m * x.s;
+                }
             }
         }
     }
@@ -207,9 +423,11 @@ __device__ __forceinline__ void row_dot(const u8* row, int cols, const Q8* const
 #define CB 128
 #define RPW 2
 #define IS_BLOCK(F) ((F) >= FMT_Q8_0)
+// the formats whose rows are staged (the sub-block formats are not)
+#define IS_STAGED(F) ((F) >= FMT_Q8_0 && (F) <= FMT_Q4_1)
 #define BLK_BYTES(F) ((F) == FMT_Q8_0 ? 34 : (F) == FMT_Q4_0 ? 18 : (F) == FMT_Q4_1 ? 20 : 16)
 // Shared bytes a block of WARPS warps stages (each warp RPW rows of CB blocks).
-#define STAGE_BYTES(F) (IS_BLOCK(F) ? WARPS * RPW * CB * BLK_BYTES(F) : 16)
+#define STAGE_BYTES(F) (IS_STAGED(F) ? WARPS * RPW * CB * BLK_BYTES(F) : 16)
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 a;
@@ -238,7 +456,7 @@ __device__ __forceinline__ void stage_wait() {
 
 template <int FMT, int NT, int NR>
 __device__ __forceinline__ bool can_stage(const u8* const* rows, int nb, size_t rb, const Q8* const* xq) {
-    if (!IS_BLOCK(FMT) || nb % 2 != 0 || rb % 16 != 0) return false;
+    if (!IS_STAGED(FMT) || nb % 2 != 0 || rb % 16 != 0) return false;
     size_t a = 0;
 #pragma unroll
     for (int r = 0; r < NR; r++) a |= (size_t)rows[r];
@@ -383,12 +601,14 @@ __device__ __forceinline__ void rows_dot_staged(const u8* const* rows, int nb, c
 template <int FMT, int NT, int NR>
 __device__ __forceinline__ void rows_dot(const u8* const* rows, int cols, size_t rb, const Q8* const* xq,
                                          const float* const* xf, int lane, u8* sm, float (&acc)[NR][NT]) {
-    if (IS_BLOCK(FMT) && can_stage<FMT, NT, NR>(rows, cols / 32, rb, xq)) {
-        rows_dot_staged<FMT, NT, NR>(rows, cols / 32, xq, lane, sm, acc);
-    } else {
-#pragma unroll
-        for (int r = 0; r < NR; r++) row_dot<FMT, NT>(rows[r], cols, xq, xf, lane, acc[r]);
+    if constexpr (IS_STAGED(FMT)) {
+        if (can_stage<FMT, NT, NR>(rows, cols / 32, rb, xq)) {
+            rows_dot_staged<FMT, NT, NR>(rows, cols / 32, xq, lane, sm, acc);
+            return;
+        }
     }
+#pragma unroll
+    for (int r = 0; r < NR; r++) row_dot<FMT, NT>(rows[r], cols, xq, xf, lane, acc[r]);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -516,13 +736,14 @@ __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[j][t] = 0.f;
     u8* sm = stage + warp * (STAGE_BYTES(FMT) / WARPS);
-    if (PRE) {
+    if constexpr (PRE && IS_STAGED(FMT)) {
         const bool staged = can_stage<FMT, NT, RPW>(rp, cols / 32, rb, xqs);
         if (staged) stage_first<FMT, RPW>(rp, cols / 32, lane, sm);
         pdl_wait();
         if (staged) rows_dot_staged<FMT, NT, RPW, true>(rp, cols / 32, xqs, lane, sm, acc);
         else rows_dot<FMT, NT, RPW>(rp, cols, rb, xqs, xfs, lane, sm, acc);
     } else {
+        if (PRE) pdl_wait();
         rows_dot<FMT, NT, RPW>(rp, cols, rb, xqs, xfs, lane, sm, acc);
     }
 #pragma unroll
@@ -609,8 +830,19 @@ __device__ __forceinline__ void mma_s8_16832(int* d, const int* a, int b0, int b
 // Row r's block ib of a block-format matrix as the A fragment's two 4-byte pieces of this thread (columns
 // 4·tg .. 4·tg + 3 and 16 + 4·tg ..), with its scale d (and Q4_1's m).
 template <int FMT>
-__device__ __forceinline__ void mq_load_a(const u8* row, int ib, int tg, int& lo, int& hi, float& d, float& m) {
-    if (FMT == FMT_Q8_0) {
+__device__ __forceinline__ void mq_load_a(const u8* row, int ib, int tg, int& lo, int& hi, float& d, float& m,
+                                          float& d1) {
+    if constexpr (IS_SUB(FMT)) {
+        // d: the first 16 values' scale, d1 the second's (SUB_HALVES), m the minimum (SUB_MIN == 1)
+        int s;
+        const u8* b = sub_base<FMT>(row, ib, s);
+        const SubScales sc = sub_scales<FMT>(b, s);
+        lo = sub_word<FMT>(b, s, tg);
+        hi = sub_word<FMT>(b, s, tg + 4);
+        d = sc.d0;
+        d1 = sc.d1;
+        m = sc.m0;
+    } else if (FMT == FMT_Q8_0) {
         const u8* b = row + (size_t)ib * 34;
         d = h2f(b);
         lo = ld_i32_a2(b + 2 + 4 * tg);
@@ -633,16 +865,31 @@ __device__ __forceinline__ void mq_load_a(const u8* row, int ib, int tg, int& lo
 
 // One block's MMA into acc (this thread's rows g, g + 8 × columns 2·tg, 2·tg + 1 of one column tile), its integer
 // sums scaled by the rows' d (da, db) and the columns' dx, plus Q4_1's m·sx.
+// Formats of two scales per block (SUB_HALVES: da1, db1 scale the second 16 values) take two MMAs, each with the
+// other half's A pieces zero. (The per-16 minimums of Q2_K have no tensor-core kernel.)
 template <int FMT>
 __device__ __forceinline__ void mq_mma_scaled(float* acc, const int* a, int b0, int b1, float da, float db, float ma,
-                                              float mb, float dx0, float dx1, float sx0, float sx1) {
+                                              float mb, float da1, float db1, float dx0, float dx1, float sx0,
+                                              float sx1) {
+    static_assert(!IS_SUB(FMT) || SUB_MIN(FMT) < 2, "no tensor-core product for per-16 minimums");
     int c[4] = {0, 0, 0, 0};
+    if constexpr (IS_SUB(FMT) && SUB_HALVES(FMT)) {
+        const int alo[4] = {a[0], a[1], 0, 0}, ahi[4] = {0, 0, a[2], a[3]};
+        int c1[4] = {0, 0, 0, 0};
+        mma_s8_16832(c, alo, b0, b1);
+        mma_s8_16832(c1, ahi, b0, b1);
+        acc[0] += dx0 * (da * (float)c[0] + da1 * (float)c1[0]);
+        acc[1] += dx1 * (da * (float)c[1] + da1 * (float)c1[1]);
+        acc[2] += dx0 * (db * (float)c[2] + db1 * (float)c1[2]);
+        acc[3] += dx1 * (db * (float)c[3] + db1 * (float)c1[3]);
+        return;
+    }
     mma_s8_16832(c, a, b0, b1);
     acc[0] += da * dx0 * (float)c[0];
     acc[1] += da * dx1 * (float)c[1];
     acc[2] += db * dx0 * (float)c[2];
     acc[3] += db * dx1 * (float)c[3];
-    if (FMT == FMT_Q4_1) {
+    if (FMT == FMT_Q4_1 || (IS_SUB(FMT) && SUB_MIN(FMT) == 1)) {
         acc[0] += ma * sx0;
         acc[1] += ma * sx1;
         acc[2] += mb * sx0;
@@ -676,7 +923,15 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
 #pragma unroll
                 for (int q = 0; q < 8; q++) dst[q] = src[2 + q];
                 dst[8] = src[0];
-                dst[9] = src[1];
+                if constexpr (FMT == FMT_Q4_K || FMT == FMT_Q5_K) {
+                    // the exact d·Σq (as sub_dot: the K-quants' minimum nearly cancels their scale's term)
+                    int sx = 0;
+#pragma unroll
+                    for (int q = 0; q < 8; q++) sx = __dp4a(0x01010101, src[2 + q], sx);
+                    dst[9] = __float_as_int(__int_as_float(src[0]) * (float)sx);
+                } else {
+                    dst[9] = src[1];
+                }
             } else {
 #pragma unroll
                 for (int q = 0; q < 10; q++) dst[q] = 0;
@@ -686,11 +941,12 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
         for (int kb = 0; kb < kn; kb++) {
             int a[4], au[4];
             float da, db, ma = 0.f, mb = 0.f, dua = 0.f, dub = 0.f, mua = 0.f, mub = 0.f;
-            mq_load_a<FMT>(rp[0], kb0 + kb, tg, a[0], a[2], da, ma);
-            mq_load_a<FMT>(rp[1], kb0 + kb, tg, a[1], a[3], db, mb);
+            float da1 = 0.f, db1 = 0.f, dua1 = 0.f, dub1 = 0.f;
+            mq_load_a<FMT>(rp[0], kb0 + kb, tg, a[0], a[2], da, ma, da1);
+            mq_load_a<FMT>(rp[1], kb0 + kb, tg, a[1], a[3], db, mb, db1);
             if (GATED) {
-                mq_load_a<FMT>(ru[0], kb0 + kb, tg, au[0], au[2], dua, mua);
-                mq_load_a<FMT>(ru[1], kb0 + kb, tg, au[1], au[3], dub, mub);
+                mq_load_a<FMT>(ru[0], kb0 + kb, tg, au[0], au[2], dua, mua, dua1);
+                mq_load_a<FMT>(ru[1], kb0 + kb, tg, au[1], au[3], dub, mub, dub1);
             }
             const int* xk = xs + kb * MQ_BN * MQ_XS;
 #pragma unroll
@@ -701,8 +957,9 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
                 const int* x0 = xk + (j * 8 + 2 * tg) * MQ_XS;
                 const float dx0 = __int_as_float(x0[8]), dx1 = __int_as_float(x0[MQ_XS + 8]);
                 const float sx0 = __int_as_float(x0[9]), sx1 = __int_as_float(x0[MQ_XS + 9]);
-                mq_mma_scaled<FMT>(acc[j], a, b0, b1, da, db, ma, mb, dx0, dx1, sx0, sx1);
-                if (GATED) mq_mma_scaled<FMT>(accu[j], au, b0, b1, dua, dub, mua, mub, dx0, dx1, sx0, sx1);
+                mq_mma_scaled<FMT>(acc[j], a, b0, b1, da, db, ma, mb, da1, db1, dx0, dx1, sx0, sx1);
+                if (GATED)
+                    mq_mma_scaled<FMT>(accu[j], au, b0, b1, dua, dub, mua, mub, dua1, dub1, dx0, dx1, sx0, sx1);
             }
         }
     }
@@ -1975,7 +2232,7 @@ __device__ __forceinline__ void gate_up_one(const Group* groups, const u8* slots
     const Group g = groups[blockIdx.y];
     if (g.nt == 0) return;
     const u8* blob = slots + (size_t)g.slot * slot_bytes;
-    if (NARROW) gate_up_narrow_body<FMT>(g, blob, ff, e, xq, xf, h, stage);
+    if constexpr (NARROW) gate_up_narrow_body<FMT>(g, blob, ff, e, xq, xf, h, stage);
     else gate_up_body<FMT, 1>(g, blob, ff, e, xq, xf, h, stage);
 }
 
@@ -1992,7 +2249,7 @@ __device__ __forceinline__ void down_one(const Group* groups, const u8* slots, s
     const Group g = groups[blockIdx.y];
     if (g.nt == 0) return;
     const u8* blob = slots + (size_t)g.slot * slot_bytes;
-    if (NARROW) {
+    if constexpr (NARROW) {
         down_narrow_body<FMT>(g, blob, down_off, down_rb, ff, e, hf, out, stage, hs);
     } else {
         if (!hq) prefetch_down_rows(blob + down_off, down_rb, e);
@@ -2177,3 +2434,46 @@ extern "C" __global__ void swiglu(const float* gu, int ff, int t, float* h) {
         h[j] = g / (1.0f + expf(-g)) * u;
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// The sub-block formats' kernels, each compiled only into a module built with -DSTRATA_FMT_<suffix> (the host
+// adds the formats its model uses; gpu-check all of them): dense products (one-token, small-batch, tensor-core
+// prefill) and expert products (small-batch, one-token, tensor-core over the grouped tiles). Q2_K has no
+// tensor-core kernels (per-16 minimums); its prefill takes the small-batch kernels.
+#define SUB_FORMAT_ROW_KERNELS(SUFFIX, FMT) \
+    MMV_KERNEL(mmv_##SUFFIX, FMT)           \
+    EXPERT_KERNELS(SUFFIX, FMT)
+#define SUB_FORMAT_KERNELS(SUFFIX, FMT)     \
+    SUB_FORMAT_ROW_KERNELS(SUFFIX, FMT)     \
+    MMQ_KERNEL(mmq_##SUFFIX, FMT)           \
+    EXPERT_MMQ_KERNELS(SUFFIX, FMT)
+#ifdef STRATA_FMT_q5_0
+SUB_FORMAT_KERNELS(q5_0, FMT_Q5_0)
+#endif
+#ifdef STRATA_FMT_q5_1
+SUB_FORMAT_KERNELS(q5_1, FMT_Q5_1)
+#endif
+#ifdef STRATA_FMT_q2_k
+SUB_FORMAT_ROW_KERNELS(q2_k, FMT_Q2_K)
+#endif
+#ifdef STRATA_FMT_q3_k
+SUB_FORMAT_KERNELS(q3_k, FMT_Q3_K)
+#endif
+#ifdef STRATA_FMT_q4_k
+SUB_FORMAT_KERNELS(q4_k, FMT_Q4_K)
+#endif
+#ifdef STRATA_FMT_q5_k
+SUB_FORMAT_KERNELS(q5_k, FMT_Q5_K)
+#endif
+#ifdef STRATA_FMT_q6_k
+SUB_FORMAT_KERNELS(q6_k, FMT_Q6_K)
+#endif
+#ifdef STRATA_FMT_iq4_nl
+SUB_FORMAT_KERNELS(iq4_nl, FMT_IQ4_NL)
+#endif
+#ifdef STRATA_FMT_iq4_xs
+SUB_FORMAT_KERNELS(iq4_xs, FMT_IQ4_XS)
+#endif
+#ifdef STRATA_FMT_mxfp4
+SUB_FORMAT_KERNELS(mxfp4, FMT_MXFP4)
+#endif

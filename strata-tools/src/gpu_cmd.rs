@@ -129,6 +129,11 @@ fn rng(seed: &mut u64) -> u64 {
     *seed
 }
 
+/// Every format with CUDA kernels, in the registry's order.
+fn cuda_types() -> Vec<GgmlType> {
+    strata::quant::format::REGISTRY.iter().filter(|f| f.cuda.is_some()).map(|f| f.ty).collect()
+}
+
 fn random_rows(ty: GgmlType, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
     let n = rows * ty.row_bytes(cols);
     let mut b = vec![0u8; n];
@@ -156,13 +161,29 @@ fn random_rows(ty: GgmlType, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8
                 for x in blk.iter_mut() {
                     *x = rng(seed) as u8;
                 }
-                let d = half::f16::from_f32(0.01 + (rng(seed) % 100) as f32 / 5000.0).to_bits().to_le_bytes();
-                blk[0] = d[0];
-                blk[1] = d[1];
-                if ty == GgmlType::Q4_1 {
-                    let m = half::f16::from_f32(-0.05).to_bits().to_le_bytes();
-                    blk[2] = m[0];
-                    blk[3] = m[1];
+                // random codes and sub-scales; the block's f16 scales (and minimums) in a sane range
+                let mut put =
+                    |at: usize, v: f32| blk[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+                let d = 0.01 + (rng(seed) % 100) as f32 / 5000.0;
+                match ty {
+                    GgmlType::Q4_1 | GgmlType::Q5_1 => {
+                        put(0, d);
+                        put(2, -0.05);
+                    }
+                    // K-quants: the sub-scales are 4-8 bit integers that multiply d
+                    GgmlType::Q4_K | GgmlType::Q5_K => {
+                        put(0, d / 32.0);
+                        put(2, d / 8.0);
+                    }
+                    GgmlType::Q2_K => {
+                        put(80, d / 8.0);
+                        put(82, d / 8.0);
+                    }
+                    GgmlType::Q3_K => put(108, d / 32.0),
+                    GgmlType::Q6_K => put(208, d / 64.0),
+                    GgmlType::IQ4_XS => put(0, d / 32.0),
+                    GgmlType::MXFP4 => blk[0] = 118 + (rng(seed) % 6) as u8,
+                    _ => put(0, d),
                 }
             }
         }
@@ -611,10 +632,12 @@ pub fn check(a: CheckArgs) -> Result<()> {
     };
     dev.bind()?;
     // 1. dense products against the CPU path on random inputs
-    let (img, _) = strata::backend::cuda::kernels::cubin(&dev.arch())?;
+    let every = strata::backend::cuda::kernels::FormatSet::all();
+    let (img, _) = strata::backend::cuda::kernels::cubin(&dev.arch(), every)?;
     let load_kernels = |narrow_down: bool| {
         strata::backend::cuda::kernels::Kernels::load(
             &img,
+            every,
             dev.max_smem_optin,
             strata::backend::cuda::kernels::pdl_wanted(dev.cc),
             strata::backend::cuda::kernels::cluster_norm_wanted(dev.cc),
@@ -633,9 +656,12 @@ pub fn check(a: CheckArgs) -> Result<()> {
     let mut kern = Vec::new();
     let mut worst: f64 = 0.0;
     println!("{:<6} {:>6} {:>6} {:>3} {:>12} {:>12}", "format", "rows", "cols", "t", "rel_err_cpu", "rel_err_f64");
-    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+    for ty in cuda_types() {
         for &(rows, cols, t) in &[
             (64usize, 256usize, 1usize),
+            // super-block formats: an odd number of 256-value super-blocks
+            (131, 768, 100),
+            (70, 1280, 9),
             (300, 1024, 3),
             (129, 2048, 8),
             (77, 4096, 11),
@@ -647,6 +673,9 @@ pub fn check(a: CheckArgs) -> Result<()> {
             (64, 2048, 512),
             (1100, 256, 70),
         ] {
+            if cols % ty.block_size() != 0 {
+                continue;
+            }
             let w = random_rows(ty, rows, cols, &mut seed);
             let mut x = Act::default();
             x.resize(t, cols);
@@ -685,6 +714,49 @@ pub fn check(a: CheckArgs) -> Result<()> {
             kern.push(serde_json::json!({"format": format!("{ty:?}"), "rows": rows, "cols": cols, "t": t,
                 "rel_err_vs_cpu": rc, "rel_err_vs_f64": rf, "q8_bytes_match": qmatch}));
         }
+    }
+    // 1. (cont.) a stack of mixed formats (Q4_K_M's q, k in Q4_K and v in Q6_K): one launch per run of a format
+    println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "stack", "rows", "cols", "t", "rel_err_cpu");
+    for t in [1usize, 5, 40] {
+        let cols = 1024;
+        let parts = [(GgmlType::Q4_K, 96usize), (GgmlType::Q4_K, 32), (GgmlType::Q6_K, 32)];
+        let mut x = Act::default();
+        x.resize(t, cols);
+        for v in x.f.iter_mut() {
+            *v = (rng(&mut seed) % 20001) as f32 / 10000.0 - 1.0;
+        }
+        x.quantize();
+        let rows: usize = parts.iter().map(|p| p.1).sum();
+        let (mut cpu, mut mats, mut r0) = (vec![0f32; t * rows], Vec::new(), 0);
+        for &(ty, n) in &parts {
+            let w = random_rows(ty, n, cols, &mut seed);
+            let mut part = vec![0f32; t * n];
+            matmul_with(
+                &pool,
+                MatRef { data: &w, ty, rows: n, cols, stride: 0 },
+                &x,
+                &mut part,
+                Precision::Q8Activations,
+            );
+            for tok in 0..t {
+                cpu[tok * rows + r0..tok * rows + r0 + n].copy_from_slice(&part[tok * n..(tok + 1) * n]);
+            }
+            mats.push(strata::backend::cuda::ops::DMat::upload(&w, ty, n, cols)?);
+            r0 += n;
+        }
+        let xf = strata::backend::cuda::driver::DevBuf::from_slice(&x.f)?;
+        let xq = strata::backend::cuda::driver::DevBuf::from_slice(&q8_bytes(&x))?;
+        let out = strata::backend::cuda::driver::DevBuf::from_slice(&vec![f32::NAN; t * rows])?;
+        let refs: Vec<&strata::backend::cuda::ops::DMat> = mats.iter().collect();
+        ops.mmv(&refs, xq.ptr, xf.ptr, t, out.ptr, rows, false)?;
+        stream.sync()?;
+        let mut gpu = vec![0f32; t * rows];
+        out.read_sync(0, &mut gpu)?;
+        let rc = rel_err(&gpu, &cpu);
+        worst = worst.max(rc);
+        println!("{:<6} {rows:>6} {cols:>6} {t:>3} {rc:>12.2e}  (Q4_K 96 | Q4_K 32 | Q6_K 32)", "stack");
+        kern.push(serde_json::json!({"kernel": "mmv_mixed_stack", "rows": rows, "cols": cols, "t": t,
+            "rel_err_vs_cpu": rc}));
     }
     // 1a. RMSNorm + Q8 after the MoE combine
     println!("{:<6} {:>6} {:>6} {:>3} {:>12} {:>12}", "norm", "n", "k", "t", "rel_err_out", "rel_err_x");
@@ -743,10 +815,13 @@ pub fn check(a: CheckArgs) -> Result<()> {
     // tiles, an expert not in VRAM)
     if ops.k.expert_mmq(GgmlType::Q4_0, GgmlType::Q4_0).is_some() {
         println!("{:<6} {:>6} {:>6} {:>4} {:>3} {:>4} {:>12}", "mmq", "e", "ff", "t", "k", "ne", "rel_err_cpu");
-        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+        for ty in cuda_types().into_iter().filter(|&ty| ops.k.expert_mmq(ty, ty).is_some()) {
             for &(e, ff, t, k, ne) in
                 &[(256usize, 512usize, 100usize, 4usize, 6usize), (2048, 768, 130, 8, 16), (96, 160, 9, 2, 3)]
             {
+                if e % ty.block_size() != 0 || ff % ty.block_size() != 0 {
+                    continue;
+                }
                 let (r, flags) = check_expert_mmq(&ops, &pool, ty, (e, ff), (t, k, ne), &mut seed)?;
                 worst = worst.max(r);
                 println!(
@@ -761,8 +836,9 @@ pub fn check(a: CheckArgs) -> Result<()> {
     }
     // 1b. expert gate/up + down from a VRAM slot (staged and row-by-row shapes, one and several tokens)
     println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "expert", "e", "ff", "t", "rel_err_cpu");
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F16] {
-        // the last two: PCIe split parts (k = 384 of a Qwen3-like expert; 64 rows) with 16-byte padded down rows
+    for ty in cuda_types().into_iter().filter(|&ty| ty.block_size() > 1 || ty == GgmlType::F16) {
+        // the last three: PCIe split parts (k = 384 or 512 of a Qwen3-like expert; 64 rows) with 16-byte padded
+        // down rows
         let shapes = [
             (256usize, 512usize, 1usize, false),
             (512, 4608, 3, false),
@@ -771,8 +847,12 @@ pub fn check(a: CheckArgs) -> Result<()> {
             (2048, 768, 1, false),
             (2048, 384, 1, true),
             (256, 64, 3, true),
+            (2048, 512, 1, true),
         ];
         for &(e, ff, t, pad) in &shapes {
+            if e % ty.block_size() != 0 || ff % ty.block_size() != 0 {
+                continue;
+            }
             // one token, block formats: the narrow kernels where they apply (gate/up: e ≤ 2048, down: ff ≤ 1024)
             // and the others on the same data (same sums in the same order: the same bits)
             let (arms, names): (Vec<&strata::backend::cuda::ops::Ops>, &[&str]) = if t == 1 && ty != GgmlType::F16 {

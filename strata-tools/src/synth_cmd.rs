@@ -2,7 +2,8 @@
 //! architecture with Mixtral-style experts (`--arch llama`, the default), or as the preset's own architecture
 //! (`--arch native`: `qwen3moe` with per-head q/k norms, `olmoe` with full-width q/k norms, `qwen2moe` with
 //! q/k/v biases and a shared expert; Mixtral is `llama` either way) — streamed to disk (tens of GB), for scale benchmarks. Block formats
-//! Q4_0 or Q8_0 for the matrices (random codes, scales set so activations keep their size), F32 norms and
+//! Q4_0, Q8_0, Q4_K, Q6_K or llama.cpp's Q4_K_M mix for the matrices (random codes or quantized normal values,
+//! scales set so activations keep their size), F32 norms and
 //! router. `--skew S` gives expert `e` of each layer a router bias of `−S·ln(rank+1)` (a Zipf law of
 //! exponent S over a per-layer random ranking) through a constant channel of the embeddings, so a chosen
 //! share of routing goes to the hottest experts; 0 = uniform routing.
@@ -30,7 +31,7 @@ pub struct SynthArgs {
     /// Override the layer count.
     #[arg(long)]
     layers: Option<usize>,
-    /// Matrix format: q4_0 or q8_0.
+    /// Matrix format: q4_0, q8_0, q4_k, q6_k, or q4_k_m (llama.cpp's mix of Q4_K and Q6_K, see [`Plan::Q4KM`]).
     #[arg(long, default_value = "q4_0")]
     r#type: String,
     /// Router skew (Zipf exponent of the per-layer expert popularity); 0 = uniform.
@@ -169,7 +170,44 @@ impl Rng {
 }
 
 /// The block formats [`fill_blocks`] writes.
-const SYNTH_TYPES: [GgmlType; 2] = [GgmlType::Q4_0, GgmlType::Q8_0];
+const SYNTH_TYPES: [GgmlType; 4] = [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K];
+
+/// The formats of a synthetic file's matrices: one format, or llama.cpp's Q4_K_M mix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Plan {
+    /// Every matrix in this format.
+    One(GgmlType),
+    /// Q4_K, with Q6_K for `output` and, on the layers where llama.cpp's `use_more_bits` holds (the first and
+    /// last eighth of the layers and every third between), `attn_v` and `ffn_down` (experts included) — the rule
+    /// of llama.cpp's `llama_tensor_get_type` for `LLAMA_FTYPE_MOSTLY_Q4_K_M`.
+    Q4KM,
+}
+
+impl Plan {
+    /// `--type`: a format [`synth_type`] accepts, or `q4_k_m`.
+    pub(crate) fn parse(name: &str) -> Result<Plan> {
+        if name.eq_ignore_ascii_case("q4_k_m") {
+            return Ok(Plan::Q4KM);
+        }
+        synth_type(name).map(Plan::One)
+    }
+
+    /// The format of matrix `role` (`attn_v`, `ffn_down_exps`, `output`, ...) of layer `l` of `n` (`None`: no layer).
+    pub(crate) fn ty(self, role: &str, l: Option<usize>, n: usize) -> GgmlType {
+        match self {
+            Plan::One(t) => t,
+            Plan::Q4KM => {
+                let more_bits = l.is_some_and(|i| i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2);
+                let wants = role == "output" || (more_bits && (role == "attn_v" || role.starts_with("ffn_down")));
+                if wants {
+                    GgmlType::Q6_K
+                } else {
+                    GgmlType::Q4_K
+                }
+            }
+        }
+    }
+}
 
 /// The format named by `--type`, read from the format registry. Errors: a name the registry lacks, or a format
 /// the synthesizer cannot fill (the message lists the ones it can).
@@ -187,9 +225,32 @@ pub(crate) fn synth_type(name: &str) -> Result<GgmlType> {
     }
 }
 
-/// Random rows of a block format: codes uniform, each block's scale so that an element's standard deviation is
-/// `std`.
+/// Random rows of a block format: Q4_0 and Q8_0 codes uniform, each block's scale so that an element's standard
+/// deviation is `std`; the K-quants picks from a pool of normal values of that deviation, quantized
+/// ([`quantize_q4_k`], [`quantize_q6_k`]).
 pub(crate) fn fill_blocks(ty: GgmlType, buf: &mut [u8], std: f32, rng: &mut Rng) {
+    if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
+        // a pool of quantized super-blocks, then each block a random pick from it (quantizing tens of GB of
+        // normal values would take minutes; the bytes' statistics are the same)
+        let bs = ty.type_size();
+        let mut pool = vec![0u8; 256 * bs];
+        let mut v = [0f32; 256];
+        for blk in pool.chunks_exact_mut(bs) {
+            for x in v.iter_mut() {
+                *x = rng.normal() * std;
+            }
+            if ty == GgmlType::Q4_K {
+                quantize_q4_k(&v, blk);
+            } else {
+                quantize_q6_k(&v, blk);
+            }
+        }
+        for blk in buf.chunks_exact_mut(bs) {
+            let i = (rng.next() % 256) as usize;
+            blk.copy_from_slice(&pool[i * bs..(i + 1) * bs]);
+        }
+        return;
+    }
     let (bs, code_std) = match ty {
         GgmlType::Q4_0 => (18, 4.61f32), // uniform 0..15 minus 8
         _ => (34, 73.6f32),              // uniform −127..127
@@ -212,12 +273,71 @@ pub(crate) fn fill_blocks(ty: GgmlType, buf: &mut [u8], std: f32, rng: &mut Rng)
     }
 }
 
+/// One Q4_K super-block (ggml's `block_q4_K`, 144 bytes: f16 d, f16 dmin, 12 bytes of packed 6-bit scales and
+/// minimums, 128 bytes of 4-bit codes; value = d·sc·q − dmin·m per 32-value sub-block) of 256 values, by each
+/// sub-block's range (not llama.cpp's search: these are random weights for benchmarks).
+pub(crate) fn quantize_q4_k(v: &[f32; 256], out: &mut [u8]) {
+    let (mut scale, mut min) = ([0f32; 8], [0f32; 8]);
+    for (j, sub) in v.chunks_exact(32).enumerate() {
+        let lo = sub.iter().copied().fold(0f32, f32::min);
+        let hi = sub.iter().copied().fold(f32::MIN, f32::max);
+        scale[j] = (hi - lo) / 15.0;
+        min[j] = -lo;
+    }
+    let top = |a: &[f32; 8]| a.iter().copied().fold(0f32, f32::max);
+    let d = half::f16::from_f32(top(&scale) / 63.0);
+    let dmin = half::f16::from_f32(top(&min) / 63.0);
+    let six = |x: f32, unit: f32| if unit > 0.0 { (x / unit).round().clamp(0.0, 63.0) as u8 } else { 0 };
+    let sc: Vec<u8> = scale.iter().map(|&x| six(x, d.to_f32())).collect();
+    let m: Vec<u8> = min.iter().map(|&x| six(x, dmin.to_f32())).collect();
+    out[0..2].copy_from_slice(&d.to_le_bytes());
+    out[2..4].copy_from_slice(&dmin.to_le_bytes());
+    // scales 0-3 and minimums 0-3 in the low six bits of bytes 0-7, the top two bits of 4-7 above them; the
+    // low four bits of scales and minimums 4-7 in bytes 8-11
+    for j in 0..4 {
+        out[4 + j] = sc[j] | (sc[j + 4] >> 4) << 6;
+        out[8 + j] = m[j] | (m[j + 4] >> 4) << 6;
+        out[12 + j] = (sc[j + 4] & 0xF) | (m[j + 4] & 0xF) << 4;
+    }
+    for (j, sub) in v.chunks_exact(32).enumerate() {
+        let step = d.to_f32() * sc[j] as f32;
+        let off = dmin.to_f32() * m[j] as f32;
+        for (l, &x) in sub.iter().enumerate() {
+            let q = if step > 0.0 { ((x + off) / step).round().clamp(0.0, 15.0) as u8 } else { 0 };
+            out[16 + 32 * (j / 2) + l] |= q << (4 * (j % 2));
+        }
+    }
+}
+
+/// One Q6_K super-block (ggml's `block_q6_K`, 210 bytes: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8
+/// scales, f16 d; value = d·sc·(q − 32) per 16 values) of 256 values, by each 16's largest magnitude.
+pub(crate) fn quantize_q6_k(v: &[f32; 256], out: &mut [u8]) {
+    let scale: Vec<f32> = v.chunks_exact(16).map(|g| g.iter().fold(0f32, |a, x| a.max(x.abs())) / 31.0).collect();
+    let d = half::f16::from_f32(scale.iter().copied().fold(0f32, f32::max) / 127.0);
+    out.fill(0);
+    for (k, &s) in scale.iter().enumerate() {
+        out[192 + k] = if d.to_f32() > 0.0 { (s / d.to_f32()).round().clamp(0.0, 127.0) as i8 as u8 } else { 0 };
+    }
+    out[208..210].copy_from_slice(&d.to_le_bytes());
+    for (i, &x) in v.iter().enumerate() {
+        let step = d.to_f32() * out[192 + i / 16] as i8 as f32;
+        let q = if step > 0.0 { ((x / step).round().clamp(-32.0, 31.0) + 32.0) as u8 } else { 32 };
+        // value i = 128·n + 32·s + l: low bits in ql[64n + 32(s & 1) + l] (nibble s >> 1), high bits in
+        // qh[32n + l] (bits 2s, 2s + 1)
+        let (n, s, l) = (i / 128, i % 128 / 32, i % 32);
+        out[64 * n + 32 * (s & 1) + l] |= (q & 0xF) << (4 * (s >> 1));
+        out[128 + 32 * n + l] |= (q >> 4) << (2 * s);
+    }
+}
+
 pub fn run(a: SynthArgs) -> Result<()> {
     let mut g = preset(&a.preset)?;
     if let Some(l) = a.layers {
         g.layers = l;
     }
-    let ty = synth_type(&a.r#type)?;
+    let plan = Plan::parse(&a.r#type)?;
+    let nl = g.layers;
+    let mt = |role: &str, l: usize| plan.ty(role, Some(l), nl);
     let (e, ff, ne) = (g.embd, g.ff_exp, g.experts);
     let (qd, kvd) = (g.heads * g.head_dim, g.kv_heads * g.head_dim);
     let mut w = GgufWriter::default();
@@ -274,10 +394,10 @@ pub fn run(a: SynthArgs) -> Result<()> {
     for l in 0..g.layers {
         let n = |s: &str| format!("blk.{l}.{s}.weight");
         list.push((n("attn_norm"), vec![e as u64], GgmlType::F32, Kind::Ones));
-        list.push((n("attn_q"), vec![e as u64, qd as u64], ty, Kind::Mat(std_in(e))));
-        list.push((n("attn_k"), vec![e as u64, kvd as u64], ty, Kind::Mat(std_in(e))));
-        list.push((n("attn_v"), vec![e as u64, kvd as u64], ty, Kind::Mat(std_in(e))));
-        list.push((n("attn_output"), vec![qd as u64, e as u64], ty, Kind::Mat(0.5 * std_in(qd))));
+        list.push((n("attn_q"), vec![e as u64, qd as u64], mt("attn_q", l), Kind::Mat(std_in(e))));
+        list.push((n("attn_k"), vec![e as u64, kvd as u64], mt("attn_k", l), Kind::Mat(std_in(e))));
+        list.push((n("attn_v"), vec![e as u64, kvd as u64], mt("attn_v", l), Kind::Mat(std_in(e))));
+        list.push((n("attn_output"), vec![qd as u64, e as u64], mt("attn_output", l), Kind::Mat(0.5 * std_in(qd))));
         let v = |d: usize| vec![d as u64];
         match def.qk_norm {
             strata::arch::QkNorm::None => {}
@@ -298,18 +418,38 @@ pub fn run(a: SynthArgs) -> Result<()> {
         if def.ffn == strata::arch::FfnRule::MoeShared {
             let fs = g.ff_shexp as u64;
             list.push((n("ffn_gate_inp_shexp"), v(e), GgmlType::F32, Kind::Small(std_in(e))));
-            list.push((n("ffn_gate_shexp"), vec![e as u64, fs], ty, Kind::Mat(std_in(e))));
-            list.push((n("ffn_up_shexp"), vec![e as u64, fs], ty, Kind::Mat(std_in(e))));
-            list.push((n("ffn_down_shexp"), vec![fs, e as u64], ty, Kind::Mat(0.5 * std_in(g.ff_shexp))));
+            list.push((n("ffn_gate_shexp"), vec![e as u64, fs], mt("ffn_gate_shexp", l), Kind::Mat(std_in(e))));
+            list.push((n("ffn_up_shexp"), vec![e as u64, fs], mt("ffn_up_shexp", l), Kind::Mat(std_in(e))));
+            list.push((
+                n("ffn_down_shexp"),
+                vec![fs, e as u64],
+                mt("ffn_down_shexp", l),
+                Kind::Mat(0.5 * std_in(g.ff_shexp)),
+            ));
         }
         list.push((n("ffn_norm"), vec![e as u64], GgmlType::F32, Kind::Ones));
         list.push((n("ffn_gate_inp"), vec![e as u64, ne as u64], GgmlType::F32, Kind::Router));
-        list.push((n("ffn_gate_exps"), vec![e as u64, ff as u64, ne as u64], ty, Kind::Mat(std_in(e))));
-        list.push((n("ffn_up_exps"), vec![e as u64, ff as u64, ne as u64], ty, Kind::Mat(std_in(e))));
-        list.push((n("ffn_down_exps"), vec![ff as u64, e as u64, ne as u64], ty, Kind::Mat(0.5 * std_in(ff))));
+        list.push((
+            n("ffn_gate_exps"),
+            vec![e as u64, ff as u64, ne as u64],
+            mt("ffn_gate_exps", l),
+            Kind::Mat(std_in(e)),
+        ));
+        list.push((n("ffn_up_exps"), vec![e as u64, ff as u64, ne as u64], mt("ffn_up_exps", l), Kind::Mat(std_in(e))));
+        list.push((
+            n("ffn_down_exps"),
+            vec![ff as u64, e as u64, ne as u64],
+            mt("ffn_down_exps", l),
+            Kind::Mat(0.5 * std_in(ff)),
+        ));
     }
     list.push(("output_norm.weight".into(), vec![e as u64], GgmlType::F32, Kind::Ones));
-    list.push(("output.weight".into(), vec![e as u64, g.vocab as u64], ty, Kind::Mat(std_in(e))));
+    list.push((
+        "output.weight".into(),
+        vec![e as u64, g.vocab as u64],
+        plan.ty("output", None, nl),
+        Kind::Mat(std_in(e)),
+    ));
     let sizes: Vec<u64> = list
         .iter()
         .map(|(_, d, t, _)| {
@@ -395,9 +535,107 @@ pub fn run(a: SynthArgs) -> Result<()> {
         total as f64 / (1u64 << 30) as f64,
         g.layers,
         ne,
-        (3 * ff * e / 32 * ty.type_size()) as f64 / (1u64 << 20) as f64,
+        (0..nl)
+            .map(|l| ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+                .map(|r| mt(r, l).row_bytes(e) * ff)
+                .iter()
+                .sum::<usize>())
+            .sum::<usize>() as f64
+            / nl as f64
+            / (1u64 << 20) as f64,
         a.r#type,
         t0.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The synthesizer's K-quant blocks read back through the format registry's dequantization (checked
+    /// against the `gguf` package in the daemon's tests) within the error their code widths allow.
+    #[test]
+    fn k_quant_blocks_read_back() {
+        let mut r = Rng(7);
+        for (ty, tol) in [(GgmlType::Q4_K, 0.12), (GgmlType::Q6_K, 0.03)] {
+            let f = strata::quant::format::lookup(ty).expect("registry");
+            let mut blocks = vec![0u8; 16 * ty.type_size()];
+            let mut v = [0f32; 256];
+            let (mut err, mut norm) = (0f64, 0f64);
+            for blk in blocks.chunks_exact_mut(ty.type_size()) {
+                for x in v.iter_mut() {
+                    *x = r.normal() * 0.02;
+                }
+                if ty == GgmlType::Q4_K {
+                    quantize_q4_k(&v, blk);
+                } else {
+                    quantize_q6_k(&v, blk);
+                }
+                let mut back = [0f32; 256];
+                (f.dequantize)(blk, &mut back);
+                for (a, b) in v.iter().zip(&back) {
+                    err += ((a - b) as f64).powi(2);
+                    norm += (*a as f64).powi(2);
+                }
+            }
+            let rel = (err / norm).sqrt();
+            assert!(rel < tol, "{ty:?}: relative error {rel}");
+            assert!(rel > 0.0, "{ty:?}: lossless quantization of random values is not plausible");
+        }
+    }
+
+    /// A synthetic Q4_K_M `qwen3moe` file (Q6_K expert down matrices on some layers: blobs of two sizes) loads
+    /// with its expert store and gives finite logits for a prompt and a decode step on the CPU.
+    #[test]
+    fn q4_k_m_file_runs_on_the_cpu() {
+        use strata::model::forward::Scratch;
+        use strata::model::{Logits, Model};
+        let dir = std::env::temp_dir().join(format!("strata-synth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("tiny-q4_k_m.gguf");
+        let args = SynthArgs {
+            out: out.clone(),
+            preset: "tiny".into(),
+            layers: None,
+            r#type: "q4_k_m".into(),
+            skew: 1.0,
+            seed: 3,
+            arch: "native".into(),
+        };
+        run(args).unwrap();
+        let file = std::sync::Arc::new(strata::gguf::GgufFile::open(&out).unwrap());
+        let mut m = Model::load(file.clone()).unwrap();
+        let layout = m.expert_layout().expect("an MoE file");
+        let sizes: std::collections::BTreeSet<usize> = layout.layers.iter().map(|l| l.blob_bytes()).collect();
+        assert_eq!(sizes.len(), 2, "Q4_K and Q6_K down matrices give two blob sizes");
+        let g = m.geometry();
+        let knobs = std::sync::Arc::new(strata::tiers::knobs::Knobs::default());
+        let cfg = strata::tiers::store::StoreConfig::default();
+        let st = strata::tiers::store::ExpertStore::new(layout, file, &out, g, None, &cfg, knobs).unwrap();
+        m.experts = Some(std::sync::Arc::new(st));
+        let mut kv = m.new_kv(16);
+        let mut s = Scratch::default();
+        let prompt = m.forward(&[1, 5, 9, 77, 300, 4], &mut kv, Logits::Last, &mut s);
+        s.decode = true;
+        let step = m.forward(&[12], &mut kv, Logits::Last, &mut s);
+        assert!(!prompt.is_empty() && prompt.iter().chain(&step).all(|v| v.is_finite()));
+        assert!(prompt.iter().any(|&v| v != prompt[0]), "logits vary");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// The Q4_K_M plan follows llama.cpp's rule: Q6_K for `output` and for `attn_v` / `ffn_down*` on the first
+    /// and last eighth of the layers and every third layer between.
+    #[test]
+    fn q4_k_m_plan() {
+        let p = Plan::parse("Q4_K_M").unwrap();
+        assert_eq!(p.ty("output", None, 48), GgmlType::Q6_K);
+        assert_eq!(p.ty("attn_q", Some(0), 48), GgmlType::Q4_K);
+        let six: Vec<usize> = (0..48).filter(|&l| p.ty("ffn_down_exps", Some(l), 48) == GgmlType::Q6_K).collect();
+        let want: Vec<usize> = (0..6).chain((8..42).filter(|l| (l - 6) % 3 == 2)).chain(42..48).collect();
+        assert_eq!(six, want);
+        assert_eq!(p.ty("ffn_gate_exps", Some(0), 48), GgmlType::Q4_K);
+        assert_eq!(Plan::parse("q8_0").unwrap(), Plan::One(GgmlType::Q8_0));
+        assert!(Plan::parse("q5_k").is_err());
+    }
 }

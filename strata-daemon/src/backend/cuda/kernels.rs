@@ -10,6 +10,7 @@ use cudarc::nvrtc::sys as nvrtc;
 
 use super::driver::{check, Func};
 use super::GpuError;
+use crate::quant::format::Prefill;
 use crate::quant::GgmlType;
 
 /// The kernel source (embedded at build time).
@@ -42,10 +43,11 @@ pub fn cache_dir() -> PathBuf {
 
 /// Compiles `src` with NVRTC for `arch` (e.g. `sm_90`) to a CUBIN. Errors: NVRTC missing or the compile
 /// failed (the log is in the error).
-pub fn compile(src: &str, arch: &str) -> Result<Vec<u8>, GpuError> {
+pub fn compile(src: &str, arch: &str, defines: &[String]) -> Result<Vec<u8>, GpuError> {
     let csrc = CString::new(src).map_err(|_| GpuError::Nvrtc("source has a NUL byte".into()))?;
     let opts: Vec<CString> = std::iter::once(format!("--gpu-architecture={arch}"))
         .chain(OPTIONS.iter().map(|s| s.to_string()))
+        .chain(defines.iter().cloned())
         .map(|s| CString::new(s).expect("option"))
         .collect();
     let optp: Vec<*const std::ffi::c_char> = opts.iter().map(|s| s.as_ptr()).collect();
@@ -98,11 +100,46 @@ fn source() -> Result<std::borrow::Cow<'static, str>, GpuError> {
     }
 }
 
-/// The CUBIN for `arch`, from the disk cache or compiled (and then cached; a cache that cannot be written is
-/// only a warning). Returns the image and whether it came from the cache.
-pub fn cubin(arch: &str) -> Result<(Vec<u8>, bool), GpuError> {
+/// The formats a kernel module holds, a bit per `FMT_*` index: the base formats always, the on-demand ones
+/// ([`crate::quant::format::CudaFormat::on_demand`]: the sub-block formats) only where named, so that a module
+/// built for a model compiles no kernels its file does not use (NVRTC for sm_90 on a 2-core VM: the base module
+/// with Q4_K and Q6_K, a Q4_K_M file's, 69 s; with all ten on-demand formats, as `gpu-check` builds, 102 s).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FormatSet(u32);
+
+impl FormatSet {
+    /// The base formats only.
+    pub fn base() -> FormatSet {
+        FormatSet(cuda_formats().iter().filter(|f| !f.on_demand).fold(0, |m, f| m | 1 << f.index))
+    }
+    /// Every format with CUDA kernels.
+    pub fn all() -> FormatSet {
+        FormatSet(cuda_formats().iter().fold(0, |m, f| m | 1 << f.index))
+    }
+    /// The base formats and those of `types`. Errors: a type without CUDA kernels.
+    pub fn of(types: impl IntoIterator<Item = GgmlType>) -> Result<FormatSet, GpuError> {
+        types.into_iter().try_fold(FormatSet::base(), |s, ty| Ok(FormatSet(s.0 | 1 << fmt_index(ty)?)))
+    }
+    /// Whether the module holds the kernels of format index `i`.
+    pub fn has(self, i: usize) -> bool {
+        self.0 >> i & 1 == 1
+    }
+    /// The NVRTC options that compile the on-demand formats of the set (`-DSTRATA_FMT_<suffix>`).
+    fn defines(self) -> Vec<String> {
+        cuda_formats()
+            .iter()
+            .filter(|f| f.on_demand && self.has(f.index))
+            .map(|f| format!("-DSTRATA_FMT_{}", f.suffix))
+            .collect()
+    }
+}
+
+/// The CUBIN for `arch` holding the kernels of `formats`, from the disk cache or compiled (and then cached; a
+/// cache that cannot be written is only a warning). Returns the image and whether it came from the cache.
+pub fn cubin(arch: &str, formats: FormatSet) -> Result<(Vec<u8>, bool), GpuError> {
     let src = source()?;
-    let key = fnv1a(&[src.as_bytes(), OPTIONS.join(" ").as_bytes(), arch.as_bytes()]);
+    let defines = formats.defines();
+    let key = fnv1a(&[src.as_bytes(), OPTIONS.join(" ").as_bytes(), arch.as_bytes(), defines.join(" ").as_bytes()]);
     let path = cache_dir().join(format!("{key:016x}-{arch}.cubin"));
     if let Ok(b) = std::fs::read(&path) {
         if b.len() > 4 && &b[..4] == b"\x7fELF" {
@@ -110,7 +147,7 @@ pub fn cubin(arch: &str) -> Result<(Vec<u8>, bool), GpuError> {
         }
     }
     let t = std::time::Instant::now();
-    let img = compile(&src, arch)?;
+    let img = compile(&src, arch, &defines)?;
     tracing::info!("kernels compiled by NVRTC for {arch} in {:.2} s", t.elapsed().as_secs_f64());
     let tmp = path.with_extension("tmp");
     let write = std::fs::create_dir_all(cache_dir())
@@ -126,15 +163,15 @@ pub fn cubin(arch: &str) -> Result<(Vec<u8>, bool), GpuError> {
 pub struct Kernels {
     module: sys::CUmodule,
     /// Dense products per weight format.
-    mmv: [Func; N],
+    mmv: [Option<Func>; N],
     /// Expert gate/up per format.
-    gate_up: [Func; N],
+    gate_up: [Option<Func>; N],
     /// Expert down per format.
-    down: [Func; N],
+    down: [Option<Func>; N],
     /// One-token variants (`_t1`) of the three above: fewer registers, so more warps per SM in decode.
-    mmv1: [Func; N],
-    gate_up1: [Func; N],
-    down1: [Func; N],
+    mmv1: [Option<Func>; N],
+    gate_up1: [Option<Func>; N],
+    down1: [Option<Func>; N],
     /// The prefill products: tensor-core `mmq_*` for formats with [`crate::quant::format::CudaFormat::mmq`], the
     /// tiled f32 `mmf_*` for the float formats (None: off, see [`mmq_wanted`]).
     mmq: [Option<Func>; N],
@@ -229,6 +266,12 @@ pub fn fmt_index(ty: GgmlType) -> Result<usize, GpuError> {
         .ok_or_else(|| GpuError::Unsupported(format!("no GPU kernel for {ty:?}")))
 }
 
+/// A kernel of `ty` the module was looked up for. Errors: the module was built without that format's kernels
+/// (see [`FormatSet`]).
+fn held(ty: GgmlType, f: Option<Func>) -> Result<Func, GpuError> {
+    f.ok_or_else(|| GpuError::Unsupported(format!("the kernel module was built without the {ty:?} kernels")))
+}
+
 /// The registry's formats with CUDA kernels, by `FMT_*` index.
 fn cuda_formats() -> [crate::quant::format::CudaFormat; N] {
     let mut v: Vec<_> = crate::quant::format::REGISTRY.iter().filter_map(|f| f.cuda).collect();
@@ -243,12 +286,14 @@ fn leak(s: String) -> &'static str {
 }
 
 impl Kernels {
-    /// Loads `image` (a CUBIN) into the current context and looks every kernel up; `pdl`: launch them with
+    /// Loads `image` (a CUBIN holding the kernels of the formats `held`, see [`cubin`]) into the current context
+    /// and looks every kernel up; `pdl`: launch them with
     /// programmatic dependent launch (see [`pdl_wanted`]); `cluster_norm`: use the cluster norm (see
     /// [`cluster_norm_wanted`]); `narrow`: use the narrow expert kernels (see [`narrow_wanted`]); `tensor_cores`:
     /// the card has them (see [`tensor_cores_ok`]; without, the prefill keeps the row kernels).
     pub fn load(
         image: &[u8],
+        held: FormatSet,
         max_smem_optin: i32,
         pdl: bool,
         cluster_norm: bool,
@@ -265,20 +310,21 @@ impl Kernels {
             unsafe { check("cuModuleGetFunction", sys::cuModuleGetFunction(&mut f, module, c.as_ptr()))? };
             Ok(Func { f, name, pdl })
         };
-        let formats = cuda_formats();
-        let per = |prefix: &str, tail: &str| -> Result<[Func; N], GpuError> {
-            let mut v = Vec::with_capacity(N);
+        // the formats this module holds
+        let formats: Vec<_> = cuda_formats().into_iter().filter(|f| held.has(f.index)).collect();
+        let per = |prefix: &str, tail: &str| -> Result<[Option<Func>; N], GpuError> {
+            let mut v = [None; N];
             for f in &formats {
-                v.push(get(leak(format!("{prefix}{}{tail}", f.suffix)))?);
+                v[f.index] = Some(get(leak(format!("{prefix}{}{tail}", f.suffix)))?);
             }
-            Ok(v.try_into().unwrap_or_else(|_| unreachable!("one kernel per format")))
+            Ok(v)
         };
         // the block formats' narrow kernels, when on
         let narrow_per = |prefix: &str| -> Result<[Option<Func>; N], GpuError> {
             let mut v = [None; N];
             if narrow {
-                for (i, f) in formats.iter().enumerate().filter(|(_, f)| f.narrow) {
-                    v[i] = Some(get(leak(format!("{prefix}{}_t1n", f.suffix)))?);
+                for f in formats.iter().filter(|f| f.narrow) {
+                    v[f.index] = Some(get(leak(format!("{prefix}{}_t1n", f.suffix)))?);
                 }
             }
             Ok(v)
@@ -288,16 +334,18 @@ impl Kernels {
         let prefill_per = |which: &dyn Fn(&crate::quant::format::CudaFormat) -> Option<String>| {
             let mut v = [None; N];
             if mmq_wanted() {
-                for (i, f) in formats.iter().enumerate() {
+                for f in &formats {
                     if let Some(name) = which(f) {
-                        v[i] = Some(get(leak(name))?);
+                        v[f.index] = Some(get(leak(name))?);
                     }
                 }
             }
             Ok::<_, GpuError>(v)
         };
         let tc = |prefix: &'static str| {
-            move |f: &crate::quant::format::CudaFormat| (tensor_cores && f.mmq).then(|| format!("{prefix}{}", f.suffix))
+            move |f: &crate::quant::format::CudaFormat| {
+                (tensor_cores && f.prefill == Prefill::Mmq).then(|| format!("{prefix}{}", f.suffix))
+            }
         };
         let k = Kernels {
             module,
@@ -308,8 +356,12 @@ impl Kernels {
             gate_up1: per("expert_gate_up_", "_t1")?,
             down1: per("expert_down_", "_t1")?,
             // block formats: the int8 MMA kernel; float formats: the tiled f32 ones (CUDA cores, any card)
-            mmq: prefill_per(&|f| if f.mmq { tc("mmq_")(f) } else { Some(format!("mmf_{}", f.suffix)) })?,
-            mmf16: prefill_per(&|f| (!f.mmq).then(|| format!("mmf_{}_r16", f.suffix)))?,
+            mmq: prefill_per(&|f| match f.prefill {
+                Prefill::Mmq => tc("mmq_")(f),
+                Prefill::Float => Some(format!("mmf_{}", f.suffix)),
+                Prefill::Rows => None,
+            })?,
+            mmf16: prefill_per(&|f| (f.prefill == Prefill::Float).then(|| format!("mmf_{}_r16", f.suffix)))?,
             gate_up_mmq: prefill_per(&tc("expert_gate_up_mmq_"))?,
             down_mmq: prefill_per(&tc("expert_down_mmq_"))?,
             gate_up1n: narrow_per("expert_gate_up_")?,
@@ -344,17 +396,17 @@ impl Kernels {
     /// The dense product kernel for `ty` (`one`: the one-token variant).
     pub fn mmv(&self, ty: GgmlType, one: bool) -> Result<Func, GpuError> {
         let i = fmt_index(ty)?;
-        Ok(if one { self.mmv1[i] } else { self.mmv[i] })
+        held(ty, if one { self.mmv1[i] } else { self.mmv[i] })
     }
     /// The expert gate/up kernel for `ty` (`one`: every group has at most one token).
     pub fn gate_up(&self, ty: GgmlType, one: bool) -> Result<Func, GpuError> {
         let i = fmt_index(ty)?;
-        Ok(if one { self.gate_up1[i] } else { self.gate_up[i] })
+        held(ty, if one { self.gate_up1[i] } else { self.gate_up[i] })
     }
     /// The expert down kernel for `ty` (`one`: every group has at most one token).
     pub fn down(&self, ty: GgmlType, one: bool) -> Result<Func, GpuError> {
         let i = fmt_index(ty)?;
-        Ok(if one { self.down1[i] } else { self.down[i] })
+        held(ty, if one { self.down1[i] } else { self.down[i] })
     }
     /// The prefill product for `ty` (tensor-core for block formats, tiled f32 for float ones), if it is on.
     pub fn mmq(&self, ty: GgmlType) -> Option<Func> {

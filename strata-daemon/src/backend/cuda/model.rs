@@ -304,10 +304,15 @@ impl Stage {
         last: bool,
     ) -> Result<Stage, GpuError> {
         dev.bind()?;
-        let (img, cached) = cubin(&dev.arch())?;
+        // the kernels of the formats the model uses (a format without kernels is refused below, by tensor)
+        let formats = super::kernels::FormatSet::of(
+            model.weights.matrices().iter().map(|w| w.ty).filter(|&ty| super::kernels::fmt_index(ty).is_ok()),
+        )?;
+        let (img, cached) = cubin(&dev.arch(), formats)?;
         let pdl = super::kernels::pdl_wanted(dev.cc);
         let k = Kernels::load(
             &img,
+            formats,
             dev.max_smem_optin,
             pdl,
             super::kernels::cluster_norm_wanted(dev.cc),
@@ -515,18 +520,18 @@ impl Stage {
     }
 
     /// Allocates the stage's VRAM expert cache (empty): `n` slots and `n_staging` staging slots of `sb` bytes
-    /// for blobs of `blob` bytes, a table of `entries` experts. With `reserve` (an `auto` cache), slots are
+    /// for blobs of `blob[l]` bytes (layer l), a table of `entries` experts. With `reserve` (an `auto` cache), slots are
     /// given back while less than the reserve stays free on the card (at most 6 rounds). Errors: the driver's.
     pub(super) fn alloc_cache(
         &self,
-        (n, n_staging, sb, blob, entries): (usize, usize, usize, usize, usize),
+        (n, n_staging, sb, blob, entries): (usize, usize, usize, Arc<Vec<usize>>, usize),
         reserve: Option<u64>,
     ) -> Result<SlotCache, GpuError> {
         self.dev.bind()?;
         let mut n = n;
         let mut rounds = 0;
         loop {
-            let cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, entries, false)?;
+            let cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob.clone(), entries, false)?;
             let (free_after, _) = self.dev.mem_info()?;
             let give = reserve.map_or(0, |r| shrink_slots(free_after as u64, r, sb as u64));
             if give == 0 || n == 0 || rounds == 6 {
@@ -583,7 +588,7 @@ impl Stage {
         self.host.lock().unwrap_or_else(|e| e.into_inner()).balance = Default::default();
         let old = self.cache.take().expect("cache");
         let (n_staging, sb, blob, entries, pinned) =
-            (old.n_staging, old.slot_bytes, old.blob_bytes, store.slot_table().len(), old.async_ok);
+            (old.n_staging, old.slot_bytes, old.layer_blob.clone(), store.slot_table().len(), old.async_ok);
         drop(old);
         let n = match size {
             CacheSize::Slots(n) => n.min(entries),
@@ -1217,11 +1222,11 @@ impl Stage {
                         .collect();
                     for (j, &(_, x, off)) in items.iter().enumerate() {
                         let slot = cache.staging_slot(cache.n_staging - kk + j);
-                        let src = arena.slice(off, cache.blob_bytes);
+                        let src = arena.slice(off, cache.blob(next));
                         // SAFETY: as in `SlotCache::stage`: a RAM place is not rewritten while a window runs
                         // (promotions between windows; no adaptive round in flight here), and the prefetch slots
                         // are read by the next layer's launches, enqueued after this copy on this stream.
-                        unsafe { self.s.htod_raw(cache.slot_addr(slot), src.as_ptr(), cache.blob_bytes)? };
+                        unsafe { self.s.htod_raw(cache.slot_addr(slot), src.as_ptr(), src.len())? };
                         pf_new.push((next, x, slot));
                     }
                     st.counters.prefetched.fetch_add(items.len() as u64, std::sync::atomic::Ordering::Relaxed);

@@ -186,7 +186,9 @@ pub struct Ops<'a> {
 
 impl Ops<'_> {
     /// `out[t*out_stride + r] (+)= Σ_c W[r, c] x[t, c]` for the stacked rows of up to three matrices of one
-    /// format and width, `t` tokens (`xq`: Q8 blocks, `xf`: f32; the kernel reads the one its format uses).
+    /// width, `t` tokens (`xq`: Q8 blocks, `xf`: f32; the kernel reads the one its format uses). Matrices of one
+    /// format share a launch; a stack of mixed formats (Q4_K_M's `attn_v` in Q6_K beside Q4_K `attn_q`/`attn_k`)
+    /// takes one launch per run of a format.
     #[allow(clippy::too_many_arguments)]
     pub fn mmv(
         &self,
@@ -198,6 +200,11 @@ impl Ops<'_> {
         out_stride: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
+        if let Some(at) = mats.iter().position(|m| m.ty != mats[0].ty) {
+            self.mmv(&mats[..at], xq, xf, t, out, out_stride, accumulate)?;
+            let r0: usize = mats[..at].iter().map(|m| m.rows).sum();
+            return self.mmv(&mats[at..], xq, xf, t, out + 4 * r0 as u64, out_stride, accumulate);
+        }
         let m0 = mats[0];
         let total: usize = mats.iter().map(|m| m.rows).sum();
         let block = m0.ty.block_size() > 1;

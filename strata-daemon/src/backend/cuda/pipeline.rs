@@ -87,11 +87,9 @@ impl GpuModel {
         starts: &[usize],
     ) -> Result<(), GpuError> {
         let lay = store.layout();
-        let blob = lay.layers.iter().map(|l| l.blob_bytes()).max().unwrap_or(0);
-        if lay.layers.iter().any(|l| l.blob_bytes() != blob) {
-            return Err(GpuError::Unsupported("layers with different blob sizes".into()));
-        }
-        let sb = slot_bytes(blob);
+        // layers of a mixed-format file may have blobs of different sizes: slots fit the largest
+        let blob = std::sync::Arc::new(lay.layers.iter().map(|l| l.blob_bytes()).collect::<Vec<_>>());
+        let sb = slot_bytes(blob.iter().copied().max().unwrap_or(0));
         let ne = lay.n_expert;
         let entries = lay.n_layer() * ne;
         let n_staging = (model.cfg.n_expert_used * MAX_NT).min(ne);
@@ -149,7 +147,7 @@ impl GpuModel {
             // `auto`: give slots back while less than the card's smallest reserve stays free (allocation overhead)
             let floor = (0..n).filter(|&j| ordinals[j] == ordinals[i]).map(reserve_of).min();
             let reserve = floor.filter(|_| cfg.cache == CacheSize::Auto);
-            caches.push(st.alloc_cache((want[i], n_staging, sb, blob, entries), reserve)?);
+            caches.push(st.alloc_cache((want[i], n_staging, sb, blob.clone(), entries), reserve)?);
         }
         let counts: Vec<usize> = caches.iter().map(|c| c.n_slots).collect();
         store.init_slot_stages(starts, &counts).map_err(|e| GpuError::Unsupported(e.to_string()))?;

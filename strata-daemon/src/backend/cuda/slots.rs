@@ -118,8 +118,11 @@ pub struct SlotCache {
     pub n_staging: usize,
     /// Bytes per slot (the blob size rounded up to 256 B).
     pub slot_bytes: usize,
-    /// Blob bytes (every layer's blob has this size).
+    /// Bytes of the largest layer's blob (the slots and the bounce buffer are sized for it).
     pub blob_bytes: usize,
+    /// Blob bytes of each layer (layers differ in mixed-format files such as Q4_K_M, whose `ffn_down_exps` are
+    /// Q6_K on some layers): a slot holds its expert's blob at its start.
+    pub layer_blob: Arc<Vec<usize>>,
     /// Device residency table: `layer × n_expert + expert` → slot or −1.
     pub table: DevBuf,
     dev: Arc<Device>,
@@ -139,16 +142,19 @@ pub struct SlotCache {
 }
 
 impl SlotCache {
-    /// Allocates `n_slots + n_staging` slots of `slot_bytes` and the table for `n_entries` experts.
+    /// Allocates `n_slots + n_staging` slots of `slot_bytes` (at least the largest of `layer_blob`, each layer's
+    /// blob bytes) and the table for `n_entries` experts.
     pub fn new(
         dev: Arc<Device>,
         n_slots: usize,
         n_staging: usize,
         slot_bytes: usize,
-        blob_bytes: usize,
+        layer_blob: Arc<Vec<usize>>,
         n_entries: usize,
         async_ok: bool,
     ) -> Result<SlotCache, GpuError> {
+        let blob_bytes = layer_blob.iter().copied().max().unwrap_or(0);
+        assert!(blob_bytes <= slot_bytes, "a blob larger than a slot");
         let slots = DevBuf::alloc((n_slots + n_staging) * slot_bytes)?;
         let table = DevBuf::from_slice(&vec![-1i32; n_entries])?;
         let bounce_blobs = 8;
@@ -158,6 +164,7 @@ impl SlotCache {
             n_staging,
             slot_bytes,
             blob_bytes,
+            layer_blob,
             table,
             dev,
             copy: Arc::new(Stream::new()?),
@@ -235,8 +242,9 @@ impl SlotCache {
         layers: std::ops::Range<usize>,
     ) -> Result<Vec<String>, GpuError> {
         let mut faults = Vec::new();
-        let mut back = vec![0u8; self.blob_bytes];
+        let mut back = Vec::new();
         for (l, e, slot) in store.slotted().into_iter().filter(|(l, _, _)| layers.contains(l)) {
+            back.resize(self.blob(l), 0);
             s.dtoh_sync(&mut back, self.slot_addr(slot))?;
             if back != store.file_blob(l, e) {
                 faults.push(format!("VRAM slot {slot} of stage {} does not hold expert ({l}, {e})", store.stage_of(l)));
@@ -255,10 +263,21 @@ impl SlotCache {
         StreamCopier { copy: self.copy.clone(), base: self.slot_addr(0), slot_bytes: self.slot_bytes }
     }
 
-    /// Counts `n` swaps landed (and their bytes) and marks the device table stale.
-    fn count_swaps(&self, store: &ExpertStore, n: usize) {
-        store.counters.swaps.fetch_add(n as u64, Ordering::Relaxed);
-        store.counters.swap_bytes.fetch_add((n * self.blob_bytes) as u64, Ordering::Relaxed);
+    /// The blob bytes of layer `l`'s experts.
+    pub fn blob(&self, l: usize) -> usize {
+        self.layer_blob[l]
+    }
+
+    /// Counts the swaps of experts of `layers` (one entry per swap) landed, and their bytes, and marks the device
+    /// table stale.
+    fn count_swaps(&self, store: &ExpertStore, layers: impl Iterator<Item = usize>) {
+        let (mut n, mut bytes) = (0u64, 0u64);
+        for l in layers {
+            n += 1;
+            bytes += self.blob(l) as u64;
+        }
+        store.counters.swaps.fetch_add(n, Ordering::Relaxed);
+        store.counters.swap_bytes.fetch_add(bytes, Ordering::Relaxed);
         self.table_stale.store(true, Ordering::Release);
     }
 
@@ -294,8 +313,9 @@ impl SlotCache {
         }
         let n = round.exchanges().len();
         if !asynchronous {
+            let layers: Vec<usize> = round.exchanges().iter().map(|x| x.layer).collect();
             round.complete(store, &self.copier()).map_err(GpuError::Unsupported)?;
-            self.count_swaps(store, n);
+            self.count_swaps(store, layers.into_iter());
             return Ok(done + n);
         }
         let (tx, rx) = crossbeam_channel::unbounded();
@@ -402,9 +422,8 @@ impl SlotCache {
                 2 => {
                     // step 3: the new experts are planned for the GPU; the vacated places are rewritten once the
                     // work planned before (PCIe uploads from them on the compute stream) is done
-                    let n = round.exchanges().len();
                     round.land(store);
-                    self.count_swaps(store, n);
+                    self.count_swaps(store, round.exchanges().iter().map(|x| x.layer));
                     any = true;
                     let ev = Event::new().map(Arc::new).and_then(|ev| ev.record(compute).map(|_| ev));
                     let ev = match ev {
@@ -474,7 +493,7 @@ impl SlotCache {
             let mv: Vec<(usize, usize, u64)> =
                 moves.iter().map(|m| (m.layer, m.incoming, self.slot_addr(m.slot))).collect();
             let copied =
-                copy_moves(store, &mv, self.blob_bytes, &self.bounce, self.bounce_blobs, &self.copy, &mut |_| Ok(()))
+                copy_moves(store, &mv, &self.layer_blob, &self.bounce, self.bounce_blobs, &self.copy, &mut |_| Ok(()))
                     .and_then(|_| self.copy.sync());
             if let Err(e) = copied {
                 // the slots' contents are undefined now: give them back empty, the evicted experts stay on the CPU
@@ -490,7 +509,7 @@ impl SlotCache {
         let job: Vec<(usize, usize, u64)> =
             moves.iter().map(|m| (m.layer, m.incoming, self.slot_addr(m.slot))).collect();
         let (st, dev, copy, bounce) = (store.clone(), self.dev.clone(), self.copy.clone(), self.bounce.clone());
-        let blob = self.blob_bytes;
+        let blob = self.layer_blob.clone();
         let bounce_blobs = self.bounce_blobs;
         // SAFETY of the raw event handles crossing threads: the events live in `InFlight` until the helper sent
         // `Finished` (poll and Drop wait for that report before dropping them).
@@ -500,7 +519,7 @@ impl SlotCache {
             .spawn(move || {
                 let r = (|| {
                     dev.bind()?;
-                    copy_moves(&st, &job, blob, &bounce, bounce_blobs, &copy, &mut |i| {
+                    copy_moves(&st, &job, &blob, &bounce, bounce_blobs, &copy, &mut |i| {
                         let d = handles[i];
                         // SAFETY: the event outlives this thread's use (see above).
                         unsafe {
@@ -541,13 +560,10 @@ impl SlotCache {
 
     /// Marks `moves` resident in the store (their copies have landed) and counts them.
     fn admit(&self, store: &ExpertStore, moves: &[Move]) {
-        let n = moves.len() as u64;
         for m in moves {
             store.admit_slot(m.layer, m.incoming, m.slot);
         }
-        store.counters.swaps.fetch_add(n, Ordering::Relaxed);
-        store.counters.swap_bytes.fetch_add(n * self.blob_bytes as u64, Ordering::Relaxed);
-        self.table_stale.store(true, Ordering::Release);
+        self.count_swaps(store, moves.iter().map(|m| m.layer));
     }
 
     /// Step 3 of an asynchronous round: marks the experts whose copies have landed resident (step 4, the offset
@@ -623,13 +639,13 @@ impl SlotCache {
     /// slot index of each ([`SlotCache::staging_slot`] of its position).
     pub fn stage(&self, arena: &HostArena, items: &[(usize, usize, usize)], s: &Stream) -> Result<Vec<u32>, GpuError> {
         let mut out = Vec::with_capacity(items.len());
-        for (j, &(_, _, off)) in items.iter().enumerate().take(self.n_staging) {
+        for (j, &(l, _, off)) in items.iter().enumerate().take(self.n_staging) {
             let slot = self.staging_slot(j);
-            let src = arena.slice(off, self.blob_bytes);
+            let src = arena.slice(off, self.blob(l));
             // SAFETY: the places a window reads are not written while it runs: promotions happen between windows,
             // after the window's final synchronization, and a resident-mode round writes only exchange places no
             // expert reads yet and places whose expert stopped being planned (after an event on this stream).
-            unsafe { s.htod_raw(self.slot_addr(slot), src.as_ptr(), self.blob_bytes)? };
+            unsafe { s.htod_raw(self.slot_addr(slot), src.as_ptr(), src.len())? };
             out.push(slot);
         }
         Ok(out)
@@ -702,10 +718,10 @@ impl SlotCache {
         assert!(g.bytes() <= self.slot_bytes, "split sub-blob larger than a slot");
         let mut out = Vec::with_capacity(items.len());
         let part = g.k * g.gate_row;
-        for (j, &(_, _, off)) in items.iter().enumerate().take(self.n_staging) {
+        for (j, &(l, _, off)) in items.iter().enumerate().take(self.n_staging) {
             let slot = self.staging_slot(j);
             let dst = self.slot_addr(slot);
-            let src = arena.slice(off, self.blob_bytes);
+            let src = arena.slice(off, self.blob(l));
             let down = &src[2 * g.ff * g.gate_row..];
             // SAFETY: as in `stage`: the places a window reads are not written while it runs; the ranges lie inside
             // the blob (k ≤ ff, down_part ≤ down_row) and inside the slot (asserted above).
@@ -750,20 +766,22 @@ struct DoneHandle(cudarc::driver::sys::CUevent);
 unsafe impl Send for DoneHandle {}
 
 /// Issues the copies of `moves` (layer, expert, slot address) on `copy`: from the page-locked RAM copy
-/// directly, else through the pinned bounce buffer (file tier), `bounce_blobs` at a time. `after(i)` runs once
-/// move i's copy is issued.
+/// directly, else through the pinned bounce buffer (file tier; places of the largest blob), `bounce_blobs` at a
+/// time. `layer_blob`: each layer's blob bytes. `after(i)` runs once move i's copy is issued.
 fn copy_moves(
     store: &ExpertStore,
     moves: &[(usize, usize, u64)],
-    blob: usize,
+    layer_blob: &[usize],
     bounce: &Mutex<PinnedBuf>,
     bounce_blobs: usize,
     copy: &Stream,
     after: &mut dyn FnMut(usize) -> Result<(), GpuError>,
 ) -> Result<(), GpuError> {
     let mut bounce = bounce.lock().unwrap_or_else(|e| e.into_inner());
+    let place = layer_blob.iter().copied().max().unwrap_or(0);
     let mut used = 0usize;
     for (i, &(l, e, addr)) in moves.iter().enumerate() {
+        let blob = layer_blob[l];
         match store.place_of(l, e) {
             Some(off) => {
                 let arena = store.arena();
@@ -781,7 +799,7 @@ fn copy_moves(
                 store
                     .read_blob_simple(l, e, &mut v)
                     .map_err(|err| GpuError::Unsupported(format!("blob read of ({l}, {e}) failed: {err}")))?;
-                let dst = &mut bounce.as_mut_slice()[used * blob..(used + 1) * blob];
+                let dst = &mut bounce.as_mut_slice()[used * place..used * place + blob];
                 dst.copy_from_slice(&v[..blob]);
                 // SAFETY: the bounce region is not reused before copy.sync() (above or the caller's).
                 unsafe { copy.htod_raw(addr, dst.as_ptr(), blob)? };

@@ -1,6 +1,6 @@
 //! BF16: bfloat16 (the upper half of an f32), one element per block.
 
-use super::{Activation, CudaFormat, Format};
+use super::{Activation, CudaFormat, Format, Prefill};
 use crate::quant::dequant::{bf16_to_f32, rd16};
 use crate::quant::GgmlType;
 
@@ -12,7 +12,7 @@ pub const FORMAT: Format = Format {
     dequantize,
     q8: None,
     f32_dot: Some(dot),
-    cuda: Some(CudaFormat { index: 2, suffix: "bf16", narrow: false, mmq: false }),
+    cuda: Some(CudaFormat { index: 2, suffix: "bf16", narrow: false, prefill: Prefill::Float, on_demand: false }),
 };
 
 fn dequantize(src: &[u8], dst: &mut [f32]) {

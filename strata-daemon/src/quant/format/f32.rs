@@ -1,6 +1,6 @@
 //! F32: 4-byte IEEE floats, one element per block.
 
-use super::{Activation, CudaFormat, Format};
+use super::{Activation, CudaFormat, Format, Prefill};
 use crate::quant::GgmlType;
 
 /// The F32 row.
@@ -11,7 +11,7 @@ pub const FORMAT: Format = Format {
     dequantize,
     q8: None,
     f32_dot: Some(dot),
-    cuda: Some(CudaFormat { index: 0, suffix: "f32", narrow: false, mmq: false }),
+    cuda: Some(CudaFormat { index: 0, suffix: "f32", narrow: false, prefill: Prefill::Float, on_demand: false }),
 };
 
 fn dequantize(src: &[u8], dst: &mut [f32]) {

@@ -3,7 +3,7 @@
 //! ([`KVALUES`]); value = `d · KVALUES[q]` (ggml `block_iq4_nl`, `kvalues_iq4nl`). Products pair it with Q8_0
 //! activations.
 
-use super::{Activation, Format, Q8Dot};
+use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::dequant::{f16_to_f32, rd16};
 use crate::quant::{BlockQ8, GgmlType};
 
@@ -25,7 +25,7 @@ pub const FORMAT: Format = Format {
         wide: false,
     }),
     f32_dot: None,
-    cuda: None,
+    cuda: Some(CudaFormat { index: 13, suffix: "iq4_nl", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 
 /// The 32 levels of one block's 16 index bytes, in value order.

@@ -5,7 +5,7 @@
 
 use super::iq4_nl::{levels, KVALUES};
 use super::kquant::{dequantize_with, dot_with, Unpacked};
-use super::{Activation, Format, Q8Dot};
+use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::dequant::{f16_to_f32, rd16};
 use crate::quant::{BlockQ8, GgmlType};
 
@@ -27,7 +27,7 @@ pub const FORMAT: Format = Format {
         wide: false,
     }),
     f32_dot: None,
-    cuda: None,
+    cuda: Some(CudaFormat { index: 14, suffix: "iq4_xs", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 
 /// The 6-bit scale of sub-block `i` (0..8), offset removed (−32..31).

@@ -63,8 +63,8 @@ pub struct Q8Dot {
     pub wide: bool,
 }
 
-/// The CUDA kernels of a format (`strata.cu`): its `FMT_*` index and the suffix of its kernels' names
-/// (`mmv_<suffix>`, ...).
+/// The CUDA kernels of a format (`strata.cu`): its `FMT_*` index, the suffix of its kernels' names
+/// (`mmv_<suffix>`, ...) and which kernel families it has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudaFormat {
     /// `FMT_*` index in the kernels (0 .. [`N_CUDA_FORMATS`]).
@@ -73,8 +73,22 @@ pub struct CudaFormat {
     pub suffix: &'static str,
     /// The format has the narrow one-token expert kernels (`*_t1n`: the block formats).
     pub narrow: bool,
-    /// The format has a tensor-core prefill product (`mmq_*`: int8 MMA over the Q8 activations).
-    pub mmq: bool,
+    /// Its prefill product (chunks of more than 8 tokens).
+    pub prefill: Prefill,
+    /// Its kernels are compiled only into modules for models that use it (the sub-block formats; see
+    /// `backend::cuda::kernels::FormatSet`), which keeps the base module's compile time.
+    pub on_demand: bool,
+}
+
+/// The CUDA prefill product of a format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prefill {
+    /// Int8 tensor-core MMA over the Q8 activations (`mmq_*`, and the grouped expert kernels `expert_*_mmq_*`).
+    Mmq,
+    /// Tiled f32 on CUDA cores (`mmf_*`: the float formats).
+    Float,
+    /// None: the small-batch row kernels, 8 tokens per pass (Q2_K, whose per-16 minimums the MMA kernels lack).
+    Rows,
 }
 
 /// One block format.
@@ -117,7 +131,7 @@ pub const REGISTRY: &[&Format] = &[
 ];
 
 /// Formats with CUDA kernels (the length of the kernels' per-format tables).
-pub const N_CUDA_FORMATS: usize = 6;
+pub const N_CUDA_FORMATS: usize = 16;
 
 /// The registry indexed by GGML type id (ids up to 39, MXFP4).
 const BY_ID: [Option<&Format>; 40] = {
@@ -162,7 +176,10 @@ mod tests {
                 assert_eq!(cuda.len(), REGISTRY.iter().position(|g| g.ty == f.ty).unwrap(), "CUDA formats first");
                 cuda.push(c.index);
                 assert_eq!(c.suffix, f.name, "kernel names use the format's name");
-                assert_eq!(c.narrow, f.q8.is_some(), "{}: narrow kernels are the block formats'", f.name);
+                // the staged and narrow kernels: the base block formats; the sub-block ones compile on demand
+                assert_eq!(c.narrow, f.q8.is_some() && !c.on_demand, "{}: narrow kernels", f.name);
+                assert_eq!(c.on_demand, c.index >= 6, "{}: the base formats are FMT_* 0..6", f.name);
+                assert_eq!(c.prefill == Prefill::Float, f.activation == Activation::F32, "{}", f.name);
             }
         }
         assert_eq!(cuda, (0..N_CUDA_FORMATS).collect::<Vec<_>>(), "CUDA indices in registry order");

@@ -3,7 +3,7 @@
 //! holding the E2M1 values doubled (ggml `block_mxfp4`, `kvalues_mxfp4`, `GGML_E8M0_TO_FP32_HALF`). Products pair
 //! it with Q8_0 activations.
 
-use super::{Activation, Format, Q8Dot};
+use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::{BlockQ8, GgmlType};
 
 /// E2M1 values times two (0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6 doubled; code 8 is −0).
@@ -24,7 +24,7 @@ pub const FORMAT: Format = Format {
         wide: false,
     }),
     f32_dot: None,
-    cuda: None,
+    cuda: Some(CudaFormat { index: 15, suffix: "mxfp4", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 
 /// Half the E8M0 scale `2^(e − 127)` (the table is doubled): the f32 with exponent field `e − 1`, or the

@@ -3,7 +3,7 @@
 //! `(d · sc) · q − dmin · m` (ggml `block_q2_K`).
 
 use super::kquant::{dequantize_with, dot_with, Unpacked};
-use super::{Activation, Format, Q8Dot};
+use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::dequant::{f16_to_f32, rd16};
 use crate::quant::{BlockQ8, GgmlType};
 
@@ -25,7 +25,7 @@ pub const FORMAT: Format = Format {
         wide: false,
     }),
     f32_dot: None,
-    cuda: None,
+    cuda: Some(CudaFormat { index: 8, suffix: "q2_k", narrow: false, prefill: Prefill::Rows, on_demand: true }),
 };
 
 /// Unpacks one super-block.

@@ -4,7 +4,7 @@
 //! bit 2·(i / 4)), stored + 32, then f16 `d`; value = `(d · sc) · (q − 4 · (1 − hbit))` (ggml `block_q3_K`).
 
 use super::kquant::{dequantize_with, dot_with, Unpacked};
-use super::{Activation, Format, Q8Dot};
+use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::dequant::{f16_to_f32, rd16};
 use crate::quant::{BlockQ8, GgmlType};
 
@@ -26,7 +26,7 @@ pub const FORMAT: Format = Format {
         wide: false,
     }),
     f32_dot: None,
-    cuda: None,
+    cuda: Some(CudaFormat { index: 9, suffix: "q3_k", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 
 /// Unpacks one super-block.

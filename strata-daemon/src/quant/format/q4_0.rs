@@ -2,7 +2,7 @@
 //! of byte j, element j + 16 in its high nibble); value = `d · (q − 8)` (ggml `block_q4_0`). Products pair it
 //! with Q8_0 activations.
 
-use super::{Activation, CudaFormat, Format, Q8Dot};
+use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::dequant::{f16_to_f32, rd16};
 use crate::quant::{BlockQ8, GgmlType};
 
@@ -21,7 +21,7 @@ pub const FORMAT: Format = Format {
         wide: true,
     }),
     f32_dot: None,
-    cuda: Some(CudaFormat { index: 4, suffix: "q4_0", narrow: true, mmq: true }),
+    cuda: Some(CudaFormat { index: 4, suffix: "q4_0", narrow: true, prefill: Prefill::Mmq, on_demand: false }),
 };
 
 fn dequantize(src: &[u8], dst: &mut [f32]) {

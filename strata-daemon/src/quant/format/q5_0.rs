@@ -2,7 +2,7 @@
 //! bit of value j), then 16 bytes of low nibbles laid out as Q4_0's (values j and j + 16 share byte j); value =
 //! `d · (q − 16)` (ggml `block_q5_0`). Products pair it with Q8_0 activations.
 
-use super::{Activation, Format, Q8Dot};
+use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::dequant::{f16_to_f32, rd16};
 use crate::quant::{BlockQ8, GgmlType};
 
@@ -21,7 +21,7 @@ pub const FORMAT: Format = Format {
         wide: false,
     }),
     f32_dot: None,
-    cuda: None,
+    cuda: Some(CudaFormat { index: 6, suffix: "q5_0", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 
 /// The 32 codes (0..32) of one block.

@@ -2,7 +2,7 @@
 //! nibbles laid out as Q5_0's; value = `d · q + m` (ggml `block_q5_1`). Products pair it with Q8_1 activations (the
 //! minimum multiplies the activations' block sum).
 
-use super::{Activation, Format, Q8Dot};
+use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::dequant::{f16_to_f32, rd16};
 use crate::quant::{BlockQ8, GgmlType};
 
@@ -21,7 +21,7 @@ pub const FORMAT: Format = Format {
         wide: false,
     }),
     f32_dot: None,
-    cuda: None,
+    cuda: Some(CudaFormat { index: 7, suffix: "q5_1", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 
 fn dequantize(src: &[u8], dst: &mut [f32]) {

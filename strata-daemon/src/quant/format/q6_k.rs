@@ -4,7 +4,7 @@
 //! `(qh[32h + l] >> 2s) & 3`; value = `(d · sc) · (q − 32)` (ggml `block_q6_K`).
 
 use super::kquant::{dequantize_with, dot_with, Unpacked};
-use super::{Activation, Format, Q8Dot};
+use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::dequant::{f16_to_f32, rd16};
 use crate::quant::{BlockQ8, GgmlType};
 
@@ -26,7 +26,7 @@ pub const FORMAT: Format = Format {
         wide: false,
     }),
     f32_dot: None,
-    cuda: None,
+    cuda: Some(CudaFormat { index: 12, suffix: "q6_k", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 
 /// Unpacks one super-block.

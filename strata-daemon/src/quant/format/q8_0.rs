@@ -1,7 +1,7 @@
 //! Q8_0: blocks of 32 values, 34 bytes: an f16 scale `d`, then 32 signed bytes; value = `d · q`
 //! (ggml `block_q8_0`). Products pair it with Q8_0 activations.
 
-use super::{Activation, CudaFormat, Format, Q8Dot};
+use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::dequant::{f16_to_f32, rd16};
 use crate::quant::{BlockQ8, GgmlType};
 
@@ -20,7 +20,7 @@ pub const FORMAT: Format = Format {
         wide: false,
     }),
     f32_dot: None,
-    cuda: Some(CudaFormat { index: 3, suffix: "q8_0", narrow: true, mmq: true }),
+    cuda: Some(CudaFormat { index: 3, suffix: "q8_0", narrow: true, prefill: Prefill::Mmq, on_demand: false }),
 };
 
 fn dequantize(src: &[u8], dst: &mut [f32]) {
