@@ -99,8 +99,10 @@ fn attention_args(q: u64, kc: u64, vc: u64, (nh, nkv, hd): (usize, usize, usize)
 /// Positions per block of the split-K attention (`ATT_CHUNK` in strata.cu).
 pub const ATT_CHUNK: usize = 256;
 /// The split-K attention runs for attention size classes above this many positions (shorter contexts keep the
-/// bit-exact one-block kernel, so their output bytes are those of earlier builds).
-pub const ATT_SPLIT_MIN: usize = 1024;
+/// bit-exact one-block kernel, so their output bytes are those of earlier builds). From 1,024 to 256 in stop 21:
+/// a decode token at positions 256-1,024 had one block per head (32 blocks on the H200's 132 SMs for Qwen3) and
+/// decoded at half the rate of an empty context.
+pub const ATT_SPLIT_MIN: usize = 256;
 /// ... and for at most this many query rows (decode windows; a prefill chunk has enough blocks without it).
 pub const ATT_SPLIT_ROWS: usize = 8;
 
