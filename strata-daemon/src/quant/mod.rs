@@ -8,6 +8,7 @@
 mod dequant;
 mod dot;
 mod dot_k;
+pub mod f16;
 pub mod format;
 pub mod q4_wide;
 mod types;

@@ -1,8 +1,9 @@
 //! The CPU backend: the operations of a forward pass over the worker pool ([`crate::pool`]), on the quantized
-//! kernels of [`crate::quant`]. K/V live in a host [`KvCache`] (f32 rounded to f16 as llama.cpp's F16 cache,
-//! unless the arithmetic is the f32 reference); activations are quantized once per product input to 8-bit
+//! kernels of [`crate::quant`]. K/V live in a host [`KvCache`] (f16 rows as llama.cpp's F16 cache, f32 rows for
+//! the f32 reference arithmetic; attention in [`attention`]); activations are quantized once per product input to 8-bit
 //! blocks for the integer dot products ([`Precision`]).
 
+pub mod attention;
 pub mod experts;
 pub mod math;
 pub mod matmul;
@@ -28,9 +29,8 @@ impl Backend for CpuBackend {
     }
 
     fn new_kv(&self, m: &ModelRef<'_>, n_ctx: usize) -> KvCache {
-        let mut kv = KvCache::new(m.cfg.n_layer, n_ctx, m.cfg.n_head_kv * m.cfg.head_dim);
-        kv.round_f16 = m.precision != Precision::F32;
-        kv
+        // f16 rows (llama.cpp's F16 cache) unless the exact f32 reference runs
+        KvCache::with_f16(m.cfg.n_layer, n_ctx, m.cfg.n_head_kv * m.cfg.head_dim, m.precision != Precision::F32)
     }
 
     fn forward(
@@ -241,63 +241,13 @@ impl Ops for CpuPass<'_, '_> {
     fn attention(&mut self, l: usize) -> Result<(), BackendError> {
         let cfg = self.m.cfg;
         let (t, pos0) = (self.t, self.pos0);
-        let hd = cfg.head_dim;
-        let (nh, nkv) = (cfg.n_head, cfg.n_head_kv);
-        let (qd, kvd) = (nh * hd, nkv * hd);
-        let s = &mut *self.s;
-        // Queries (and below, attention probabilities) are rounded to f16 as
-        // llama.cpp does for its F16 KV cache; the F32 reference skips it.
-        let r16 = self.m.precision != Precision::F32;
-        if r16 {
-            for v in s.q.iter_mut() {
-                *v = half::f16::from_f32(*v).to_f32();
-            }
-        }
         let n_all = pos0 + t;
-        let keys = self.kv.keys(l, n_all);
-        let vals = self.kv.values(l, n_all);
-        s.attn.resize(t, qd);
-        let scale = cfg.attn_scale;
-        let group = nh / nkv;
+        let s = &mut *self.s;
+        s.attn.resize(t, cfg.n_head * cfg.head_dim);
+        let heads = attention::Heads { n_head: cfg.n_head, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim };
         let window = if cfg.is_swa(l) { cfg.sliding_window } else { 0 };
-        let q = &s.q;
-        let out_ptr = SyncPtr(s.attn.f.as_mut_ptr());
-        let head = |idx: usize| {
-            let (i, h) = (idx / nh, idx % nh);
-            // SAFETY: task `idx` writes only attn[idx*hd .. (idx+1)*hd], inside the t*qd buffer
-            // (idx < t*nh); tasks are disjoint and the buffer outlives `run`.
-            let out = unsafe { std::slice::from_raw_parts_mut({ out_ptr }.0.add(idx * hd), hd) };
-            let kh = h / group;
-            let qv = &q[i * qd + h * hd..i * qd + (h + 1) * hd];
-            let n = pos0 + i + 1; // causal: positions 0..=pos0+i
-            let first = if window > 0 { n.saturating_sub(window) } else { 0 }; // sliding window: the last `window`
-            let mut scores = Vec::with_capacity(n - first);
-            let mut mx = f32::NEG_INFINITY;
-            for p in first..n {
-                let kvec = &keys[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
-                let d = dot_f32(qv, kvec) * scale;
-                mx = mx.max(d);
-                scores.push(d);
-            }
-            let mut sum = 0f32;
-            for sc in scores.iter_mut() {
-                *sc = (*sc - mx).exp();
-                sum += *sc;
-            }
-            let inv = 1.0 / sum;
-            out.fill(0.0);
-            for (j, &w) in scores.iter().enumerate() {
-                let p = first + j;
-                let vv = &vals[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
-                // Probabilities are rounded to f16 as llama.cpp does before its KQ·V product
-                // over the F16 cache.
-                let w = if r16 { half::f16::from_f32(w * inv).to_f32() } else { w * inv };
-                for (o, x) in out.iter_mut().zip(vv) {
-                    *o += w * x;
-                }
-            }
-        };
-        self.m.pool.run(t * nh, head);
+        let (keys, values) = (self.kv.keys(l, n_all), self.kv.values(l, n_all));
+        attention::attend(self.m.pool, &mut s.q, keys, values, heads, (pos0, t), cfg.attn_scale, window, &mut s.attn.f);
         s.attn.quantize();
         Ok(())
     }
