@@ -290,6 +290,7 @@ pub(crate) fn quantize_q4_k(v: &[f32; 256], out: &mut [u8]) {
     let six = |x: f32, unit: f32| if unit > 0.0 { (x / unit).round().clamp(0.0, 63.0) as u8 } else { 0 };
     let sc: Vec<u8> = scale.iter().map(|&x| six(x, d.to_f32())).collect();
     let m: Vec<u8> = min.iter().map(|&x| six(x, dmin.to_f32())).collect();
+    out[..144].fill(0);
     out[0..2].copy_from_slice(&d.to_le_bytes());
     out[2..4].copy_from_slice(&dmin.to_le_bytes());
     // scales 0-3 and minimums 0-3 in the low six bits of bytes 0-7, the top two bits of 4-7 above them; the

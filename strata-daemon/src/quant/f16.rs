@@ -7,6 +7,7 @@
 use std::arch::x86_64::*;
 
 /// Whether the AVX2 + F16C bodies run.
+#[cfg(target_arch = "x86_64")]
 #[inline]
 fn fast() -> bool {
     cfg!(target_arch = "x86_64") && super::simd_level().avx2()
@@ -79,7 +80,7 @@ pub fn axpy(out: &mut [f32], w: f32, b: &[u16]) {
 #[inline]
 fn finish(acc: &[f32; 8], a: &[f32], b: &[u16]) -> f32 {
     let tail: f32 = a.iter().zip(b).map(|(x, &y)| x * half::f16::from_bits(y).to_f32()).sum();
-    (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7]) + tail
+    crate::backend::cpu::math::reduce8(acc) + tail
 }
 
 /// # Safety

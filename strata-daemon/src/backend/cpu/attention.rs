@@ -1,4 +1,5 @@
-//! Causal attention of a chunk of query rows over the KV cache (CPU): one task per (row, head), softmax in f32
+//! Causal attention of a chunk of query rows over the KV cache (CPU): one task per row and K/V head (the query
+//! heads sharing it; per query head for a decode row, so the pool has tasks enough), softmax in f32
 //! with llama.cpp's F16-cache roundings (queries and probabilities to f16) unless the cache holds f32 rows (the
 //! exact reference precision). f16 rows are read through [`crate::quant::f16`]'s products, which give the bits
 //! of the f32 products over the same values.
@@ -178,11 +179,7 @@ unsafe fn heads_f16_avx2(qv: &[f32], k: &[u16], v: &[u16], sp: Span, scale: f32,
     sc.resize(per * len, 0.0);
     let mut mx = [f32::NEG_INFINITY; 64];
     for (j, p) in (sp.first..sp.n).enumerate() {
-        let kr = &k[sp.row(p)];
-        for (c, r) in row.iter_mut().enumerate().take(c8) {
-            // SAFETY: c * 8 + 8 <= hd = kr.len().
-            *r = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(kr.as_ptr().add(8 * c) as *const __m128i)) };
-        }
+        load_row(&k[sp.row(p)], &mut row[..c8]);
         for g in 0..per {
             let mut acc = _mm256_setzero_ps();
             for (c, r) in row.iter().enumerate().take(c8) {
@@ -193,7 +190,7 @@ unsafe fn heads_f16_avx2(qv: &[f32], k: &[u16], v: &[u16], sp: Span, scale: f32,
             let mut l = [0f32; 8];
             // SAFETY: eight lanes into eight floats.
             unsafe { _mm256_storeu_ps(l.as_mut_ptr(), acc) };
-            let d = ((l[0] + l[4]) + (l[1] + l[5]) + (l[2] + l[6]) + (l[3] + l[7])) * scale;
+            let d = super::math::reduce8(&l) * scale;
             mx[g] = mx[g].max(d);
             sc[g * len + j] = d;
         }
@@ -203,11 +200,7 @@ unsafe fn heads_f16_avx2(qv: &[f32], k: &[u16], v: &[u16], sp: Span, scale: f32,
     }
     o.fill(0.0);
     for (j, p) in (sp.first..sp.n).enumerate() {
-        let vr = &v[sp.row(p)];
-        for (c, r) in row.iter_mut().enumerate().take(c8) {
-            // SAFETY: c * 8 + 8 <= hd = vr.len().
-            *r = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(vr.as_ptr().add(8 * c) as *const __m128i)) };
-        }
+        load_row(&v[sp.row(p)], &mut row[..c8]);
         for g in 0..per {
             let w = _mm256_set1_ps(sc[g * len + j]);
             for (c, r) in row.iter().enumerate().take(c8) {
@@ -218,6 +211,18 @@ unsafe fn heads_f16_avx2(qv: &[f32], k: &[u16], v: &[u16], sp: Span, scale: f32,
                 }
             }
         }
+    }
+}
+
+/// `out.len()` vectors of eight f32 from the f16 row `r` (`8 · out.len()` values).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+fn load_row(r: &[u16], out: &mut [std::arch::x86_64::__m256]) {
+    use std::arch::x86_64::*;
+    assert!(r.len() >= 8 * out.len(), "f16 row length");
+    for (c, o) in out.iter_mut().enumerate() {
+        // SAFETY: 8c + 8 <= r.len() (asserted).
+        *o = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(r.as_ptr().add(8 * c) as *const __m128i)) };
     }
 }
 

@@ -41,8 +41,8 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache/strata/kernels")
 }
 
-/// Compiles `src` with NVRTC for `arch` (e.g. `sm_90`) to a CUBIN. Errors: NVRTC missing or the compile
-/// failed (the log is in the error).
+/// Compiles `src` with NVRTC for `arch` (e.g. `sm_90`) to a CUBIN, with the extra options `defines` (`-D...`).
+/// Errors: NVRTC missing or the compile failed (the log is in the error).
 pub fn compile(src: &str, arch: &str, defines: &[String]) -> Result<Vec<u8>, GpuError> {
     let csrc = CString::new(src).map_err(|_| GpuError::Nvrtc("source has a NUL byte".into()))?;
     let opts: Vec<CString> = std::iter::once(format!("--gpu-architecture={arch}"))
@@ -172,8 +172,8 @@ pub struct Kernels {
     mmv1: [Option<Func>; N],
     gate_up1: [Option<Func>; N],
     down1: [Option<Func>; N],
-    /// The prefill products: tensor-core `mmq_*` for formats with [`crate::quant::format::CudaFormat::mmq`], the
-    /// tiled f32 `mmf_*` for the float formats (None: off, see [`mmq_wanted`]).
+    /// The prefill products: tensor-core `mmq_*` for formats of [`Prefill::Mmq`], the tiled f32 `mmf_*` for the
+    /// float formats (None: off, see [`mmq_wanted`], or a format of [`Prefill::Rows`]).
     mmq: [Option<Func>; N],
     /// The float formats' prefill products for matrices of few rows (`mmf_*_r16`: 16 rows per block).
     mmf16: [Option<Func>; N],
@@ -286,14 +286,14 @@ fn leak(s: String) -> &'static str {
 }
 
 impl Kernels {
-    /// Loads `image` (a CUBIN holding the kernels of the formats `held`, see [`cubin`]) into the current context
+    /// Loads `image` (a CUBIN holding the kernels of `formats`, see [`cubin`]) into the current context
     /// and looks every kernel up; `pdl`: launch them with
     /// programmatic dependent launch (see [`pdl_wanted`]); `cluster_norm`: use the cluster norm (see
     /// [`cluster_norm_wanted`]); `narrow`: use the narrow expert kernels (see [`narrow_wanted`]); `tensor_cores`:
     /// the card has them (see [`tensor_cores_ok`]; without, the prefill keeps the row kernels).
     pub fn load(
         image: &[u8],
-        held: FormatSet,
+        formats: FormatSet,
         max_smem_optin: i32,
         pdl: bool,
         cluster_norm: bool,
@@ -311,7 +311,7 @@ impl Kernels {
             Ok(Func { f, name, pdl })
         };
         // the formats this module holds
-        let formats: Vec<_> = cuda_formats().into_iter().filter(|f| held.has(f.index)).collect();
+        let formats: Vec<_> = cuda_formats().into_iter().filter(|f| formats.has(f.index)).collect();
         let per = |prefix: &str, tail: &str| -> Result<[Option<Func>; N], GpuError> {
             let mut v = [None; N];
             for f in &formats {
@@ -408,7 +408,8 @@ impl Kernels {
         let i = fmt_index(ty)?;
         held(ty, if one { self.down1[i] } else { self.down[i] })
     }
-    /// The prefill product for `ty` (tensor-core for block formats, tiled f32 for float ones), if it is on.
+    /// The prefill product for `ty` (tensor-core for block formats, tiled f32 for float ones), if it is on and
+    /// the format has one (Q2_K has none: [`Prefill::Rows`]).
     pub fn mmq(&self, ty: GgmlType) -> Option<Func> {
         fmt_index(ty).ok().and_then(|i| self.mmq[i])
     }

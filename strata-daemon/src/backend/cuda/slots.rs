@@ -116,7 +116,7 @@ pub struct SlotCache {
     pub n_slots: usize,
     /// Staging slots for PCIe-served misses (after the cache slots).
     pub n_staging: usize,
-    /// Bytes per slot (the blob size rounded up to 256 B).
+    /// Bytes per slot (the largest layer's blob size rounded up to 256 B).
     pub slot_bytes: usize,
     /// Bytes of the largest layer's blob (the slots and the bounce buffer are sized for it).
     pub blob_bytes: usize,

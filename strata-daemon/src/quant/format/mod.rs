@@ -5,8 +5,10 @@
 //! `--type` parsers, the CUDA kernel ids and names. Adding a format = one module here and one row in
 //! [`REGISTRY`], plus its kernels where they live: the AVX2 ones in `quant::dot`, an AVX-512 one in
 //! [`super::q4_wide`] (which knows Q4_0 and Q4_1 only: [`Q8Dot::wide`] must stay false for others), the CUDA ones
-//! in `kernels/strata.cu` (its block table and [`N_CUDA_FORMATS`]), and `synth-moe`'s random filler if synthetic
-//! files should use it.
+//! in `kernels/strata.cu` (a block format: its `FMT_*` index, `row_bytes`, `SUB_QK`/`SUB_BYTES`/`SUB_HALVES`/
+//! `SUB_MIN`, its cases of `sub_word` and `sub_scales`, and its `#ifdef STRATA_FMT_<suffix>` instantiation; then
+//! [`CudaFormat`] with `on_demand` and its [`Prefill`], and [`N_CUDA_FORMATS`]), and `synth-moe`'s random filler if
+//! synthetic files should use it.
 //!
 //! Block layouts follow ggml (`ggml-common.h` and `type_traits` in ggml; llama.cpp's `ggml_type_name` for the
 //! names).
@@ -155,7 +157,7 @@ pub fn by_name(name: &str) -> Option<&'static Format> {
     REGISTRY.iter().copied().find(|f| f.name.eq_ignore_ascii_case(name.trim()))
 }
 
-/// The names of every format, for error messages (`F32, F16, BF16, Q8_0, Q4_0, Q4_1`).
+/// The names of every format, for error messages (`F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, ...`).
 pub fn supported_list() -> String {
     REGISTRY.iter().map(|f| f.name.to_ascii_uppercase()).collect::<Vec<_>>().join(", ")
 }
