@@ -41,8 +41,8 @@ pub fn round_slice(x: &mut [f32]) {
     }
 }
 
-/// `Σ a[i] · b[i]` for f32 `a` and f16 `b` (equal lengths), with eight partial sums as
-/// [`crate::backend::cpu::math::dot_f32`] keeps them: the same bits as that product of `a` with `b` in f32.
+/// `Σ a[i] · b[i]` for f32 `a` and f16 `b` (equal lengths), with eight partial sums as the CPU backend's
+/// `dot_f32` keeps them (reduced by [`reduce8`]): the same bits as that product of `a` with `b` in f32.
 #[inline]
 pub fn dot(a: &[f32], b: &[u16]) -> f32 {
     assert_eq!(a.len(), b.len(), "dot lengths");
@@ -76,11 +76,18 @@ pub fn axpy(out: &mut [f32], w: f32, b: &[u16]) {
     }
 }
 
+/// The sum of eight partial sums in the order every f32/f16 dot product of the attention uses (the CPU
+/// backend's `dot_f32`, [`dot`], the grouped f16 attention): the products' bits depend on it.
+#[inline(always)]
+pub fn reduce8(acc: &[f32; 8]) -> f32 {
+    (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7])
+}
+
 /// The partial sums' reduction and the tail, in `dot_f32`'s order.
 #[inline]
 fn finish(acc: &[f32; 8], a: &[f32], b: &[u16]) -> f32 {
     let tail: f32 = a.iter().zip(b).map(|(x, &y)| x * half::f16::from_bits(y).to_f32()).sum();
-    crate::backend::cpu::math::reduce8(acc) + tail
+    reduce8(acc) + tail
 }
 
 /// # Safety

@@ -190,7 +190,7 @@ unsafe fn heads_f16_avx2(qv: &[f32], k: &[u16], v: &[u16], sp: Span, scale: f32,
             let mut l = [0f32; 8];
             // SAFETY: eight lanes into eight floats.
             unsafe { _mm256_storeu_ps(l.as_mut_ptr(), acc) };
-            let d = super::math::reduce8(&l) * scale;
+            let d = f16::reduce8(&l) * scale;
             mx[g] = mx[g].max(d);
             sc[g * len + j] = d;
         }

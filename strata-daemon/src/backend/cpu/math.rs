@@ -63,12 +63,5 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     let tail: f32 = a[n8..].iter().zip(&b[n8..]).map(|(x, y)| x * y).sum();
-    reduce8(&acc) + tail
-}
-
-/// The sum of eight partial sums in the order every f32/f16 dot product of the attention uses
-/// ([`dot_f32`], [`crate::quant::f16::dot`], the grouped f16 attention): the products' bits depend on it.
-#[inline(always)]
-pub fn reduce8(acc: &[f32; 8]) -> f32 {
-    (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7])
+    crate::quant::f16::reduce8(&acc) + tail
 }
