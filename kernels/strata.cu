@@ -13,6 +13,7 @@
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
+typedef unsigned long long u64;
 
 // Half-precision conversions without the toolkit's headers (NVRTC alone is enough).
 __device__ __forceinline__ float half_to_float(u16 h) {
@@ -45,6 +46,15 @@ __device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float((
 #define FMT_IQ4_NL 13
 #define FMT_IQ4_XS 14
 #define FMT_MXFP4 15
+// the lattice IQ formats (grids from the header strata_iq_grids.h that the host generates)
+#define FMT_IQ2_XXS 16
+#define FMT_IQ2_XS 17
+#define FMT_IQ2_S 18
+#define FMT_IQ3_XXS 19
+#define FMT_IQ3_S 20
+#define FMT_IQ1_S 21
+#define FMT_IQ1_M 22
+#define IS_IQ(F) ((F) >= FMT_IQ2_XXS)
 
 #define MAX_NT 8
 #define INFINITY __int_as_float(0x7f800000)
@@ -126,26 +136,37 @@ __device__ __forceinline__ size_t row_bytes(int fmt, int cols) {
         case FMT_Q6_K: return (size_t)(cols / 256) * 210;
         case FMT_IQ4_NL: return (size_t)(cols / 32) * 18;
         case FMT_IQ4_XS: return (size_t)(cols / 256) * 136;
+        case FMT_IQ2_XXS: return (size_t)(cols / 256) * 66;
+        case FMT_IQ2_XS: return (size_t)(cols / 256) * 74;
+        case FMT_IQ2_S: return (size_t)(cols / 256) * 82;
+        case FMT_IQ3_XXS: return (size_t)(cols / 256) * 98;
+        case FMT_IQ3_S: return (size_t)(cols / 256) * 110;
+        case FMT_IQ1_S: return (size_t)(cols / 256) * 50;
+        case FMT_IQ1_M: return (size_t)(cols / 256) * 56;
         default: return (size_t)(cols / 32) * 17;  // MXFP4
     }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Sub-block formats (Q5_0, Q5_1, the K-quants, IQ4_NL, IQ4_XS, MXFP4; block layouts as ggml's `ggml-common.h`):
+// Sub-block formats (Q5_0, Q5_1, the K-quants, IQ4_NL, IQ4_XS, MXFP4, the lattice IQ formats; block layouts as
+// ggml's `ggml-common.h`):
 // every product sees a row as 32-value sub-blocks, each paired with one Q8 activation block. A sub-block decodes
 // to 32 signed 8-bit integers q (eight words of four) and scales: value_i = d0·q_i + m0 for i < 16 and
 // d1·q_i + m1 above (d0 == d1, m0 == m1 unless SUB_HALVES / SUB_MIN == 2), so its dot product with an activation
 // block (dx, qx) is dx·(d0·Σ_lo q·qx + d1·Σ_hi q·qx) plus the minimum's term (m0·s for one minimum, where
-// s = dx·Σqx; dx·(m0·Σ_lo qx + m1·Σ_hi qx) for two). The K-quants' and IQ4_XS's 256-value super-blocks hold eight
-// sub-blocks; the others are one sub-block each.
+// s = dx·Σqx; dx·(m0·Σ_lo qx + m1·Σ_hi qx) for two). The K-quants', IQ4_XS's and the lattice formats' 256-value
+// super-blocks hold eight sub-blocks; the others are one sub-block each.
 #define IS_SUB(F) ((F) >= FMT_Q5_0)
-#define SUB_QK(F) ((((F) >= FMT_Q2_K && (F) <= FMT_Q6_K) || (F) == FMT_IQ4_XS) ? 256 : 32)
+#define SUB_QK(F) ((((F) >= FMT_Q2_K && (F) <= FMT_Q6_K) || (F) == FMT_IQ4_XS || IS_IQ(F)) ? 256 : 32)
 #define SUB_BYTES(F)                                                                                         \
     ((F) == FMT_Q5_0 ? 22 : (F) == FMT_Q5_1 ? 24 : (F) == FMT_Q2_K ? 84 : (F) == FMT_Q3_K ? 110               \
      : (F) == FMT_Q4_K ? 144 : (F) == FMT_Q5_K ? 176 : (F) == FMT_Q6_K ? 210 : (F) == FMT_IQ4_NL ? 18          \
-     : (F) == FMT_IQ4_XS ? 136 : 17)
+     : (F) == FMT_IQ4_XS ? 136 : (F) == FMT_IQ2_XXS ? 66 : (F) == FMT_IQ2_XS ? 74 : (F) == FMT_IQ2_S ? 82      \
+     : (F) == FMT_IQ3_XXS ? 98 : (F) == FMT_IQ3_S ? 110 : (F) == FMT_IQ1_S ? 50 : (F) == FMT_IQ1_M ? 56 : 17)
 // two scales per sub-block (one per 16 values)
-#define SUB_HALVES(F) ((F) == FMT_Q2_K || (F) == FMT_Q3_K || (F) == FMT_Q6_K)
+#define SUB_HALVES(F)                                                                                        \
+    ((F) == FMT_Q2_K || (F) == FMT_Q3_K || (F) == FMT_Q6_K || (F) == FMT_IQ2_XS || (F) == FMT_IQ2_S ||          \
+     (F) == FMT_IQ1_M)
 // the minimum: 0 none, 1 one per sub-block, 2 one per 16 values
 #define SUB_MIN(F) (((F) == FMT_Q5_1 || (F) == FMT_Q4_K || (F) == FMT_Q5_K) ? 1 : (F) == FMT_Q2_K ? 2 : 0)
 
@@ -197,10 +218,19 @@ __device__ __forceinline__ int q3k_scale(const u8* sc, int k) {
     return lo | (((sc[8 + (k & 3)] >> (2 * (k >> 2))) & 3) << 4);
 }
 
+// The lattice formats' words and scales, defined with the grids (after strata_iq_grids.h, below) and instantiated
+// only for modules holding a lattice format.
+template <int F>
+__device__ __forceinline__ int iq_word(const u8* b, int s, int j);
+template <int F>
+__device__ __forceinline__ SubScales iq_scales(const u8* b, int s);
+
 // Word j (values 4j .. 4j + 3 as signed bytes) of sub-block s of the block at b.
 template <int F>
 __device__ __forceinline__ int sub_word(const u8* b, int s, int j) {
-    if (F == FMT_Q5_0 || F == FMT_Q5_1) {
+    if constexpr (IS_IQ(F)) {
+        return iq_word<F>(b, s, j);
+    } else if (F == FMT_Q5_0 || F == FMT_Q5_1) {
         const u32 qh = (u32)sub_ld<F>(b + (F == FMT_Q5_0 ? 2 : 4));
         const int v = sub_ld<F>(b + (F == FMT_Q5_0 ? 6 : 8) + 4 * (j & 3));
         const int q = ((j < 4 ? v : v >> 4) & 0x0F0F0F0F) | (spread4((qh >> (4 * j)) & 0xF) << 4);
@@ -234,6 +264,7 @@ __device__ __forceinline__ int sub_word(const u8* b, int s, int j) {
 // The scales of sub-block s of the block at b.
 template <int F>
 __device__ __forceinline__ SubScales sub_scales(const u8* b, int s) {
+    if constexpr (IS_IQ(F)) return iq_scales<F>(b, s);
     SubScales r;
     r.m0 = r.m1 = 0.f;
     if (F == FMT_Q5_0 || F == FMT_IQ4_NL) {
@@ -2476,4 +2507,104 @@ SUB_FORMAT_KERNELS(iq4_xs, FMT_IQ4_XS)
 #endif
 #ifdef STRATA_FMT_mxfp4
 SUB_FORMAT_KERNELS(mxfp4, FMT_MXFP4)
+#endif
+
+#if defined(STRATA_FMT_iq2_xxs) || defined(STRATA_FMT_iq2_xs) || defined(STRATA_FMT_iq2_s) ||                  \
+    defined(STRATA_FMT_iq3_xxs) || defined(STRATA_FMT_iq3_s) || defined(STRATA_FMT_iq1_s) ||                    \
+    defined(STRATA_FMT_iq1_m)
+// ggml's grids and ksigns_iq2xs, generated by the host from its format registry (quant/format/iq_grid.rs):
+// iq2xxs_grid[256], iq2xs_grid[512], iq2s_grid[1024] (u64: 8 levels, value j in byte j), iq3xxs_grid[256],
+// iq3s_grid[512] (u32: 4 levels), iq1s_grid8[2048] (u64: IQ1's levels −1, 0, 1 times 8), ksigns_iq2xs[128].
+#include "strata_iq_grids.h"
+
+// Four grid bytes g negated where bit k of signs (k < 4) is set.
+__device__ __forceinline__ int iq_signed(u32 g, u32 signs) {
+    const u32 m = (u32)spread4(signs) * 0xFFu;
+    return (int)__vsub4(g ^ m, m);
+}
+
+// Word j of sub-block s: half j & 1 of the grid row j >> 1 (8 values) of the 2-bit grids, row j of the 4-value
+// IQ3 grids; signs as ggml (ksigns_iq2xs of a 7-bit index, or a sign byte per 8 values); IQ1's rows are stored
+// times 8 and take their ±1 offset (8 · (g ± 1/8), the scale carries the 1/8).
+template <int F>
+__device__ __forceinline__ int iq_word(const u8* b, int s, int j) {
+    const int l = j >> 1, h = j & 1;
+    if constexpr (F == FMT_IQ2_XXS) {
+        const u32 a = (u32)ld_i32_a2(b + 2 + 8 * s), sc = (u32)ld_i32_a2(b + 6 + 8 * s);
+        const u64 g = iq2xxs_grid[(a >> (8 * l)) & 0xFF];
+        return iq_signed((u32)(g >> (32 * h)), (ksigns_iq2xs[(sc >> (7 * l)) & 0x7F] >> (4 * h)) & 0xF);
+    } else if constexpr (F == FMT_IQ2_XS) {
+        const u32 q = *(const u16*)(b + 2 + 8 * s + 2 * l);
+        const u64 g = iq2xs_grid[q & 511];
+        return iq_signed((u32)(g >> (32 * h)), (ksigns_iq2xs[q >> 9] >> (4 * h)) & 0xF);
+    } else if constexpr (F == FMT_IQ2_S) {
+        const u64 g = iq2s_grid[b[2 + 4 * s + l] | (((u32)b[66 + s] >> (2 * l)) & 3) << 8];
+        return iq_signed((u32)(g >> (32 * h)), ((u32)b[34 + 4 * s + l] >> (4 * h)) & 0xF);
+    } else if constexpr (F == FMT_IQ3_XXS) {
+        const u32 sc = (u32)ld_i32_a2(b + 66 + 4 * s);
+        return iq_signed(iq3xxs_grid[b[2 + 8 * s + j]], (ksigns_iq2xs[(sc >> (7 * l)) & 0x7F] >> (4 * h)) & 0xF);
+    } else if constexpr (F == FMT_IQ3_S) {
+        const u32 g = iq3s_grid[b[2 + 8 * s + j] | (((u32)b[66 + s] >> j) & 1) << 8];
+        return iq_signed(g, ((u32)b[74 + 4 * s + l] >> (4 * h)) & 0xF);
+    } else if constexpr (F == FMT_IQ1_S) {
+        const u32 qh = *(const u16*)(b + 34 + 2 * s);
+        const u64 g = iq1s_grid8[b[2 + 4 * s + l] | ((qh >> (3 * l)) & 7) << 8];
+        return (int)__vadd4((u32)(g >> (32 * h)), (qh & 0x8000) ? 0xFFFFFFFFu : 0x01010101u);
+    } else {  // IQ1_M
+        const u32 nib = ((u32)b[32 + 2 * s + (l >> 1)] >> (4 * (l & 1))) & 0xF;
+        const u64 g = iq1s_grid8[b[4 * s + l] | (nib & 7) << 8];
+        return (int)__vadd4((u32)(g >> (32 * h)), (nib & 8) ? 0xFFFFFFFFu : 0x01010101u);
+    }
+}
+
+// The scales of sub-block s: d · 2^-k · (2 s + 1) (IQ3_S: d · (2 s + 1)), one per 32 values or per 16 (SUB_HALVES).
+template <int F>
+__device__ __forceinline__ SubScales iq_scales(const u8* b, int s) {
+    SubScales r;
+    r.m0 = r.m1 = 0.f;
+    if constexpr (F == FMT_IQ2_XXS || F == FMT_IQ3_XXS) {
+        const u32 sc = (u32)ld_i32_a2(b + (F == FMT_IQ2_XXS ? 6 + 8 * s : 66 + 4 * s));
+        r.d0 = r.d1 = h2f(b) * (F == FMT_IQ2_XXS ? 0.125f : 0.25f) * (float)(2 * (sc >> 28) + 1);
+    } else if constexpr (F == FMT_IQ2_XS || F == FMT_IQ2_S) {
+        const u32 sc = b[(F == FMT_IQ2_XS ? 66 : 74) + s];
+        const float d = h2f(b) * 0.125f;
+        r.d0 = d * (float)(2 * (sc & 0xF) + 1);
+        r.d1 = d * (float)(2 * (sc >> 4) + 1);
+    } else if constexpr (F == FMT_IQ3_S) {
+        r.d0 = r.d1 = h2f(b) * (float)(2 * (((u32)b[106 + s / 2] >> (4 * (s & 1))) & 0xF) + 1);
+    } else if constexpr (F == FMT_IQ1_S) {
+        const u32 qh = *(const u16*)(b + 34 + 2 * s);
+        r.d0 = r.d1 = h2f(b) * 0.125f * (float)(2 * ((qh >> 12) & 7) + 1);
+    } else {  // IQ1_M: d in the top nibbles of the four scale words, a 3-bit scale per 16 values
+        const u16* w = (const u16*)(b + 48);
+        const u16 bits = (u16)((w[0] >> 12) | ((w[1] >> 8) & 0xF0) | ((w[2] >> 4) & 0xF00) | (w[3] & 0xF000));
+        const float d = half_to_float(bits) * 0.125f;
+        const int k = 2 * s;
+        r.d0 = d * (float)(2 * ((w[k / 4] >> (3 * (k % 4))) & 7) + 1);
+        r.d1 = d * (float)(2 * ((w[(k + 1) / 4] >> (3 * ((k + 1) % 4))) & 7) + 1);
+    }
+    return r;
+}
+#endif
+
+#ifdef STRATA_FMT_iq2_xxs
+SUB_FORMAT_KERNELS(iq2_xxs, FMT_IQ2_XXS)
+#endif
+#ifdef STRATA_FMT_iq2_xs
+SUB_FORMAT_KERNELS(iq2_xs, FMT_IQ2_XS)
+#endif
+#ifdef STRATA_FMT_iq2_s
+SUB_FORMAT_KERNELS(iq2_s, FMT_IQ2_S)
+#endif
+#ifdef STRATA_FMT_iq3_xxs
+SUB_FORMAT_KERNELS(iq3_xxs, FMT_IQ3_XXS)
+#endif
+#ifdef STRATA_FMT_iq3_s
+SUB_FORMAT_KERNELS(iq3_s, FMT_IQ3_S)
+#endif
+#ifdef STRATA_FMT_iq1_s
+SUB_FORMAT_KERNELS(iq1_s, FMT_IQ1_S)
+#endif
+#ifdef STRATA_FMT_iq1_m
+SUB_FORMAT_KERNELS(iq1_m, FMT_IQ1_M)
 #endif

@@ -73,6 +73,29 @@ fn each_architecture_matches_llama_cpp() {
     }
 }
 
+/// The lattice IQ formats on files llama.cpp quantized (tests/data/iq/: a 256-wide random qwen3moe through
+/// llama-quantize with an importance matrix, tools/make-reference --only parity-iq): every format of the seven
+/// occurs in some expert or attention matrix, beside Q2_K..Q6_K, and each file's logits are within llama.cpp's own
+/// batch-vs-decode KL + 1e-3 with ≥ 98% argmax agreement, as the architectures' files.
+#[test]
+fn lattice_iq_files_quantized_by_llama_cpp_match_its_logits() {
+    let mut seen = std::collections::HashSet::new();
+    for ftype in ["iq2_xs", "iq3_xxs", "iq1_s", "iq1_m"] {
+        let path = data_dir().join(format!("iq/tiny-qwen3moe-{ftype}.gguf"));
+        let d = json(&format!("iq/parity_logits_{ftype}.json"));
+        assert_eq!(d["model_sha256"].as_str().unwrap(), sha256_hex(&std::fs::read(&path).unwrap()), "{ftype}");
+        let file = Arc::new(GgufFile::open(&path).unwrap());
+        seen.extend(file.tensors.iter().map(|t| t.ggml_type));
+        let mut m = Model::load(file).unwrap();
+        m.set_threads(2).unwrap();
+        let share = assert_parity(ftype, &m, &d);
+        assert!(share >= 0.98, "{ftype}: argmax {share:.4} against llama.cpp's decode path");
+    }
+    for t in strata::quant::format::iq::TYPES {
+        assert!(seen.contains(&t), "no {t:?} tensor in the IQ files");
+    }
+}
+
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()

@@ -61,8 +61,9 @@ fn dequantization_matches_gguf_python() {
 
 #[test]
 fn k_quant_and_q5_dequantization_matches_gguf_python() {
-    // Q5_0, Q5_1, the K-quants, IQ4_NL, IQ4_XS and MXFP4: rows of Gemma 3 270M Q4_K_M and random-byte blocks (tools/make-reference
-    // --only dequant-k); every value exact, or within 1 ulp where the package rounds in another order
+    // Q5_0, Q5_1, the K-quants, IQ4_NL, IQ4_XS, MXFP4 and the lattice IQ formats: rows of Gemma 3 270M Q4_K_M and
+    // random-byte blocks (tools/make-reference --only dequant-k); every value exact, or within 1 ulp where the package
+    // rounds in another order
     let m = json("dequant_k/manifest.json");
     let dir = data_dir().join("dequant_k");
     let gemma = model_path().with_file_name("gemma-3-270m-q4_k_m.gguf");
@@ -92,7 +93,10 @@ fn k_quant_and_q5_dequantization_matches_gguf_python() {
         *per_type.entry(format!("{ty:?}")).or_insert(0) += 1;
     }
     println!("{exact} of {total} values bit-identical, the rest within 1 ulp; cases {per_type:?}");
-    for t in ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"] {
+    for t in [
+        "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "IQ2_XXS", "IQ2_XS",
+        "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M",
+    ] {
         assert!(per_type.contains_key(t), "no {t} case: {per_type:?}");
     }
 }

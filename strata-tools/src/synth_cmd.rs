@@ -31,7 +31,8 @@ pub struct SynthArgs {
     /// Override the layer count.
     #[arg(long)]
     layers: Option<usize>,
-    /// Matrix format: q4_0, q8_0, q4_k, q6_k, or q4_k_m (llama.cpp's mix of Q4_K and Q6_K, see [`Plan::Q4KM`]).
+    /// Matrix format: q4_0, q8_0, q4_k, q6_k, a lattice IQ format (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s,
+    /// iq1_m: random codes, for speed), or q4_k_m (llama.cpp's mix of Q4_K and Q6_K, see [`Plan::Q4KM`]).
     #[arg(long, default_value = "q4_0")]
     r#type: String,
     /// Router skew (Zipf exponent of the per-layer expert popularity); 0 = uniform.
@@ -170,7 +171,13 @@ impl Rng {
 }
 
 /// The block formats [`fill_blocks`] writes.
+/// The formats a synthetic file's matrices may take: these and the lattice IQ formats
+/// (`strata::quant::format::iq::TYPES`, random codes).
 const SYNTH_TYPES: [GgmlType; 4] = [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K];
+
+fn synth_types() -> impl Iterator<Item = GgmlType> {
+    SYNTH_TYPES.into_iter().chain(strata::quant::format::iq::TYPES)
+}
 
 /// The formats of a synthetic file's matrices: one format, or llama.cpp's Q4_K_M mix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -212,10 +219,9 @@ impl Plan {
 /// The format named by `--type`, read from the format registry. Errors: a name the registry lacks, or a format
 /// the synthesizer cannot fill (the message lists the ones it can).
 pub(crate) fn synth_type(name: &str) -> Result<GgmlType> {
-    let ok =
-        || SYNTH_TYPES.iter().filter_map(|t| strata::quant::format::lookup(*t)).map(|f| f.name).collect::<Vec<_>>();
+    let ok = || synth_types().filter_map(strata::quant::format::lookup).map(|f| f.name).collect::<Vec<_>>();
     match strata::quant::format::by_name(name) {
-        Some(f) if SYNTH_TYPES.contains(&f.ty) => Ok(f.ty),
+        Some(f) if synth_types().any(|t| t == f.ty) => Ok(f.ty),
         Some(f) => bail!("--type {}: random weights are written in {} only", f.name, ok().join(" or ")),
         None => bail!(
             "--type {name}: not a format this build computes with ({}); random weights: {}",
@@ -227,8 +233,21 @@ pub(crate) fn synth_type(name: &str) -> Result<GgmlType> {
 
 /// Random rows of a block format: Q4_0 and Q8_0 codes uniform, each block's scale so that an element's standard
 /// deviation is `std`; the K-quants picks from a pool of normal values of that deviation, quantized
-/// ([`quantize_q4_k`], [`quantize_q6_k`]).
+/// ([`quantize_q4_k`], [`quantize_q6_k`]); the lattice IQ formats picks from a pool of random blocks (every grid
+/// row, sign and sub-scale pattern) whose `d` gives them that deviation ([`random_lattice_block`]).
 pub(crate) fn fill_blocks(ty: GgmlType, buf: &mut [u8], std: f32, rng: &mut Rng) {
+    if strata::quant::format::iq::TYPES.contains(&ty) {
+        let bs = ty.type_size();
+        let mut pool = vec![0u8; 256 * bs];
+        for blk in pool.chunks_exact_mut(bs) {
+            random_lattice_block(ty, blk, std, rng);
+        }
+        for blk in buf.chunks_exact_mut(bs) {
+            let i = (rng.next() % 256) as usize;
+            blk.copy_from_slice(&pool[i * bs..(i + 1) * bs]);
+        }
+        return;
+    }
     if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
         // a pool of quantized super-blocks, then each block a random pick from it (quantizing tens of GB of
         // normal values would take minutes; the bytes' statistics are the same)
@@ -271,6 +290,30 @@ pub(crate) fn fill_blocks(ty: GgmlType, buf: &mut [u8], std: f32, rng: &mut Rng)
             }
         }
     }
+}
+
+/// One super-block of a lattice IQ format (`ty`, in `out`): random bytes, then the f16 `d` (IQ1_M: the top nibbles
+/// of its scale words) set so that the block's values have standard deviation `std`.
+pub(crate) fn random_lattice_block(ty: GgmlType, out: &mut [u8], std: f32, rng: &mut Rng) {
+    for c in out.chunks_mut(8) {
+        let r = rng.next().to_le_bytes();
+        c.copy_from_slice(&r[..c.len()]);
+    }
+    let set_d = |out: &mut [u8], d: f32| {
+        let bits = half::f16::from_f32(d).to_bits();
+        if ty == GgmlType::IQ1_M {
+            for i in 0..4 {
+                out[49 + 2 * i] = (out[49 + 2 * i] & 0x0f) | ((bits >> (4 * i)) as u8 & 0x0f) << 4;
+            }
+        } else {
+            out[..2].copy_from_slice(&bits.to_le_bytes());
+        }
+    };
+    set_d(out, 1.0);
+    let mut v = [0f32; 256];
+    strata::quant::dequantize_row(ty, out, &mut v).expect("a lattice format dequantizes");
+    let rms = (v.iter().map(|x| x * x).sum::<f32>() / 256.0).sqrt();
+    set_d(out, if rms > 0.0 { std / rms } else { 0.0 });
 }
 
 /// One Q4_K super-block (ggml's `block_q4_K`, 144 bytes: f16 d, f16 dmin, 12 bytes of packed 6-bit scales and
@@ -638,5 +681,6 @@ mod tests {
         assert_eq!(p.ty("ffn_gate_exps", Some(0), 48), GgmlType::Q4_K);
         assert_eq!(Plan::parse("q8_0").unwrap(), Plan::One(GgmlType::Q8_0));
         assert!(Plan::parse("q5_k").is_err());
+        assert_eq!(Plan::parse("IQ2_XS").unwrap(), Plan::One(GgmlType::IQ2_XS));
     }
 }

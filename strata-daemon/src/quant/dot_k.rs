@@ -27,10 +27,10 @@ pub mod avx2 {
         _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
     }
 
-    /// 32 bytes, byte i = 0x10 when bit i of `bits` is set, else 0 (the fifth bit of Q5 codes).
+    /// 32 bytes, byte i = 0xff when bit i of `bits` is set, else 0.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn fifth_bits(bits: u32) -> __m256i {
+    unsafe fn bit_bytes(bits: u32) -> __m256i {
         let v = _mm256_set1_epi32(bits as i32);
         // byte i takes byte i / 8 of `bits` (each 128-bit lane holds all four), then tests bit i % 8
         let spread = _mm256_shuffle_epi8(
@@ -38,8 +38,26 @@ pub mod avx2 {
             _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303),
         );
         let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-        let on = _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
-        _mm256_and_si256(on, _mm256_set1_epi8(0x10))
+        _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel)
+    }
+
+    /// 32 bytes, byte i = 0x10 when bit i of `bits` is set, else 0 (the fifth bit of Q5 codes).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fifth_bits(bits: u32) -> __m256i {
+        _mm256_and_si256(bit_bytes(bits), _mm256_set1_epi8(0x10))
+    }
+
+    /// The 32 signed codes of a lattice sub-block ([`crate::quant::format::iq::Sub::codes`]): the grid rows, negated
+    /// where a sign bit is set, plus each 8 values' offset.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn lattice_codes(s: &crate::quant::format::iq::Sub) -> __m256i {
+        let g = _mm256_set_epi64x(s.grid[3] as i64, s.grid[2] as i64, s.grid[1] as i64, s.grid[0] as i64);
+        let q = _mm256_sign_epi8(g, _mm256_or_si256(bit_bytes(s.signs), _mm256_set1_epi8(1)));
+        let spread = |d: i8| (d as u8 as u64).wrapping_mul(0x0101_0101_0101_0101) as i64;
+        let delta = _mm256_set_epi64x(spread(s.delta[3]), spread(s.delta[2]), spread(s.delta[1]), spread(s.delta[0]));
+        _mm256_add_epi8(q, delta)
     }
 
     /// Bits `k ..` of every byte of `v` under `mask` (`(v >> k) & mask` per byte, `mask` keeping at most 8 − k bits).
@@ -293,6 +311,36 @@ pub mod avx2 {
         hsum(acc)
     }
 
+    macro_rules! lattice_rows {
+        ($($name:ident => $m:ident),* $(,)?) => {$(
+            /// One row of a lattice IQ format. SAFETY (callers): avx2, fma and f16c present; `row` holds
+            /// `x.len() / 8` whole super-blocks.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $name(row: &[u8], x: &[BlockQ8]) -> f32 {
+                use crate::quant::format::$m as f;
+                let mut acc = _mm256_setzero_ps();
+                for (b, xs) in row.chunks_exact(f::BYTES).zip(x.chunks_exact(8)) {
+                    let d = f::d(b);
+                    for (ib, xb) in xs.iter().enumerate() {
+                        let s = f::sub(b, ib);
+                        group(&mut acc, lattice_codes(&s), xb, s.sc, [0, 0], d, 0.0);
+                    }
+                }
+                hsum(acc)
+            }
+        )*};
+    }
+
+    lattice_rows!(
+        dot_iq2_xxs => iq2_xxs,
+        dot_iq2_xs => iq2_xs,
+        dot_iq2_s => iq2_s,
+        dot_iq3_xxs => iq3_xxs,
+        dot_iq3_s => iq3_s,
+        dot_iq1_s => iq1_s,
+        dot_iq1_m => iq1_m,
+    );
+
     macro_rules! four_rows {
         ($($name:ident => $one:ident),* $(,)?) => {$(
             /// Four rows at once: four single-row calls (same contract as the single-row kernel).
@@ -314,6 +362,13 @@ pub mod avx2 {
         dot_iq4_nl_x4 => dot_iq4_nl,
         dot_iq4_xs_x4 => dot_iq4_xs,
         dot_mxfp4_x4 => dot_mxfp4,
+        dot_iq2_xxs_x4 => dot_iq2_xxs,
+        dot_iq2_xs_x4 => dot_iq2_xs,
+        dot_iq2_s_x4 => dot_iq2_s,
+        dot_iq3_xxs_x4 => dot_iq3_xxs,
+        dot_iq3_s_x4 => dot_iq3_s,
+        dot_iq1_s_x4 => dot_iq1_s,
+        dot_iq1_m_x4 => dot_iq1_m,
     );
 }
 
@@ -322,7 +377,10 @@ mod tests {
     use crate::quant::format::lookup;
     use crate::quant::{quantize_q8, BlockQ8, GgmlType};
 
-    const NEW: [GgmlType; 7] = [
+    const NEW: [GgmlType; 10] = [
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
+        GgmlType::MXFP4,
         GgmlType::Q5_0,
         GgmlType::Q5_1,
         GgmlType::Q2_K,
@@ -344,8 +402,10 @@ mod tests {
     fn row(ty: GgmlType, n_blocks: usize, extreme: bool, seed: &mut u64) -> Vec<u8> {
         let bs = ty.type_size();
         let fields: &[usize] = match ty {
-            GgmlType::MXFP4 => &[],
+            GgmlType::MXFP4 | GgmlType::IQ1_M => &[],
             GgmlType::Q5_0 | GgmlType::Q3_K | GgmlType::Q6_K | GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
+            GgmlType::IQ2_XXS | GgmlType::IQ2_XS | GgmlType::IQ2_S | GgmlType::IQ3_XXS | GgmlType::IQ3_S => &[0],
+            GgmlType::IQ1_S => &[0],
             _ => &[0, 1],
         };
         let at = |f: usize| match ty {
@@ -363,9 +423,20 @@ mod tests {
                 // an exponent byte that keeps the products finite (2^-20 .. 2^4), 133 = 2^5 for the extremes
                 blk[0] = if extreme { 133 } else { 107 + (next(seed) % 25) as u8 };
             }
-            for &f in fields {
+            let scale = |seed: &mut u64| {
                 let v = if extreme { 0.5 } else { (next(seed) % 2000) as f32 / 1e5 - 0.01 };
-                blk[at(f)..at(f) + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+                half::f16::from_f32(v).to_bits()
+            };
+            for &f in fields {
+                let v = scale(seed);
+                blk[at(f)..at(f) + 2].copy_from_slice(&v.to_le_bytes());
+            }
+            if ty == GgmlType::IQ1_M {
+                // the f16 `d` is the four scale words' top nibbles
+                let v = scale(seed);
+                for i in 0..4 {
+                    blk[49 + 2 * i] = (blk[49 + 2 * i] & 0x0f) | ((v >> (4 * i)) as u8 & 0x0f) << 4;
+                }
             }
         }
         b
@@ -387,7 +458,7 @@ mod tests {
     #[test]
     fn every_kernel_matches_the_exact_product_for_every_tail_and_extreme() {
         let mut seed = 0x5EEDu64;
-        for ty in NEW {
+        for ty in NEW.into_iter().chain(crate::quant::format::iq::TYPES) {
             let f = lookup(ty).expect("registered");
             let k = f.q8.expect("block format");
             let per = ty.block_size() / 32;

@@ -138,6 +138,9 @@ pub fn experts(
             let mut o_rest = &mut s.tmp[..];
             for ((v, x), h) in views.iter().zip(&subs).zip(hs.iter_mut()) {
                 let n = x.t * v.0.rows;
+                // the down product's activations as its format pairs them (Q8_K for the K- and IQ quants)
+                h.with_q8k = crate::quant::format::lookup(v.2.ty)
+                    .is_some_and(|f| f.activation == crate::quant::format::Activation::Q8K);
                 let (g, gr) = std::mem::take(&mut g_rest).split_at_mut(n);
                 let (u, ur) = std::mem::take(&mut u_rest).split_at_mut(n);
                 let (out, or) = std::mem::take(&mut o_rest).split_at_mut(x.t * e);

@@ -274,9 +274,10 @@ pub struct GluJob<'a> {
 }
 
 /// The SwiGLU hidden layer of several experts in one fork-join of `pool`: each task computes a range of rows
-/// of one expert's gate and up products for its tokens (a multiple of 32 rows when h is quantized), then
-/// SiLU · up and the Q8 blocks of that range — the same bits as two [`matmul_with`] calls, the element-wise
-/// product and [`Act::quantize`], with no serial SwiGLU between the products. `side` runs on the caller as in
+/// of one expert's gate and up products for its tokens (a multiple of 32 rows when h is quantized, of 256 when
+/// `h.with_q8k` asks for its Q8_K blocks too), then SiLU · up and the Q8 blocks of that range — the same bits as
+/// two [`matmul_with`] calls, the element-wise product and [`Act::quantize`], with no serial SwiGLU between the
+/// products. `side` runs on the caller as in
 /// [`WorkerPool::run_with`]. Panics on shape mismatches.
 pub fn glu_batch(pool: &WorkerPool, jobs: &mut [GluJob<'_>], precision: Precision, side: impl FnOnce()) {
     let plan = GluPlan::new(pool.threads(), jobs, precision);
@@ -373,8 +374,9 @@ pub fn experts_batch(pool: &WorkerPool, jobs: &mut [ExpertJob<'_>], precision: P
         let h = unsafe {
             let (t, n) = (e.t, e.rows);
             let q = if n % 32 == 0 { std::slice::from_raw_parts(e.hq.0, t * n / 32) } else { &[][..] };
-            // the experts' h is quantized in per-task row ranges, Q8_0-style only: K-quant down weights read it
-            ActRef { t, n, f: std::slice::from_raw_parts(e.hp.0, t * n), q, qk: &[] }
+            // the Q8_K blocks where the glu wrote them (h.with_q8k: K-quant down weights)
+            let qk = e.hqk.map_or(&[][..], |p| std::slice::from_raw_parts(p.0, t * n / 32));
+            ActRef { t, n, f: std::slice::from_raw_parts(e.hp.0, t * n), q, qk }
         };
         let r0 = (task - first[ji]) * chunk;
         rows_into_each(&[(&w, out)], &h, r0, (r0 + chunk).min(w.rows), precision);
@@ -396,6 +398,8 @@ struct GluEntry<'a> {
     up_p: SyncPtr,
     hp: SyncPtr,
     hq: SyncQ8,
+    /// h's Q8_K blocks, where [`Act::with_q8k`] asked for them.
+    hqk: Option<SyncQ8>,
 }
 
 /// The tasks of a batch of SwiGLU jobs (h resized; shapes checked).
@@ -418,11 +422,19 @@ impl<'a> GluPlan<'a> {
                 assert_eq!(x.q.len(), x.t * x.n / 32, "glu: activations not quantized");
             }
             j.h.resize(x.t, rows);
-            // as Act::quantize sizes it
+            // as Act::quantize sizes it: Q8_0 blocks, and the Q8_K ones where h.with_q8k asks for them (K-quant
+            // down weights) and the width is whole super-blocks
             j.h.q.resize(x.t * (rows / 32), BlockQ8::default());
-            // whole Q8 blocks per task when h is quantized
+            let q8k = j.h.with_q8k && rows % 256 == 0 && rows > 0;
+            if q8k {
+                j.h.qk.resize(x.t * (rows / 32), BlockQ8::default());
+            } else {
+                j.h.qk.clear();
+            }
+            // whole Q8 blocks (Q8_K super-blocks) per task when h is quantized
             let chunk = chunking(threads, g).0;
-            let chunk = if rows % 32 == 0 { chunk.next_multiple_of(32).min(rows) } else { chunk }.max(1);
+            let unit = if q8k { 256 } else { 32 };
+            let chunk = if rows % 32 == 0 { chunk.next_multiple_of(unit).min(rows) } else { chunk }.max(1);
             let n = rows.div_ceil(chunk);
             plan.push(GluEntry {
                 first: tasks,
@@ -437,6 +449,7 @@ impl<'a> GluPlan<'a> {
                 up_p: SyncPtr(j.u.as_mut_ptr()),
                 hp: SyncPtr(j.h.f.as_mut_ptr()),
                 hq: SyncQ8(j.h.q.as_mut_ptr()),
+                hqk: q8k.then(|| SyncQ8(j.h.qk.as_mut_ptr())),
             });
             tasks += n;
         }
@@ -470,6 +483,12 @@ impl<'a> GluPlan<'a> {
                 // and lie inside h's `x.t × rows / 32` blocks.
                 let q = unsafe { std::slice::from_raw_parts_mut(e.hq.0.add(a / 32), (b - a) / 32) };
                 quantize_q8(hv, q);
+                if let Some(qk) = e.hqk {
+                    // SAFETY: with Q8_K blocks r0 and r1 are multiples of 256 (GluPlan::new), so these blocks are
+                    // this task's whole super-blocks, inside h's `x.t × rows / 32` Q8_K blocks.
+                    let qk = unsafe { std::slice::from_raw_parts_mut(qk.0.add(a / 32), (b - a) / 32) };
+                    crate::quant::quantize_q8_k(hv, qk);
+                }
             }
         }
         ji
@@ -670,8 +689,9 @@ mod tests {
             let pool = WorkerPool::new(threads).expect("pool");
             for precision in [Precision::Q8Activations, Precision::Q8Scalar, Precision::F32] {
                 for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
-                    // experts of different widths and token counts in one batch (96 rows: three Q8 blocks of h)
-                    let shapes = [(96usize, 256usize, 1usize), (64, 256, 3), (288, 256, 2)];
+                    // experts of different widths and token counts in one batch (96 rows: three Q8 blocks of h;
+                    // 512: two Q8_K super-blocks, which h.with_q8k asks for)
+                    let shapes = [(96usize, 256usize, 1usize), (64, 256, 3), (288, 256, 2), (512, 256, 2)];
                     let ws: Vec<(Vec<u8>, Vec<u8>)> = shapes
                         .iter()
                         .map(|&(r, c, _)| (random_blocks(ty, r, c, &mut seed), random_blocks(ty, r, c, &mut seed)))
@@ -679,7 +699,9 @@ mod tests {
                     let xs: Vec<Act> = shapes.iter().enumerate().map(|(i, &(_, c, t))| act(t, c, i)).collect();
                     let mut bufs: Vec<(Vec<f32>, Vec<f32>, Act)> = shapes
                         .iter()
-                        .map(|&(r, _, t)| (vec![0f32; r * t], vec![0f32; r * t], Act::default()))
+                        .map(|&(r, _, t)| {
+                            (vec![0f32; r * t], vec![0f32; r * t], Act { with_q8k: true, ..Act::default() })
+                        })
                         .collect();
                     {
                         let mut jobs: Vec<GluJob> = bufs
@@ -704,12 +726,17 @@ mod tests {
                         let (mut g, mut u) = (vec![0f32; r * t], vec![0f32; r * t]);
                         matmul_with(&pool, mat(wg, ty, r, c), x, &mut g, precision);
                         matmul_with(&pool, mat(wu, ty, r, c), x, &mut u, precision);
-                        let mut want = Act::default();
+                        let mut want = Act { with_q8k: true, ..Act::default() };
                         want.resize(t, r);
                         for ((w, gv), uv) in want.f.iter_mut().zip(&g).zip(&u) {
                             *w = silu(*gv) * uv;
                         }
                         want.quantize();
+                        assert_eq!(h.qk.len(), want.qk.len(), "{r} rows");
+                        assert_eq!(h.qk.is_empty(), r % 256 != 0);
+                        for (a, b) in h.qk.iter().zip(&want.qk) {
+                            assert_eq!((a.d.to_bits(), a.qs), (b.d.to_bits(), b.qs));
+                        }
                         assert_eq!((h.t, h.n), (t, r));
                         assert!(
                             h.f.iter().zip(&want.f).all(|(a, b)| a.to_bits() == b.to_bits()),
@@ -798,5 +825,55 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// K-quant down weights multiply the hidden layer's Q8_K blocks (as llama.cpp's CPU backend, and as a separate
+    /// matmul of the same `Act`), not its Q8_0 ones.
+    #[test]
+    fn k_quant_down_weights_read_the_hidden_layer_as_q8_k() {
+        let pool = WorkerPool::new(3).expect("pool");
+        let mut seed = 31u64;
+        let (f, e, t) = (512usize, 256usize, 2usize);
+        let (wg, wu) = (random_blocks(GgmlType::Q8_0, f, e, &mut seed), random_blocks(GgmlType::Q8_0, f, e, &mut seed));
+        // Q6_K down rows: random codes and scales, a small f16 super-scale
+        let mut wd = vec![0u8; e * GgmlType::Q6_K.row_bytes(f)];
+        for blk in wd.chunks_exact_mut(210) {
+            for b in blk.iter_mut() {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                *b = (seed >> 33) as u8;
+            }
+            blk[208..210].copy_from_slice(&half::f16::from_f32(1e-3).to_le_bytes());
+        }
+        let x = act(t, e, 3);
+        let (mut g, mut u, mut out) = (vec![0f32; f * t], vec![0f32; f * t], vec![0f32; e * t]);
+        let mut h = Act { with_q8k: true, ..Act::default() };
+        let down = MatRef { data: &wd, ty: GgmlType::Q6_K, rows: e, cols: f, stride: 0 };
+        experts_batch(
+            &pool,
+            &mut [ExpertJob {
+                glu: GluJob {
+                    gate: mat(&wg, GgmlType::Q8_0, f, e),
+                    up: mat(&wu, GgmlType::Q8_0, f, e),
+                    x: &x,
+                    g: &mut g,
+                    u: &mut u,
+                    h: &mut h,
+                },
+                down,
+                out: &mut out,
+            }],
+            Precision::Q8Activations,
+            || {},
+        );
+        assert_eq!(h.qk.len(), t * f / 32);
+        let mut want = vec![0f32; e * t];
+        matmul_with(&pool, down, &h, &mut want, Precision::Q8Activations);
+        assert!(out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+        // and that differs from the Q8_0 reading (the blocks are not the same)
+        let mut q8_0 = h.clone();
+        q8_0.qk.clear();
+        let mut other = vec![0f32; e * t];
+        matmul_with(&pool, down, &q8_0, &mut other, Precision::Q8Activations);
+        assert!(other.iter().zip(&want).any(|(a, b)| a.to_bits() != b.to_bits()));
     }
 }

@@ -41,10 +41,18 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache/strata/kernels")
 }
 
-/// Compiles `src` with NVRTC for `arch` (e.g. `sm_90`) to a CUBIN, with the extra options `defines` (`-D...`).
-/// Errors: NVRTC missing or the compile failed (the log is in the error).
-pub fn compile(src: &str, arch: &str, defines: &[String]) -> Result<Vec<u8>, GpuError> {
+/// Compiles `src` with NVRTC for `arch` (e.g. `sm_90`) to a CUBIN, with the extra options `defines` (`-D...`) and
+/// the in-memory `headers` (name, text) its `#include`s may name. Errors: NVRTC missing or the compile failed (the
+/// log is in the error).
+pub fn compile(src: &str, arch: &str, defines: &[String], headers: &[(String, String)]) -> Result<Vec<u8>, GpuError> {
     let csrc = CString::new(src).map_err(|_| GpuError::Nvrtc("source has a NUL byte".into()))?;
+    let nul = |_| GpuError::Nvrtc("header has a NUL byte".into());
+    let hnames: Vec<CString> =
+        headers.iter().map(|(n, _)| CString::new(n.as_str())).collect::<Result<_, _>>().map_err(nul)?;
+    let htexts: Vec<CString> =
+        headers.iter().map(|(_, t)| CString::new(t.as_str())).collect::<Result<_, _>>().map_err(nul)?;
+    let hnp: Vec<*const std::ffi::c_char> = hnames.iter().map(|s| s.as_ptr()).collect();
+    let htp: Vec<*const std::ffi::c_char> = htexts.iter().map(|s| s.as_ptr()).collect();
     let opts: Vec<CString> = std::iter::once(format!("--gpu-architecture={arch}"))
         .chain(OPTIONS.iter().map(|s| s.to_string()))
         .chain(defines.iter().cloned())
@@ -55,8 +63,14 @@ pub fn compile(src: &str, arch: &str, defines: &[String]) -> Result<Vec<u8>, Gpu
     // SAFETY: NVRTC calls with valid C strings and out-pointers; the program is destroyed on every path.
     unsafe {
         let mut prog = std::ptr::null_mut();
-        let r =
-            nvrtc::nvrtcCreateProgram(&mut prog, csrc.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null());
+        let r = nvrtc::nvrtcCreateProgram(
+            &mut prog,
+            csrc.as_ptr(),
+            name.as_ptr(),
+            hnp.len() as i32,
+            if hnp.is_empty() { std::ptr::null() } else { htp.as_ptr() },
+            if hnp.is_empty() { std::ptr::null() } else { hnp.as_ptr() },
+        );
         if r != nvrtc::nvrtcResult::NVRTC_SUCCESS {
             return Err(GpuError::Nvrtc(format!("nvrtcCreateProgram: {r:?}")));
         }
@@ -132,6 +146,15 @@ impl FormatSet {
             .map(|f| format!("-DSTRATA_FMT_{}", f.suffix))
             .collect()
     }
+    /// The generated headers the set's kernels include: the lattice formats' grids (`strata_iq_grids.h`).
+    fn headers(self) -> Vec<(String, String)> {
+        let lattice = crate::quant::format::iq::TYPES.iter().any(|&t| fmt_index(t).is_ok_and(|i| self.has(i)));
+        if lattice {
+            vec![("strata_iq_grids.h".to_string(), crate::quant::format::iq_grid::cuda_header())]
+        } else {
+            Vec::new()
+        }
+    }
 }
 
 /// The CUBIN for `arch` holding the kernels of `formats`, from the disk cache or compiled (and then cached; a
@@ -139,7 +162,14 @@ impl FormatSet {
 pub fn cubin(arch: &str, formats: FormatSet) -> Result<(Vec<u8>, bool), GpuError> {
     let src = source()?;
     let defines = formats.defines();
-    let key = fnv1a(&[src.as_bytes(), OPTIONS.join(" ").as_bytes(), arch.as_bytes(), defines.join(" ").as_bytes()]);
+    let headers = formats.headers();
+    let htext: String = headers.iter().map(|(n, t)| format!("{n}\n{t}")).collect();
+    let (opts, defs) = (OPTIONS.join(" "), defines.join(" "));
+    let mut parts = vec![src.as_bytes(), opts.as_bytes(), arch.as_bytes(), defs.as_bytes()];
+    if !htext.is_empty() {
+        parts.push(htext.as_bytes()); // (modules without headers keep their earlier keys)
+    }
+    let key = fnv1a(&parts);
     let path = cache_dir().join(format!("{key:016x}-{arch}.cubin"));
     if let Ok(b) = std::fs::read(&path) {
         if b.len() > 4 && &b[..4] == b"\x7fELF" {
@@ -147,7 +177,7 @@ pub fn cubin(arch: &str, formats: FormatSet) -> Result<(Vec<u8>, bool), GpuError
         }
     }
     let t = std::time::Instant::now();
-    let img = compile(&src, arch, &defines)?;
+    let img = compile(&src, arch, &defines, &headers)?;
     tracing::info!("kernels compiled by NVRTC for {arch} in {:.2} s", t.elapsed().as_secs_f64());
     let tmp = path.with_extension("tmp");
     let write = std::fs::create_dir_all(cache_dir())

@@ -16,8 +16,17 @@
 pub mod bf16;
 pub mod f16;
 pub mod f32;
+pub mod iq;
+pub mod iq1_m;
+pub mod iq1_s;
+pub mod iq2_s;
+pub mod iq2_xs;
+pub mod iq2_xxs;
+pub mod iq3_s;
+pub mod iq3_xxs;
 pub mod iq4_nl;
 pub mod iq4_xs;
+pub mod iq_grid;
 pub mod kquant;
 pub mod mxfp4;
 pub mod q2_k;
@@ -130,10 +139,17 @@ pub const REGISTRY: &[&Format] = &[
     &iq4_nl::FORMAT,
     &iq4_xs::FORMAT,
     &mxfp4::FORMAT,
+    &iq2_xxs::FORMAT,
+    &iq2_xs::FORMAT,
+    &iq2_s::FORMAT,
+    &iq3_xxs::FORMAT,
+    &iq3_s::FORMAT,
+    &iq1_s::FORMAT,
+    &iq1_m::FORMAT,
 ];
 
 /// Formats with CUDA kernels (the length of the kernels' per-format tables).
-pub const N_CUDA_FORMATS: usize = 16;
+pub const N_CUDA_FORMATS: usize = 23;
 
 /// The registry indexed by GGML type id (ids up to 39, MXFP4).
 const BY_ID: [Option<&Format>; 40] = {
@@ -185,10 +201,11 @@ mod tests {
             }
         }
         assert_eq!(cuda, (0..N_CUDA_FORMATS).collect::<Vec<_>>(), "CUDA indices in registry order");
-        assert!(lookup(GgmlType::IQ2_XS).is_none() && by_name("iq2_xs").is_none());
+        assert!(lookup(GgmlType::Q8_1).is_none() && by_name("q8_1").is_none() && by_name("q4_2").is_none());
         assert_eq!(
             supported_list(),
-            "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4"
+            "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, IQ2_XXS, \
+             IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M"
         );
     }
 
