@@ -37,13 +37,15 @@ pub const FORMAT: Format = Format {
 };
 
 /// The super-scale: the f16 `d` gathered from the scale words' top nibbles, over 8.
+#[inline(always)]
 pub fn d(b: &[u8]) -> f32 {
     let w = |i: usize| u16::from_le_bytes([b[48 + 2 * i], b[49 + 2 * i]]);
     let bits = (w(0) >> 12) | (w(1) >> 8 & 0x00f0) | (w(2) >> 4 & 0x0f00) | (w(3) & 0xf000);
     f16_to_f32(bits) * 0.125
 }
 
-/// Sub-block `ib` (0..8) of block `b`.
+/// Sub-block `ib` (0..8) of block `b` (inlined into the SIMD kernels, which call it per 32 values).
+#[inline(always)]
 pub fn sub(b: &[u8], ib: usize) -> Sub {
     let sc = |k: usize| {
         let w = u16::from_le_bytes([b[48 + 2 * (k / 4)], b[49 + 2 * (k / 4)]]) as u32;

@@ -35,11 +35,13 @@ pub const FORMAT: Format = Format {
 };
 
 /// The super-scale: the block's f16 `d`, over 8.
+#[inline(always)]
 pub fn d(b: &[u8]) -> f32 {
     f16_to_f32(rd16(b, 0)) * 0.125
 }
 
-/// Sub-block `ib` (0..8) of block `b`.
+/// Sub-block `ib` (0..8) of block `b` (inlined into the SIMD kernels, which call it per 32 values).
+#[inline(always)]
 pub fn sub(b: &[u8], ib: usize) -> Sub {
     let qh = u16::from_le_bytes([b[34 + 2 * ib], b[35 + 2 * ib]]) as usize;
     let delta = if qh & 0x8000 != 0 { -1 } else { 1 };

@@ -35,11 +35,13 @@ pub const FORMAT: Format = Format {
 };
 
 /// The super-scale: the block's f16 `d`, over 8.
+#[inline(always)]
 pub fn d(b: &[u8]) -> f32 {
     f16_to_f32(rd16(b, 0)) * 0.125
 }
 
-/// Sub-block `ib` (0..8) of block `b`.
+/// Sub-block `ib` (0..8) of block `b` (inlined into the SIMD kernels, which call it per 32 values).
+#[inline(always)]
 pub fn sub(b: &[u8], ib: usize) -> Sub {
     let sc = b[66 + ib] as u32;
     let mut o = Sub { sc: [odd(sc & 0xf), odd(sc >> 4)], ..Sub::default() };

@@ -35,11 +35,13 @@ pub const FORMAT: Format = Format {
 };
 
 /// The super-scale: the block's f16 `d`.
+#[inline(always)]
 pub fn d(b: &[u8]) -> f32 {
     f16_to_f32(rd16(b, 0))
 }
 
-/// Sub-block `ib` (0..8) of block `b`.
+/// Sub-block `ib` (0..8) of block `b` (inlined into the SIMD kernels, which call it per 32 values).
+#[inline(always)]
 pub fn sub(b: &[u8], ib: usize) -> Sub {
     let (qh, sc) = (b[66 + ib] as usize, (b[106 + ib / 2] >> (4 * (ib % 2)) & 0xf) as u32);
     let mut o = Sub { sc: [odd(sc); 2], ..Sub::default() };

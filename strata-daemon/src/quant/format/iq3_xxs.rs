@@ -35,11 +35,13 @@ pub const FORMAT: Format = Format {
 };
 
 /// The super-scale: the block's f16 `d`, over 4.
+#[inline(always)]
 pub fn d(b: &[u8]) -> f32 {
     f16_to_f32(rd16(b, 0)) * 0.25
 }
 
-/// Sub-block `ib` (0..8) of block `b`.
+/// Sub-block `ib` (0..8) of block `b` (inlined into the SIMD kernels, which call it per 32 values).
+#[inline(always)]
 pub fn sub(b: &[u8], ib: usize) -> Sub {
     let s = u32::from_le_bytes([b[66 + 4 * ib], b[67 + 4 * ib], b[68 + 4 * ib], b[69 + 4 * ib]]);
     let mut o = Sub { sc: [odd(s >> 28); 2], ..Sub::default() };
