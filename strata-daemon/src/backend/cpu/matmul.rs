@@ -55,10 +55,12 @@ pub struct Act {
     pub f: Vec<f32>,
     /// `t * n / 32` blocks (valid after [`Act::quantize`]).
     pub q: Vec<BlockQ8>,
-    /// The same values quantized as ggml's Q8_K (one scale per 256: [`crate::quant::quantize_q8_k`]) for the
-    /// K-quant weights, when [`Act::with_q8k`] is set and `n` is a multiple of 256 (else empty: they read `q`).
+    /// The same values quantized as ggml's Q8_K (one scale per 256: [`crate::quant::quantize_q8_k`]) for weights
+    /// whose format pairs with them (the K-quants and the lattice IQ formats), when [`Act::with_q8k`] is set and
+    /// `n` is a multiple of 256 (else empty: they read `q`).
     pub qk: Vec<BlockQ8>,
-    /// Whether [`Act::quantize`] also fills `qk` (a model with K-quant weights; off, the work is skipped).
+    /// Whether [`Act::quantize`] also fills `qk` (a model with K-quant or lattice IQ weights; off, the work is
+    /// skipped).
     pub with_q8k: bool,
 }
 
@@ -125,7 +127,7 @@ impl<'a> ActRef<'a> {
         let nb = self.n / 32;
         &self.q[i * nb..(i + 1) * nb]
     }
-    /// Row `i` of the blocks weights of `ty` multiply: the Q8_K-style ones for the K-quants when present
+    /// Row `i` of the blocks weights of `ty` multiply: the Q8_K-style ones for the K- and IQ quants when present
     /// (`Activation::Q8K`), else [`ActRef::qrow`].
     pub fn qrow_for(&self, ty: crate::quant::GgmlType, i: usize) -> &'a [BlockQ8] {
         let nb = self.n / 32;
@@ -374,7 +376,7 @@ pub fn experts_batch(pool: &WorkerPool, jobs: &mut [ExpertJob<'_>], precision: P
         let h = unsafe {
             let (t, n) = (e.t, e.rows);
             let q = if n % 32 == 0 { std::slice::from_raw_parts(e.hq.0, t * n / 32) } else { &[][..] };
-            // the Q8_K blocks where the glu wrote them (h.with_q8k: K-quant down weights)
+            // the Q8_K blocks where the glu wrote them (h.with_q8k: K-quant and IQ down weights)
             let qk = e.hqk.map_or(&[][..], |p| std::slice::from_raw_parts(p.0, t * n / 32));
             ActRef { t, n, f: std::slice::from_raw_parts(e.hp.0, t * n), q, qk }
         };
@@ -422,7 +424,7 @@ impl<'a> GluPlan<'a> {
                 assert_eq!(x.q.len(), x.t * x.n / 32, "glu: activations not quantized");
             }
             j.h.resize(x.t, rows);
-            // as Act::quantize sizes it: Q8_0 blocks, and the Q8_K ones where h.with_q8k asks for them (K-quant
+            // as Act::quantize sizes it: Q8_0 blocks, and the Q8_K ones where h.with_q8k asks for them (K-quant or IQ
             // down weights) and the width is whole super-blocks
             j.h.q.resize(x.t * (rows / 32), BlockQ8::default());
             let q8k = j.h.with_q8k && rows % 256 == 0 && rows > 0;

@@ -1,10 +1,9 @@
 //! IQ1_M (about 1.75 bits per value): super-blocks of 256 values, 56 bytes: 32 bytes of the low 8 bits of
-//! [`IQ1S_GRID`] rows (one per 8 values), 16 bytes of their high 3 bits and offset signs (sub-block `i` in bytes `2i`,
-//! `2i + 1`, one nibble per row: bits 0..3 the row's high bits, bit 3 the offset's sign), then four little-endian u16
-//! holding 3-bit scales (16 values each, scale `k` in word `k/4` at bits `3·(k%4)`) and, in their top nibbles, the
-//! f16 `d` (word `i`'s nibble is bits `4i..4i+4`); value = `d · (2s + 1) · (grid ± 1/8)` (ggml `block_iq1_m`), held
-//! as `(d/8) · (2s + 1) · (8 · grid ± 1)`.
-//! Products pair it with Q8_K activations ([`super::iq`]).
+//! [`IQ1S_GRID`](super::iq_grid::IQ1S_GRID) rows (one per 8 values), 16 bytes of their high 3 bits and offset signs
+//! (sub-block `i` in bytes `2i`, `2i + 1`, one nibble per row: bits 0..3 the row's high bits, bit 3 the offset's sign),
+//! then four little-endian u16 holding 3-bit scales (16 values each, scale `k` in word `k/4` at bits `3·(k%4)`) and, in
+//! their top nibbles, the f16 `d` (word `i`'s nibble is bits `4i..4i+4`); value = `d · (2s + 1) · (grid ± 1/8)` (ggml
+//! `block_iq1_m`), held as `(d/8) · (2s + 1) · (8 · grid ± 1)`. Products pair it with Q8_K activations ([`super::iq`]).
 
 use super::iq::{dequantize_with, dot_with, odd, Lattice, Sub};
 use super::iq_grid::IQ1S_GRID_X8;

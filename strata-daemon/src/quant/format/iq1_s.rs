@@ -1,8 +1,8 @@
 //! IQ1_S (about 1.56 bits per value): super-blocks of 256 values, 50 bytes: f16 `d`, 32 bytes of the low 8 bits of
-//! [`IQ1S_GRID`] rows (levels −1, 0, 1; one per 8 values), then per 32-value sub-block a little-endian u16: the rows'
-//! high 3 bits (row `l` at bits `3l`), the 3-bit scale `s` (bits 12..15) and the sign of the offset (bit 15); value =
-//! `d · (2s + 1) · (grid ± 1/8)` (ggml `block_iq1_s`, `IQ1S_DELTA`), held as `(d/8) · (2s + 1) · (8 · grid ± 1)`.
-//! Products pair it with Q8_K activations ([`super::iq`]).
+//! [`IQ1S_GRID`](super::iq_grid::IQ1S_GRID) rows (levels −1, 0, 1; one per 8 values), then per 32-value sub-block a
+//! little-endian u16: the rows' high 3 bits (row `l` at bits `3l`), the 3-bit scale `s` (bits 12..=14) and the sign of
+//! the offset (bit 15); value = `d · (2s + 1) · (grid ± 1/8)` (ggml `block_iq1_s`, `IQ1S_DELTA`), held as `(d/8) · (2s
+//! + 1) · (8 · grid ± 1)`. Products pair it with Q8_K activations ([`super::iq`]).
 
 use super::iq::{dequantize_with, dot_with, odd, Lattice, Sub};
 use super::iq_grid::IQ1S_GRID_X8;
