@@ -184,12 +184,7 @@ fn random_rows(ty: GgmlType, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8
                     GgmlType::IQ4_XS => put(0, d / 32.0),
                     // the lattice formats: d times an odd scale up to 31 (IQ1_M: d in the scale words' top
                     // nibbles)
-                    GgmlType::IQ1_M => {
-                        let bits = half::f16::from_f32(d / 8.0).to_bits();
-                        for i in 0..4 {
-                            blk[49 + 2 * i] = (blk[49 + 2 * i] & 0x0f) | ((bits >> (4 * i)) as u8 & 0x0f) << 4;
-                        }
-                    }
+                    GgmlType::IQ1_M => strata::quant::format::iq1_m::set_d(blk, half::f16::from_f32(d / 8.0).to_bits()),
                     t if strata::quant::format::iq::TYPES.contains(&t) => put(0, d / 8.0),
                     GgmlType::MXFP4 => blk[0] = 118 + (rng(seed) % 6) as u8,
                     _ => put(0, d),

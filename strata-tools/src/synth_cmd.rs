@@ -302,9 +302,7 @@ pub(crate) fn random_lattice_block(ty: GgmlType, out: &mut [u8], std: f32, rng: 
     let set_d = |out: &mut [u8], d: f32| {
         let bits = half::f16::from_f32(d).to_bits();
         if ty == GgmlType::IQ1_M {
-            for i in 0..4 {
-                out[49 + 2 * i] = (out[49 + 2 * i] & 0x0f) | ((bits >> (4 * i)) as u8 & 0x0f) << 4;
-            }
+            strata::quant::format::iq1_m::set_d(out, bits);
         } else {
             out[..2].copy_from_slice(&bits.to_le_bytes());
         }

@@ -433,10 +433,7 @@ mod tests {
             }
             if ty == GgmlType::IQ1_M {
                 // the f16 `d` is the four scale words' top nibbles
-                let v = scale(seed);
-                for i in 0..4 {
-                    blk[49 + 2 * i] = (blk[49 + 2 * i] & 0x0f) | ((v >> (4 * i)) as u8 & 0x0f) << 4;
-                }
+                crate::quant::format::iq1_m::set_d(blk, scale(seed));
             }
         }
         b

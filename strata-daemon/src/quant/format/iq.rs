@@ -93,12 +93,6 @@ pub fn dot_with(l: &Lattice, row: &[u8], x: &[crate::quant::BlockQ8]) -> f32 {
     acc
 }
 
-/// Four sign bytes (values `8l ..`, bit `j` negates value `8l + j`) as one word.
-#[inline]
-pub fn sign_word(bytes: [u8; 4]) -> u32 {
-    u32::from_le_bytes(bytes)
-}
-
 /// The odd scale `2 s + 1` of a 4-bit (or 3-bit) field `s`.
 #[inline]
 pub fn odd(s: u32) -> i16 {

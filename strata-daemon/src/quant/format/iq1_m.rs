@@ -43,6 +43,14 @@ pub fn d(b: &[u8]) -> f32 {
     f16_to_f32(bits) * 0.125
 }
 
+/// Writes the f16 bits `d` into block `b`'s scale words' top nibbles, keeping their scales (the inverse of [`d`]'s
+/// gathering; for writers of IQ1_M blocks).
+pub fn set_d(b: &mut [u8], d: u16) {
+    for i in 0..4 {
+        b[49 + 2 * i] = (b[49 + 2 * i] & 0x0f) | ((d >> (4 * i)) as u8 & 0x0f) << 4;
+    }
+}
+
 /// Sub-block `ib` (0..8) of block `b` (inlined into the SIMD kernels, which call it per 32 values).
 #[inline(always)]
 pub fn sub(b: &[u8], ib: usize) -> Sub {

@@ -4,7 +4,7 @@
 //! `(d/8) · (2s + 1) · (±grid)` (ggml `block_iq2_s`).
 //! Products pair it with Q8_K activations ([`super::iq`]).
 
-use super::iq::{dequantize_with, dot_with, odd, sign_word, Lattice, Sub};
+use super::iq::{dequantize_with, dot_with, odd, Lattice, Sub};
 use super::iq_grid::IQ2S_GRID;
 use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::dequant::{f16_to_f32, rd16};
@@ -48,7 +48,7 @@ pub fn sub(b: &[u8], ib: usize) -> Sub {
     for l in 0..4 {
         o.grid[l] = IQ2S_GRID[b[2 + 4 * ib + l] as usize | (qh >> (2 * l) & 3) << 8];
     }
-    o.signs = sign_word([b[34 + 4 * ib], b[35 + 4 * ib], b[36 + 4 * ib], b[37 + 4 * ib]]);
+    o.signs = u32::from_le_bytes(b[34 + 4 * ib..38 + 4 * ib].try_into().expect("4 bytes"));
     o
 }
 

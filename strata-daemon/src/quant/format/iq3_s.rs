@@ -4,7 +4,7 @@
 //! value = `d · (1 + 2s) · (±grid)` (ggml `block_iq3_s`).
 //! Products pair it with Q8_K activations ([`super::iq`]).
 
-use super::iq::{dequantize_with, dot_with, odd, sign_word, Lattice, Sub};
+use super::iq::{dequantize_with, dot_with, odd, Lattice, Sub};
 use super::iq_grid::IQ3S_GRID;
 use super::{Activation, CudaFormat, Format, Prefill, Q8Dot};
 use crate::quant::dequant::{f16_to_f32, rd16};
@@ -49,7 +49,7 @@ pub fn sub(b: &[u8], ib: usize) -> Sub {
     for l in 0..4 {
         o.grid[l] = row(2 * l) | row(2 * l + 1) << 32;
     }
-    o.signs = sign_word([b[74 + 4 * ib], b[75 + 4 * ib], b[76 + 4 * ib], b[77 + 4 * ib]]);
+    o.signs = u32::from_le_bytes(b[74 + 4 * ib..78 + 4 * ib].try_into().expect("4 bytes"));
     o
 }
 
