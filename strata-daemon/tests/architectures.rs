@@ -217,6 +217,14 @@ fn files_whose_metadata_and_tensors_disagree_are_refused_with_the_name() {
         w.add_tensor("blk.0.ffn_gate_inp_shexp.weight", vec![64], strata::quant::GgmlType::F32, vec![0u8; 256]);
     }));
     assert!(e.contains("blk.0.ffn_gate_inp_shexp.weight") && e.contains("qwen3moe has no shared expert"), "{e}");
+    // a router bias (gpt-oss's) in an architecture without one
+    let e = load_err(&edited("qwen3moe", |w| {
+        w.add_tensor("blk.1.ffn_gate_inp.bias", vec![8], strata::quant::GgmlType::F32, vec![0u8; 32]);
+    }));
+    assert!(e.contains("blk.1.ffn_gate_inp.bias") && e.contains("qwen3moe has no router or expert biases"), "{e}");
+    // a RoPE scaling this build does not know
+    let e = load_err(&edited("qwen3", |w| w.set("qwen3.rope.scaling.type", Value::String("longrope".into()))));
+    assert!(e.contains("rope.scaling.type \"longrope\" is not supported (supported: none, linear, yarn)"), "{e}");
     // top-k larger than the expert count
     let e = load_err(&edited("olmoe", |w| set_meta(w, "olmoe.expert_used_count", Value::U32(9))));
     assert!(e.contains("expert_used_count 9 must be in 1..=8"), "{e}");

@@ -10,7 +10,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Args as ClapArgs;
-use strata::backend::cpu::{experts_batch, glu_batch, matmul_batch, Act, ExpertJob, GluJob, MatJob, MatRef, Precision};
+use strata::backend::cpu::{
+    experts_batch, glu_batch, matmul_batch, Act, ExpertJob, GluJob, GluUnit, MatJob, MatRef, Precision,
+};
 use strata::pool::WorkerPool;
 use strata::quant::GgmlType;
 use strata::tiers::arena::HostArena;
@@ -110,7 +112,7 @@ fn layer(
                 .enumerate()
                 .map(|(i, (((g, u), h), out))| {
                     let (gate, up, down) = mats(i);
-                    ExpertJob { glu: GluJob { gate, up, x, g, u, h }, down, out }
+                    ExpertJob { glu: GluJob { gate, up, x, g, u, h, unit: GluUnit::SILU }, down, out }
                 })
                 .collect();
         experts_batch(pool, &mut jobs, Precision::Q8Activations, || {});
@@ -123,7 +125,7 @@ fn layer(
             .enumerate()
             .map(|(i, ((g, u), h))| {
                 let (gate, up, _) = mats(i);
-                GluJob { gate, up, x, g, u, h }
+                GluJob { gate, up, x, g, u, h, unit: GluUnit::SILU }
             })
             .collect();
     glu_batch(pool, &mut jobs, Precision::Q8Activations, || {});

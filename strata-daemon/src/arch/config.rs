@@ -1,7 +1,7 @@
 //! Hyper-parameters read from GGUF metadata (`{arch}.*` keys, as written by
 //! llama.cpp's `convert_hf_to_gguf.py`). Nothing is hard-coded for one model.
 
-use crate::arch::{ArchSpec, ExpertWidthDefault, FfnKind, FfnRule};
+use crate::arch::{ArchSpec, ExpertWidthDefault, FfnKind, FfnRule, SwaRope};
 use crate::gguf::{GgufError, GgufFile};
 use crate::quant::{GgmlType, QuantError};
 
@@ -79,8 +79,10 @@ pub struct ModelConfig {
     pub n_rot: usize,
     /// RoPE base frequency (`rope.freq_base`, default 10000).
     pub rope_freq_base: f32,
-    /// RoPE position scale (1 / `rope.scaling.factor` for linear scaling, else 1).
+    /// RoPE position scale (1 / `rope.scaling.factor` for linear or YaRN scaling, else 1).
     pub rope_freq_scale: f32,
+    /// YaRN's corrections to the scaled RoPE (`rope.scaling.type = yarn`), `None` for none.
+    pub rope_yarn: Option<Yarn>,
     /// RMSNorm epsilon (`attention.layer_norm_rms_epsilon`).
     pub rms_eps: f32,
     /// Training context length in tokens (`context_length`).
@@ -102,9 +104,45 @@ pub struct ModelConfig {
     /// Attention score scale: `1/sqrt(head_dim)`, except Gemma 3 27B's `1/sqrt(n_embd/n_head)` (its
     /// `query_pre_attn_scalar`; llama.cpp's `f_attention_scale`, told by its 62 layers).
     pub attn_scale: f32,
-    /// RoPE base of the sliding-window layers (10000, llama.cpp's `rope_freq_base_train_swa`; their position scale
-    /// is 1).
+    /// RoPE base of the sliding-window layers (llama.cpp's `rope_freq_base_train_swa`: the architecture's own, or
+    /// the global base unless `rope.freq_base_swa` names one).
     pub rope_freq_base_swa: f32,
+    /// RoPE position scale of the sliding-window layers (1 for an architecture whose sliding layers have a RoPE
+    /// of their own, else [`ModelConfig::rope_freq_scale`]); [`ModelConfig::rope_yarn`] applies to them too.
+    pub rope_freq_scale_swa: f32,
+}
+
+/// YaRN RoPE scaling (arXiv:2309.00071) as ggml's `rope_yarn` applies it: pair `i` of a head, at the unscaled
+/// angle `θ = pos · base^(−2i/n_rot)`, turns by `θ·s·(1 − r) + θ·r` with `s` the position scale and `r =
+/// ext_factor · ramp(i)` (`ramp` 1 below the correction dimension `lo`, 0 above `hi`, linear between), and its cos
+/// and sin are multiplied by `mscale = attn_factor · (1 + 0.1·ln(1/s))` (the latter factor only when `ext_factor
+/// ≠ 0`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Yarn {
+    /// Mix of extrapolation into the angles (`rope.scaling.yarn_ext_factor`, default 1).
+    pub ext_factor: f32,
+    /// Factor on cos and sin before YaRN's own (llama.cpp's context `yarn_attn_factor`: `get_mscale(factor)`
+    /// over YaRN's factor, times `rope.scaling.attn_factor`; 1 for gpt-oss).
+    pub attn_factor: f32,
+    /// Fast correction boundary in rotations (`rope.scaling.yarn_beta_fast`, default 32).
+    pub beta_fast: f32,
+    /// Slow correction boundary in rotations (`rope.scaling.yarn_beta_slow`, default 1).
+    pub beta_slow: f32,
+    /// The context the model was trained at before scaling (`rope.scaling.original_context_length`, default
+    /// `context_length`).
+    pub n_ctx_orig: usize,
+}
+
+impl Yarn {
+    /// The correction dimensions `[lo, hi]` of a RoPE of `n_rot` dimensions at `base` (ggml's
+    /// `ggml_rope_yarn_corr_dims`): the pair indices where a `beta_fast` / `beta_slow` rotation fits the original
+    /// context, floored / ceiled, within `0 ..= n_rot − 1`.
+    pub fn corr_dims(&self, n_rot: usize, base: f32) -> [f32; 2] {
+        let dim = |beta: f32| {
+            n_rot as f32 * (self.n_ctx_orig as f32 / (beta * 2.0 * std::f32::consts::PI)).ln() / (2.0 * base.ln())
+        };
+        [dim(self.beta_fast).floor().max(0.0), dim(self.beta_slow).ceil().min(n_rot as f32 - 1.0)]
+    }
 }
 
 impl ModelConfig {
@@ -193,15 +231,47 @@ impl ModelConfig {
         if n_expert == 0 && n_ff == 0 {
             return bad("feed_forward_length is missing for a dense model".into());
         }
-        let rope_freq_scale =
-            match (f.get(&k("rope.scaling.type")).and_then(|v| v.as_str()), opt_f("rope.scaling.factor")?) {
-                (Some("linear"), Some(fac)) if fac > 0.0 => 1.0 / fac,
-                (Some("none") | None, _) => 1.0,
-                (Some(t), _) if t != "linear" => {
-                    return bad(format!("rope.scaling.type {t:?} is not supported (supported: none, linear)"))
+        let scaling = f.get(&k("rope.scaling.type")).and_then(|v| v.as_str());
+        let rope_freq_scale = match (scaling, opt_f("rope.scaling.factor")?) {
+            (Some("linear" | "yarn"), Some(fac)) if fac > 0.0 => 1.0 / fac,
+            (Some("none" | "linear" | "yarn") | None, _) => 1.0,
+            (Some(t), _) => {
+                return bad(format!("rope.scaling.type {t:?} is not supported (supported: none, linear, yarn)"))
+            }
+        };
+        let n_ctx_train = opt_u("context_length")?.unwrap_or(2048);
+        let rope_yarn = match scaling {
+            Some("yarn") => {
+                // llama.cpp's context parameters (llama-context.cpp): ext_factor 1 unless given; the attention factor
+                // get_mscale(factor) (over get_mscale(factor, log_mul) with a log multiplier) divided by the
+                // 1 + 0.1·ln(factor) that ggml's rope_yarn multiplies in again, times rope.scaling.attn_factor
+                let ext_factor = opt_f("rope.scaling.yarn_ext_factor")?.unwrap_or(1.0);
+                let factor = 1.0 / rope_freq_scale;
+                let mscale = |m: f32| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+                let mut attn_factor = 1.0;
+                if ext_factor != 0.0 {
+                    attn_factor = match opt_f("rope.scaling.yarn_log_multiplier")? {
+                        Some(lm) if lm != 0.0 => mscale(1.0) / mscale(lm),
+                        _ => mscale(1.0),
+                    };
+                    attn_factor *= 1.0 / (1.0 + 0.1 * factor.ln());
                 }
-                _ => 1.0,
-            };
+                attn_factor *= opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0);
+                Some(Yarn {
+                    ext_factor,
+                    attn_factor,
+                    beta_fast: opt_f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+                    beta_slow: opt_f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+                    n_ctx_orig: opt_u("rope.scaling.original_context_length")?.unwrap_or(n_ctx_train).max(1),
+                })
+            }
+            _ => None,
+        };
+        let rope_freq_base = opt_f("rope.freq_base")?.unwrap_or(10000.0);
+        let (rope_freq_base_swa, rope_freq_scale_swa) = match def.swa_rope {
+            SwaRope::Base(b) => (b, 1.0),
+            SwaRope::Global => (opt_f("rope.freq_base_swa")?.unwrap_or(rope_freq_base), rope_freq_scale),
+        };
         let n_vocab = f.get_array("tokenizer.ggml.tokens")?.len();
         let sliding_window = if def.swa_pattern > 0 { opt_u("attention.sliding_window")?.unwrap_or(0) } else { 0 };
         let attn_scale = if def.name == "gemma3" && n_layer == 62 {
@@ -212,7 +282,9 @@ impl ModelConfig {
         Ok(ModelConfig {
             attn_scale,
             sliding_window,
-            rope_freq_base_swa: 10000.0,
+            rope_freq_base_swa,
+            rope_freq_scale_swa,
+            rope_yarn,
             spec: ArchSpec { def, ffn },
             n_ff_shexp,
             name: f.get("general.name").and_then(|v| v.as_str()).unwrap_or("").to_string(),
@@ -223,10 +295,10 @@ impl ModelConfig {
             n_head_kv,
             head_dim,
             n_rot,
-            rope_freq_base: opt_f("rope.freq_base")?.unwrap_or(10000.0),
+            rope_freq_base,
             rope_freq_scale,
             rms_eps: opt_f("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5),
-            n_ctx_train: opt_u("context_length")?.unwrap_or(2048),
+            n_ctx_train,
             n_vocab,
             n_expert,
             n_expert_used,

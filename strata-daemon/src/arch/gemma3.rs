@@ -5,7 +5,7 @@
 //! (`rope.freq_base`). The norm weights in GGUF already hold Gemma's `1 + w` (llama.cpp's converter adds the 1), so
 //! they are plain RMSNorm weights here. As llama.cpp's `gemma3` builder (`src/models/gemma3.cpp`).
 
-use super::{ArchDef, FfnAct, FfnRule, QkNorm, RopeKind};
+use super::{ArchDef, FfnAct, FfnRule, QkNorm, RopeKind, SwaRope};
 
 /// The `gemma3` row.
 pub const GEMMA3: ArchDef = ArchDef {
@@ -17,5 +17,6 @@ pub const GEMMA3: ArchDef = ArchDef {
     post_norms: true,
     embd_scale: true,
     swa_pattern: 6,
+    swa_rope: SwaRope::Base(10000.0),
     ..super::PLAIN
 };

@@ -10,6 +10,7 @@
 
 pub mod config;
 pub mod gemma3;
+pub mod gpt_oss;
 pub mod llama;
 pub mod olmoe;
 pub mod qwen2;
@@ -69,6 +70,9 @@ pub enum Gating {
     Softmax,
     /// Element-wise sigmoid.
     Sigmoid,
+    /// The top-k chosen on the raw logits, then a softmax over the `k` chosen logits only (llama.cpp's
+    /// `LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT`: gpt-oss).
+    SoftmaxTopK,
 }
 
 /// Default expert FFN width when `expert_feed_forward_length` is absent.
@@ -87,6 +91,19 @@ pub enum FfnAct {
     Silu,
     /// GELU, tanh approximation (GeGLU: Gemma).
     GeluTanh,
+    /// gpt-oss's clamped SwiGLU (ggml's `swiglu_oai`, α = 1.702, limit 7): with `g = min(gate, 7)` and
+    /// `u = clamp(up, −7, 7)`, `g·σ(1.702·g) · (u + 1)`.
+    SwigluOai,
+}
+
+/// The RoPE of the sliding-window layers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SwaRope {
+    /// Their own base and no position scaling (Gemma 3: base 10000, llama.cpp's `rope_freq_base_train_swa`).
+    Base(f32),
+    /// The global layers' RoPE (base, scaling, YaRN), unless `rope.freq_base_swa` names a base of their own
+    /// (gpt-oss).
+    Global,
 }
 
 /// One architecture of the registry: its GGUF name and its choices.
@@ -119,6 +136,17 @@ pub struct ArchDef {
     /// last `attention.sliding_window` positions unless `l % n == n − 1` (a global layer), and the sliding layers
     /// use their own RoPE base (llama.cpp's `set_swa_pattern`, `rope_freq_base_train_swa`).
     pub swa_pattern: usize,
+    /// RoPE of the sliding-window layers.
+    pub swa_rope: SwaRope,
+    /// The GGUF role of the RMSNorm before the FFN: `ffn_norm`, or `post_attention_norm` (gpt-oss, whose
+    /// converter names its FFN input norm so).
+    pub ffn_norm: &'static str,
+    /// Learned attention sinks (`attn_sinks`, one logit per query head that joins every softmax of that head's
+    /// scores without a value: gpt-oss).
+    pub attn_sinks: bool,
+    /// Biases on the router (`ffn_gate_inp.bias`, per expert) and on every expert's gate, up and down products
+    /// (`ffn_{gate,up,down}_exps.bias`, `[n_ff_exp, n_expert]` / `[n_embd, n_expert]`): gpt-oss.
+    pub moe_bias: bool,
 }
 
 /// The choices every architecture shared before Gemma (SwiGLU, no post-norms, no embedding scale, no sliding
@@ -136,6 +164,10 @@ pub const PLAIN: ArchDef = ArchDef {
     post_norms: false,
     embd_scale: false,
     swa_pattern: 0,
+    swa_rope: SwaRope::Global,
+    ffn_norm: "ffn_norm",
+    attn_sinks: false,
+    moe_bias: false,
 };
 
 /// The architecture of one loaded file: its registry row and the FFN kind its metadata chose.
@@ -160,8 +192,16 @@ impl ArchSpec {
 }
 
 /// Every architecture this build runs, in the order of DESIGN.md §9.
-pub const REGISTRY: &[&ArchDef] =
-    &[&llama::LLAMA, &qwen3::QWEN3MOE, &qwen3::QWEN3, &qwen2::QWEN2MOE, &qwen2::QWEN2, &olmoe::OLMOE, &gemma3::GEMMA3];
+pub const REGISTRY: &[&ArchDef] = &[
+    &llama::LLAMA,
+    &qwen3::QWEN3MOE,
+    &qwen3::QWEN3,
+    &qwen2::QWEN2MOE,
+    &qwen2::QWEN2,
+    &olmoe::OLMOE,
+    &gemma3::GEMMA3,
+    &gpt_oss::GPT_OSS,
+];
 
 /// The registry row of `name`, if this build runs it.
 pub fn lookup(name: &str) -> Option<&'static ArchDef> {
@@ -192,6 +232,11 @@ pub mod tensor {
     /// Roles of a block's shared expert (Qwen2-MoE); a file whose architecture has none must not hold them.
     pub const SHARED_EXPERT_ROLES: &[&str] =
         &["ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"];
+    /// Roles whose `.bias` an architecture with MoE biases has (gpt-oss); a file whose architecture has none
+    /// must not hold them.
+    pub const MOE_BIAS_ROLES: &[&str] = &["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"];
+    /// Attention sinks `[n_head]` (gpt-oss).
+    pub const ATTN_SINKS: &str = "attn_sinks";
 }
 
 #[cfg(test)]
@@ -205,6 +250,6 @@ mod tests {
             assert_eq!(REGISTRY.iter().filter(|e| e.name == d.name).count(), 1);
         }
         assert!(lookup("gpt2").is_none());
-        assert_eq!(supported_list(), "llama, qwen3moe, qwen3, qwen2moe, qwen2, olmoe, gemma3");
+        assert_eq!(supported_list(), "llama, qwen3moe, qwen3, qwen2moe, qwen2, olmoe, gemma3, gpt-oss");
     }
 }

@@ -43,6 +43,23 @@ pub struct ExpertWeights {
     pub down: Weight,
     /// The shared expert (`qwen2moe`), computed densely beside the routed ones.
     pub shared: Option<SharedExpert>,
+    /// `ffn_gate_inp.bias` (`n_expert` values), added to the router logits (gpt-oss).
+    pub router_bias: Option<Vec<f32>>,
+    /// The experts' biases (gpt-oss).
+    pub bias: Option<ExpertBias>,
+}
+
+/// Per-expert biases of the expert products, f32, expert-major: expert `x`'s values are the `x`-th run of each.
+/// They are small (`n_expert × (2·n_ff_exp + n_embd)` values a layer) and live beside the dense weights, not in the
+/// expert tiers.
+#[derive(Debug, Clone)]
+pub struct ExpertBias {
+    /// `ffn_gate_exps.bias` (`[n_ff_exp, n_expert]`): added to the gate product before the activation.
+    pub gate: Vec<f32>,
+    /// `ffn_up_exps.bias` (`[n_ff_exp, n_expert]`): added to the up product.
+    pub up: Vec<f32>,
+    /// `ffn_down_exps.bias` (`[n_embd, n_expert]`): added to the expert's output before its routing weight.
+    pub down: Vec<f32>,
 }
 
 /// A shared expert: a dense SwiGLU FFN every token goes through, scaled by a sigmoid gate.
@@ -94,8 +111,11 @@ pub struct Block {
     pub q_norm: Option<Vec<f32>>,
     /// `attn_k_norm` (`head_dim`, or `n_head_kv·head_dim`).
     pub k_norm: Option<Vec<f32>>,
-    /// `ffn_norm` (n_embd).
+    /// The RMSNorm before the FFN (n_embd): `ffn_norm`, or the role the architecture names for it
+    /// ([`crate::arch::ArchDef::ffn_norm`]).
     pub ffn_norm: Vec<f32>,
+    /// `attn_sinks` (`n_head` logits, one per query head), for an architecture with attention sinks.
+    pub attn_sinks: Option<Vec<f32>>,
     /// The block's FFN.
     pub ffn: Ffn,
     /// `post_attention_norm` (n_embd): RMSNorm of the attention output before its residual add (architectures
@@ -177,10 +197,12 @@ impl Weights {
         let mut blocks = Vec::new();
         for l in 0..cfg.n_layer {
             let n = |s: &str| tensor::weight(l, s);
-            // the post-norms: required where the architecture has them, refused where it does not
+            // the post-norms: required where the architecture has them, refused where it does not (unless the
+            // architecture's FFN input norm goes by that name)
             let post = |name: &str| match (spec.def.post_norms, f.tensor(name)) {
                 (true, _) => vector(f, name, cfg.n_embd).map(Some),
                 (false, None) => Ok(None),
+                (false, Some(_)) if name == n(spec.def.ffn_norm) => Ok(None),
                 (false, Some(_)) => Err(ModelError::UnexpectedTensor {
                     tensor: name.to_string(),
                     arch: spec.def.name.to_string(),
@@ -193,6 +215,18 @@ impl Weights {
                         tensor: t,
                         arch: cfg.arch.clone(),
                         why: format!("{} has no shared expert", cfg.arch),
+                    });
+                }
+            }
+            // MoE biases: required where the architecture has them, refused where it does not
+            if !spec.def.moe_bias {
+                if let Some(t) =
+                    tensor::MOE_BIAS_ROLES.iter().map(|r| tensor::bias(l, r)).find(|t| f.tensor(t).is_some())
+                {
+                    return Err(ModelError::UnexpectedTensor {
+                        tensor: t,
+                        arch: cfg.arch.clone(),
+                        why: format!("{} has no router or expert biases", cfg.arch),
                     });
                 }
             }
@@ -216,6 +250,18 @@ impl Weights {
                     up: weight(f, &n("ffn_up_exps"), Some(&[e, ff, ne]))?,
                     down: weight(f, &n("ffn_down_exps"), Some(&[ff, e, ne]))?,
                     shared,
+                    router_bias: match spec.def.moe_bias {
+                        true => Some(vector(f, &tensor::bias(l, "ffn_gate_inp"), cfg.n_expert)?),
+                        false => None,
+                    },
+                    bias: match spec.def.moe_bias {
+                        true => Some(ExpertBias {
+                            gate: dense_f32(f, &tensor::bias(l, "ffn_gate_exps"), &[ff, ne])?,
+                            up: dense_f32(f, &tensor::bias(l, "ffn_up_exps"), &[ff, ne])?,
+                            down: dense_f32(f, &tensor::bias(l, "ffn_down_exps"), &[e, ne])?,
+                        }),
+                        false => None,
+                    },
                 })
             } else {
                 let ff = cfg.n_ff as u64;
@@ -251,7 +297,11 @@ impl Weights {
                 },
                 q_norm,
                 k_norm,
-                ffn_norm: vector(f, &n("ffn_norm"), cfg.n_embd)?,
+                ffn_norm: vector(f, &n(spec.def.ffn_norm), cfg.n_embd)?,
+                attn_sinks: match spec.def.attn_sinks {
+                    true => Some(vector(f, &n(tensor::ATTN_SINKS), cfg.n_head)?),
+                    false => None,
+                },
                 ffn,
                 post_attn_norm: post(&n("post_attention_norm"))?,
                 post_ffn_norm: post(&n("post_ffw_norm"))?,
@@ -301,6 +351,18 @@ fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
     let w = weight(f, name, Some(&[n as u64]))?;
     let mut out = vec![0f32; n];
     dequantize_row(w.ty, &f.bytes()[w.offset..w.offset + w.bytes()], &mut out)?;
+    Ok(out)
+}
+
+/// A small tensor of shape `dims` (GGML order) read whole into f32 values (row-major: `dims[0]` values a row).
+fn dense_f32(f: &GgufFile, name: &str, dims: &[u64]) -> Result<Vec<f32>, ModelError> {
+    let w = weight(f, name, Some(dims))?;
+    let mut out = vec![0f32; w.rows * w.cols];
+    let rb = w.ty.row_bytes(w.cols);
+    let bytes = &f.bytes()[w.offset..w.offset + w.bytes()];
+    for (r, o) in out.chunks_exact_mut(w.cols).enumerate() {
+        dequantize_row(w.ty, &bytes[r * rb..(r + 1) * rb], o)?;
+    }
     Ok(out)
 }
 

@@ -216,25 +216,59 @@ pub trait Backend: Send + Sync {
 }
 
 /// RoPE angles of positions `pos0 .. pos0 + t`: `t × n_rot/2` (cos, sin) pairs, pair i of a position at angle
-/// `pos · rope_freq_scale · rope_freq_base^(-2i/n_rot)` (llama.cpp's `rope_yarn` without YaRN).
+/// `pos · rope_freq_scale · rope_freq_base^(-2i/n_rot)` (llama.cpp's `rope_yarn` without YaRN), or with YaRN's
+/// corrections ([`crate::arch::config::Yarn`]) when the model has them.
 pub fn rope_angles(cfg: &ModelConfig, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
-    rope_angles_at(cfg.n_rot, cfg.rope_freq_base, cfg.rope_freq_scale, pos0, t, out)
+    rope_angles_at(cfg.n_rot, cfg.rope_freq_base, cfg.rope_freq_scale, cfg.rope_yarn.as_ref(), pos0, t, out)
 }
 
-/// [`rope_angles`] of the sliding-window layers ([`ModelConfig::is_swa`]): their own base, position scale 1.
+/// [`rope_angles`] of the sliding-window layers ([`ModelConfig::is_swa`]): their base and position scale.
 pub fn rope_angles_swa(cfg: &ModelConfig, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
-    rope_angles_at(cfg.n_rot, cfg.rope_freq_base_swa, 1.0, pos0, t, out)
+    let yarn = cfg.rope_yarn.as_ref();
+    rope_angles_at(cfg.n_rot, cfg.rope_freq_base_swa, cfg.rope_freq_scale_swa, yarn, pos0, t, out)
 }
 
-fn rope_angles_at(n_rot: usize, base: f32, scale: f32, pos0: usize, t: usize, out: &mut Vec<(f32, f32)>) {
+fn rope_angles_at(
+    n_rot: usize,
+    base: f32,
+    scale: f32,
+    yarn: Option<&crate::arch::config::Yarn>,
+    pos0: usize,
+    t: usize,
+    out: &mut Vec<(f32, f32)>,
+) {
     let half = n_rot / 2;
     out.clear();
     let theta_scale = base.powf(-2.0 / n_rot as f32);
+    let Some(y) = yarn else {
+        for p in pos0..pos0 + t {
+            let mut theta = p as f32 * scale;
+            for _ in 0..half {
+                out.push((theta.cos(), theta.sin()));
+                theta *= theta_scale;
+            }
+        }
+        return;
+    };
+    // ggml's rope_yarn over ggml_rope_cache_init's angles (ops.cpp), in its order of operations
+    let [lo, hi] = y.corr_dims(n_rot, base);
+    let mut mscale = y.attn_factor;
+    if y.ext_factor != 0.0 {
+        mscale *= 1.0 + 0.1 * (1.0 / scale).ln();
+    }
     for p in pos0..pos0 + t {
-        let mut theta = p as f32 * scale;
-        for _ in 0..half {
-            out.push((theta.cos(), theta.sin()));
-            theta *= theta_scale;
+        let mut extrap = p as f32;
+        for i in 0..half {
+            let interp = scale * extrap;
+            let theta = if y.ext_factor != 0.0 {
+                let ramp = 1.0 - ((i as f32 - lo) / (hi - lo).max(0.001)).clamp(0.0, 1.0);
+                let mix = ramp * y.ext_factor;
+                interp * (1.0 - mix) + extrap * mix
+            } else {
+                interp
+            };
+            out.push((theta.cos() * mscale, theta.sin() * mscale));
+            extrap *= theta_scale;
         }
     }
 }

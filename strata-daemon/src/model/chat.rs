@@ -41,6 +41,15 @@ pub fn render(
     env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
         Err(Error::new(ErrorKind::InvalidOperation, msg))
     });
+    // the local date and time in a Python strftime format (transformers passes this function to templates:
+    // gpt-oss and Llama 3.1 print today's date in their system preamble)
+    env.add_function("strftime_now", |fmt: String| -> Result<String, Error> {
+        let mut out = String::new();
+        use std::fmt::Write as _;
+        write!(out, "{}", chrono::Local::now().format(&fmt))
+            .map_err(|_| Error::new(ErrorKind::InvalidOperation, format!("strftime_now: bad format {fmt:?}")))?;
+        Ok(out)
+    });
     env.add_template("chat", template).map_err(|e| ChatError::Template(e.to_string()))?;
     let t = env.get_template("chat").map_err(|e| ChatError::Template(e.to_string()))?;
     t.render(context! {

@@ -312,6 +312,8 @@ mod tests {
             n_ff_shexp: 64,
             sliding_window: 0,
             rope_freq_base_swa: 1e4,
+            rope_freq_scale_swa: 1.0,
+            rope_yarn: None,
             attn_scale: 0.25,
         }
     }

@@ -44,6 +44,11 @@ pub mod token_type {
 const GPT2_RE: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 const LLAMA3_RE: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_RE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// o200k's expression (`tokenizer.ggml.pre = "gpt-4o"`: GPT-4o, gpt-oss), as its `tokenizer.json` writes it: a
+/// word is an optional leading non-letter, then upper-case-like letters and lower-case-like letters (either run
+/// may lead) with an English contraction attached; digits in threes; punctuation runs with trailing newlines or
+/// slashes; whitespace runs.
+const GPT4O_RE: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Pre-tokenizer regexes for a `tokenizer.ggml.pre` name: a list of regexes
 /// applied in turn (each isolating its matches), the last of which is followed
@@ -56,6 +61,7 @@ fn pre_regexes(pre: &str) -> Option<Vec<&'static str>> {
         }
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "dbrx" | "smaug-bpe" => vec![LLAMA3_RE],
         "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" | "hunyuan" => vec![QWEN2_RE],
+        "gpt-4o" | "minimax-m2" => vec![GPT4O_RE],
         _ => return None,
     })
 }
@@ -248,7 +254,7 @@ impl Tokenizer {
         for (b, c) in table.iter().enumerate() {
             inv.insert(*c, b as u8);
         }
-        let pieces: Vec<Vec<u8>> = tokens
+        let mut pieces: Vec<Vec<u8>> = tokens
             .iter()
             .zip(&types)
             .map(|(t, &ty)| match (kind, ty) {
@@ -276,10 +282,47 @@ impl Tokenizer {
                         | "<end_of_turn>"
                         | "</s>"
                         | "<|return|>"
+                        | "<|call|>"
                 )
                 && !eog.contains(&(i as u32))
             {
                 eog.push(i as u32);
+            }
+        }
+        // fill-in-the-middle padding, repository and file separators end generation too (llama.cpp's FIM_PAD,
+        // FIM_REP and FIM_SEP names, whatever their type)
+        const FIM_EOG: &[&str] = &[
+            "<|fim_pad|>",
+            "<fim-pad>",
+            "<fim_pad>",
+            "<PAD>",
+            "[PAD]",
+            "<|fim_repo|>",
+            "<|repo_name|>",
+            "<fim-repo>",
+            "<REPO>",
+            "<reponame>",
+            "<|file_sep|>",
+        ];
+        for (i, t) in tokens.iter().enumerate() {
+            if FIM_EOG.contains(&t.as_str()) && !eog.contains(&(i as u32)) {
+                eog.push(i as u32);
+            }
+        }
+        // o200k_harmony (gpt-oss): `<|end|>` closes a message inside the assistant's turn (its analysis channel),
+        // so with `<|return|>` and `<|call|>` ending the turn it does not end generation (as llama.cpp decides)
+        let is = |id: &u32, text: &str| tokens.get(*id as usize).is_some_and(|t| t == text);
+        let harmony = eog.iter().any(|id| is(id, "<|return|>")) && eog.iter().any(|id| is(id, "<|call|>"));
+        if harmony {
+            eog.retain(|id| !is(id, "<|end|>"));
+        }
+        // harmony's markers are printed in generated text, as llama.cpp prints them (it makes them user-defined): a
+        // client reads the channels and message bounds from them. In input they stay special tokens (unlike
+        // llama.cpp's), so that message content spelling them is text.
+        for (i, t) in tokens.iter().enumerate() {
+            let marker = matches!(t.as_str(), "<|channel|>" | "<|message|>" | "<|start|>" | "<|constrain|>");
+            if marker || (harmony && t == "<|end|>") {
+                pieces[i] = t.as_bytes().to_vec();
             }
         }
         let add_bos =

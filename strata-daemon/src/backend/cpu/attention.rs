@@ -29,7 +29,9 @@ thread_local! {
 }
 
 /// `out` (`t × n_head × head_dim`) = softmax(q·Kᵀ · scale) · V for the `t` rows of `q` (same shape) at positions
-/// `pos0 ..`, each attending to positions `0 ..= its own` (the last `window` of them when `window > 0`). `keys`
+/// `pos0 ..`, each attending to positions `0 ..= its own` (the last `window` of them when `window > 0`). `sinks`
+/// (`n_head` logits, when given): head h's softmax also counts `e^sinks[h]` in its denominator, a position
+/// without a value (ggml's `soft_max` with sinks: the largest of the scores and the sink is subtracted). `keys`
 /// and `values` hold at least `pos0 + t` positions of `n_head_kv × head_dim` values. f16 rows: `q` is rounded to
 /// f16 first (in place) and the probabilities before the product with V, as llama.cpp does over its F16 cache.
 #[allow(clippy::too_many_arguments)]
@@ -42,9 +44,11 @@ pub fn attend(
     (pos0, t): (usize, usize),
     scale: f32,
     window: usize,
+    sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
     let (nh, hd) = (h.n_head, h.head_dim);
+    assert!(sinks.is_none_or(|s| s.len() >= nh), "attention sinks: one per query head");
     let (qd, kvd) = (nh * hd, h.n_head_kv * hd);
     let r16 = matches!(keys, KvRows::F16(_));
     assert!(q.len() >= t * qd && out.len() >= t * qd, "attention buffers");
@@ -74,12 +78,13 @@ pub fn attend(
                 if hd % 8 == 0 && hd <= 256 && per <= 64 && crate::quant::simd_level().avx2() {
                     // SAFETY: AVX2 and F16C were detected; the span's rows lie inside keys and values (they hold
                     // pos0 + t positions of kvd values, kh * hd + hd <= kvd), qv and o hold `per` heads.
-                    unsafe { heads_f16_avx2(qv, k, v, span, scale, &mut sc, o) };
+                    unsafe { heads_f16_avx2(qv, k, v, span, scale, sinks.map(|s| &s[h0..h0 + per]), &mut sc, o) };
                     return;
                 }
             }
             for g in 0..per {
-                head(&qv[g * hd..(g + 1) * hd], keys, values, span, scale, r16, &mut sc, &mut o[g * hd..(g + 1) * hd]);
+                let (qh, oh) = (&qv[g * hd..(g + 1) * hd], &mut o[g * hd..(g + 1) * hd]);
+                head(qh, keys, values, span, scale, r16, sinks.map(|s| s[h0 + g]), &mut sc, oh);
             }
         });
     };
@@ -107,13 +112,17 @@ impl Span {
     }
 }
 
-/// Softmax of `sc` in place: each score minus the largest, exponentiated, divided by their sum, rounded to f16
-/// when `r16`.
-fn softmax(sc: &mut [f32], mx: f32, r16: bool) {
+/// Softmax of `sc` in place: each score minus the largest (`mx`, or the sink when that is larger),
+/// exponentiated, divided by their sum (plus the sink's exponential), rounded to f16 when `r16`.
+fn softmax(sc: &mut [f32], mx: f32, r16: bool, sink: Option<f32>) {
+    let mx = sink.map_or(mx, |s| mx.max(s));
     let mut sum = 0f32;
     for s in sc.iter_mut() {
         *s = (*s - mx).exp();
         sum += *s;
+    }
+    if let Some(s) = sink {
+        sum += (s - mx).exp();
     }
     let inv = 1.0 / sum;
     for s in sc.iter_mut() {
@@ -133,6 +142,7 @@ fn head(
     sp: Span,
     scale: f32,
     r16: bool,
+    sink: Option<f32>,
     sc: &mut Vec<f32>,
     o: &mut [f32],
 ) {
@@ -146,7 +156,7 @@ fn head(
         mx = mx.max(d);
         sc.push(d);
     }
-    softmax(sc, mx, r16);
+    softmax(sc, mx, r16, sink);
     o.fill(0.0);
     for (j, &w) in sc.iter().enumerate() {
         match values {
@@ -160,8 +170,8 @@ fn head(
     }
 }
 
-/// `qv.len() / hd` heads sharing one K/V head over f16 rows (AVX2 + F16C): each position's K and V rows are
-/// converted once for all of them. The same bits as [`head`]: each score is [`f16::dot`]'s sum (eight lanes of
+/// `qv.len() / hd` heads sharing one K/V head over f16 rows (AVX2 + F16C; `sinks`: theirs, one per head): each
+/// position's K and V rows are converted once for all of them. The same bits as [`head`]: each score is [`f16::dot`]'s sum (eight lanes of
 /// products added in position order, reduced in `dot_f32`'s order), each output value the same sequence of
 /// multiplies and adds.
 ///
@@ -170,7 +180,17 @@ fn head(
 /// `v`; `o.len() == qv.len()`, a multiple of `sp.hd`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn heads_f16_avx2(qv: &[f32], k: &[u16], v: &[u16], sp: Span, scale: f32, sc: &mut Vec<f32>, o: &mut [f32]) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn heads_f16_avx2(
+    qv: &[f32],
+    k: &[u16],
+    v: &[u16],
+    sp: Span,
+    scale: f32,
+    sinks: Option<&[f32]>,
+    sc: &mut Vec<f32>,
+    o: &mut [f32],
+) {
     use std::arch::x86_64::*;
     let (hd, per) = (sp.hd, qv.len() / sp.hd);
     let (c8, len) = (hd / 8, sp.n - sp.first);
@@ -196,7 +216,7 @@ unsafe fn heads_f16_avx2(qv: &[f32], k: &[u16], v: &[u16], sp: Span, scale: f32,
         }
     }
     for g in 0..per {
-        softmax(&mut sc[g * len..(g + 1) * len], mx[g], true);
+        softmax(&mut sc[g * len..(g + 1) * len], mx[g], true, sinks.map(|s| s[g]));
     }
     o.fill(0.0);
     for (j, p) in (sp.first..sp.n).enumerate() {
@@ -254,15 +274,50 @@ mod tests {
             let mut qv: Vec<f32> = (0..per * hd).map(|_| r()).collect();
             f16::round_slice(&mut qv);
             let sp = Span { first, n, kvd, off: (nkv - 1) * hd, hd };
+            // sinks on two of the three shapes, one of them larger than every score
+            let sinks = (first > 0 || hd == 8).then(|| (0..per).map(|g| g as f32 * 3.0 - 1.0).collect::<Vec<f32>>());
             let (mut fast, mut slow) = (vec![f32::NAN; per * hd], vec![f32::NAN; per * hd]);
             let mut sc = Vec::new();
             // SAFETY: AVX2 and F16C detected above; the span's rows lie inside k and v; shapes as documented.
-            unsafe { heads_f16_avx2(&qv, k, v, sp, 0.125, &mut sc, &mut fast) };
+            unsafe { heads_f16_avx2(&qv, k, v, sp, 0.125, sinks.as_deref(), &mut sc, &mut fast) };
             for g in 0..per {
                 let q = &qv[g * hd..(g + 1) * hd];
-                head(q, KvRows::F16(k), KvRows::F16(v), sp, 0.125, true, &mut sc, &mut slow[g * hd..(g + 1) * hd]);
+                let sink = sinks.as_ref().map(|s| s[g]);
+                head(
+                    q,
+                    KvRows::F16(k),
+                    KvRows::F16(v),
+                    sp,
+                    0.125,
+                    true,
+                    sink,
+                    &mut sc,
+                    &mut slow[g * hd..(g + 1) * hd],
+                );
             }
             assert!(fast.iter().zip(&slow).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd}, {per} heads");
         }
+    }
+
+    /// A sink is a softmax position without a value: the probabilities are those of a softmax over the scores and
+    /// the sink, the sink's own dropped (so they sum to 1 − its share); without one they sum to 1.
+    #[test]
+    fn a_sink_takes_its_share_of_the_softmax() {
+        let scores = [0.5f32, -1.0, 2.0, 0.25];
+        for sink in [-3.0f32, 1.0, 9.0] {
+            let mut sc = scores.to_vec();
+            let mx = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            softmax(&mut sc, mx, false, Some(sink));
+            let all: Vec<f64> = scores.iter().chain([&sink]).map(|&v| (v as f64).exp()).collect();
+            let z: f64 = all.iter().sum();
+            for (p, e) in sc.iter().zip(&all) {
+                assert!((*p as f64 - e / z).abs() < 1e-6, "sink {sink}: {p} vs {}", e / z);
+            }
+            let share = all[4] / z;
+            assert!((sc.iter().sum::<f32>() as f64 - (1.0 - share)).abs() < 1e-6);
+        }
+        let mut sc = scores.to_vec();
+        softmax(&mut sc, 2.0, false, None);
+        assert!((sc.iter().sum::<f32>() - 1.0).abs() < 1e-6);
     }
 }

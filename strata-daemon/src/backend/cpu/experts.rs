@@ -1,7 +1,7 @@
 //! The CPU's share of an MoE layer: routed experts computed on the worker pool from wherever their bytes are
 //! (the RAM copy, blobs read from the file, the mapping), weighted and summed per token.
 
-use super::{experts_batch, Act, ExpertJob, GluJob, MatRef};
+use super::{experts_batch, Act, ExpertJob, GluAct, GluJob, GluUnit, MatRef};
 use crate::arch::weights::ExpertWeights;
 use crate::backend::{ModelRef, Scratch};
 use crate::tiers::arena::HostArena;
@@ -10,9 +10,11 @@ use crate::tiers::store::Source;
 /// Computes on the CPU pool the experts in `by_expert` (skipping empty entries) from `src` into
 /// `s.moe_acc` (`t × n_embd`, zeroed first): `acc[i] = Σ_e w · expert_e(xn_i)`. `s.xn` must hold the
 /// normalized, quantized activations. File-tier blobs of the layer are read together first.
-/// `from[x]` (when given): expert x's intermediate rows `from[x] .. n_ff_exp` only (a multiple of 32; the
-/// rest is computed elsewhere and added to the same output) — gate/up rows and the matching block range of
-/// every down row. `side` runs once on the calling thread while the pool works on the first experts (or
+/// Experts are the architecture's gated unit ([`GluAct::of`]) with the layer's expert biases when it has them
+/// ([`ExpertWeights::bias`]). `from[x]` (when given): expert x's intermediate rows `from[x] .. n_ff_exp` only (a
+/// multiple of 32; the rest is computed elsewhere and added to the same output) — gate/up rows and the matching
+/// block range of every down row; the down bias is added here only when `from[x]` is 0 (a caller that computes an
+/// expert's first rows elsewhere adds it there). `side` runs once on the calling thread while the pool works on the first experts (or
 /// before the file reads; at once when there is nothing to compute): work of the caller's that should not
 /// delay the CPU experts, such as a hybrid layer's GPU copies and launches. It gets the RAM copy when this
 /// function holds its read lock (the lock is not re-entrant), `None` when it does not.
@@ -31,6 +33,7 @@ pub fn experts(
     let cfg = &m.cfg;
     let (e, ne, ff) = (cfg.n_embd, cfg.n_expert, cfg.n_ff_exp);
     let t = s.xn.t;
+    let act = GluAct::of(cfg.spec.def.act, m.precision);
     let (gate_all, up_all, down_all) = (m.mat(&ex.gate), m.mat(&ex.up), m.mat(&ex.down));
     let gb = ff * gate_all.row_bytes();
     let db = e * down_all.row_bytes();
@@ -136,7 +139,7 @@ pub fn experts(
             let mut jobs = Vec::with_capacity(batch.len());
             let (mut g_rest, mut u_rest) = (&mut s.gate[..], &mut s.up[..]);
             let mut o_rest = &mut s.tmp[..];
-            for ((v, x), h) in views.iter().zip(&subs).zip(hs.iter_mut()) {
+            for (((v, x), h), &xid) in views.iter().zip(&subs).zip(hs.iter_mut()).zip(batch) {
                 let n = x.t * v.0.rows;
                 // the down product's activations as its format pairs them (Q8_K for the K- and IQ quants)
                 h.with_q8k = crate::quant::format::lookup(v.2.ty)
@@ -147,18 +150,32 @@ pub fn experts(
                 g_rest = gr;
                 u_rest = ur;
                 o_rest = or;
-                jobs.push(ExpertJob { glu: GluJob { gate: v.0, up: v.1, x, g, u, h }, down: v.2, out });
+                // the expert's gate/up biases over the rows this call computes
+                let (b0, b1) = (xid * ff + f0(xid), (xid + 1) * ff);
+                let unit = GluUnit { act, bias: ex.bias.as_ref().map(|b| (&b.gate[b0..b1], &b.up[b0..b1])) };
+                jobs.push(ExpertJob { glu: GluJob { gate: v.0, up: v.1, x, g, u, h, unit }, down: v.2, out });
             }
             let side = side.take();
             experts_batch(&m.pool, &mut jobs, m.precision, || side.into_iter().for_each(|f| f(arena.as_deref())));
         }
-        // weighted sum into the tokens' rows, expert by expert in id order
+        // weighted sum into the tokens' rows, expert by expert in id order (plus the expert's down bias, where it
+        // has one and this call computes its first rows)
         let mut off = 0;
         for &x in batch {
+            let down_bias = ex.bias.as_ref().filter(|_| f0(x) == 0).map(|b| &b.down[x * e..(x + 1) * e]);
             for (jj, &(ti, w)) in by_expert[x].iter().enumerate() {
                 let y = &s.tmp[off + jj * e..off + (jj + 1) * e];
-                for (a, v) in acc[ti * e..(ti + 1) * e].iter_mut().zip(y) {
-                    *a += w * v;
+                match down_bias {
+                    None => {
+                        for (a, v) in acc[ti * e..(ti + 1) * e].iter_mut().zip(y) {
+                            *a += w * v;
+                        }
+                    }
+                    Some(b) => {
+                        for ((a, v), b) in acc[ti * e..(ti + 1) * e].iter_mut().zip(y).zip(b) {
+                            *a += w * (v + b);
+                        }
+                    }
                 }
             }
             off += by_expert[x].len() * e;

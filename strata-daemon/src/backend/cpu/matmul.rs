@@ -257,9 +257,82 @@ pub fn gelu_tanh_f16(x: f32) -> f32 {
     }
 }
 
-/// One expert's SwiGLU of a [`glu_batch`]: `h[t, r] = silu(gate_r · x_t) · (up_r · x_t)` for the `x.t` tokens
-/// and the `gate.rows` (= `up.rows`) intermediate rows; `h` is then quantized to Q8 blocks when its width is a
-/// multiple of 32.
+/// swiglu_oai (gpt-oss's clamped SwiGLU, ggml's `ggml_swiglu_oai` with α = 1.702 and limit 7, in its order of
+/// operations): `x = min(g, 7)`, `y = clamp(u, −7, 7)`, `x / (1 + e^(−1.702·x)) · (y + 1)`.
+#[inline]
+pub fn swiglu_oai(g: f32, u: f32) -> f32 {
+    const ALPHA: f32 = 1.702;
+    const LIMIT: f32 = 7.0;
+    let x = g.min(LIMIT);
+    let y = u.clamp(-LIMIT, LIMIT);
+    x / (1.0 + (ALPHA * -x).exp()) * (y + 1.0)
+}
+
+/// The gated unit `h = act(g, u)` of a gated FFN, from its gate product `g` and up product `u`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GluAct {
+    /// `silu(g) · u` (SwiGLU).
+    Silu,
+    /// `gelu_tanh(g) · u` (GeGLU, f32 arithmetic).
+    GeluTanh,
+    /// `gelu_tanh_f16(g) · u` (GeGLU through llama.cpp's f16 table).
+    GeluTanhF16,
+    /// [`swiglu_oai`].
+    SwigluOai,
+}
+
+impl GluAct {
+    /// The unit of an architecture's FFN activation in the arithmetic of `precision` (the f16 GELU table unless
+    /// the exact f32 reference runs).
+    pub fn of(act: crate::arch::FfnAct, precision: Precision) -> GluAct {
+        match (act, precision) {
+            (crate::arch::FfnAct::Silu, _) => GluAct::Silu,
+            (crate::arch::FfnAct::GeluTanh, Precision::F32) => GluAct::GeluTanh,
+            (crate::arch::FfnAct::GeluTanh, _) => GluAct::GeluTanhF16,
+            (crate::arch::FfnAct::SwigluOai, _) => GluAct::SwigluOai,
+        }
+    }
+
+    /// `h[i] = act(g[i] + bg[i], u[i] + bu[i])` (`bias` = `(bg, bu)`, none without one) over the shortest of the
+    /// slices.
+    pub fn apply(self, g: &[f32], u: &[f32], bias: Option<(&[f32], &[f32])>, h: &mut [f32]) {
+        fn each(f: impl Fn(f32, f32) -> f32, g: &[f32], u: &[f32], bias: Option<(&[f32], &[f32])>, h: &mut [f32]) {
+            match bias {
+                None => h.iter_mut().zip(g).zip(u).for_each(|((h, &g), &u)| *h = f(g, u)),
+                Some((bg, bu)) => {
+                    for ((((h, &g), &u), &bg), &bu) in h.iter_mut().zip(g).zip(u).zip(bg).zip(bu) {
+                        *h = f(g + bg, u + bu);
+                    }
+                }
+            }
+        }
+        match self {
+            GluAct::Silu => each(|g, u| silu(g) * u, g, u, bias, h),
+            GluAct::GeluTanh => each(|g, u| gelu_tanh(g) * u, g, u, bias, h),
+            GluAct::GeluTanhF16 => each(|g, u| gelu_tanh_f16(g) * u, g, u, bias, h),
+            GluAct::SwigluOai => each(swiglu_oai, g, u, bias, h),
+        }
+    }
+}
+
+/// The gated unit of a [`GluJob`]: its activation and the biases of its gate and up rows.
+#[derive(Debug, Clone, Copy)]
+pub struct GluUnit<'a> {
+    /// `h = act(g, u)`.
+    pub act: GluAct,
+    /// Biases of the job's `gate.rows` gate and up rows (`(gate, up)`, each `gate.rows` values), added to the
+    /// products before the activation; `None` for none.
+    pub bias: Option<(&'a [f32], &'a [f32])>,
+}
+
+impl GluUnit<'static> {
+    /// SwiGLU without biases (llama, Qwen, OLMoE experts).
+    pub const SILU: GluUnit<'static> = GluUnit { act: GluAct::Silu, bias: None };
+}
+
+/// One expert's gated unit of a [`glu_batch`]: `h[t, r] = act(gate_r · x_t, up_r · x_t)` ([`GluUnit`]: SwiGLU,
+/// optionally with biases or another activation) for the `x.t` tokens and the `gate.rows` (= `up.rows`)
+/// intermediate rows; `h` is then quantized to Q8 blocks when its width is a multiple of 32.
 pub struct GluJob<'a> {
     /// Gate weights (`rows × x.n`).
     pub gate: MatRef<'a>,
@@ -273,6 +346,8 @@ pub struct GluJob<'a> {
     pub u: &'a mut [f32],
     /// Output, resized here to `x.t × gate.rows`.
     pub h: &'a mut Act,
+    /// The activation and biases.
+    pub unit: GluUnit<'a>,
 }
 
 /// The SwiGLU hidden layer of several experts in one fork-join of `pool`: each task computes a range of rows
@@ -327,6 +402,7 @@ pub fn experts_batch(pool: &WorkerPool, jobs: &mut [ExpertJob<'_>], precision: P
             g: &mut *j.glu.g,
             u: &mut *j.glu.u,
             h: &mut *j.glu.h,
+            unit: j.glu.unit,
         })
         .collect();
     let plan = GluPlan::new(threads, &mut glu, precision);
@@ -402,6 +478,7 @@ struct GluEntry<'a> {
     hq: SyncQ8,
     /// h's Q8_K blocks, where [`Act::with_q8k`] asked for them.
     hqk: Option<SyncQ8>,
+    unit: GluUnit<'a>,
 }
 
 /// The tasks of a batch of SwiGLU jobs (h resized; shapes checked).
@@ -422,6 +499,9 @@ impl<'a> GluPlan<'a> {
             assert!(j.g.len() >= x.t * rows && j.u.len() >= x.t * rows, "glu: scratch too small");
             if g.ty.uses_q8_activations() && precision != Precision::F32 {
                 assert_eq!(x.q.len(), x.t * x.n / 32, "glu: activations not quantized");
+            }
+            if let Some((bg, bu)) = j.unit.bias {
+                assert!(bg.len() >= rows && bu.len() >= rows, "glu: {} gate/up biases for {rows} rows", bg.len());
             }
             j.h.resize(x.t, rows);
             // as Act::quantize sizes it: Q8_0 blocks, and the Q8_K ones where h.with_q8k asks for them (K-quant or IQ
@@ -452,6 +532,7 @@ impl<'a> GluPlan<'a> {
                 hp: SyncPtr(j.h.f.as_mut_ptr()),
                 hq: SyncQ8(j.h.q.as_mut_ptr()),
                 hqk: q8k.then(|| SyncQ8(j.h.qk.as_mut_ptr())),
+                unit: j.unit,
             });
             tasks += n;
         }
@@ -477,9 +558,7 @@ impl<'a> GluPlan<'a> {
                     std::slice::from_raw_parts_mut(e.hp.0.add(a), b - a),
                 )
             };
-            for ((h, &gx), &ux) in hv.iter_mut().zip(gv).zip(uv) {
-                *h = silu(gx) * ux;
-            }
+            e.unit.act.apply(gv, uv, e.unit.bias.map(|(bg, bu)| (&bg[r0..r1], &bu[r0..r1])), hv);
             if rows % 32 == 0 {
                 // SAFETY: rows, r0 and r1 are multiples of 32 here, so blocks a/32 .. b/32 are this task's alone
                 // and lie inside h's `x.t × rows / 32` blocks.
@@ -673,7 +752,7 @@ mod tests {
             let up = mat(&wu, GgmlType::Q8_0, rows, 64);
             glu_batch(
                 &pool,
-                &mut [GluJob { gate, up, x: &x, g: &mut g, u: &mut u, h: &mut h }],
+                &mut [GluJob { gate, up, x: &x, g: &mut g, u: &mut u, h: &mut h, unit: GluUnit::SILU }],
                 Precision::Q8Activations,
                 || {},
             );
@@ -718,6 +797,7 @@ mod tests {
                                 g,
                                 u,
                                 h,
+                                unit: GluUnit::SILU,
                             })
                             .collect();
                         let mut ran = 0;
@@ -786,7 +866,15 @@ mod tests {
                             .zip(&xs)
                             .zip(&shapes)
                             .map(|((((g, u, h, out), w), x), &(f, e, _))| ExpertJob {
-                                glu: GluJob { gate: mat(&w[0], ty, f, e), up: mat(&w[1], ty, f, e), x, g, u, h },
+                                glu: GluJob {
+                                    gate: mat(&w[0], ty, f, e),
+                                    up: mat(&w[1], ty, f, e),
+                                    x,
+                                    g,
+                                    u,
+                                    h,
+                                    unit: GluUnit::SILU,
+                                },
                                 down: mat(&w[2], ty, e, f),
                                 out,
                             })
@@ -808,6 +896,7 @@ mod tests {
                                 g,
                                 u,
                                 h,
+                                unit: GluUnit::SILU,
                             })
                             .collect();
                         glu_batch(&pool, &mut jobs, precision, || {});
@@ -860,6 +949,7 @@ mod tests {
                     g: &mut g,
                     u: &mut u,
                     h: &mut h,
+                    unit: GluUnit::SILU,
                 },
                 down,
                 out: &mut out,
@@ -877,5 +967,24 @@ mod tests {
         let mut other = vec![0f32; e * t];
         matmul_with(&pool, down, &q8_0, &mut other, Precision::Q8Activations);
         assert!(other.iter().zip(&want).any(|(a, b)| a.to_bits() != b.to_bits()));
+    }
+
+    /// swiglu_oai clamps the gate from above at 7 and the up product to ±7 (ggml's order of operations), and without
+    /// the clamps is x·σ(1.702x)·(u + 1); the biases are added before it.
+    #[test]
+    fn swiglu_oai_clamps_and_adds_one_to_up() {
+        let s = |x: f32| 1.0 / (1.0 + (-1.702 * x).exp());
+        for (g, u) in [(0.5f32, -0.25f32), (-3.0, 2.0), (10.0, -10.0), (7.5, 9.0), (-20.0, 0.0)] {
+            let (x, y) = (g.min(7.0), u.clamp(-7.0, 7.0));
+            let want = x * s(x) * (y + 1.0);
+            assert!((swiglu_oai(g, u) - want).abs() <= 1e-6 * want.abs().max(1.0), "{g} {u}");
+        }
+        assert_eq!(swiglu_oai(100.0, 100.0), swiglu_oai(7.0, 7.0));
+        let (g, u, (bg, bu)) = ([1.0f32, 9.0], [0.5f32, -9.0], ([0.5f32, -3.0], [0.25f32, 1.0]));
+        let mut h = [0f32; 2];
+        GluAct::SwigluOai.apply(&g, &u, Some((&bg, &bu)), &mut h);
+        assert_eq!(h, [swiglu_oai(1.5, 0.75), swiglu_oai(6.0, -8.0)]);
+        GluAct::Silu.apply(&g, &u, None, &mut h);
+        assert_eq!(h, [silu(1.0) * 0.5, silu(9.0) * -9.0]);
     }
 }

@@ -15,7 +15,7 @@ use math::{add_rows, dot_f32, rms_norm, rms_norm_in_place, rope, rope_neox};
 use super::moe::{dispatch, router};
 use super::{Backend, BackendError, Body, KvCache, Logits, ModelRef, Norm, Ops, Scratch};
 use crate::arch::weights::{Ffn, Weight};
-use crate::arch::{FfnAct, RopeKind};
+use crate::arch::RopeKind;
 use crate::quant::dequantize_row;
 
 /// The CPU backend. It keeps nothing between passes: the weights are read in place from the mapped file, the
@@ -115,6 +115,9 @@ impl CpuPass<'_, '_> {
         s.xp.quantize();
         let mut logits = vec![0f32; self.t * m.cfg.n_expert];
         mm(m, &ex.router, &s.xp, &mut logits);
+        if let Some(b) = &ex.router_bias {
+            add_rows(&mut logits, b);
+        }
         let pred = router::top_k(m.cfg, &logits, self.t);
         s.predict_next(l + 1, pred.into_iter().map(|r| r.into_iter().map(|(e, _)| e).collect()).collect());
     }
@@ -152,14 +155,7 @@ impl CpuPass<'_, '_> {
         mm(m, gate, &s.xn, &mut s.gate);
         mm(m, up, &s.xn, &mut s.up);
         s.h.resize(t, ff);
-        let act = match (m.cfg.spec.def.act, m.precision) {
-            (FfnAct::Silu, _) => silu,
-            (FfnAct::GeluTanh, Precision::F32) => gelu_tanh,
-            (FfnAct::GeluTanh, _) => gelu_tanh_f16,
-        };
-        for ((h, g), u) in s.h.f.iter_mut().zip(&s.gate).zip(&s.up) {
-            *h = act(*g) * u;
-        }
+        GluAct::of(m.cfg.spec.def.act, m.precision).apply(&s.gate, &s.up, None, &mut s.h.f);
         s.h.quantize();
         s.tmp.resize(t * e, 0.0);
         mm(m, down, &s.h, &mut s.tmp);
@@ -247,7 +243,9 @@ impl Ops for CpuPass<'_, '_> {
         let heads = attention::Heads { n_head: cfg.n_head, n_head_kv: cfg.n_head_kv, head_dim: cfg.head_dim };
         let window = if cfg.is_swa(l) { cfg.sliding_window } else { 0 };
         let (keys, values) = (self.kv.keys(l, n_all), self.kv.values(l, n_all));
-        attention::attend(self.m.pool, &mut s.q, keys, values, heads, (pos0, t), cfg.attn_scale, window, &mut s.attn.f);
+        let sinks = self.m.weights.blocks[l].attn_sinks.as_deref();
+        let (span, scale) = ((pos0, t), cfg.attn_scale);
+        attention::attend(self.m.pool, &mut s.q, keys, values, heads, span, scale, window, sinks, &mut s.attn.f);
         s.attn.quantize();
         Ok(())
     }
@@ -295,6 +293,9 @@ impl Ops for CpuPass<'_, '_> {
         let s = &mut *self.s;
         s.router.resize(self.t * m.cfg.n_expert, 0.0);
         mm(m, &ex.router, &s.xn, &mut s.router);
+        if let Some(b) = &ex.router_bias {
+            add_rows(&mut s.router, b);
+        }
         if !s.router.iter().all(|v| v.is_finite()) {
             return Err(BackendError::NonFinite { layer: Some(l), tensor: "ffn_gate_inp" });
         }

@@ -248,12 +248,14 @@ fn check_ty(w: &Weight) -> Result<(), GpuError> {
 fn check_arch(model: &ModelRef<'_>) -> Result<(), GpuError> {
     let arch = || model.cfg.arch.clone();
     let def = model.cfg.spec.def;
-    let what = if model.weights.blocks.iter().any(|b| b.bias.o.is_some()) {
+    let what = if def.attn_sinks || def.moe_bias {
+        Some("attention sinks or router and expert biases")
+    } else if model.weights.blocks.iter().any(|b| b.bias.o.is_some()) {
         Some("an attention output bias")
     } else if def.gating != crate::arch::Gating::Softmax || def.expert_weights_scale != 1.0 {
         Some("sigmoid gating or an expert weight scale")
     } else if def.act != crate::arch::FfnAct::Silu || def.post_norms || def.embd_scale || def.swa_pattern > 0 {
-        Some("a GELU FFN, post-norms, an embedding scale or sliding-window attention")
+        Some("a GELU or clamped SwiGLU FFN, post-norms, an embedding scale or sliding-window attention")
     } else {
         None
     };
