@@ -1549,13 +1549,21 @@ __device__ __forceinline__ float att_score(const float* qs, const u16* kr, int h
 // Scores: one position per thread (16-byte K reads when hd % 8 == 0 and the rows are 16-byte aligned), with the
 // CPU path's order of rounded products and sums (model/llama.rs), as is the product with V.
 // outq != null (hd % 32 == 0): the output rows are also written as Q8 blocks (the input of the output product).
+// window > 0: each row attends to its last `window` positions only (sliding-window layers); sinks != null: head h's
+// softmax also counts exp(sinks[h]) in its denominator (gpt-oss's attention sinks, one logit per query head).
 extern "C" __global__ void attention(const float* q, const u16* kcache, const u16* vcache, int n_head,
-                                     int n_head_kv, int hd, const int* pos, float scale, float* out, Q8* outq) {
+                                     int n_head_kv, int hd, const int* pos, float scale, float* out, Q8* outq,
+                                     int window, const float* sinks) {
     pdl_entry();
     extern __shared__ float sh[];
     const int pos0 = *pos;
     const int h = blockIdx.x, i = blockIdx.y;
-    const int n = pos0 + i + 1;
+    const int n_all = pos0 + i + 1;
+    // a sliding window: the last `window` positions only (scores indexed from the first of them)
+    const int first = window > 0 ? max(0, n_all - window) : 0;
+    const int n = n_all - first;
+    kcache += (size_t)first * n_head_kv * hd;
+    vcache += (size_t)first * n_head_kv * hd;
     const int kvd = n_head_kv * hd;
     const int kh = h / (n_head / n_head_kv);
     float* qs = sh;
@@ -1574,6 +1582,7 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
     }
     __shared__ float red[32];
     mx = block_max(mx, red);
+    if (sinks) mx = fmaxf(mx, sinks[h]);  // the sink joins the softmax as a position without a value
     float sum = 0.f;
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
         float e = expf(sc[p] - mx);
@@ -1585,6 +1594,7 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
     __syncthreads();
     sum = 0.f;
     for (int w = 0; w < nw; w++) sum += red[w];
+    if (sinks) sum += expf(sinks[h] - mx);
     const float inv = 1.0f / sum;
     for (int p = threadIdx.x; p < n; p += blockDim.x) sc[p] = f16_round(sc[p] * inv);
     __syncthreads();
@@ -1609,11 +1619,12 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
 // (hd values) — at part + ((i * n_head + h) * gridDim.z + z) * (hd + 2); a chunk past n writes l = 0.
 // attention_combine merges a row's chunks. Scores are computed as in `attention` (same products and order); the
 // probabilities are not rounded to f16 before the product with V (the merge rescales them), so the result
-// differs from `attention` by rounding only. Grid: (n_head, t, ceil(cap / ATT_CHUNK)); block: 128 threads;
-// hd <= 256.
+// differs from `attention` by rounding only. window > 0: positions before the row's last `window` do not count (a
+// chunk wholly before them writes l = 0). Grid: (n_head, t, ceil(cap / ATT_CHUNK)); block: 128 threads; hd <= 256.
 #define ATT_CHUNK 256
 extern "C" __global__ void attention_split(const float* q, const u16* kcache, const u16* vcache, int n_head,
-                                           int n_head_kv, int hd, const int* pos, float scale, float* part) {
+                                           int n_head_kv, int hd, const int* pos, float scale, float* part,
+                                           int window) {
     pdl_entry();
     __shared__ float qs[256];
     __shared__ float sc[ATT_CHUNK];
@@ -1621,9 +1632,10 @@ extern "C" __global__ void attention_split(const float* q, const u16* kcache, co
     const int pos0 = *pos;
     const int h = blockIdx.x, i = blockIdx.y, z = blockIdx.z;
     const int n = pos0 + i + 1;
-    const int p0 = z * ATT_CHUNK, p1 = min(p0 + ATT_CHUNK, n);
+    // the chunk's positions inside the row's window (all of them without one)
+    const int p0 = max(z * ATT_CHUNK, window > 0 ? n - window : 0), p1 = min(z * ATT_CHUNK + ATT_CHUNK, n);
     float* pr = part + (((size_t)i * n_head + h) * gridDim.z + z) * (hd + 2);
-    if (p0 >= n) {
+    if (p0 >= p1) {
         if (threadIdx.x == 0) {
             pr[0] = -INFINITY;
             pr[1] = 0.f;
@@ -1669,9 +1681,10 @@ extern "C" __global__ void attention_split(const float* q, const u16* kcache, co
 }
 
 // Merges the chunks of attention_split: out = Σ_z exp(m_z − M) · acc_z / Σ_z exp(m_z − M) · l_z (M the largest
-// m_z of the chunks inside the row), and its Q8 blocks when outq != null (hd % 32 == 0). Grid: (n_head, t); block:
-// 128 threads.
-extern "C" __global__ void attention_combine(const float* part, int n_head, int hd, int nz, float* out, Q8* outq) {
+// m_z of the chunks inside the row, and the sink's logit; sinks != null adds exp(sinks[h] − M) to the denominator),
+// and its Q8 blocks when outq != null (hd % 32 == 0). Grid: (n_head, t); block: 128 threads.
+extern "C" __global__ void attention_combine(const float* part, int n_head, int hd, int nz, float* out, Q8* outq,
+                                             const float* sinks) {
     pdl_entry();
     const int h = blockIdx.x, i = blockIdx.y, lane = threadIdx.x % 32;
     const float* pr = part + ((size_t)i * n_head + h) * nz * (hd + 2);
@@ -1681,11 +1694,13 @@ extern "C" __global__ void attention_combine(const float* part, int n_head, int 
     float M = -INFINITY;
     for (int z = 0; z < nz; z++)
         if (ATT_LIVE(pr + (size_t)z * (hd + 2))) M = fmaxf(M, pr[(size_t)z * (hd + 2)]);
+    if (sinks) M = fmaxf(M, sinks[h]);
     float L = 0.f;
     for (int z = 0; z < nz; z++) {
         const float* c = pr + (size_t)z * (hd + 2);
         if (ATT_LIVE(c)) L += c[1] * expf(c[0] - M);
     }
+    if (sinks) L += expf(sinks[h] - M);
     const float inv = 1.0f / L;
     float* o = out + ((size_t)i * n_head + h) * hd;
     for (int d0 = 0; d0 < hd; d0 += blockDim.x) {
@@ -1715,6 +1730,8 @@ extern "C" __global__ void attention_combine(const float* part, int n_head, int 
 // rounds the normalised probabilities to f16 and sums in position order) by rounding only. Head size HD (a multiple
 // of 16, at most 128); K/V rows are read 16 bytes at a time (kvd % 8 == 0 and 16-byte aligned caches). Grid:
 // (ceil(t / FA_BQ), n_head); block: 32 * FA_WARPS threads. The Q8 rows of out are a separate quantize launch.
+// window > 0: a row attends to its last `window` positions (the walk starts at the tile of the block's first row's
+// first one); sinks != null: each head's sink logit joins the softmax at the end.
 #define FA_WARPS 4
 #define FA_BQ (16 * FA_WARPS)
 #define FA_BK 64
@@ -1738,7 +1755,7 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1
 
 template <int HD>
 __device__ void attention_tiled_body(const float* q, const u16* kcache, const u16* vcache, int n_head, int n_head_kv,
-                                     int t, const int* pos, float scale, float* out) {
+                                     int t, const int* pos, float scale, float* out, int window, const float* sinks) {
     constexpr int LD = HD + 8;  // shared row stride in halves: rows 4 banks apart, no conflicts in the B loads
     __shared__ __align__(16) u16 ks[FA_BK * LD];
     __shared__ __align__(16) u16 vs[FA_BK * LD];
@@ -1771,11 +1788,14 @@ __device__ void attention_tiled_body(const float* q, const u16* kcache, const u1
         }
     }
     const int qp0 = pos0 + i0, qp1 = pos0 + i1;  // the rows' positions: keys at or before them count
+    // and with a sliding window, keys after qp − window only; the block's first row's window starts the walk
+    const int lo0 = window > 0 ? qp0 - window + 1 : 0, lo1 = window > 0 ? qp1 - window + 1 : 0;
+    const int p_first = window > 0 ? max(0, pos0 + qb - window + 1) / FA_BK * FA_BK : 0;
     float acc[HD / 8][4];
 #pragma unroll
     for (int j = 0; j < HD / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-    for (int p0 = 0; p0 < n_blk; p0 += FA_BK) {
+    for (int p0 = p_first; p0 < n_blk; p0 += FA_BK) {
         __syncthreads();  // the previous tile's readers are done
         constexpr int CH = HD / 8;  // 16-byte chunks per row
         for (int c = threadIdx.x; c < FA_BK * CH; c += 32 * FA_WARPS) {
@@ -1806,10 +1826,10 @@ __device__ void attention_tiled_body(const float* q, const u16* kcache, const u1
 #pragma unroll
         for (int j = 0; j < FA_BK / 8; j++) {
             const int p = p0 + j * 8 + 2 * tg;
-            s[j][0] = p <= qp0 ? s[j][0] * scale : -INFINITY;
-            s[j][1] = p + 1 <= qp0 ? s[j][1] * scale : -INFINITY;
-            s[j][2] = p <= qp1 ? s[j][2] * scale : -INFINITY;
-            s[j][3] = p + 1 <= qp1 ? s[j][3] * scale : -INFINITY;
+            s[j][0] = p <= qp0 && p >= lo0 ? s[j][0] * scale : -INFINITY;
+            s[j][1] = p + 1 <= qp0 && p + 1 >= lo0 ? s[j][1] * scale : -INFINITY;
+            s[j][2] = p <= qp1 && p >= lo1 ? s[j][2] * scale : -INFINITY;
+            s[j][3] = p + 1 <= qp1 && p + 1 >= lo1 ? s[j][3] * scale : -INFINITY;
             mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
             mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
         }
@@ -1818,11 +1838,13 @@ __device__ void attention_tiled_body(const float* q, const u16* kcache, const u1
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
         }
-        // every row has position 0 in the first tile, so its running max is finite from then on
+        // without a window every row has position 0 in the first tile, so its running max is finite from then on;
+        // with one a row may have no position in a tile yet (max −inf: nothing to rescale, nothing to add)
         const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
-        const float a0 = expf(m0 - nm0), a1 = expf(m1 - nm1);
+        const float a0 = nm0 == -INFINITY ? 1.f : expf(m0 - nm0), a1 = nm1 == -INFINITY ? 1.f : expf(m1 - nm1);
         m0 = nm0;
         m1 = nm1;
+        const float e0 = m0 == -INFINITY ? 0.f : m0, e1 = m1 == -INFINITY ? 0.f : m1;
         l0 *= a0;
         l1 *= a1;
 #pragma unroll
@@ -1834,10 +1856,10 @@ __device__ void attention_tiled_body(const float* q, const u16* kcache, const u1
         }
 #pragma unroll
         for (int j = 0; j < FA_BK / 8; j++) {
-            s[j][0] = expf(s[j][0] - m0);
-            s[j][1] = expf(s[j][1] - m0);
-            s[j][2] = expf(s[j][2] - m1);
-            s[j][3] = expf(s[j][3] - m1);
+            s[j][0] = expf(s[j][0] - e0);
+            s[j][1] = expf(s[j][1] - e0);
+            s[j][2] = expf(s[j][2] - e1);
+            s[j][3] = expf(s[j][3] - e1);
             l0 += s[j][0] + s[j][1];
             l1 += s[j][2] + s[j][3];
         }
@@ -1861,7 +1883,15 @@ __device__ void attention_tiled_body(const float* q, const u16* kcache, const u1
         l0 += __shfl_xor_sync(0xffffffffu, l0, o);
         l1 += __shfl_xor_sync(0xffffffffu, l1, o);
     }
-    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    if (sinks) {
+        // the sink joins each row's softmax: with M = max(m, sink), out = acc·e^(m−M) / (l·e^(m−M) + e^(sink−M))
+        const float sk = sinks[h];
+        const float M0 = fmaxf(m0, sk), M1 = fmaxf(m1, sk);
+        const float f0 = expf(m0 - M0), f1 = expf(m1 - M1);
+        inv0 = f0 / (l0 * f0 + expf(sk - M0));
+        inv1 = f1 / (l1 * f1 + expf(sk - M1));
+    }
 #pragma unroll
     for (int j = 0; j < HD / 8; j++) {
         const int d = j * 8 + 2 * tg;
@@ -1873,8 +1903,8 @@ __device__ void attention_tiled_body(const float* q, const u16* kcache, const u1
 #define ATTENTION_TILED(HD)                                                                                       \
     extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) attention_tiled_##HD(                             \
         const float* q, const u16* kcache, const u16* vcache, int n_head, int n_head_kv, int t, const int* pos,   \
-        float scale, float* out) {                                                                                \
-        attention_tiled_body<HD>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out);                      \
+        float scale, float* out, int window, const float* sinks) {                                                \
+        attention_tiled_body<HD>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out, window, sinks);       \
     }
 ATTENTION_TILED(64)
 ATTENTION_TILED(80)
@@ -1911,8 +1941,9 @@ __device__ __forceinline__ u32 warp_max_u32(u32 v) {
 
 __device__ __forceinline__ u32 warp_min_u32(u32 v) { return ~warp_max_u32(~v); }
 
-// Router: softmax over n_expert logits, top-k (ties: lower expert first), weights renormalised to sum 1 when
-// `norm` (their sum clamped at 2^-14), the softmax probabilities themselves otherwise.
+// Router: softmax over n_expert logits (plus `bias`, per expert, when not null), top-k (ties: lower expert first),
+// weights renormalised to sum 1 when `norm` is 1 (their sum clamped at 2^-14), the softmax probabilities themselves
+// when 0, the softmax of the k chosen logits alone when 2 (gpt-oss; the same top-k, softmax being monotonic).
 // One warp per token (grid t, 32 threads); n_expert <= 1024, k <= 32. ids/w: t * k.
 // Each lane keeps the best expert it has not given away; a round is one integer max and one min over the warp.
 // table != null (decode windows with every expert looked up on the device): also one group per routing entry,
@@ -1955,7 +1986,8 @@ __device__ __forceinline__ void topk_warp(const float* ls, int n_expert, int k, 
             taken |= 1u << (be / 32);
             rescan = true;
         }
-        const float p = expf(ls[be] - mx) / sum;
+        // norm 2 (the softmax of the chosen logits): exp(l − max) here, divided by their sum below
+        const float p = norm == 2 ? expf(ls[be] - mx) : expf(ls[be] - mx) / sum;
         if (lane == r) {
             my_id = be;
             my_p = p;
@@ -1965,7 +1997,7 @@ __device__ __forceinline__ void topk_warp(const float* ls, int n_expert, int k, 
     if (lane < k) {
         const int p = i * k + lane;
         ids[p] = my_id;
-        w[p] = norm ? my_p / fmaxf(wsum, 6.103515625e-5f) : my_p;
+        w[p] = norm == 2 ? my_p / wsum : norm ? my_p / fmaxf(wsum, 6.103515625e-5f) : my_p;
         if (win) win[p] = my_id;
         if (table) {
             const int slot = table[my_id];
@@ -1981,11 +2013,14 @@ __device__ __forceinline__ void topk_warp(const float* ls, int n_expert, int k, 
 
 #define TOPK_MAX_EXPERTS 1024
 extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, int* ids, float* w, const int* table,
-                                      Group* groups, int* flag, int* win, int norm) {
+                                      Group* groups, int* flag, int* win, int norm, const float* bias) {
     pdl_entry();
     __shared__ float ls[TOPK_MAX_EXPERTS];
     const int i = blockIdx.x;
-    for (int e = threadIdx.x; e < n_expert; e += 32) ls[e] = logits[(size_t)i * n_expert + e];
+    for (int e = threadIdx.x; e < n_expert; e += 32) {
+        const float v = logits[(size_t)i * n_expert + e];
+        ls[e] = bias ? v + bias[e] : v;
+    }
     __syncwarp();
     topk_warp(ls, n_expert, k, i, ids, w, table, groups, flag, win, norm);
 }
@@ -2067,11 +2102,33 @@ extern "C" __global__ void group_by_expert(const int* ids, int n_pairs, int k, i
     for (int i = total + threadIdx.x; i < max_groups; i += blockDim.x) groups[i].nt = 0;
 }
 
-// h[pair, r] = silu(gate_r · x_tok) * (up_r · x_tok) for r < ff (one warp: gate and up of one r).
+// The gated unit of the expert kernels: h = silu(g)·u, or (act 1) gpt-oss's clamped SwiGLU with g = min(g, 7),
+// u = clamp(u, −7, 7): g·σ(1.702·g)·(u + 1) (ggml's swiglu_oai); with `gub` != null, routing entry p's expert
+// (ids[p]) adds its gate and up biases first (gub: per expert, ff gate values then ff up values).
+struct Glu {
+    const int* ids;
+    const float* gub;
+    int act;
+};
+
+__device__ __forceinline__ float expert_glu(float gv, float uv, int p, int r, int ff, const Glu& a) {
+    if (a.gub) {
+        const float* b = a.gub + (size_t)a.ids[p] * 2 * ff;
+        gv += b[r];
+        uv += b[ff + r];
+    }
+    if (a.act == 1) {
+        const float x = fminf(gv, 7.0f), y = fminf(fmaxf(uv, -7.0f), 7.0f);
+        return x / (1.0f + expf(1.702f * -x)) * (y + 1.0f);
+    }
+    return gv / (1.0f + expf(-gv)) * uv;
+}
+
+// h[pair, r] = glu(gate_r · x_tok, up_r · x_tok) for r < ff (one warp: gate and up of one r).
 // Grid: (ceil(ff / WARPS), n_groups).
 template <int FMT, int NT>
 __device__ void gate_up_body(const Group& g, const u8* blob, int ff, int e, const Q8* xq, const float* xf, float* h,
-                             u8* stage) {
+                             u8* stage, const Glu& gl) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int r = blockIdx.x * WARPS + warp;
     if (r >= ff) return;
@@ -2092,7 +2149,7 @@ __device__ void gate_up_body(const Group& g, const u8* blob, int ff, int e, cons
     for (int t = 0; t < NT; t++) {
         float gv = warp_sum(acc[0][t]);
         float uv = warp_sum(acc[1][t]);
-        if (lane == 0) h[(size_t)g.pair[t] * ff + r] = gv / (1.0f + expf(-gv)) * uv;
+        if (lane == 0) h[(size_t)g.pair[t] * ff + r] = expert_glu(gv, uv, g.pair[t], r, ff, gl);
     }
 }
 
@@ -2103,7 +2160,7 @@ __device__ void gate_up_body(const Group& g, const u8* blob, int ff, int e, cons
 #define NARROW_GU_CB (RPW * CB / 4)
 template <int FMT>
 __device__ void gate_up_narrow_body(const Group& g, const u8* blob, int ff, int e, const Q8* xq, const float* xf,
-                                    float* h, u8* stage) {
+                                    float* h, u8* stage, const Glu& gl) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int r0 = (blockIdx.x * WARPS + warp) * 2;
     if (r0 >= ff) return;
@@ -2125,7 +2182,7 @@ __device__ void gate_up_narrow_body(const Group& g, const u8* blob, int ff, int 
     for (int j = 0; j < 2; j++) {
         const float gv = warp_sum(acc[2 * j][0]);
         const float uv = warp_sum(acc[2 * j + 1][0]);
-        if (lane == 0 && r0 + j < ff) h[(size_t)g.pair[0] * ff + r0 + j] = gv / (1.0f + expf(-gv)) * uv;
+        if (lane == 0 && r0 + j < ff) h[(size_t)g.pair[0] * ff + r0 + j] = expert_glu(gv, uv, g.pair[0], r0 + j, ff, gl);
     }
 }
 
@@ -2256,15 +2313,15 @@ __device__ void down_narrow_body(const Group& g, const u8* blob, size_t down_off
 // next kernel launch, because the down kernel after it (the narrow one) reads its groups in its prologue.
 template <int FMT, bool NARROW>
 __device__ __forceinline__ void gate_up_one(const Group* groups, const u8* slots, size_t slot_bytes, int ff, int e,
-                                            const Q8* xq, const float* xf, float* h) {
+                                            const Q8* xq, const float* xf, float* h, const Glu& gl) {
     pdl_wait();
     pdl_trigger();
     __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];
     const Group g = groups[blockIdx.y];
     if (g.nt == 0) return;
     const u8* blob = slots + (size_t)g.slot * slot_bytes;
-    if constexpr (NARROW) gate_up_narrow_body<FMT>(g, blob, ff, e, xq, xf, h, stage);
-    else gate_up_body<FMT, 1>(g, blob, ff, e, xq, xf, h, stage);
+    if constexpr (NARROW) gate_up_narrow_body<FMT>(g, blob, ff, e, xq, xf, h, stage, gl);
+    else gate_up_body<FMT, 1>(g, blob, ff, e, xq, xf, h, stage, gl);
 }
 
 // The one-token down kernels. `_t1`: waits on the previous kernel first; with hq == null it asks L2 for its rows
@@ -2293,11 +2350,13 @@ __device__ __forceinline__ void down_one(const Group* groups, const u8* slots, s
 // DOWN_OWN_MAX): one launch less per MoE layer for narrow experts.
 #define EXPERT_KERNELS(SUFFIX, FMT)                                                                               \
     extern "C" __global__ void expert_gate_up_##SUFFIX(const Group* groups, const u8* __restrict__ slots, size_t slot_bytes, \
-                                                       int ff, int e, const Q8* xq, const float* xf, float* h) { pdl_entry(); \
+                                                       int ff, int e, const Q8* xq, const float* xf, float* h,    \
+                                                       const int* ids, const float* gub, int act) { pdl_entry();  \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                      \
         const Group g = groups[blockIdx.y];                                                                       \
         const u8* blob = slots + (size_t)g.slot * slot_bytes;                                                     \
-        NT_SWITCH(gate_up_body, FMT, g, blob, ff, e, xq, xf, h, stage)                                                   \
+        const Glu gl{ids, gub, act};                                                                              \
+        NT_SWITCH(gate_up_body, FMT, g, blob, ff, e, xq, xf, h, stage, gl)                                        \
     }                                                                                                             \
     extern "C" __global__ void expert_down_##SUFFIX(const Group* groups, const u8* __restrict__ slots, size_t slot_bytes, \
                                                     size_t down_off, size_t down_rb, int ff, int e, const Q8* hq, \
@@ -2310,8 +2369,9 @@ __device__ __forceinline__ void down_one(const Group* groups, const u8* slots, s
     /* groups of at most one token (decode windows) */                                                            \
     extern "C" __global__ void expert_gate_up_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,    \
                                                             size_t slot_bytes, int ff, int e, const Q8* xq,       \
-                                                            const float* xf, float* h) {                          \
-        gate_up_one<FMT, false>(groups, slots, slot_bytes, ff, e, xq, xf, h);                                     \
+                                                            const float* xf, float* h, const int* ids,            \
+                                                            const float* gub, int act) {                          \
+        gate_up_one<FMT, false>(groups, slots, slot_bytes, ff, e, xq, xf, h, Glu{ids, gub, act});                 \
     }                                                                                                             \
     extern "C" __global__ void expert_down_##SUFFIX##_t1(const Group* groups, const u8* __restrict__ slots,       \
                                                          size_t slot_bytes, size_t down_off, size_t down_rb,      \
@@ -2325,8 +2385,9 @@ __device__ __forceinline__ void down_one(const Group* groups, const u8* slots, s
 #define EXPERT_NARROW_KERNEL(SUFFIX, FMT)                                                                         \
     extern "C" __global__ void expert_gate_up_##SUFFIX##_t1n(const Group* groups, const u8* __restrict__ slots,   \
                                                              size_t slot_bytes, int ff, int e, const Q8* xq,      \
-                                                             const float* xf, float* h) {                         \
-        gate_up_one<FMT, true>(groups, slots, slot_bytes, ff, e, xq, xf, h);                                      \
+                                                             const float* xf, float* h, const int* ids,           \
+                                                             const float* gub, int act) {                         \
+        gate_up_one<FMT, true>(groups, slots, slot_bytes, ff, e, xq, xf, h, Glu{ids, gub, act});                  \
     }                                                                                                             \
     extern "C" __global__ void expert_down_##SUFFIX##_t1n(const Group* groups, const u8* __restrict__ slots,      \
                                                           size_t slot_bytes, size_t down_off, size_t down_rb,     \
@@ -2368,7 +2429,7 @@ __device__ __forceinline__ void mq_tile_cols(const Group* groups, int2 tl, bool 
 
 template <int FMT>
 __device__ void expert_gate_up_mmq_body(const Group* groups, const int2* tiles, const u8* slots, size_t slot_bytes,
-                                        int ff, int e, const Q8* xq, float* h) {
+                                        int ff, int e, const Q8* xq, float* h, const Glu gl) {
     __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
     __shared__ int xrow[MQ_BN], prow[MQ_BN];
     pdl_entry();
@@ -2390,7 +2451,7 @@ __device__ void expert_gate_up_mmq_body(const Group* groups, const int2* tiles, 
             const int r = q < 2 ? ra : rb, p = prow[j * 8 + 2 * tg + (q & 1)];
             if (r < ff && p >= 0) {
                 const float gv = acc[j][q], uv = accu[j][q];
-                h[(size_t)p * ff + r] = gv / (1.0f + expf(-gv)) * uv;
+                h[(size_t)p * ff + r] = expert_glu(gv, uv, p, r, ff, gl);
             }
         }
     }
@@ -2424,8 +2485,8 @@ __device__ void expert_down_mmq_body(const Group* groups, const int2* tiles, con
 #define EXPERT_MMQ_KERNELS(SUFFIX, FMT)                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * MQ_WARPS) expert_gate_up_mmq_##SUFFIX(                     \
         const Group* groups, const int2* tiles, const u8* __restrict__ slots, size_t slot_bytes, int ff, int e,     \
-        const Q8* xq, float* h) {                                                                                 \
-        expert_gate_up_mmq_body<FMT>(groups, tiles, slots, slot_bytes, ff, e, xq, h);                             \
+        const Q8* xq, float* h, const int* ids, const float* gub, int act) {                                      \
+        expert_gate_up_mmq_body<FMT>(groups, tiles, slots, slot_bytes, ff, e, xq, h, Glu{ids, gub, act});         \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(32 * MQ_WARPS) expert_down_mmq_##SUFFIX(                        \
         const Group* groups, const int2* tiles, const u8* __restrict__ slots, size_t slot_bytes, size_t down_off,   \
@@ -2453,6 +2514,26 @@ extern "C" __global__ void gated_add(float* x, const float* y, const float* gw, 
     for (int k = 0; k < QKV_PREP_THREADS / 32; k++) tot += red[k];
     const float g = 1.0f / (1.0f + expf(-tot));
     for (int j = tid; j < e; j += QKV_PREP_THREADS) x[i * e + j] += g * y[i * e + j];
+}
+
+// The experts' down biases: y[p] += db[ids[p]] (e values) for each routing entry p of the n_groups groups (the
+// entries the GPU computed; empty groups have none). Grid: (n_groups); block: 128 threads.
+extern "C" __global__ void expert_down_bias(const Group* groups, float* y, const int* ids, const float* db, int e) {
+    pdl_entry();
+    const Group& g = groups[blockIdx.x];
+    for (int j = 0; j < g.nt; j++) {
+        const int p = g.pair[j];
+        const float* b = db + (size_t)ids[p] * e;
+        float* row = y + (size_t)p * e;
+        for (int r = threadIdx.x; r < e; r += blockDim.x) row[r] += b[r];
+    }
+}
+
+// x[i] += b for each of t rows of n values (a projection's bias). Grid: (t); block: 256 threads.
+extern "C" __global__ void add_bias(float* x, const float* b, int n) {
+    pdl_entry();
+    float* row = x + (size_t)blockIdx.x * n;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) row[j] += b[j];
 }
 
 // Dense FFN activation: h[i] = silu(g[i]) * u[i] where gu holds t rows of [g (ff) | u (ff)].

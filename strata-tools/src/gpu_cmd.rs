@@ -31,6 +31,10 @@ pub struct CheckArgs {
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Only the forward pass of `--model` (no kernel checks, so only the model's formats are compiled): quick
+    /// runs under compute-sanitizer.
+    #[arg(long, requires = "model")]
+    forward_only: bool,
 }
 
 #[derive(ClapArgs, Debug)]
@@ -348,6 +352,7 @@ fn check_attention(
     ops: &strata::backend::cuda::ops::Ops,
     (nh, nkv, hd): (usize, usize, usize),
     (pos0, t, cap): (usize, usize, usize),
+    window: usize,
     seed: &mut u64,
 ) -> Result<f64> {
     let c = AttentionCase::new((nh, nkv, hd), (pos0, t), seed)?;
@@ -355,9 +360,29 @@ fn check_attention(
         strata::backend::cuda::ops::split_part_floats(t, nh, hd, cap) * 4,
     )?;
     let (q, k, v, p) = (c.q.ptr, c.k.ptr, c.v.ptr, c.pos.ptr);
-    ops.attention(q, k, v, nh, nkv, hd, p, pos0 + t, t, c.out[0].ptr, c.outq.ptr, None)?;
-    ops.attention(q, k, v, nh, nkv, hd, p, cap, t, c.out[1].ptr, c.outq.ptr, Some(part.ptr))?;
+    let sinks = Sinks::new(window, nh, seed)?;
+    let ws = (window, sinks.ptr());
+    ops.attention(q, k, v, nh, nkv, hd, p, pos0 + t, t, c.out[0].ptr, c.outq.ptr, None, ws)?;
+    ops.attention(q, k, v, nh, nkv, hd, p, cap, t, c.out[1].ptr, c.outq.ptr, Some(part.ptr), ws)?;
     c.diff(ops)
+}
+
+/// Attention-sink logits for the windowed cases of the attention checks (gpt-oss's layers have both): none
+/// without a window, else one per head around the scores' size.
+struct Sinks(Option<strata::backend::cuda::driver::DevBuf>);
+
+impl Sinks {
+    fn new(window: usize, nh: usize, seed: &mut u64) -> Result<Sinks> {
+        if window == 0 {
+            return Ok(Sinks(None));
+        }
+        let v: Vec<f32> = (0..nh).map(|_| (rng(seed) % 4001) as f32 / 1000.0 - 1.0).collect();
+        Ok(Sinks(Some(strata::backend::cuda::driver::DevBuf::from_slice(&v)?)))
+    }
+
+    fn ptr(&self) -> u64 {
+        self.0.as_ref().map_or(0, |d| d.ptr)
+    }
 }
 
 /// The tiled prefill attention (what [`strata::backend::cuda::ops::Ops::attention`] runs for more than a decode
@@ -366,13 +391,16 @@ fn check_attention_tiled(
     ops: &strata::backend::cuda::ops::Ops,
     (nh, nkv, hd): (usize, usize, usize),
     (pos0, t): (usize, usize),
+    window: usize,
     seed: &mut u64,
 ) -> Result<f64> {
     let c = AttentionCase::new((nh, nkv, hd), (pos0, t), seed)?;
     let (q, k, v, p) = (c.q.ptr, c.k.ptr, c.v.ptr, c.pos.ptr);
     let scale = 1.0 / (hd as f32).sqrt();
-    ops.attention_exact(q, k, v, (nh, nkv, hd), p, scale, pos0 + t, t, c.out[0].ptr, c.outq.ptr)?;
-    ops.attention(q, k, v, nh, nkv, hd, p, pos0 + t, t, c.out[1].ptr, c.outq.ptr, None)?;
+    let sinks = Sinks::new(window, nh, seed)?;
+    let ws = (window, sinks.ptr());
+    ops.attention_exact(q, k, v, (nh, nkv, hd), p, scale, pos0 + t, t, c.out[0].ptr, c.outq.ptr, ws)?;
+    ops.attention(q, k, v, nh, nkv, hd, p, pos0 + t, t, c.out[1].ptr, c.outq.ptr, None, ws)?;
     c.diff(ops)
 }
 
@@ -478,7 +506,8 @@ fn check_expert(
     for o in ops {
         hf.write_sync(0, &vec![f32::NAN; t * ff])?;
         y.write_sync(0, &vec![f32::NAN; t * e])?;
-        o.expert_gate_up(ty, t == 1, groups.ptr, 1, slots.ptr, sb, ff, e, xq.ptr, xf.ptr, hf.ptr)?;
+        let glu = strata::backend::cuda::ops::Glu::SILU;
+        o.expert_gate_up(ty, t == 1, groups.ptr, 1, slots.ptr, sb, ff, e, xq.ptr, xf.ptr, hf.ptr, glu)?;
         // narrow one-token experts: the down kernel quantizes h itself (as in decode); else a quantize launch
         o.expert_down(ty, t == 1, groups.ptr, 1, slots.ptr, sb, down, ff, e, (hq.ptr, hf.ptr, t), y.ptr)?;
         o.s.sync()?;
@@ -591,6 +620,7 @@ fn check_expert_mmq(
         (ff, e),
         (xq.ptr, h.ptr, hq.ptr, n_pairs),
         y.ptr,
+        strata::backend::cuda::ops::Glu::SILU,
     )
     .ok_or_else(|| anyhow::anyhow!("no tensor-core expert kernels for {ty:?}"))??;
     ops.s.sync()?;
@@ -635,6 +665,17 @@ pub fn check(a: CheckArgs) -> Result<()> {
         Err(e) => bail!("no GPU: {e}"),
     };
     dev.bind()?;
+    if !a.forward_only {
+        check_kernels(&dev, &mut report)?;
+    }
+    forward_checks(&a, &mut report)
+}
+
+/// The kernel checks of [`check`] (section 1) into `report`.
+fn check_kernels(
+    dev: &strata::backend::cuda::driver::Device,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
     // 1. dense products against the CPU path on random inputs
     let every = strata::backend::cuda::kernels::FormatSet::all();
     let (img, _) = strata::backend::cuda::kernels::cubin(&dev.arch(), every)?;
@@ -778,41 +819,53 @@ pub fn check(a: CheckArgs) -> Result<()> {
     }
     // 1a'. split-K attention over a long context against the one-block kernel (same scores; the one-block kernel
     // rounds the probabilities to f16, the split one rescales in f32)
-    println!("{:<6} {:>6} {:>6} {:>6} {:>3} {:>6} {:>12}", "attn", "heads", "hd", "pos0", "t", "cap", "rel_err_1blk");
-    for &(nh, nkv, hd, pos0, t, cap) in &[
-        (32usize, 4usize, 128usize, 4095usize, 1usize, 4096usize),
-        (16, 16, 64, 3000, 3, 3003),
-        (8, 2, 128, 1100, 8, 1108),
-        (12, 4, 80, 2047, 2, 2049),
-        (32, 4, 128, 20000, 1, 20001),
+    // (with a sliding window, `win` > 0, and attention sinks: gpt-oss's 128 and windows crossing chunk borders)
+    println!(
+        "{:<6} {:>6} {:>6} {:>6} {:>3} {:>6} {:>5} {:>12}",
+        "attn", "heads", "hd", "pos0", "t", "cap", "win", "rel_err_1blk"
+    );
+    for &(nh, nkv, hd, pos0, t, cap, win) in &[
+        (32usize, 4usize, 128usize, 4095usize, 1usize, 4096usize, 0usize),
+        (16, 16, 64, 3000, 3, 3003, 0),
+        (8, 2, 128, 1100, 8, 1108, 0),
+        (12, 4, 80, 2047, 2, 2049, 0),
+        (32, 4, 128, 20000, 1, 20001, 0),
         // a decode graph's size class: cap the next power of two, many chunks past the row
-        (32, 4, 128, 2049, 1, 4096),
-        (8, 2, 64, 1500, 4, 2048),
+        (32, 4, 128, 2049, 1, 4096, 0),
+        (8, 2, 64, 1500, 4, 2048, 0),
+        (64, 8, 64, 4095, 1, 4096, 128),
+        (16, 4, 64, 3000, 5, 4096, 300),
+        (8, 2, 128, 1100, 8, 1108, 1000),
     ] {
-        let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), &mut seed)?;
+        let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), win, &mut seed)?;
         worst = worst.max(r);
-        println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {r:>12.2e}", "split");
+        println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {win:>5} {r:>12.2e}", "split");
         kern.push(serde_json::json!({"kernel": "attention_split", "n_head": nh, "n_head_kv": nkv, "hd": hd,
-            "pos0": pos0, "t": t, "cap": cap, "rel_err_vs_one_block": r}));
+            "pos0": pos0, "t": t, "cap": cap, "window": win, "rel_err_vs_one_block": r}));
     }
     // 1a''. tiled prefill attention (tensor cores, online softmax) against the one-block kernel: odd row counts,
     // rows not a multiple of the 64-row tile, GQA 1:1 to 8:1, every head size it has
     if ops.k.attention_tiled(128).is_some() {
         println!("{:<6} {:>6} {:>6} {:>6} {:>6} {:>12}", "attn", "heads", "kv", "hd", "pos0", "t  rel_err_1blk");
-        for &(nh, nkv, hd, pos0, t) in &[
-            (32usize, 4usize, 128usize, 0usize, 64usize),
-            (32, 4, 128, 3000, 512),
-            (16, 16, 64, 0, 37),
-            (12, 4, 80, 100, 129),
-            (8, 1, 96, 7, 9),
-            (9, 3, 64, 1000, 200),
-            (16, 2, 128, 4000, 77),
+        for &(nh, nkv, hd, pos0, t, win) in &[
+            (32usize, 4usize, 128usize, 0usize, 64usize, 0usize),
+            (32, 4, 128, 3000, 512, 0),
+            (16, 16, 64, 0, 37, 0),
+            (12, 4, 80, 100, 129, 0),
+            (8, 1, 96, 7, 9, 0),
+            (9, 3, 64, 1000, 200, 0),
+            (16, 2, 128, 4000, 77, 0),
+            // sliding windows with sinks: inside the first tile, across tiles, rows whose window starts tiles later
+            (64, 8, 64, 0, 512, 128),
+            (16, 4, 64, 1000, 300, 128),
+            (8, 2, 128, 50, 200, 16),
+            (12, 4, 80, 3000, 129, 700),
         ] {
-            let r = check_attention_tiled(&ops, (nh, nkv, hd), (pos0, t), &mut seed)?;
+            let r = check_attention_tiled(&ops, (nh, nkv, hd), (pos0, t), win, &mut seed)?;
             worst = worst.max(r);
-            println!("{:<6} {nh:>6} {nkv:>6} {hd:>6} {pos0:>6} {t:>4} {r:>12.2e}", "tiled");
+            println!("{:<6} {nh:>6} {nkv:>6} {hd:>6} {pos0:>6} {t:>4} {win:>5} {r:>12.2e}", "tiled");
             kern.push(serde_json::json!({"kernel": "attention_tiled", "n_head": nh, "n_head_kv": nkv, "hd": hd,
-                "pos0": pos0, "t": t, "rel_err_vs_one_block": r}));
+                "pos0": pos0, "t": t, "window": win, "rel_err_vs_one_block": r}));
         }
     }
     // 1c. a prefill chunk's experts: grouped on the device, tensor-core kernels (several tiles per expert, partial
@@ -885,6 +938,11 @@ pub fn check(a: CheckArgs) -> Result<()> {
     }
     report.insert("kernels".into(), kern.into());
     report.insert("kernels_worst_rel_err_vs_cpu".into(), worst.into());
+    Ok(())
+}
+
+/// The forward-pass checks of [`check`] (section 2) into `report`, and the report written where `a.json` says.
+fn forward_checks(a: &CheckArgs, report: &mut serde_json::Map<String, serde_json::Value>) -> Result<()> {
     // 2. forward pass: GPU vs CPU, teacher-forced, in several tier configurations
     if let Some(path) = &a.model {
         let knobs_cpu = Arc::new(Knobs::default());
@@ -1059,7 +1117,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
         report.insert("forward".into(), configs.into());
     }
     if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_string_pretty(&serde_json::Value::Object(report))?)?;
+        std::fs::write(p, serde_json::to_string_pretty(&serde_json::Value::Object(std::mem::take(report)))?)?;
     }
     Ok(())
 }

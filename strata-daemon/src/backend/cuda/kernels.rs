@@ -239,6 +239,10 @@ pub struct Kernels {
     pub group_by_expert: Func,
     /// `swiglu`.
     pub swiglu: Func,
+    /// `expert_down_bias` (the experts' down biases into their output rows).
+    pub expert_down_bias: Func,
+    /// `add_bias` (a projection's bias into its output rows).
+    pub add_bias: Func,
 }
 
 // SAFETY: module and function handles are immutable and usable from any thread with the context current.
@@ -417,6 +421,8 @@ impl Kernels {
             route_topk: get("route_topk")?,
             group_by_expert: get("group_by_expert")?,
             swiglu: get("swiglu")?,
+            expert_down_bias: get("expert_down_bias")?,
+            add_bias: get("add_bias")?,
         };
         // the opt-in limit covers static shared memory too (a few hundred bytes in `attention`)
         k.attention.set_max_smem(max_smem_optin - 1024)?;

@@ -54,6 +54,12 @@ pub(super) struct GLayer {
     pub(super) ffn: GFfn,
     /// The shared expert (`qwen2moe`), a dense FFN whose gated output is added to the residual.
     shared: Option<GShared>,
+    /// `attn_output.bias` (`n_embd`), added with the output product.
+    pub(super) o_bias: Option<DevBuf>,
+    /// `attn_sinks` (`n_head` logits).
+    pub(super) sinks: Option<DevBuf>,
+    /// Positions a query attends to in this layer (0 = all: a global layer).
+    pub(super) window: usize,
 }
 
 /// Biases (`qd + 2·kvd`, zeros where the file has none) and q/k norm weights of a layer (see `qkv_prep`).
@@ -72,7 +78,17 @@ struct GShared {
 
 pub(super) enum GFfn {
     Dense { gate: DMat, up: DMat, down: DMat },
-    Moe { router: DMat, gate_ty: GgmlType, down_ty: GgmlType, down_off: usize },
+    Moe { router: DMat, gate_ty: GgmlType, down_ty: GgmlType, down_off: usize, bias: Option<GMoeBias> },
+}
+
+/// A MoE layer's biases (gpt-oss), f32 in VRAM.
+pub(super) struct GMoeBias {
+    /// `ffn_gate_inp.bias` (`n_expert`).
+    pub(super) router: DevBuf,
+    /// Per expert, its `n_ff_exp` gate biases then its `n_ff_exp` up biases (`Glu::gub`).
+    pub(super) gate_up: DevBuf,
+    /// `ffn_down_exps.bias` (`n_expert × n_embd`).
+    pub(super) down: DevBuf,
 }
 
 /// Device scratch for `max_t` tokens.
@@ -219,8 +235,10 @@ pub struct Stage {
     pub(super) group_prefill: bool,
     /// MoE layers of the model (a token's worth of `pcie_auto` votes).
     n_moe_layers: usize,
-    /// The architecture renormalises the top-k weights.
-    norm_topk: bool,
+    /// `route_topk`'s mode for the architecture's gating ([`super::ops::gating_mode`]).
+    gating: i32,
+    /// The experts' gated unit (`Glu::act`: 1 = gpt-oss's clamped SwiGLU).
+    act: i32,
 }
 
 impl Drop for Stage {
@@ -247,15 +265,19 @@ fn check_ty(w: &Weight) -> Result<(), GpuError> {
 /// Refuses the architecture choices these kernels do not implement (checked before anything is allocated).
 fn check_arch(model: &ModelRef<'_>) -> Result<(), GpuError> {
     let arch = || model.cfg.arch.clone();
-    let def = model.cfg.spec.def;
-    let what = if def.attn_sinks || def.moe_bias {
-        Some("attention sinks or router and expert biases")
-    } else if model.weights.blocks.iter().any(|b| b.bias.o.is_some()) {
-        Some("an attention output bias")
-    } else if def.gating != crate::arch::Gating::Softmax || def.expert_weights_scale != 1.0 {
+    let (c, def) = (model.cfg, model.cfg.spec.def);
+    use crate::arch::FfnAct;
+    // the sliding-window layers read the global layers' RoPE table
+    let swa_rope_own = (0..c.n_layer).any(|l| c.is_swa(l))
+        && (c.rope_freq_base_swa != c.rope_freq_base || c.rope_freq_scale_swa != c.rope_freq_scale);
+    let what = if super::ops::gating_mode(def).is_none() || def.expert_weights_scale != 1.0 {
         Some("sigmoid gating or an expert weight scale")
-    } else if def.act != crate::arch::FfnAct::Silu || def.post_norms || def.embd_scale || def.swa_pattern > 0 {
-        Some("a GELU or clamped SwiGLU FFN, post-norms, an embedding scale or sliding-window attention")
+    } else if def.act == FfnAct::GeluTanh || (def.act == FfnAct::SwigluOai && !c.spec.is_moe()) {
+        Some("a GELU FFN, or a clamped SwiGLU outside routed experts")
+    } else if def.post_norms || def.embd_scale || swa_rope_own {
+        Some("post-norms, an embedding scale or sliding-window layers with a RoPE of their own")
+    } else if c.spec.ffn == crate::arch::FfnKind::MoeShared && def.moe_bias {
+        Some("expert biases beside a shared expert")
     } else {
         None
     };
@@ -402,11 +424,32 @@ impl Stage {
                         return Err(GpuError::Unsupported("gate and up experts in different formats".into()));
                     }
                     let gb = c.n_ff_exp * ex.gate.ty.row_bytes(c.n_embd);
+                    let bias = match (&ex.router_bias, &ex.bias) {
+                        (Some(rb), Some(xb)) => {
+                            let ff = c.n_ff_exp;
+                            let gu: Vec<f32> = (0..c.n_expert)
+                                .flat_map(|x| xb.gate[x * ff..(x + 1) * ff].iter().chain(&xb.up[x * ff..(x + 1) * ff]))
+                                .copied()
+                                .collect();
+                            Some(GMoeBias {
+                                router: DevBuf::from_slice(rb)?,
+                                gate_up: DevBuf::from_slice(&gu)?,
+                                down: DevBuf::from_slice(&xb.down)?,
+                            })
+                        }
+                        (None, None) => None,
+                        _ => {
+                            return Err(GpuError::Unsupported(
+                                "a router bias without expert biases, or the reverse".into(),
+                            ))
+                        }
+                    };
                     GFfn::Moe {
                         router: up(model, &ex.router)?,
                         gate_ty: ex.gate.ty,
                         down_ty: ex.down.ty,
                         down_off: 2 * gb,
+                        bias,
                     }
                 }
             };
@@ -420,6 +463,9 @@ impl Stage {
                 ffn_norm: DevBuf::from_slice(&b.ffn_norm)?,
                 ffn,
                 shared,
+                o_bias: b.bias.o.as_deref().map(DevBuf::from_slice).transpose()?,
+                sinks: b.attn_sinks.as_deref().map(DevBuf::from_slice).transpose()?,
+                window: if c.is_swa(l0 + layers.len()) { c.sliding_window } else { 0 },
             });
         }
         let head = if last {
@@ -478,7 +524,8 @@ impl Stage {
         };
         let s = Stream::new()?;
         let n_moe_layers = layers.iter().filter(|g| matches!(g.ffn, GFfn::Moe { .. })).count();
-        let norm_topk = c.spec.def.norm_topk;
+        let gating = super::ops::gating_mode(c.spec.def).expect("checked by check_arch");
+        let act = (c.spec.def.act == crate::arch::FfnAct::SwigluOai) as i32;
         Ok(Stage {
             dev,
             k,
@@ -502,7 +549,8 @@ impl Stage {
             timing: std::env::var_os("STRATA_GPU_TIMING").is_some(),
             group_prefill: std::env::var("STRATA_GPU_GROUP").map_or(true, |v| v != "0"),
             n_moe_layers,
-            norm_topk,
+            gating,
+            act,
         })
     }
 
@@ -802,6 +850,7 @@ impl Stage {
     /// slots, experts of width `ff` whose down rows start `down.0` bytes into their slot, `down.1` bytes apart
     /// (see [`super::ops::Ops::expert_down`]), into `b.y` (rows by
     /// routing entry; `n_pairs` entries bound the hidden buffer). `one`: no group holds more than one token.
+    /// `bias`: the layer's expert biases (gate/up into the gated unit, down into the groups' rows of `b.y`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn experts_gpu(
         &self,
@@ -813,14 +862,25 @@ impl Stage {
         ff: usize,
         down: (usize, usize),
         e: usize,
+        bias: Option<&GMoeBias>,
     ) -> Result<(), GpuError> {
         let ops = Ops { k: &self.k, s: &self.s };
         let b = &self.b;
         let cache = self.cache.as_ref().expect("expert kernels need the VRAM cache");
         let (slots, sb) = (cache.slots.ptr, cache.slot_bytes);
-        ops.expert_gate_up(gate_ty, one, groups, n_groups, slots, sb, ff, e, b.xq.ptr, b.xn.ptr, b.h.ptr)?;
+        let glu = self.glu(bias);
+        ops.expert_gate_up(gate_ty, one, groups, n_groups, slots, sb, ff, e, b.xq.ptr, b.xn.ptr, b.h.ptr, glu)?;
         let h = (b.hq.ptr, b.h.ptr, n_pairs);
-        ops.expert_down(down_ty, one, groups, n_groups, slots, sb, down, ff, e, h, b.y.ptr)
+        ops.expert_down(down_ty, one, groups, n_groups, slots, sb, down, ff, e, h, b.y.ptr)?;
+        match bias {
+            Some(bias) => ops.expert_down_bias(groups, n_groups, b.y.ptr, b.ids.ptr, bias.down.ptr, e),
+            None => Ok(()),
+        }
+    }
+
+    /// The expert kernels' gated unit for a layer with `bias` (or none).
+    pub(super) fn glu(&self, bias: Option<&GMoeBias>) -> super::ops::Glu {
+        super::ops::Glu { ids: self.b.ids.ptr, gub: bias.map_or(0, |b| b.gate_up.ptr), act: self.act }
     }
 
     /// Whether decode tokens may replay CUDA graphs (`STRATA_GPU_GRAPHS=0` at load turns them off; a failed
@@ -869,7 +929,9 @@ impl Stage {
         ops.gated_add(b.x.ptr, b.sh.ptr, sh.gate_inp.ptr, b.xn.ptr, e, t)
     }
 
-    /// The router product and top-k of `t` tokens into `b.ids` / `b.w` (arguments as [`Ops::route_topk`]).
+    /// The router product (plus the layer's router bias, when `bias`) and top-k of `t` tokens into `b.ids` / `b.w`
+    /// (arguments as [`Ops::route_topk`]).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn route(
         &self,
         ops: &Ops,
@@ -878,11 +940,13 @@ impl Stage {
         kk: usize,
         fast: Option<(u64, u64, u64)>,
         win: u64,
+        bias: Option<&GMoeBias>,
     ) -> Result<(), GpuError> {
         let b = &self.b;
         let ne = router.rows;
         ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false)?;
-        ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, fast, win, self.norm_topk)
+        let mode = (self.gating, bias.map_or(0, |b| b.router.ptr));
+        ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, fast, win, mode)
     }
 
     /// The page-locked staging of the routing's copy to the host (ids | weights | normalized activations),
@@ -1055,7 +1119,13 @@ impl Stage {
         let knob = |k: Knob| m.experts.as_ref().map_or(0.0, |st| st.knobs.value(k));
         let block = gate_ty.block_size().max(down_ty.block_size());
         // pcie_auto: the balanced share (starting from pcie_frac, or 0.5 when that is 0), moved by decode tokens
-        let auto = knob(Knob::PcieAuto) >= 1.0 && split_rows(0.5, ff, block) > 0;
+        // a layer with expert biases sends whole experts (the split's partial experts would add theirs twice)
+        let bias = match &self.layer(l).ffn {
+            GFfn::Moe { bias, .. } => bias.as_ref(),
+            GFfn::Dense { .. } => None,
+        };
+        let whole = bias.is_some();
+        let auto = knob(Knob::PcieAuto) >= 1.0 && split_rows(0.5, ff, block) > 0 && !whole;
         let min_step = split_step(block) as f32 / ff as f32;
         let frac = if auto {
             let start = knob(Knob::PcieFrac) as f32;
@@ -1082,7 +1152,7 @@ impl Stage {
         let mut staged: Vec<(usize, usize, usize)> = Vec::new();
         if let (Some(cache), true) = (cache, frac > 0.0 || prefill_pcie) {
             ram_miss.sort_by(|a, b| by_expert[b.0].len().cmp(&by_expert[a.0].len()).then(a.0.cmp(&b.0)));
-            let k = if prefill_pcie { ff } else { split_rows(frac, ff, block) };
+            let k = if prefill_pcie || whole { ff } else { split_rows(frac, ff, block) };
             let mut entries = 0u64;
             let n = if prefill_pcie {
                 ram_miss.len().min(n_stage_max)
@@ -1192,14 +1262,14 @@ impl Stage {
                     let one = t == 1;
                     if n_groups > 0 {
                         let down = (down_off, down_ty.row_bytes(ff));
-                        self.experts_gpu((gate_ty, down_ty), one, b.groups.ptr, n_groups, n_pairs, ff, down, e)?;
+                        self.experts_gpu((gate_ty, down_ty), one, b.groups.ptr, n_groups, n_pairs, ff, down, e, bias)?;
                     }
                     if let Some(g) = geom.filter(|_| n_split > 0) {
                         // the split experts' rows 0..k, as experts of width k (h and hq reused after the
                         // launches above)
                         let gp = b.groups.at(n_groups * GROUP_BYTES);
                         let down = (g.down_off(), g.down_pitch);
-                        self.experts_gpu((gate_ty, down_ty), one, gp, n_split, n_pairs, g.k, down, e)?;
+                        self.experts_gpu((gate_ty, down_ty), one, gp, n_split, n_pairs, g.k, down, e, None)?;
                     }
                 }
                 // SAFETY: as for the groups above.
@@ -1393,7 +1463,7 @@ fn predict_next(
             f.iter().flat_map(|v| v.to_le_bytes()).collect()
         }
     });
-    let logits: Vec<f32> = if q8 {
+    let mut logits: Vec<f32> = if q8 {
         let mut xq = vec![crate::quant::BlockQ8::default(); e / 32];
         crate::quant::quantize_q8(&xp, &mut xq);
         let rb = GgmlType::Q8_0.row_bytes(e);
@@ -1407,6 +1477,9 @@ fn predict_next(
             })
             .collect()
     };
+    if let Some(b) = &ex.router_bias {
+        crate::backend::cpu::math::add_rows(&mut logits, b);
+    }
     crate::backend::moe::router::top_k(c, &logits, 1).remove(0).into_iter().map(|(x, _)| x).collect()
 }
 

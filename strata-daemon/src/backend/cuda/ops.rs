@@ -140,6 +140,34 @@ pub fn max_expert_tiles(n_pairs: usize, n_expert: usize) -> usize {
     n_pairs.min(n_pairs.div_ceil(MQ_BN) + n_expert)
 }
 
+/// The gated unit of the expert kernels (`Glu` in strata.cu): `act` 0 = SwiGLU, 1 = gpt-oss's clamped SwiGLU
+/// ([`crate::backend::cpu::swiglu_oai`]); `gub` ≠ 0: per-expert biases (`ff` gate then `ff` up values per expert)
+/// added to routing entry p's products, its expert read from `ids[p]` (the router's device ids).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Glu {
+    /// The routing's expert ids (device address; read only with biases).
+    pub ids: u64,
+    /// The layer's gate/up biases (device address, 0 = none).
+    pub gub: u64,
+    /// The activation.
+    pub act: i32,
+}
+
+impl Glu {
+    /// SwiGLU without biases.
+    pub const SILU: Glu = Glu { ids: 0, gub: 0, act: 0 };
+}
+
+/// `route_topk`'s `norm` mode for an architecture: 1 = renormalised top-k, 0 = softmax probabilities, 2 = the
+/// softmax of the chosen logits. `None` for a gating the kernel does not implement (sigmoid).
+pub fn gating_mode(def: &crate::arch::ArchDef) -> Option<i32> {
+    match def.gating {
+        crate::arch::Gating::Softmax => Some(def.norm_topk as i32),
+        crate::arch::Gating::SoftmaxTopK => Some(2),
+        crate::arch::Gating::Sigmoid => None,
+    }
+}
+
 /// Bytes of one tile (`int2`: first group, groups).
 pub const TILE_BYTES: usize = 8;
 
@@ -352,6 +380,9 @@ impl Ops<'_> {
     /// [`split_part_floats`]): where [`split_applies`] (a long context, a few rows), the positions are cut into
     /// chunks computed by parallel blocks and merged — not bit-exact with the one-block kernel (f32 rescaling
     /// instead of f16-rounded probabilities), which every shorter context keeps.
+    ///
+    /// `(window, sinks)`: a sliding window of `window` positions per row (0 = none) and the device address of
+    /// `n_head` attention-sink logits (0 = none), as [`crate::backend::cpu::attention::attend`] takes them.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -367,12 +398,13 @@ impl Ops<'_> {
         out: u64,
         outq: u64,
         split: Option<u64>,
+        (window, sinks): (usize, u64),
     ) -> Result<(), GpuError> {
         let scale = 1.0 / (hd as f32).sqrt();
         if let Some(part) = split.filter(|_| split_applies(cap, t, hd)) {
             // split-K: chunks of ATT_CHUNK positions in parallel, then the merge (with the Q8 rows)
             let nz = cap.div_ceil(ATT_CHUNK) as u32;
-            let args = attention_args(q, kc, vc, (n_head, n_head_kv, hd), pos, scale).ptr(part);
+            let args = attention_args(q, kc, vc, (n_head, n_head_kv, hd), pos, scale).ptr(part).i32(window as i32);
             self.k.attention_split.launch(self.s, (n_head as u32, t as u32, nz), 128, 0, args)?;
             let args = Args::new()
                 .ptr(part)
@@ -380,7 +412,8 @@ impl Ops<'_> {
                 .i32(hd as i32)
                 .i32(nz as i32)
                 .ptr(out)
-                .ptr(if hd.is_multiple_of(32) { outq } else { 0 });
+                .ptr(if hd.is_multiple_of(32) { outq } else { 0 })
+                .ptr(sinks);
             self.k.attention_combine.launch(self.s, (n_head as u32, t as u32, 1), 128, 0, args)?;
         } else if let Some(f) = self.k.attention_tiled(hd).filter(|_| tiled_applies(t, n_head_kv * hd)) {
             // a prefill chunk: the tiled tensor-core kernel, then the Q8 rows
@@ -393,11 +426,13 @@ impl Ops<'_> {
                 .i32(t as i32)
                 .ptr(pos)
                 .f32(scale)
-                .ptr(out);
+                .ptr(out)
+                .i32(window as i32)
+                .ptr(sinks);
             f.launch(self.s, (t.div_ceil(FA_BQ) as u32, n_head as u32, 1), 32 * FA_WARPS, 0, args)?;
             return self.quantize(out, outq, t * n_head * hd / 32);
         } else {
-            self.attention_exact(q, kc, vc, (n_head, n_head_kv, hd), pos, scale, cap, t, out, outq)?;
+            self.attention_exact(q, kc, vc, (n_head, n_head_kv, hd), pos, scale, cap, t, out, outq, (window, sinks))?;
         }
         if !hd.is_multiple_of(32) {
             self.quantize(out, outq, t * n_head * hd / 32)?;
@@ -420,19 +455,23 @@ impl Ops<'_> {
         t: usize,
         out: u64,
         outq: u64,
+        (window, sinks): (usize, u64),
     ) -> Result<(), GpuError> {
         let smem = ((hd + cap) * 4) as u32;
         let args = attention_args(q, kc, vc, (n_head, n_head_kv, hd), pos, scale)
             .ptr(out)
-            .ptr(if hd.is_multiple_of(32) { outq } else { 0 });
+            .ptr(if hd.is_multiple_of(32) { outq } else { 0 })
+            .i32(window as i32)
+            .ptr(sinks);
         self.k.attention.launch(self.s, (n_head as u32, t as u32, 1), 128, smem, args)
     }
 
     /// Softmax + top-k of `t` rows of router logits into `ids`/`w` (`t × k`). With `fast = Some((table,
     /// groups, flag))` (decode windows, every expert looked up on the device) also one group per routing entry
     /// from the layer's residency table (`table` already offset to the layer) and the flags; `win` ≠ 0: the ids
-    /// are copied there too (the window's routing record). `norm`: the top-k weights renormalised to sum 1
-    /// (else the softmax probabilities).
+    /// are copied there too (the window's routing record). `norm`: 1 = the top-k weights renormalised to sum 1,
+    /// 0 = the softmax probabilities, 2 = the softmax of the chosen logits ([`gating_mode`]); `bias` (0 = none):
+    /// the router's per-expert bias added to the logits first.
     #[allow(clippy::too_many_arguments)]
     pub fn route_topk(
         &self,
@@ -444,7 +483,7 @@ impl Ops<'_> {
         w: u64,
         fast: Option<(u64, u64, u64)>,
         win: u64,
-        norm: bool,
+        (norm, bias): (i32, u64),
     ) -> Result<(), GpuError> {
         let (table, groups, flag) = fast.unwrap_or((0, 0, 0));
         let args = Args::new()
@@ -457,12 +496,13 @@ impl Ops<'_> {
             .ptr(groups)
             .ptr(flag)
             .ptr(win)
-            .i32(norm as i32);
+            .i32(norm)
+            .ptr(bias);
         self.k.route_topk.launch(self.s, (t as u32, 1, 1), 32, 0, args)
     }
 
-    /// Expert gate/up (SwiGLU) over `n_groups` groups (`one`: no group has more than one token) into `h` (f32,
-    /// one row of `ff` per routing entry); one-token groups of experts of width e ≤ 32 × [`NARROW_GU_CB`] in a
+    /// Expert gate/up (the gated unit and biases of `glu`) over `n_groups` groups (`one`: no group has more than
+    /// one token) into `h` (f32, one row of `ff` per routing entry); one-token groups of experts of width e ≤ 32 × [`NARROW_GU_CB`] in a
     /// block format run the narrow kernel (two indices per warp).
     #[allow(clippy::too_many_arguments)]
     pub fn expert_gate_up(
@@ -478,9 +518,20 @@ impl Ops<'_> {
         xq: u64,
         xf: u64,
         h: u64,
+        glu: Glu,
     ) -> Result<(), GpuError> {
-        let args =
-            Args::new().ptr(groups).ptr(slots).usize(slot_bytes).i32(ff as i32).i32(e as i32).ptr(xq).ptr(xf).ptr(h);
+        let args = Args::new()
+            .ptr(groups)
+            .ptr(slots)
+            .usize(slot_bytes)
+            .i32(ff as i32)
+            .i32(e as i32)
+            .ptr(xq)
+            .ptr(xf)
+            .ptr(h)
+            .ptr(glu.ids)
+            .ptr(glu.gub)
+            .i32(glu.act);
         let narrow =
             if one && e.is_multiple_of(32) && e / 32 <= NARROW_GU_CB { self.k.gate_up_narrow(ty) } else { None };
         let (f, per_warp) = match narrow {
@@ -526,7 +577,7 @@ impl Ops<'_> {
     }
 
     /// The experts of a prefill chunk on the tensor-core kernels, over `n_tiles` tiles at `tiles` of the groups at
-    /// `groups` ([`Ops::group_by_expert`]): h = silu(gate·x) ⊙ (up·x) for each entry (`xq`: the tokens' Q8 rows of
+    /// `groups` ([`Ops::group_by_expert`]): h = glu(gate·x, up·x) for each entry ([`Glu`]) (`xq`: the tokens' Q8 rows of
     /// `e`), its Q8 rows into `hq` (`n_pairs` rows of `ff`), then `out[pair]` = down·h (`e` values per entry; down
     /// rows `down_off` bytes into each slot, `down_rb` apart). `None` when the formats have no such kernels.
     #[allow(clippy::too_many_arguments)]
@@ -541,6 +592,7 @@ impl Ops<'_> {
         (ff, e): (usize, usize),
         (xq, h, hq, n_pairs): (u64, u64, u64, usize),
         out: u64,
+        glu: Glu,
     ) -> Option<Result<(), GpuError>> {
         let (gu, dn) = self.k.expert_mmq(gate_ty, down_ty)?;
         if !(e.is_multiple_of(32) && ff.is_multiple_of(32)) {
@@ -555,7 +607,10 @@ impl Ops<'_> {
                 .i32(ff as i32)
                 .i32(e as i32)
                 .ptr(xq)
-                .ptr(h);
+                .ptr(h)
+                .ptr(glu.ids)
+                .ptr(glu.gub)
+                .i32(glu.act);
             gu.launch(self.s, (ff.div_ceil(MQ_BM) as u32, n_tiles as u32, 1), 32 * WARPS, 0, args)?;
             self.quantize(h, hq, n_pairs * ff / 32)?;
             let args = Args::new()
@@ -621,6 +676,27 @@ impl Ops<'_> {
             None => (self.k.down(ty, one)?, RPW),
         };
         f.launch(self.s, (e.div_ceil(WARPS as usize * rows_per_warp) as u32, n_groups as u32, 1), 32 * WARPS, 0, args)
+    }
+
+    /// The experts' down biases into their output rows: `y[p] += db[ids[p]]` (`e` values) for each routing entry
+    /// p of the `n_groups` groups at `groups` (the entries the GPU computed).
+    pub fn expert_down_bias(
+        &self,
+        groups: u64,
+        n_groups: usize,
+        y: u64,
+        ids: u64,
+        db: u64,
+        e: usize,
+    ) -> Result<(), GpuError> {
+        let args = Args::new().ptr(groups).ptr(y).ptr(ids).ptr(db).i32(e as i32);
+        self.k.expert_down_bias.launch(self.s, (n_groups as u32, 1, 1), 128, 0, args)
+    }
+
+    /// `x[i] += b` for `t` rows of `n` f32 (a projection's bias).
+    pub fn add_bias(&self, x: u64, b: u64, n: usize, t: usize) -> Result<(), GpuError> {
+        let args = Args::new().ptr(x).ptr(b).i32(n as i32);
+        self.k.add_bias.launch(self.s, (t as u32, 1, 1), 256, 0, args)
     }
 
     /// Dense SwiGLU: `h = silu(g) * u` from t rows of `[g | u]`.

@@ -149,13 +149,34 @@ impl Ops for GpuPass<'_, '_> {
         let (kc, vc) = (g.kc[l - g.l0].ptr, g.vc[l - g.l0].ptr);
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
         let part = b.attn_part.as_ref().map(|p| p.ptr);
-        Ok(self.launch().attention(b.q.ptr, kc, vc, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr, part)?)
+        let gl = g.layer(l);
+        let ws = (gl.window, gl.sinks.as_ref().map_or(0, |d| d.ptr));
+        Ok(self.launch().attention(
+            b.q.ptr,
+            kc,
+            vc,
+            nh,
+            nkv,
+            hd,
+            b.cs.ptr,
+            cap,
+            t,
+            b.attn.ptr,
+            b.attnq.ptr,
+            part,
+            ws,
+        )?)
     }
 
     fn attn_output(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
         let b = &g.b;
-        Ok(self.launch().mmv(&[&g.layer(l).o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?)
+        let k = self.launch();
+        k.mmv(&[&g.layer(l).o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?;
+        if let Some(bias) = &g.layer(l).o_bias {
+            k.add_bias(b.x.ptr, bias.ptr, e, t)?;
+        }
+        Ok(())
     }
 
     fn ffn(&mut self, l: usize) -> Result<(), BackendError> {
@@ -173,7 +194,8 @@ impl Ops for GpuPass<'_, '_> {
     fn route(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let b = &g.b;
-        let GFfn::Moe { router, .. } = &g.layer(l).ffn else { unreachable!("route() on a dense block") };
+        let GFfn::Moe { router, bias, .. } = &g.layer(l).ffn else { unreachable!("route() on a dense block") };
+        let bias = bias.as_ref();
         let (kk, ne, e) = (c.n_expert_used, c.n_expert, c.n_embd);
         let n_pairs = t * kk;
         if self.fast {
@@ -183,7 +205,7 @@ impl Ops for GpuPass<'_, '_> {
             if self.grouped() {
                 // several tokens: top-k, then each expert's tokens in groups of up to MAX_NT (on the device)
                 let k = self.launch();
-                g.route(&k, router, t, kk, None, win)?;
+                g.route(&k, router, t, kk, None, win, bias)?;
                 let tiles = b.tiles.ptr;
                 return Ok(k.group_by_expert(
                     b.ids.ptr,
@@ -200,9 +222,9 @@ impl Ops for GpuPass<'_, '_> {
             // top-k, groups from the residency table and (decode) the window's record, kept on the device and
             // read once after the window (no per-layer round trip)
             let fast_groups = (table, b.groups.ptr, b.flag.ptr);
-            return Ok(g.route(&self.launch(), router, t, kk, Some(fast_groups), win)?);
+            return Ok(g.route(&self.launch(), router, t, kk, Some(fast_groups), win, bias)?);
         }
-        g.route(&self.launch(), router, t, kk, None, 0)?;
+        g.route(&self.launch(), router, t, kk, None, 0, bias)?;
         if self.in_segment {
             g.routing_dtoh(self.staging, n_pairs, t * e)?;
             self.routed = true;
@@ -218,9 +240,10 @@ impl Ops for GpuPass<'_, '_> {
     fn experts(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let b = &g.b;
-        let GFfn::Moe { gate_ty, down_ty, down_off, .. } = g.layer(l).ffn else {
+        let GFfn::Moe { gate_ty, down_ty, down_off, ref bias, .. } = g.layer(l).ffn else {
             unreachable!("experts() on a dense block")
         };
+        let bias = bias.as_ref();
         let (kk, ff, e) = (c.n_expert_used, c.n_ff_exp, c.n_embd);
         let n_pairs = t * kk;
         if self.fast {
@@ -238,17 +261,24 @@ impl Ops for GpuPass<'_, '_> {
                     (ff, e),
                     (b.xq.ptr, b.h.ptr, b.hq.ptr, n_pairs),
                     b.y.ptr,
+                    g.glu(bias),
                 );
+                let n_groups = super::ops::max_expert_groups(n_pairs, c.n_expert);
                 match mmq {
-                    Some(r) => r?,
+                    Some(r) => {
+                        r?;
+                        if let Some(bias) = bias {
+                            let k = self.launch();
+                            k.expert_down_bias(b.groups.ptr, n_groups, b.y.ptr, b.ids.ptr, bias.down.ptr, e)?;
+                        }
+                    }
                     None => {
-                        let n_groups = super::ops::max_expert_groups(n_pairs, c.n_expert);
-                        g.experts_gpu((gate_ty, down_ty), false, b.groups.ptr, n_groups, n_pairs, ff, down, e)?;
+                        g.experts_gpu((gate_ty, down_ty), false, b.groups.ptr, n_groups, n_pairs, ff, down, e, bias)?;
                     }
                 }
             } else {
                 // decode windows: one entry per group, so at most one token per group
-                g.experts_gpu((gate_ty, down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, down, e)?;
+                g.experts_gpu((gate_ty, down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, down, e, bias)?;
             }
             self.pend = Some(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: 0, k: kk });
             return Ok(());
