@@ -205,6 +205,28 @@ pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
     [dot_q8(ty, rows[0], x), dot_q8(ty, rows[1], x), dot_q8(ty, rows[2], x), dot_q8(ty, rows[3], x)]
 }
 
+/// Whether `ty` has a four-token kernel the CPU can run ([`dot_q8_t4`]).
+pub fn has_t4(ty: GgmlType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level().avx2() {
+        return super::format::lookup(ty).and_then(|f| f.q8).is_some_and(|k| k.avx2_t4.is_some());
+    }
+    false
+}
+
+/// One row of `ty` times four tokens' activations (`x[t]` of `row`'s width each): each result bit for bit
+/// [`dot_q8`]'s, the row unpacked once. Panics where [`has_t4`] is false or a length disagrees.
+pub fn dot_q8_t4(ty: GgmlType, row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(k) = q8_kernels(ty).avx2_t4.filter(|_| simd_level().avx2()) {
+        let rb = ty.row_bytes(x[0].len() * 32);
+        assert!(row.len() == rb && x.iter().all(|xt| xt.len() == x[0].len()), "dot_q8_t4: lengths");
+        // SAFETY: AVX2/FMA/F16C detected; the row holds x[t].len() blocks for every t (asserted above).
+        return unsafe { k(row, x) };
+    }
+    panic!("dot_q8_t4: no four-token kernel for {ty:?} on this CPU")
+}
+
 /// Scalar reference of [`dot_q8`] (each format's own, [`super::format`]).
 pub fn dot_q8_scalar(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     (q8_kernels(ty).scalar)(row, x)

@@ -3,7 +3,9 @@
 //! 8-bit activations ([`BlockQ8`], blocks of 32). Each format unpacks its codes with SIMD shifts and masks into 32
 //! bytes per activation block and multiplies them with `maddubs`; the K-quants apply their per-16 integer scales
 //! (and minimums) with one `madd` each, so a 32-block costs the same whatever the format. The four-row variants are
-//! four single-row calls (bit-identical to them by construction).
+//! four single-row calls (bit-identical to them by construction); the four-token ones (`*_t4`: Q5_0 and the Q4_K_M
+//! family's K-quants) unpack a row's codes once for four tokens' activations, each token's sums in the single-row
+//! kernel's order (bit-identical to it).
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
@@ -70,17 +72,39 @@ pub mod avx2 {
     /// One Q5_0 row. SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len()` blocks of 22 bytes.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q5_0(row: &[u8], x: &[BlockQ8]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
+        q5_0_n::<1>(row, [x])[0]
+    }
+
+    /// One Q5_0 row with the activations of four tokens (each as [`dot_q5_0`] gives it, bit for bit: the row's
+    /// codes are unpacked once). SAFETY (callers): as [`dot_q5_0`], for every `x[t]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q5_0_t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+        q5_0_n::<4>(row, x)
+    }
+
+    /// [`dot_q5_0`] of `N` tokens' activations (each `x[t]` as long as `x[0]`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5_0_n<const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
+        let mut acc = [_mm256_setzero_ps(); N];
         let ones = _mm256_set1_epi16(1);
         let p = row.as_ptr();
-        for (i, xb) in x.iter().enumerate() {
+        for i in 0..x[0].len() {
             let b = p.add(i * 22);
             let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
             let q = _mm256_sub_epi8(_mm256_or_si256(nibbles(b.add(6)), fifth_bits(qh)), _mm256_set1_epi8(16));
-            let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs_signed(q, load_x(xb)), ones));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b) * xb.d), s, acc);
+            let d = h2f(b);
+            for (a, xt) in acc.iter_mut().zip(x) {
+                let xb = &xt[i];
+                let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs_signed(q, load_x(xb)), ones));
+                *a = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), s, *a);
+            }
         }
-        hsum(acc)
+        let mut out = [0f32; N];
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = hsum(a);
+        }
+        out
     }
 
     /// One Q5_1 row. SAFETY (callers): as [`dot_q5_0`], blocks of 24 bytes.
@@ -123,9 +147,23 @@ pub mod avx2 {
     /// bytes.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_k(row: &[u8], x: &[BlockQ8]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
+        q4_k_n::<1>(row, [x])[0]
+    }
+
+    /// One Q4_K row with four tokens' activations (each bit for bit as [`dot_q4_k`]). SAFETY (callers): as
+    /// [`dot_q4_k`], for every `x[t]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_k_t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+        q4_k_n::<4>(row, x)
+    }
+
+    /// [`dot_q4_k`] of `N` tokens' activations.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_k_n<const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
+        let mut acc = [_mm256_setzero_ps(); N];
         let low = _mm256_set1_epi8(0x0f);
-        for (b, xs) in row.chunks_exact(144).zip(x.chunks_exact(8)) {
+        for (i, b) in row.chunks_exact(144).enumerate() {
             let (d, dmin) = (h2f(b.as_ptr()), h2f(b.as_ptr().add(2)));
             let scales = &b[4..16];
             for c in 0..4 {
@@ -134,20 +172,40 @@ pub mod avx2 {
                     [_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)].into_iter().enumerate()
                 {
                     let (s, m) = scale_min_k4(2 * c + h, scales);
-                    group(&mut acc, q, &xs[2 * c + h], [s as i16; 2], [m as i16; 2], d, dmin);
+                    for (a, xt) in acc.iter_mut().zip(x) {
+                        group(a, q, &xt[8 * i + 2 * c + h], [s as i16; 2], [m as i16; 2], d, dmin);
+                    }
                 }
             }
         }
-        hsum(acc)
+        let mut out = [0f32; N];
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = hsum(a);
+        }
+        out
     }
 
     /// One Q5_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 176 bytes.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q5_k(row: &[u8], x: &[BlockQ8]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
+        q5_k_n::<1>(row, [x])[0]
+    }
+
+    /// One Q5_K row with four tokens' activations (each bit for bit as [`dot_q5_k`]). SAFETY (callers): as
+    /// [`dot_q5_k`], for every `x[t]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q5_k_t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+        q5_k_n::<4>(row, x)
+    }
+
+    /// [`dot_q5_k`] of `N` tokens' activations.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5_k_n<const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
+        let mut acc = [_mm256_setzero_ps(); N];
         let low = _mm256_set1_epi8(0x0f);
         let one = _mm256_set1_epi8(1);
-        for (b, xs) in row.chunks_exact(176).zip(x.chunks_exact(8)) {
+        for (i, b) in row.chunks_exact(176).enumerate() {
             let (d, dmin) = (h2f(b.as_ptr()), h2f(b.as_ptr().add(2)));
             let scales = &b[4..16];
             let qh = _mm256_loadu_si256(b.as_ptr().add(16) as *const __m256i);
@@ -158,20 +216,40 @@ pub mod avx2 {
                 let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_slli_epi16(h1, 4));
                 for (h, q) in [lo, hi].into_iter().enumerate() {
                     let (s, m) = scale_min_k4(2 * c + h, scales);
-                    group(&mut acc, q, &xs[2 * c + h], [s as i16; 2], [m as i16; 2], d, dmin);
+                    for (a, xt) in acc.iter_mut().zip(x) {
+                        group(a, q, &xt[8 * i + 2 * c + h], [s as i16; 2], [m as i16; 2], d, dmin);
+                    }
                 }
             }
         }
-        hsum(acc)
+        let mut out = [0f32; N];
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = hsum(a);
+        }
+        out
     }
 
     /// One Q6_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 210 bytes.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q6_k(row: &[u8], x: &[BlockQ8]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
+        q6_k_n::<1>(row, [x])[0]
+    }
+
+    /// One Q6_K row with four tokens' activations (each bit for bit as [`dot_q6_k`]). SAFETY (callers): as
+    /// [`dot_q6_k`], for every `x[t]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q6_k_t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+        q6_k_n::<4>(row, x)
+    }
+
+    /// [`dot_q6_k`] of `N` tokens' activations.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q6_k_n<const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
+        let mut acc = [_mm256_setzero_ps(); N];
         let low = _mm256_set1_epi8(0x0f);
         let three = _mm256_set1_epi8(3);
-        for (b, xs) in row.chunks_exact(210).zip(x.chunks_exact(8)) {
+        for (i, b) in row.chunks_exact(210).enumerate() {
             let p = b.as_ptr();
             let d = h2f(p.add(208));
             let sc = &b[192..208];
@@ -190,11 +268,18 @@ pub mod avx2 {
                     let q = _mm256_sub_epi8(_mm256_or_si256(n, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
                     let g = 8 * h + 2 * s; // first 16-value group of these 32 values
                     let k = 4 * h + s; // their activation block
-                    group(&mut acc, q, &xs[k], [sc[g] as i8 as i16, sc[g + 1] as i8 as i16], [0, 0], d, 0.0);
+                    let scs = [sc[g] as i8 as i16, sc[g + 1] as i8 as i16];
+                    for (a, xt) in acc.iter_mut().zip(x) {
+                        group(a, q, &xt[8 * i + k], scs, [0, 0], d, 0.0);
+                    }
                 }
             }
         }
-        hsum(acc)
+        let mut out = [0f32; N];
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = hsum(a);
+        }
+        out
     }
 
     /// One Q3_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 110 bytes.
@@ -510,5 +595,45 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The four-token kernels give each token the single-row kernel's bits (random and saturating rows, four
+    /// different activation rows, whole super-blocks of 1..5).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn four_token_kernels_give_each_token_the_single_row_bits() {
+        if !crate::quant::simd_level().avx2() {
+            return;
+        }
+        let mut seed = 0x7E4u64;
+        let mut seen = 0;
+        for ty in NEW.into_iter().chain(crate::quant::format::iq::TYPES) {
+            let k = lookup(ty).and_then(|f| f.q8).expect("block format");
+            let Some(t4) = k.avx2_t4 else { continue };
+            seen += 1;
+            for n_blocks in [1usize, 2, 5] {
+                for extreme in [false, true] {
+                    let n = n_blocks * ty.block_size();
+                    let r = row(ty, n_blocks, extreme, &mut seed);
+                    let xs: Vec<Vec<BlockQ8>> = (0..4)
+                        .map(|_| {
+                            let v: Vec<f32> = (0..n).map(|_| (next(&mut seed) % 2001) as f32 / 500.0 - 2.0).collect();
+                            let mut x = vec![BlockQ8::default(); n / 32];
+                            quantize_q8(&v, &mut x);
+                            x
+                        })
+                        .collect();
+                    let x4 = [&xs[0][..], &xs[1][..], &xs[2][..], &xs[3][..]];
+                    // SAFETY: AVX2/FMA/F16C detected above; the row holds n_blocks whole blocks of each x.
+                    let got = unsafe { t4(&r, x4) };
+                    for (t, g) in got.iter().enumerate() {
+                        // SAFETY: as above.
+                        let one = unsafe { (k.avx2)(&r, &xs[t]) };
+                        assert_eq!(g.to_bits(), one.to_bits(), "{ty:?} x{n_blocks} extreme {extreme} token {t}");
+                    }
+                }
+            }
+        }
+        assert_eq!(seen, 4, "Q5_0, Q4_K, Q5_K and Q6_K have four-token kernels");
     }
 }

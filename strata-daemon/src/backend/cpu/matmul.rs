@@ -618,7 +618,25 @@ fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1
 fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
     let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
     let simd = precision == Precision::Q8Activations;
-    for ti in 0..x.t {
+    // four tokens at a time where the format unpacks a row once for them (the same bits per token)
+    let mut t0 = 0;
+    if q8 && simd && x.t >= 4 && crate::quant::has_t4(w.ty) {
+        while t0 + 4 <= x.t {
+            let xs =
+                [x.qrow_for(w.ty, t0), x.qrow_for(w.ty, t0 + 1), x.qrow_for(w.ty, t0 + 2), x.qrow_for(w.ty, t0 + 3)];
+            for r in r0..r1 {
+                let v = crate::quant::dot_q8_t4(w.ty, w.row(r), xs);
+                for (j, v) in v.into_iter().enumerate() {
+                    // SAFETY: token t0 + j < t and row r in r0..r1 inside the matrix, so (t0 + j) * rows + r lies
+                    // inside `out` (`t × rows`, asserted where the job was planned); each (token, row) is written by
+                    // exactly one task (row ranges are disjoint).
+                    unsafe { *p.0.add((t0 + j) * w.rows + r) = v };
+                }
+            }
+            t0 += 4;
+        }
+    }
+    for ti in t0..x.t {
         let xq = x.qrow_for(w.ty, ti);
         let x4 = (q8 && simd)
             .then_some(|r: usize| dot_q8_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], xq));

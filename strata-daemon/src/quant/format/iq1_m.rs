@@ -29,6 +29,8 @@ pub const FORMAT: Format = Format {
         avx2: crate::quant::dot_k::avx2::dot_iq1_m,
         #[cfg(target_arch = "x86_64")]
         avx2_x4: crate::quant::dot_k::avx2::dot_iq1_m_x4,
+        #[cfg(target_arch = "x86_64")]
+        avx2_t4: None,
         wide: false,
     }),
     f32_dot: None,

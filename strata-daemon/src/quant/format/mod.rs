@@ -70,6 +70,11 @@ pub struct Q8Dot {
     /// AVX2 + FMA + F16C, four rows (same contract).
     #[cfg(target_arch = "x86_64")]
     pub avx2_x4: unsafe fn([&[u8]; 4], &[BlockQ8]) -> [f32; 4],
+    /// AVX2 + FMA + F16C, one row with four tokens' activations (`fn(row, [x0, x1, x2, x3])`, each result bit for
+    /// bit the single-row kernel's; same contract for every `x[t]`): the row's codes are unpacked once for the four.
+    /// `None`: the format has none (prefill products unpack a row per token).
+    #[cfg(target_arch = "x86_64")]
+    pub avx2_t4: Option<unsafe fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4]>,
     /// Rows also go through the AVX-512 VNNI kernel ([`super::q4_wide`], Q4_0 and Q4_1 only) where the CPU has it.
     pub wide: bool,
 }

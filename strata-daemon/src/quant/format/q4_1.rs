@@ -18,6 +18,8 @@ pub const FORMAT: Format = Format {
         avx2: crate::quant::dot::avx2::dot_q4_1,
         #[cfg(target_arch = "x86_64")]
         avx2_x4: crate::quant::dot::avx2::dot_q4_1_x4,
+        #[cfg(target_arch = "x86_64")]
+        avx2_t4: None,
         wide: true,
     }),
     f32_dot: None,

@@ -18,6 +18,8 @@ pub const FORMAT: Format = Format {
         avx2: crate::quant::dot_k::avx2::dot_q5_0,
         #[cfg(target_arch = "x86_64")]
         avx2_x4: crate::quant::dot_k::avx2::dot_q5_0_x4,
+        #[cfg(target_arch = "x86_64")]
+        avx2_t4: Some(crate::quant::dot_k::avx2::dot_q5_0_t4),
         wide: false,
     }),
     f32_dot: None,

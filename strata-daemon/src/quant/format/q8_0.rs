@@ -17,6 +17,8 @@ pub const FORMAT: Format = Format {
         avx2: crate::quant::dot::avx2::dot_q8_0,
         #[cfg(target_arch = "x86_64")]
         avx2_x4: crate::quant::dot::avx2::dot_q8_0_x4,
+        #[cfg(target_arch = "x86_64")]
+        avx2_t4: None,
         wide: false,
     }),
     f32_dot: None,
