@@ -2408,7 +2408,7 @@ EXPERT_NARROW_KERNEL(q4_1, FMT_Q4_1)
 
 // Tensor-core expert products over the tiles of group_by_expert (prefill chunks, every expert in VRAM): a tile is up
 // to MQ_GPT consecutive groups of one expert (MQ_BN tokens), its columns the groups' entries in order. The gate/up
-// kernel computes h[pair, r] = silu(gate_r · x_tok) · (up_r · x_tok) for MQ_BM indices r per block (the gate and up
+// kernel computes h[pair, r] = glu(gate_r · x_tok, up_r · x_tok) (expert_glu) for MQ_BM indices r per block (the gate and up
 // rows of a warp's 16 indices side by side, two MMAs per column tile), the down kernel out[pair, r] = down_r · h_pair
 // from h's Q8 rows (hq, by entry); arithmetic as mmq_body. Grid: (ceil(ff / MQ_BM) or ceil(e / MQ_BM), max_tiles).
 __device__ __forceinline__ void mq_tile_cols(const Group* groups, int2 tl, bool by_pair, int* xrow, int* prow) {

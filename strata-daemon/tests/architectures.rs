@@ -222,6 +222,11 @@ fn files_whose_metadata_and_tensors_disagree_are_refused_with_the_name() {
         w.add_tensor("blk.1.ffn_gate_inp.bias", vec![8], strata::quant::GgmlType::F32, vec![0u8; 32]);
     }));
     assert!(e.contains("blk.1.ffn_gate_inp.bias") && e.contains("qwen3moe has no router or expert biases"), "{e}");
+    // attention sinks (gpt-oss's) in an architecture without them
+    let e = load_err(&edited("qwen3moe", |w| {
+        w.add_tensor("blk.2.attn_sinks.weight", vec![4], strata::quant::GgmlType::F32, vec![0u8; 16]);
+    }));
+    assert!(e.contains("blk.2.attn_sinks.weight") && e.contains("qwen3moe has no attention sinks"), "{e}");
     // a RoPE scaling this build does not know
     let e = load_err(&edited("qwen3", |w| w.set("qwen3.rope.scaling.type", Value::String("longrope".into()))));
     assert!(e.contains("rope.scaling.type \"longrope\" is not supported (supported: none, linear, yarn)"), "{e}");

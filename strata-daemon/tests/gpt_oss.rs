@@ -228,4 +228,18 @@ fn a_gpt_oss_file_missing_its_sinks_or_biases_is_refused_with_the_name() {
         let e = e.unwrap_or_else(|| panic!("loaded without {missing}"));
         assert!(e.contains(&format!("\"{missing}\" is missing")), "{e}");
     }
+    // and without its sliding window (every layer would silently turn global)
+    let mut w = GgufWriter::default();
+    for (k, v) in f.metadata.iter().filter(|(k, _)| k != "gpt-oss.attention.sliding_window") {
+        w.set(k, v.clone());
+    }
+    for t in &f.tensors {
+        w.add_tensor(&t.name, t.dims.clone(), t.ggml_type, f.tensor_data(t).to_vec());
+    }
+    let p = std::env::temp_dir().join(format!("strata-gpt-oss-{}-no-window.gguf", std::process::id()));
+    std::fs::write(&p, w.to_bytes()).unwrap();
+    let e = Model::load(Arc::new(GgufFile::open(&p).unwrap())).err().map(|e| e.to_string());
+    std::fs::remove_file(&p).unwrap();
+    let e = e.expect("loaded without attention.sliding_window");
+    assert!(e.contains("gpt-oss.attention.sliding_window"), "{e}");
 }

@@ -119,14 +119,14 @@ pub struct ModelConfig {
 /// ≠ 0`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Yarn {
-    /// Mix of extrapolation into the angles (`rope.scaling.yarn_ext_factor`, default 1).
+    /// Mix of extrapolation into the angles (1: llama.cpp's default for YaRN files of these architectures).
     pub ext_factor: f32,
     /// Factor on cos and sin before YaRN's own (llama.cpp's context `yarn_attn_factor`: `get_mscale(factor)`
     /// over YaRN's factor, times `rope.scaling.attn_factor`; 1 for gpt-oss).
     pub attn_factor: f32,
-    /// Fast correction boundary in rotations (`rope.scaling.yarn_beta_fast`, default 32).
+    /// Fast correction boundary in rotations (32, llama.cpp's default).
     pub beta_fast: f32,
-    /// Slow correction boundary in rotations (`rope.scaling.yarn_beta_slow`, default 1).
+    /// Slow correction boundary in rotations (1, llama.cpp's default).
     pub beta_slow: f32,
     /// The context the model was trained at before scaling (`rope.scaling.original_context_length`, default
     /// `context_length`).
@@ -245,23 +245,23 @@ impl ModelConfig {
                 // llama.cpp's context parameters (llama-context.cpp): ext_factor 1 unless given; the attention factor
                 // get_mscale(factor) (over get_mscale(factor, log_mul) with a log multiplier) divided by the
                 // 1 + 0.1·ln(factor) that ggml's rope_yarn multiplies in again, times rope.scaling.attn_factor
-                let ext_factor = opt_f("rope.scaling.yarn_ext_factor")?.unwrap_or(1.0);
+                // ext_factor, the log multiplier and the betas: llama.cpp's defaults (it reads their keys only for
+                // architectures outside this registry: grok, mistral3, deepseek2), so a file that carries them
+                // computes what llama.cpp computes on it
+                let ext_factor = 1.0;
                 let factor = 1.0 / rope_freq_scale;
                 let mscale = |m: f32| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
                 let mut attn_factor = 1.0;
                 if ext_factor != 0.0 {
-                    attn_factor = match opt_f("rope.scaling.yarn_log_multiplier")? {
-                        Some(lm) if lm != 0.0 => mscale(1.0) / mscale(lm),
-                        _ => mscale(1.0),
-                    };
+                    attn_factor = mscale(1.0);
                     attn_factor *= 1.0 / (1.0 + 0.1 * factor.ln());
                 }
                 attn_factor *= opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0);
                 Some(Yarn {
                     ext_factor,
                     attn_factor,
-                    beta_fast: opt_f("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
-                    beta_slow: opt_f("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
                     n_ctx_orig: opt_u("rope.scaling.original_context_length")?.unwrap_or(n_ctx_train).max(1),
                 })
             }
@@ -273,7 +273,8 @@ impl ModelConfig {
             SwaRope::Global => (opt_f("rope.freq_base_swa")?.unwrap_or(rope_freq_base), rope_freq_scale),
         };
         let n_vocab = f.get_array("tokenizer.ggml.tokens")?.len();
-        let sliding_window = if def.swa_pattern > 0 { opt_u("attention.sliding_window")?.unwrap_or(0) } else { 0 };
+        // required where the architecture has sliding-window layers (llama.cpp refuses such a file without it)
+        let sliding_window = if def.swa_pattern > 0 { f.get_u32(&k("attention.sliding_window"))? as usize } else { 0 };
         let attn_scale = if def.name == "gemma3" && n_layer == 62 {
             1.0 / ((n_embd / n_head) as f32).sqrt()
         } else {

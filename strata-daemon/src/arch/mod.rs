@@ -133,8 +133,8 @@ pub struct ArchDef {
     /// The token embeddings are multiplied by `sqrt(n_embd)` (Gemma).
     pub embd_scale: bool,
     /// Sliding-window attention pattern: 0 = every layer attends to the whole context; n > 0 = layer l attends to the
-    /// last `attention.sliding_window` positions unless `l % n == n − 1` (a global layer), and the sliding layers
-    /// use their own RoPE base (llama.cpp's `set_swa_pattern`, `rope_freq_base_train_swa`).
+    /// last `attention.sliding_window` positions unless `l % n == n − 1` (a global layer) (llama.cpp's
+    /// `set_swa_pattern`); the sliding layers' RoPE is [`ArchDef::swa_rope`].
     pub swa_pattern: usize,
     /// RoPE of the sliding-window layers.
     pub swa_rope: SwaRope,

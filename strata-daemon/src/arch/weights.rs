@@ -298,9 +298,16 @@ impl Weights {
                 q_norm,
                 k_norm,
                 ffn_norm: vector(f, &n(spec.def.ffn_norm), cfg.n_embd)?,
-                attn_sinks: match spec.def.attn_sinks {
-                    true => Some(vector(f, &n(tensor::ATTN_SINKS), cfg.n_head)?),
-                    false => None,
+                attn_sinks: match (spec.def.attn_sinks, f.tensor(&n(tensor::ATTN_SINKS))) {
+                    (true, _) => Some(vector(f, &n(tensor::ATTN_SINKS), cfg.n_head)?),
+                    (false, None) => None,
+                    (false, Some(_)) => {
+                        return Err(ModelError::UnexpectedTensor {
+                            tensor: n(tensor::ATTN_SINKS),
+                            arch: cfg.arch.clone(),
+                            why: format!("{} has no attention sinks", cfg.arch),
+                        })
+                    }
                 },
                 ffn,
                 post_attn_norm: post(&n("post_attention_norm"))?,

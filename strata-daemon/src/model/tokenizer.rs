@@ -289,8 +289,9 @@ impl Tokenizer {
                 eog.push(i as u32);
             }
         }
-        // fill-in-the-middle padding, repository and file separators end generation too (llama.cpp's FIM_PAD,
-        // FIM_REP and FIM_SEP names, whatever their type)
+        // fill-in-the-middle padding, repository and file separators end generation too: every token with one of the
+        // names llama.cpp looks for (it takes the first of each kind, and `tokenizer.ggml.fim_*_token_id` first;
+        // vocabularies hold at most one of each in practice)
         const FIM_EOG: &[&str] = &[
             "<|fim_pad|>",
             "<fim-pad>",

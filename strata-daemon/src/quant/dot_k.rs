@@ -69,20 +69,44 @@ pub mod avx2 {
         _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(k)), mask)
     }
 
-    /// One Q5_0 row. SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len()` blocks of 22 bytes.
+    /// The lane sums of `N` accumulators.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q5_0(row: &[u8], x: &[BlockQ8]) -> f32 {
-        q5_0_n::<1>(row, [x])[0]
+    unsafe fn hsum_n<const N: usize>(acc: [__m256; N]) -> [f32; N] {
+        let mut out = [0f32; N];
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = hsum(a);
+        }
+        out
     }
 
-    /// One Q5_0 row with the activations of four tokens (each as [`dot_q5_0`] gives it, bit for bit: the row's
-    /// codes are unpacked once). SAFETY (callers): as [`dot_q5_0`], for every `x[t]`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q5_0_t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
-        q5_0_n::<4>(row, x)
+    /// A format's one-row kernel and its four-token kernel over the generic `N`-token one.
+    macro_rules! one_and_four {
+        ($($one:ident, $four:ident => $n:ident, $what:literal);* $(;)?) => {$(
+            #[doc = concat!("One ", $what, ". SAFETY (callers): avx2, fma and f16c present; `row` holds the ",
+                "blocks of `x`.")]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $one(row: &[u8], x: &[BlockQ8]) -> f32 {
+                $n::<1>(row, [x])[0]
+            }
+
+            #[doc = concat!("One ", $what, " with four tokens' activations, each result bit for bit the one-row ",
+                "kernel's (the row unpacked once). SAFETY (callers): as the one-row kernel, for every `x[t]`.")]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $four(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+                $n::<4>(row, x)
+            }
+        )*};
     }
 
-    /// [`dot_q5_0`] of `N` tokens' activations (each `x[t]` as long as `x[0]`).
+    one_and_four!(
+        dot_q5_0, dot_q5_0_t4 => q5_0_n, "Q5_0 row (blocks of 22 bytes, one per `x` block)";
+        dot_q4_k, dot_q4_k_t4 => q4_k_n, "Q4_K row (super-blocks of 144 bytes, one per 8 `x` blocks)";
+        dot_q5_k, dot_q5_k_t4 => q5_k_n, "Q5_K row (super-blocks of 176 bytes, one per 8 `x` blocks)";
+        dot_q6_k, dot_q6_k_t4 => q6_k_n, "Q6_K row (super-blocks of 210 bytes, one per 8 `x` blocks)";
+    );
+
+    /// One Q5_0 row times `N` tokens' activations ([`dot_q5_0`]) (each `x[t]` as long as `x[0]`).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q5_0_n<const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
@@ -100,11 +124,7 @@ pub mod avx2 {
                 *a = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), s, *a);
             }
         }
-        let mut out = [0f32; N];
-        for (o, a) in out.iter_mut().zip(acc) {
-            *o = hsum(a);
-        }
-        out
+        hsum_n(acc)
     }
 
     /// One Q5_1 row. SAFETY (callers): as [`dot_q5_0`], blocks of 24 bytes.
@@ -143,21 +163,7 @@ pub mod avx2 {
         }
     }
 
-    /// One Q4_K row. SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len() / 8` super-blocks of 144
-    /// bytes.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4_k(row: &[u8], x: &[BlockQ8]) -> f32 {
-        q4_k_n::<1>(row, [x])[0]
-    }
-
-    /// One Q4_K row with four tokens' activations (each bit for bit as [`dot_q4_k`]). SAFETY (callers): as
-    /// [`dot_q4_k`], for every `x[t]`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4_k_t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
-        q4_k_n::<4>(row, x)
-    }
-
-    /// [`dot_q4_k`] of `N` tokens' activations.
+    /// One Q4_K row times `N` tokens' activations ([`dot_q4_k`]).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_k_n<const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
@@ -178,27 +184,10 @@ pub mod avx2 {
                 }
             }
         }
-        let mut out = [0f32; N];
-        for (o, a) in out.iter_mut().zip(acc) {
-            *o = hsum(a);
-        }
-        out
+        hsum_n(acc)
     }
 
-    /// One Q5_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 176 bytes.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q5_k(row: &[u8], x: &[BlockQ8]) -> f32 {
-        q5_k_n::<1>(row, [x])[0]
-    }
-
-    /// One Q5_K row with four tokens' activations (each bit for bit as [`dot_q5_k`]). SAFETY (callers): as
-    /// [`dot_q5_k`], for every `x[t]`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q5_k_t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
-        q5_k_n::<4>(row, x)
-    }
-
-    /// [`dot_q5_k`] of `N` tokens' activations.
+    /// One Q5_K row times `N` tokens' activations ([`dot_q5_k`]).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q5_k_n<const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
@@ -222,27 +211,10 @@ pub mod avx2 {
                 }
             }
         }
-        let mut out = [0f32; N];
-        for (o, a) in out.iter_mut().zip(acc) {
-            *o = hsum(a);
-        }
-        out
+        hsum_n(acc)
     }
 
-    /// One Q6_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 210 bytes.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q6_k(row: &[u8], x: &[BlockQ8]) -> f32 {
-        q6_k_n::<1>(row, [x])[0]
-    }
-
-    /// One Q6_K row with four tokens' activations (each bit for bit as [`dot_q6_k`]). SAFETY (callers): as
-    /// [`dot_q6_k`], for every `x[t]`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q6_k_t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
-        q6_k_n::<4>(row, x)
-    }
-
-    /// [`dot_q6_k`] of `N` tokens' activations.
+    /// One Q6_K row times `N` tokens' activations ([`dot_q6_k`]).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q6_k_n<const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
@@ -275,11 +247,7 @@ pub mod avx2 {
                 }
             }
         }
-        let mut out = [0f32; N];
-        for (o, a) in out.iter_mut().zip(acc) {
-            *o = hsum(a);
-        }
-        out
+        hsum_n(acc)
     }
 
     /// One Q3_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 110 bytes.

@@ -7,17 +7,17 @@ use crate::backend::{ModelRef, Scratch};
 use crate::tiers::arena::HostArena;
 use crate::tiers::store::Source;
 
-/// Computes on the CPU pool the experts in `by_expert` (skipping empty entries) from `src` into
-/// `s.moe_acc` (`t × n_embd`, zeroed first): `acc[i] = Σ_e w · expert_e(xn_i)`. `s.xn` must hold the
-/// normalized, quantized activations. File-tier blobs of the layer are read together first.
-/// Experts are the architecture's gated unit ([`GluAct::of`]) with the layer's expert biases when it has them
-/// ([`ExpertWeights::bias`]). `from[x]` (when given): expert x's intermediate rows `from[x] .. n_ff_exp` only (a
-/// multiple of 32; the rest is computed elsewhere and added to the same output) — gate/up rows and the matching
-/// block range of every down row; the down bias is added here only when `from[x]` is 0 (a caller that computes an
-/// expert's first rows elsewhere adds it there). `side` runs once on the calling thread while the pool works on the first experts (or
-/// before the file reads; at once when there is nothing to compute): work of the caller's that should not
-/// delay the CPU experts, such as a hybrid layer's GPU copies and launches. It gets the RAM copy when this
-/// function holds its read lock (the lock is not re-entrant), `None` when it does not.
+/// Computes on the CPU pool the experts in `by_expert` (skipping empty entries) from `src` into `s.moe_acc` (`t ×
+/// n_embd`, zeroed first): `acc[i] = Σ_e w · expert_e(xn_i)`. `s.xn` must hold the normalized, quantized activations.
+/// File-tier blobs of the layer are read together first. Experts are the architecture's gated unit ([`GluAct::of`])
+/// with the layer's expert biases when it has them ([`ExpertWeights::bias`]). `from[x]` (when given): expert x's
+/// intermediate rows `from[x] .. n_ff_exp` only (a multiple of 32; the rest is computed elsewhere and added to the same
+/// output) — gate/up rows and the matching block range of every down row; the down bias is added here only when
+/// `from[x]` is 0 (a caller that computes an expert's first rows elsewhere adds it there). `side` runs once on the
+/// calling thread while the pool works on the first experts (or before the file reads; at once when there is nothing to
+/// compute): work of the caller's that should not delay the CPU experts, such as a hybrid layer's GPU copies and
+/// launches. It gets the RAM copy when this function holds its read lock (the lock is not re-entrant), `None` when it
+/// does not.
 #[allow(clippy::too_many_arguments)]
 pub fn experts(
     m: &ModelRef<'_>,
@@ -29,6 +29,8 @@ pub fn experts(
     s: &mut Scratch,
     side: impl FnOnce(Option<&HostArena>),
 ) {
+    // a split expert's first rows computed elsewhere would need its biases there too: no caller splits biased experts
+    debug_assert!(ex.bias.is_none() || from.is_none_or(|f| f.iter().all(|&x| x == 0)), "biased experts split");
     let mut side = Some(side);
     let cfg = &m.cfg;
     let (e, ne, ff) = (cfg.n_embd, cfg.n_expert, cfg.n_ff_exp);

@@ -350,12 +350,11 @@ pub struct GluJob<'a> {
     pub unit: GluUnit<'a>,
 }
 
-/// The SwiGLU hidden layer of several experts in one fork-join of `pool`: each task computes a range of rows
-/// of one expert's gate and up products for its tokens (a multiple of 32 rows when h is quantized, of 256 when
-/// `h.with_q8k` asks for its Q8_K blocks too), then SiLU · up and the Q8 blocks of that range — the same bits as
+/// The gated hidden layer ([`GluUnit`]) of several experts in one fork-join of `pool`: each task computes a range of
+/// rows of one expert's gate and up products for its tokens (a multiple of 32 rows when h is quantized, of 256 when
+/// `h.with_q8k` asks for its Q8_K blocks too), then the gated unit and the Q8 blocks of that range — the same bits as
 /// two [`matmul_with`] calls, the element-wise product and [`Act::quantize`], with no serial SwiGLU between the
-/// products. `side` runs on the caller as in
-/// [`WorkerPool::run_with`]. Panics on shape mismatches.
+/// products. `side` runs on the caller as in [`WorkerPool::run_with`]. Panics on shape mismatches.
 pub fn glu_batch(pool: &WorkerPool, jobs: &mut [GluJob<'_>], precision: Precision, side: impl FnOnce()) {
     let plan = GluPlan::new(pool.threads(), jobs, precision);
     let body = |task: usize| {

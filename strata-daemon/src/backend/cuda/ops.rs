@@ -501,9 +501,9 @@ impl Ops<'_> {
         self.k.route_topk.launch(self.s, (t as u32, 1, 1), 32, 0, args)
     }
 
-    /// Expert gate/up (the gated unit and biases of `glu`) over `n_groups` groups (`one`: no group has more than
-    /// one token) into `h` (f32, one row of `ff` per routing entry); one-token groups of experts of width e ≤ 32 × [`NARROW_GU_CB`] in a
-    /// block format run the narrow kernel (two indices per warp).
+    /// Expert gate/up (the gated unit and biases of `glu`) over `n_groups` groups (`one`: no group has more than one
+    /// token) into `h` (f32, one row of `ff` per routing entry); one-token groups of experts of width e ≤ 32 ×
+    /// [`NARROW_GU_CB`] in a block format run the narrow kernel (two indices per warp).
     #[allow(clippy::too_many_arguments)]
     pub fn expert_gate_up(
         &self,
@@ -577,8 +577,8 @@ impl Ops<'_> {
     }
 
     /// The experts of a prefill chunk on the tensor-core kernels, over `n_tiles` tiles at `tiles` of the groups at
-    /// `groups` ([`Ops::group_by_expert`]): h = glu(gate·x, up·x) for each entry ([`Glu`]) (`xq`: the tokens' Q8 rows of
-    /// `e`), its Q8 rows into `hq` (`n_pairs` rows of `ff`), then `out[pair]` = down·h (`e` values per entry; down
+    /// `groups` ([`Ops::group_by_expert`]): h = glu(gate·x, up·x) for each entry ([`Glu`]) (`xq`: the tokens' Q8 rows
+    /// of `e`), its Q8 rows into `hq` (`n_pairs` rows of `ff`), then `out[pair]` = down·h (`e` values per entry; down
     /// rows `down_off` bytes into each slot, `down_rb` apart). `None` when the formats have no such kernels.
     #[allow(clippy::too_many_arguments)]
     pub fn experts_mmq(

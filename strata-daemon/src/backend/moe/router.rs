@@ -3,12 +3,12 @@
 use crate::arch::config::ModelConfig;
 use crate::arch::Gating;
 
-/// Each token's routed experts: per token of `router_logits` (`t × n_expert` values, router biases already
-/// added), `n_expert_used` pairs `(expert, weight)` in rank order. Probabilities are the softmax (or the
-/// element-wise sigmoid) of the logits, as the architecture says, or (`SoftmaxTopK`) the top-k is taken on the
-/// logits and its weights are the softmax of the chosen ones; ties rank the lower expert id first; the top-k weights are divided by their sum
-/// (clamped at 2^-14, as llama.cpp does) when the architecture renormalises, then multiplied by its expert
-/// weight scale. Panics when `router_logits` holds fewer than `t × n_expert` values.
+/// Each token's routed experts: per token of `router_logits` (`t × n_expert` values, router biases already added),
+/// `n_expert_used` pairs `(expert, weight)` in rank order. Probabilities are the softmax (or the element-wise sigmoid)
+/// of the logits, as the architecture says, or (`SoftmaxTopK`) the top-k is taken on the logits and its weights are the
+/// softmax of the chosen ones; ties rank the lower expert id first; the top-k weights are divided by their sum (clamped
+/// at 2^-14, as llama.cpp does) when the architecture renormalises, then multiplied by its expert weight scale. Panics
+/// when `router_logits` holds fewer than `t × n_expert` values.
 pub fn top_k(cfg: &ModelConfig, router_logits: &[f32], t: usize) -> Vec<Vec<(usize, f32)>> {
     let ne = cfg.n_expert;
     let k = cfg.n_expert_used;
