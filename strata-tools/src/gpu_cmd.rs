@@ -352,7 +352,7 @@ fn check_attention(
     ops: &strata::backend::cuda::ops::Ops,
     (nh, nkv, hd): (usize, usize, usize),
     (pos0, t, cap): (usize, usize, usize),
-    window: usize,
+    (window, with_sinks): (usize, bool),
     seed: &mut u64,
 ) -> Result<f64> {
     let c = AttentionCase::new((nh, nkv, hd), (pos0, t), seed)?;
@@ -360,20 +360,20 @@ fn check_attention(
         strata::backend::cuda::ops::split_part_floats(t, nh, hd, cap) * 4,
     )?;
     let (q, k, v, p) = (c.q.ptr, c.k.ptr, c.v.ptr, c.pos.ptr);
-    let sinks = Sinks::new(window, nh, seed)?;
+    let sinks = Sinks::new(with_sinks, nh, seed)?;
     let ws = (window, sinks.ptr());
     ops.attention(q, k, v, nh, nkv, hd, p, pos0 + t, t, c.out[0].ptr, c.outq.ptr, None, ws)?;
     ops.attention(q, k, v, nh, nkv, hd, p, cap, t, c.out[1].ptr, c.outq.ptr, Some(part.ptr), ws)?;
     c.diff(ops)
 }
 
-/// Attention-sink logits for the windowed cases of the attention checks (gpt-oss's layers have both): none
-/// without a window, else one per head around the scores' size.
+/// Attention-sink logits for the attention checks (gpt-oss's layers have them, sliding or global): one per head
+/// around the scores' size, or none.
 struct Sinks(Option<strata::backend::cuda::driver::DevBuf>);
 
 impl Sinks {
-    fn new(window: usize, nh: usize, seed: &mut u64) -> Result<Sinks> {
-        if window == 0 {
+    fn new(with: bool, nh: usize, seed: &mut u64) -> Result<Sinks> {
+        if !with {
             return Ok(Sinks(None));
         }
         let v: Vec<f32> = (0..nh).map(|_| (rng(seed) % 4001) as f32 / 1000.0 - 1.0).collect();
@@ -391,13 +391,13 @@ fn check_attention_tiled(
     ops: &strata::backend::cuda::ops::Ops,
     (nh, nkv, hd): (usize, usize, usize),
     (pos0, t): (usize, usize),
-    window: usize,
+    (window, with_sinks): (usize, bool),
     seed: &mut u64,
 ) -> Result<f64> {
     let c = AttentionCase::new((nh, nkv, hd), (pos0, t), seed)?;
     let (q, k, v, p) = (c.q.ptr, c.k.ptr, c.v.ptr, c.pos.ptr);
     let scale = 1.0 / (hd as f32).sqrt();
-    let sinks = Sinks::new(window, nh, seed)?;
+    let sinks = Sinks::new(with_sinks, nh, seed)?;
     let ws = (window, sinks.ptr());
     ops.attention_exact(q, k, v, (nh, nkv, hd), p, scale, pos0 + t, t, c.out[0].ptr, c.outq.ptr, ws)?;
     ops.attention(q, k, v, nh, nkv, hd, p, pos0 + t, t, c.out[1].ptr, c.outq.ptr, None, ws)?;
@@ -473,6 +473,7 @@ fn check_expert(
     ff: usize,
     t: usize,
     pad: bool,
+    oai: bool,
     seed: &mut u64,
 ) -> Result<(Vec<f64>, bool)> {
     use strata::backend::cuda::driver::DevBuf;
@@ -480,7 +481,20 @@ fn check_expert(
     let up = random_rows(ty, ff, e, seed);
     let down = random_rows(ty, e, ff, seed);
     let x = random_act(t, e, seed);
-    let cpu = cpu_expert(pool, ty, (&gate, &up, &down), (e, ff), &x);
+    // `oai`: gpt-oss's gated unit with gate/up biases of a few units (the clamps at 7 reached), the routing entries'
+    // expert id 0 read from a device ids buffer as the pass reads it
+    let gub: Vec<f32> = (0..2 * ff).map(|_| ((rng(seed) % 20001) as f32 / 10000.0 - 1.0) * 8.0).collect();
+    let unit = if oai {
+        strata::backend::cpu::GluUnit {
+            act: strata::backend::cpu::GluAct::SwigluOai,
+            bias: Some((&gub[..ff], &gub[ff..])),
+        }
+    } else {
+        strata::backend::cpu::GluUnit::SILU
+    };
+    let cpu = cpu_expert(pool, ty, (&gate, &up, &down), (e, ff), &x, unit);
+    let ids = DevBuf::from_slice(&vec![0i32; t])?;
+    let gub_dev = DevBuf::from_slice(&gub)?;
     // device: the blob in slot 1 (slot 0 zeros), one group of t tokens
     let drb = ty.row_bytes(ff);
     let pitch = if pad { drb.next_multiple_of(16) } else { drb };
@@ -506,7 +520,10 @@ fn check_expert(
     for o in ops {
         hf.write_sync(0, &vec![f32::NAN; t * ff])?;
         y.write_sync(0, &vec![f32::NAN; t * e])?;
-        let glu = strata::backend::cuda::ops::Glu::SILU;
+        let glu = match oai {
+            true => strata::backend::cuda::ops::Glu { ids: ids.ptr, gub: gub_dev.ptr, act: 1 },
+            false => strata::backend::cuda::ops::Glu::SILU,
+        };
         o.expert_gate_up(ty, t == 1, groups.ptr, 1, slots.ptr, sb, ff, e, xq.ptr, xf.ptr, hf.ptr, glu)?;
         // narrow one-token experts: the down kernel quantizes h itself (as in decode); else a quantize launch
         o.expert_down(ty, t == 1, groups.ptr, 1, slots.ptr, sb, down, ff, e, (hq.ptr, hf.ptr, t), y.ptr)?;
@@ -539,6 +556,7 @@ fn cpu_expert(
     (gate, up, down): (&[u8], &[u8], &[u8]),
     (e, ff): (usize, usize),
     x: &Act,
+    unit: strata::backend::cpu::GluUnit<'_>,
 ) -> Vec<f32> {
     let t = x.f.len() / e;
     let (mut g, mut u) = (vec![0f32; t * ff], vec![0f32; t * ff]);
@@ -546,8 +564,8 @@ fn cpu_expert(
     matmul_with(pool, MatRef { data: up, ty, rows: ff, cols: e, stride: 0 }, x, &mut u, Precision::Q8Activations);
     let mut h = Act::default();
     h.resize(t, ff);
-    for (i, v) in h.f.iter_mut().enumerate() {
-        *v = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+    for ((hr, gr), ur) in h.f.chunks_exact_mut(ff).zip(g.chunks_exact(ff)).zip(u.chunks_exact(ff)) {
+        unit.act.apply(gr, ur, unit.bias, hr);
     }
     h.quantize();
     let mut out = vec![0f32; t * e];
@@ -578,7 +596,7 @@ fn check_expert_mmq(
         let gate = random_rows(ty, ff, e, seed);
         let up = random_rows(ty, ff, e, seed);
         let down = random_rows(ty, e, ff, seed);
-        cpu.push(cpu_expert(pool, ty, (&gate, &up, &down), (e, ff), &x));
+        cpu.push(cpu_expert(pool, ty, (&gate, &up, &down), (e, ff), &x, strata::backend::cpu::GluUnit::SILU));
         let blob = [gate, up, down].concat();
         sb = blob.len();
         if blobs.is_empty() {
@@ -819,7 +837,8 @@ fn check_kernels(
     }
     // 1a'. split-K attention over a long context against the one-block kernel (same scores; the one-block kernel
     // rounds the probabilities to f16, the split one rescales in f32)
-    // (with a sliding window, `win` > 0, and attention sinks: gpt-oss's 128 and windows crossing chunk borders)
+    // (with a sliding window, `win` > 0, and attention sinks: gpt-oss's 128 and windows crossing chunk borders; its
+    // 64 heads carry sinks whether they slide or not)
     println!(
         "{:<6} {:>6} {:>6} {:>6} {:>3} {:>6} {:>5} {:>12}",
         "attn", "heads", "hd", "pos0", "t", "cap", "win", "rel_err_1blk"
@@ -834,10 +853,11 @@ fn check_kernels(
         (32, 4, 128, 2049, 1, 4096, 0),
         (8, 2, 64, 1500, 4, 2048, 0),
         (64, 8, 64, 4095, 1, 4096, 128),
+        (64, 8, 64, 3000, 2, 4096, 0),
         (16, 4, 64, 3000, 5, 4096, 300),
         (8, 2, 128, 1100, 8, 1108, 1000),
     ] {
-        let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), win, &mut seed)?;
+        let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), (win, win > 0 || nh == 64), &mut seed)?;
         worst = worst.max(r);
         println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {win:>5} {r:>12.2e}", "split");
         kern.push(serde_json::json!({"kernel": "attention_split", "n_head": nh, "n_head_kv": nkv, "hd": hd,
@@ -857,11 +877,12 @@ fn check_kernels(
             (16, 2, 128, 4000, 77, 0),
             // sliding windows with sinks: inside the first tile, across tiles, rows whose window starts tiles later
             (64, 8, 64, 0, 512, 128),
+            (64, 8, 64, 700, 300, 0),
             (16, 4, 64, 1000, 300, 128),
             (8, 2, 128, 50, 200, 16),
             (12, 4, 80, 3000, 129, 700),
         ] {
-            let r = check_attention_tiled(&ops, (nh, nkv, hd), (pos0, t), win, &mut seed)?;
+            let r = check_attention_tiled(&ops, (nh, nkv, hd), (pos0, t), (win, win > 0 || nh == 64), &mut seed)?;
             worst = worst.max(r);
             println!("{:<6} {nh:>6} {nkv:>6} {hd:>6} {pos0:>6} {t:>4} {win:>5} {r:>12.2e}", "tiled");
             kern.push(serde_json::json!({"kernel": "attention_tiled", "n_head": nh, "n_head_kv": nkv, "hd": hd,
@@ -917,7 +938,7 @@ fn check_kernels(
             } else {
                 (vec![&ops], &[""])
             };
-            let (errs, same) = check_expert(&arms, &pool, ty, e, ff, t, pad, &mut seed)?;
+            let (errs, same) = check_expert(&arms, &pool, ty, e, ff, t, pad, false, &mut seed)?;
             for (&rc, &kernel) in errs.iter().zip(names) {
                 worst = worst.max(rc);
                 println!(
@@ -932,6 +953,53 @@ fn check_kernels(
                 );
                 kern.push(serde_json::json!({"format": format!("{ty:?}"), "expert_e": e, "expert_ff": ff, "t": t,
                     "down_padded": pad, "kernels": kernel, "rel_err_vs_cpu": rc,
+                    "same_bits_across_kernels": same}));
+            }
+        }
+    }
+    // 1b''. gpt-oss's router: logits plus a bias, the top-k of them, the softmax of the chosen (route_topk mode 2)
+    {
+        use strata::backend::cuda::driver::DevBuf;
+        let (t, ne, k) = (37usize, 32usize, 4usize);
+        let logits: Vec<f32> = (0..t * ne).map(|_| (rng(&mut seed) % 20001) as f32 / 2000.0 - 5.0).collect();
+        let bias: Vec<f32> = (0..ne).map(|_| (rng(&mut seed) % 20001) as f32 / 10000.0 - 1.0).collect();
+        let (dl, db) = (DevBuf::from_slice(&logits)?, DevBuf::from_slice(&bias)?);
+        let (ids, w) = (DevBuf::alloc(t * k * 4)?, DevBuf::alloc(t * k * 4)?);
+        ops.route_topk(dl.ptr, ne, k, t, ids.ptr, w.ptr, None, 0, (2, db.ptr))?;
+        ops.s.sync()?;
+        let (mut gi, mut gw) = (vec![0i32; t * k], vec![0f32; t * k]);
+        ids.read_sync(0, &mut gi)?;
+        w.read_sync(0, &mut gw)?;
+        let (mut ids_equal, mut werr) = (true, 0f64);
+        for i in 0..t {
+            let mut l: Vec<(usize, f32)> = (0..ne).map(|e| (e, logits[i * ne + e] + bias[e])).collect();
+            l.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap().then(a.0.cmp(&b.0)));
+            let z: f64 = l[..k].iter().map(|x| ((x.1 - l[0].1) as f64).exp()).sum();
+            for (r, x) in l[..k].iter().enumerate() {
+                ids_equal &= gi[i * k + r] as usize == x.0;
+                werr = werr.max((gw[i * k + r] as f64 - ((x.1 - l[0].1) as f64).exp() / z).abs());
+            }
+        }
+        println!(
+            "route  top-k softmax with bias: ids {}, weights max abs err {werr:.2e}",
+            if ids_equal { "equal" } else { "DIFFER" }
+        );
+        worst = worst.max(if ids_equal { werr } else { 1.0 });
+        kern.push(serde_json::json!({"kernel": "route_topk", "mode": 2, "ids_equal": ids_equal, "w_abs_err": werr}));
+    }
+    // 1b'. gpt-oss's gated unit: gate/up biases by the routing entry's expert and the clamped SwiGLU, in the
+    // one-token (narrow and wide) and several-token kernels
+    println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "oai", "e", "ff", "t", "rel_err_cpu");
+    for ty in [GgmlType::MXFP4, GgmlType::Q8_0] {
+        for &(e, ff, t) in &[(256usize, 512usize, 1usize), (2880, 2880, 1), (256, 512, 5)] {
+            let (arms, names): (Vec<&strata::backend::cuda::ops::Ops>, &[&str]) =
+                if t == 1 { (vec![&ops, &ops_wide], &["narrow", "wide"]) } else { (vec![&ops], &[""]) };
+            let (errs, same) = check_expert(&arms, &pool, ty, e, ff, t, false, true, &mut seed)?;
+            for (&rc, &kernel) in errs.iter().zip(names) {
+                worst = worst.max(rc);
+                println!("{:<6} {e:>6} {ff:>6} {t:>3} {rc:>12.2e} {kernel} {}", format!("{ty:?}"), same);
+                kern.push(serde_json::json!({"format": format!("{ty:?}"), "expert_e": e, "expert_ff": ff, "t": t,
+                    "glu": "swiglu_oai+bias", "kernels": kernel, "rel_err_vs_cpu": rc,
                     "same_bits_across_kernels": same}));
             }
         }
