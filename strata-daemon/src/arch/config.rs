@@ -242,21 +242,14 @@ impl ModelConfig {
         let n_ctx_train = opt_u("context_length")?.unwrap_or(2048);
         let rope_yarn = match scaling {
             Some("yarn") => {
-                // llama.cpp's context parameters (llama-context.cpp): ext_factor 1 unless given; the attention factor
-                // get_mscale(factor) (over get_mscale(factor, log_mul) with a log multiplier) divided by the
+                // llama.cpp's context parameters (llama-context.cpp) for these architectures: ext_factor 1, betas 32
+                // and 1 (it reads their keys, and a log multiplier, only for architectures outside this registry:
+                // grok, mistral3, deepseek2), and the attention factor get_mscale(factor) divided by the
                 // 1 + 0.1·ln(factor) that ggml's rope_yarn multiplies in again, times rope.scaling.attn_factor
-                // ext_factor, the log multiplier and the betas: llama.cpp's defaults (it reads their keys only for
-                // architectures outside this registry: grok, mistral3, deepseek2), so a file that carries them
-                // computes what llama.cpp computes on it
-                let ext_factor = 1.0;
-                let factor = 1.0 / rope_freq_scale;
-                let mscale = |m: f32| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
-                let mut attn_factor = 1.0;
-                if ext_factor != 0.0 {
-                    attn_factor = mscale(1.0);
-                    attn_factor *= 1.0 / (1.0 + 0.1 * factor.ln());
-                }
-                attn_factor *= opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0);
+                let (ext_factor, factor) = (1.0, 1.0 / rope_freq_scale);
+                let mscale = if factor <= 1.0 { 1.0 } else { 0.1 * factor.ln() + 1.0 };
+                let attn_factor =
+                    mscale * (1.0 / (1.0 + 0.1 * factor.ln())) * opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0);
                 Some(Yarn {
                     ext_factor,
                     attn_factor,

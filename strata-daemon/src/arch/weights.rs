@@ -354,11 +354,9 @@ fn weight(f: &GgufFile, name: &str, cfg_check: Option<&[u64]>) -> Result<Weight,
     })
 }
 
+/// A 1-D tensor of `n` values as f32 ([`dense_f32`]).
 fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
-    let w = weight(f, name, Some(&[n as u64]))?;
-    let mut out = vec![0f32; n];
-    dequantize_row(w.ty, &f.bytes()[w.offset..w.offset + w.bytes()], &mut out)?;
-    Ok(out)
+    dense_f32(f, name, &[n as u64])
 }
 
 /// A small tensor of shape `dims` (GGML order) read whole into f32 values (row-major: `dims[0]` values a row).

@@ -205,26 +205,40 @@ pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
     [dot_q8(ty, rows[0], x), dot_q8(ty, rows[1], x), dot_q8(ty, rows[2], x), dot_q8(ty, rows[3], x)]
 }
 
-/// Whether `ty` has a four-token kernel the CPU can run ([`dot_q8_t4`]).
-pub fn has_t4(ty: GgmlType) -> bool {
+/// A format's four-token kernel on this CPU ([`q8_t4`]): one row of `ty` times four tokens' activations, each
+/// result bit for bit [`dot_q8`]'s, the row unpacked once.
+#[derive(Clone, Copy)]
+pub struct Q8T4 {
+    ty: GgmlType,
     #[cfg(target_arch = "x86_64")]
-    if simd_level().avx2() {
-        return super::format::lookup(ty).and_then(|f| f.q8).is_some_and(|k| k.avx2_t4.is_some());
-    }
-    false
+    f: unsafe fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4],
 }
 
-/// One row of `ty` times four tokens' activations (`x[t]` of `row`'s width each): each result bit for bit
-/// [`dot_q8`]'s, the row unpacked once. Panics where [`has_t4`] is false or a length disagrees.
-pub fn dot_q8_t4(ty: GgmlType, row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(k) = q8_kernels(ty).avx2_t4.filter(|_| simd_level().avx2()) {
-        let rb = ty.row_bytes(x[0].len() * 32);
+impl Q8T4 {
+    /// `row` (`x[t].len() · 32` values of the format) times the four activation rows `x` (each as long as `x[0]`).
+    /// Panics when a length disagrees.
+    #[inline]
+    pub fn dot(&self, row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+        let rb = self.ty.row_bytes(x[0].len() * 32);
         assert!(row.len() == rb && x.iter().all(|xt| xt.len() == x[0].len()), "dot_q8_t4: lengths");
-        // SAFETY: AVX2/FMA/F16C detected; the row holds x[t].len() blocks for every t (asserted above).
-        return unsafe { k(row, x) };
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a Q8T4 exists only where q8_t4 found AVX2/FMA/F16C; the row holds x[t].len() blocks for every t
+        // (asserted above).
+        return unsafe { (self.f)(row, x) };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no four-token kernels off x86-64")
     }
-    panic!("dot_q8_t4: no four-token kernel for {ty:?} on this CPU")
+}
+
+/// The four-token kernel of `ty` where the format has one and the CPU runs it (looked up once per product, not per
+/// row); `None` otherwise (prefill products then unpack a row per token).
+pub fn q8_t4(ty: GgmlType) -> Option<Q8T4> {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level().avx2() {
+        return super::format::lookup(ty).and_then(|f| f.q8).and_then(|k| k.avx2_t4).map(|f| Q8T4 { ty, f });
+    }
+    let _ = ty;
+    None
 }
 
 /// Scalar reference of [`dot_q8`] (each format's own, [`super::format`]).

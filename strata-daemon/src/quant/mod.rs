@@ -15,8 +15,8 @@ mod types;
 
 pub use dequant::{bf16_to_f32, dequantize_row, f16_to_f32};
 pub use dot::{
-    dot_q8, dot_q8_scalar, dot_q8_t4, dot_q8_x4, has_t4, quantize_q8, quantize_q8_k, simd_level, vec_dot_f32_row, wide,
-    BlockQ8, SimdLevel,
+    dot_q8, dot_q8_scalar, dot_q8_x4, q8_t4, quantize_q8, quantize_q8_k, simd_level, vec_dot_f32_row, wide, BlockQ8,
+    SimdLevel, Q8T4,
 };
 pub use types::GgmlType;
 

@@ -619,12 +619,12 @@ fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize
     let simd = precision == Precision::Q8Activations;
     // four tokens at a time where the format unpacks a row once for them (the same bits per token)
     let mut t0 = 0;
-    if q8 && simd && x.t >= 4 && crate::quant::has_t4(w.ty) {
+    if let Some(k) = crate::quant::q8_t4(w.ty).filter(|_| q8 && simd && x.t >= 4) {
         while t0 + 4 <= x.t {
             let xs =
                 [x.qrow_for(w.ty, t0), x.qrow_for(w.ty, t0 + 1), x.qrow_for(w.ty, t0 + 2), x.qrow_for(w.ty, t0 + 3)];
             for r in r0..r1 {
-                let v = crate::quant::dot_q8_t4(w.ty, w.row(r), xs);
+                let v = k.dot(w.row(r), xs);
                 for (j, v) in v.into_iter().enumerate() {
                     // SAFETY: token t0 + j < t and row r in r0..r1 inside the matrix, so (t0 + j) * rows + r lies
                     // inside `out` (`t × rows`, asserted where the job was planned); each (token, row) is written by
