@@ -10,6 +10,7 @@
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
+use super::dot512::X512;
 use super::q4_wide::{self, Q8Quads};
 use super::GgmlType;
 
@@ -33,7 +34,8 @@ pub enum SimdLevel {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
-    /// AVX2 as above, and Q4_0 and Q4_1 rows through the AVX-512 F/BW/VNNI/VBMI kernel ([`super::q4_wide`]).
+    /// AVX2 as above, and the AVX-512 F/BW/VNNI/VBMI kernels: Q4_0 and Q4_1 rows through [`super::q4_wide`], the
+    /// Q4_K_M family's (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0) through [`super::dot512`].
     Avx512,
 }
 
@@ -72,6 +74,81 @@ pub fn simd_level() -> SimdLevel {
 thread_local! {
     /// Activations rearranged for the wide Q4_0/Q4_1 kernel by [`dot_q8`] / [`dot_q8_x4`] (one row at a time).
     static QUADS: RefCell<Q8Quads> = RefCell::new(Q8Quads::default());
+    /// Activations laid out for the [`super::dot512`] kernels by [`dot_q8`] / [`dot_q8_x4`] (one call at a time).
+    static X512_ONE: RefCell<X512> = RefCell::new(X512::default());
+}
+
+/// A format's AVX-512 kernels on this CPU ([`k512`]): one row times one or four tokens' activations laid out by
+/// [`X512::prepare`], each token's result the same bits whichever entry computes it.
+#[derive(Clone, Copy)]
+pub struct K512 {
+    ty: GgmlType,
+    k: super::dot512::Dot512,
+}
+
+impl K512 {
+    /// Whether the kernels take activations laid out as `x` (the K-quants need Q8_K's one scale per super-block;
+    /// where they lack it the AVX2 kernels serve).
+    pub fn takes(&self, x: &X512) -> bool {
+        if self.k.q8k {
+            x.uniform()
+        } else {
+            !x.for_q8k()
+        }
+    }
+
+    /// Whether [`X512::prepare`] should lay activations out for the K-quant kernels (its `q8k`).
+    pub fn q8k(&self) -> bool {
+        self.k.q8k
+    }
+
+    /// `row` (`x.blocks() · 32` values of the format) times one token. Panics when the row's length disagrees or
+    /// [`K512::takes`] is false.
+    #[inline]
+    pub fn one(&self, row: &[u8], x: &X512) -> f32 {
+        assert!(row.len() == self.ty.row_bytes(x.blocks() * 32) && self.takes(x), "dot512: lengths or activations");
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a K512 exists only where k512 found the AVX-512 level (F, BW, VNNI); the row holds x.blocks()
+        // blocks and the activations suit the kernel (asserted above).
+        return unsafe { (self.k.one)(row, x) };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no AVX-512 kernels off x86-64")
+    }
+
+    /// `row` times four tokens (each as long as `x[0]`), each result [`K512::one`]'s bits. Panics as `one`.
+    #[inline]
+    pub fn four(&self, row: &[u8], x: [&X512; 4]) -> [f32; 4] {
+        let n = x[0].blocks();
+        assert!(
+            row.len() == self.ty.row_bytes(n * 32) && x.iter().all(|xt| xt.blocks() == n && self.takes(xt)),
+            "dot512: lengths or activations"
+        );
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `one`, for each token.
+        return unsafe { (self.k.four)(row, x) };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no AVX-512 kernels off x86-64")
+    }
+}
+
+/// The AVX-512 kernels of `ty` where the format has them and the CPU runs them ([`SimdLevel::Avx512`] and
+/// [`super::dot512::supported`]); `None` otherwise.
+pub fn k512(ty: GgmlType) -> Option<K512> {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx512 && super::dot512::supported() {
+        return super::format::lookup(ty).and_then(|f| f.q8).and_then(|k| k.avx512).map(|k| K512 { ty, k });
+    }
+    let _ = ty;
+    None
+}
+
+/// Runs `f` on `x` laid out for the AVX-512 kernels (a per-thread buffer, filled by this call).
+fn with_x512<R>(x: &[BlockQ8], q8k: bool, f: impl FnOnce(&X512) -> R) -> R {
+    X512_ONE.with(|b| {
+        let mut b = b.borrow_mut();
+        b.prepare(x, q8k);
+        f(&b)
+    })
 }
 
 /// Whether rows of `ty` go through the AVX-512 kernel ([`super::q4_wide`]): Q4_0 and Q4_1 at
@@ -121,6 +198,19 @@ pub fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
 /// and capped at 127 (ggml `quantize_row_q8_K_ref`). Written as [`BlockQ8`] blocks of 32 that share their
 /// super-block's `d`, so the K-quant kernels read them as they read Q8_0 activations.
 pub fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * 32);
+    assert_eq!(x.len() % 256, 0, "Q8_K activations: whole super-blocks of 256");
+    #[cfg(target_arch = "x86_64")]
+    if simd_level().avx2() {
+        // SAFETY: AVX2/FMA/F16C detected; lengths asserted above.
+        unsafe { avx2::quantize_q8_k(x, out) };
+        return;
+    }
+    quantize_q8_k_scalar(x, out)
+}
+
+/// Scalar reference of [`quantize_q8_k`].
+pub fn quantize_q8_k_scalar(x: &[f32], out: &mut [BlockQ8]) {
     assert_eq!(x.len(), out.len() * 32);
     assert_eq!(x.len() % 256, 0, "Q8_K activations: whole super-blocks of 256");
     for (xb, ob) in x.chunks_exact(256).zip(out.chunks_exact_mut(8)) {
@@ -176,6 +266,11 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     if k.wide && simd_level() == SimdLevel::Avx512 {
         return with_quads(x, |q| q.dot(ty, row));
     }
+    if let Some(k5) = k512(ty) {
+        if let Some(v) = with_x512(x, k5.q8k(), |xl| k5.takes(xl).then(|| k5.one(row, xl))) {
+            return v;
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {
         // SAFETY: simd_level() returned Avx2 or Avx512 only after detecting avx2, fma and f16c;
@@ -194,6 +289,11 @@ pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
     let k = q8_kernels(ty);
     if k.wide && simd_level() == SimdLevel::Avx512 {
         return with_quads(x, |q| q.dot_x4(ty, rows));
+    }
+    if let Some(k5) = k512(ty) {
+        if let Some(v) = with_x512(x, k5.q8k(), |xl| k5.takes(xl).then(|| rows.map(|r| k5.one(r, xl)))) {
+            return v;
+        }
     }
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {
@@ -471,6 +571,52 @@ pub(super) mod avx2 {
         }
     }
 
+    /// [`super::quantize_q8_k`] with the same bits. SAFETY (callers): the CPU has avx2, fma and f16c; `x` holds
+    /// `out.len() · 32` values, a multiple of 256.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8]) {
+        let sign = _mm256_set1_ps(-0.0);
+        for (xb, ob) in x.chunks_exact(256).zip(out.chunks_exact_mut(8)) {
+            let p = xb.as_ptr();
+            let mut m = _mm256_setzero_ps();
+            for k in 0..32 {
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(8 * k))));
+            }
+            let m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            if amax == 0.0 {
+                ob.iter_mut().for_each(|b| *b = BlockQ8::default());
+                continue;
+            }
+            // the first value of largest magnitude, as the scalar loop's strict `>` picks it
+            let max = *xb.iter().find(|v| v.abs() == amax).unwrap_or(&amax);
+            let iscale = -127.0 / max;
+            let d = 1.0 / iscale;
+            let mul = _mm256_set1_ps(iscale);
+            let cap = _mm256_set1_epi32(127);
+            for (bi, b) in ob.iter_mut().enumerate() {
+                let mut sum = _mm256_setzero_si256();
+                let mut q = [_mm256_setzero_si256(); 4];
+                for (k, qk) in q.iter_mut().enumerate() {
+                    let v = _mm256_loadu_ps(p.add(32 * bi + 8 * k));
+                    let r = _mm256_round_ps(_mm256_mul_ps(v, mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    *qk = _mm256_min_epi32(_mm256_cvtps_epi32(r), cap);
+                    sum = _mm256_add_epi32(sum, *qk);
+                }
+                let a = _mm256_packs_epi32(q[0], q[1]);
+                let c = _mm256_packs_epi16(a, _mm256_packs_epi32(q[2], q[3]));
+                let c = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                _mm256_storeu_si256(b.qs.as_mut_ptr() as *mut __m256i, c);
+                let s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
+                let s4 = _mm_hadd_epi32(s4, s4);
+                let s4 = _mm_hadd_epi32(s4, s4);
+                b.d = d;
+                b.s = super::f16_round(d * _mm_cvtsi128_si32(s4) as f32);
+            }
+        }
+    }
+
     /// SAFETY (callers): the CPU has avx2, fma and f16c; `row` holds `x.len()` Q4_0 blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_0(row: &[u8], x: &[BlockQ8]) -> f32 {
@@ -525,6 +671,30 @@ mod tests {
         for (p, q) in a.iter().zip(&b) {
             assert_eq!((p.d, p.s, p.qs), (q.d, q.s, q.qs));
         }
+    }
+
+    /// The AVX2 Q8_K quantization gives the scalar one's bits: random super-blocks, an all-zero one, ties of
+    /// rounding, and a largest magnitude held by both signs (the first one sets the scale's sign).
+    #[test]
+    fn simd_quantize_q8_k_matches_scalar() {
+        let mut seed = 5u64;
+        let mut x: Vec<f32> = (0..256 * 6).map(|_| lcg(&mut seed) * 10.0).collect();
+        x[0..256].iter_mut().for_each(|v| *v = 0.0);
+        for (i, v) in x[256..512].iter_mut().enumerate() {
+            *v = (i as f32 - 128.0) * 0.5;
+        }
+        x[600] = -40.0;
+        x[700] = 40.0;
+        x[900] = 40.0;
+        x[1000] = -40.0;
+        let mut a = vec![BlockQ8::default(); 48];
+        let mut b = vec![BlockQ8::default(); 48];
+        quantize_q8_k(&x, &mut a);
+        quantize_q8_k_scalar(&x, &mut b);
+        for (p, q) in a.iter().zip(&b) {
+            assert_eq!((p.d.to_bits(), p.s.to_bits(), p.qs), (q.d.to_bits(), q.s.to_bits(), q.qs));
+        }
+        assert!(a[16].d > 0.0 && a[24].d < 0.0, "the first ±40 sets the sign");
     }
 
     /// The unsigned-nibble Q4_0 form gives the sign trick's partial sums of `w - 8` exactly (so the same floats):

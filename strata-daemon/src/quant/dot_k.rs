@@ -426,7 +426,7 @@ pub mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use crate::quant::format::lookup;
     use crate::quant::{quantize_q8, BlockQ8, GgmlType};
 
@@ -443,7 +443,7 @@ mod tests {
         GgmlType::Q6_K,
     ];
 
-    fn next(seed: &mut u64) -> u64 {
+    pub(in crate::quant) fn next(seed: &mut u64) -> u64 {
         *seed ^= *seed << 13;
         *seed ^= *seed >> 7;
         *seed ^= *seed << 17;
@@ -452,7 +452,7 @@ mod tests {
 
     /// `n_blocks` blocks of `ty`: random bytes (every code and scale pattern), f16 fields set to finite values, or
     /// (`extreme`) every byte 0xff with the largest f16 scales a product can take without overflowing.
-    fn row(ty: GgmlType, n_blocks: usize, extreme: bool, seed: &mut u64) -> Vec<u8> {
+    pub(in crate::quant) fn row(ty: GgmlType, n_blocks: usize, extreme: bool, seed: &mut u64) -> Vec<u8> {
         let bs = ty.type_size();
         let fields: &[usize] = match ty {
             GgmlType::MXFP4 | GgmlType::IQ1_M => &[],
@@ -492,8 +492,19 @@ mod tests {
         b
     }
 
+    /// `n` activations: random in [-2, 2], or saturating (±3 alternating by block of 32, so every code is ±127).
+    pub(in crate::quant) fn values(n: usize, extreme: bool, seed: &mut u64) -> Vec<f32> {
+        (0..n)
+            .map(|i| match (extreme, (i / 32) % 2) {
+                (true, 0) => 3.0,
+                (true, _) => -3.0,
+                _ => (next(seed) % 2001) as f32 / 500.0 - 2.0,
+            })
+            .collect()
+    }
+
     /// Σ w·x in f64 over the dequantized row and the activations' own values (`d · q` per block).
-    fn exact(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> (f64, f64) {
+    pub(in crate::quant) fn exact(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> (f64, f64) {
         let mut w = vec![0f32; x.len() * 32];
         crate::quant::dequantize_row(ty, row, &mut w).unwrap();
         let (mut s, mut mag) = (0f64, 0f64);
@@ -516,20 +527,7 @@ mod tests {
                 for extreme in [false, true] {
                     let n = n_blocks * ty.block_size();
                     let r = row(ty, n_blocks, extreme, &mut seed);
-                    // activations: random, or saturating (every code ±127, alternating by block)
-                    let xs: Vec<f32> = (0..n)
-                        .map(|i| {
-                            if extreme {
-                                if (i / 32) % 2 == 0 {
-                                    3.0
-                                } else {
-                                    -3.0
-                                }
-                            } else {
-                                (next(&mut seed) % 2001) as f32 / 500.0 - 2.0
-                            }
-                        })
-                        .collect();
+                    let xs = values(n, extreme, &mut seed);
                     let mut x = vec![BlockQ8::default(); n / 32];
                     quantize_q8(&xs, &mut x);
                     assert_eq!(x.len(), n_blocks * per);

@@ -11,8 +11,9 @@ use crate::pool::WorkerPool;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use crate::quant::dot512::X512;
 use crate::quant::q4_wide::Q8Quads;
-use crate::quant::{dot_q8, dot_q8_scalar, dot_q8_x4, quantize_q8, vec_dot_f32_row, wide, BlockQ8, GgmlType};
+use crate::quant::{dot_q8, dot_q8_scalar, dot_q8_x4, quantize_q8, vec_dot_f32_row, wide, BlockQ8, GgmlType, K512};
 
 /// A weight matrix view: `rows` × `cols` elements of `ty` in `data` (`rows * ty.row_bytes(cols)` bytes when the
 /// rows are packed; with a `stride`, row r starts at `r * stride`).
@@ -246,8 +247,25 @@ pub fn gelu_tanh(x: f32) -> f32 {
 
 /// [`gelu_tanh`] as llama.cpp's CPU backend computes it (`GGML_GELU_FP16`): the input rounded to f16 and looked
 /// up in a table of f16 results, 0 at or below −10 and the identity at or above 10.
+/// The table is built once (65,536 f16 results, 128 KiB), as llama.cpp builds its own; the values are those of
+/// [`gelu_tanh_f16_direct`].
 #[inline]
 pub fn gelu_tanh_f16(x: f32) -> f32 {
+    static TABLE: std::sync::OnceLock<Box<[u16]>> = std::sync::OnceLock::new();
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        let t = TABLE.get_or_init(|| {
+            (0..=u16::MAX).map(|b| half::f16::from_f32(gelu_tanh(half::f16::from_bits(b).to_f32())).to_bits()).collect()
+        });
+        half::f16::from_bits(t[half::f16::from_f32(x).to_bits() as usize]).to_f32()
+    }
+}
+
+/// [`gelu_tanh_f16`] computed without the table (its reference).
+pub fn gelu_tanh_f16_direct(x: f32) -> f32 {
     if x <= -10.0 {
         0.0
     } else if x >= 10.0 {
@@ -586,6 +604,8 @@ unsafe impl Sync for SyncQ8 {}
 thread_local! {
     /// A pool thread's activations rearranged for the wide Q4_0/Q4_1 kernel (one token row at a time).
     static QUADS: RefCell<Q8Quads> = RefCell::new(Q8Quads::default());
+    /// A pool thread's activations laid out for the AVX-512 kernels, one per token of the product in hand.
+    static X512S: RefCell<Vec<X512>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Rows `r0..r1` of several products of the same activations (each output `x.t × w.rows`, written through its
@@ -617,6 +637,11 @@ fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1
 fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
     let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
     let simd = precision == Precision::Q8Activations;
+    if let Some(k) = crate::quant::k512(w.ty).filter(|_| q8 && simd) {
+        if rows_512(w, x, p, r0, r1, k) {
+            return;
+        }
+    }
     // four tokens at a time where the format unpacks a row once for them (the same bits per token)
     let mut t0 = 0;
     if let Some(k) = crate::quant::q8_t4(w.ty).filter(|_| q8 && simd && x.t >= 4) {
@@ -651,6 +676,53 @@ fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize
     }
 }
 
+/// One product's rows through the AVX-512 kernels ([`crate::quant::dot512`]): each token's activations laid out once,
+/// four tokens per row pass while four remain, then one. Returns false (nothing written) where the kernels do not
+/// take the activations (a K-quant row without Q8_K activations), for the AVX2 path to serve.
+fn rows_512(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, k: K512) -> bool {
+    X512S.with(|b| {
+        let mut b = b.borrow_mut();
+        if b.len() < x.t {
+            b.resize_with(x.t, X512::default);
+        }
+        for (ti, bt) in b.iter_mut().enumerate().take(x.t) {
+            bt.prepare(x.qrow_for(w.ty, ti), k.q8k());
+            if !k.takes(bt) {
+                return false;
+            }
+        }
+        let put = |ti: usize, r: usize, v: f32| {
+            // SAFETY: token ti < t and row r in r0..r1 inside the matrix, so ti * rows + r lies inside `out`
+            // (`t × rows`, asserted where the job was planned); each (token, row) is written by exactly one task
+            // (row ranges are disjoint).
+            unsafe { *p.0.add(ti * w.rows + r) = v };
+        };
+        // rows in tiles that stay in the core's cache while every token passes over them
+        const TILE: usize = 16;
+        let mut rt = r0;
+        while rt < r1 {
+            let re = (rt + TILE).min(r1);
+            let mut t0 = 0;
+            while t0 + 4 <= x.t {
+                let xs = [&b[t0], &b[t0 + 1], &b[t0 + 2], &b[t0 + 3]];
+                for r in rt..re {
+                    for (j, v) in k.four(w.row(r), xs).into_iter().enumerate() {
+                        put(t0 + j, r, v);
+                    }
+                }
+                t0 += 4;
+            }
+            for ti in t0..x.t {
+                for r in rt..re {
+                    put(ti, r, k.one(w.row(r), &b[ti]));
+                }
+            }
+            rt = re;
+        }
+        true
+    })
+}
+
 /// Writes rows `r0..r1` of one token's output at `p[base + r]`: four at a time through `x4` (rows r..r+4) while
 /// it is given and four remain, the rest through `one`.
 fn put_rows(
@@ -682,6 +754,21 @@ fn put_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The f16 GELU table gives the direct computation's bits for every f16 input (and a few f32 ones between).
+    #[test]
+    fn gelu_table_matches_the_direct_f16_gelu() {
+        for b in 0..=u16::MAX {
+            let x = half::f16::from_bits(b).to_f32();
+            if x.is_nan() {
+                continue;
+            }
+            assert_eq!(gelu_tanh_f16(x).to_bits(), gelu_tanh_f16_direct(x).to_bits(), "{x}");
+        }
+        for x in [0.1234f32, -3.33, 9.99, -9.99, 1e-9] {
+            assert_eq!(gelu_tanh_f16(x).to_bits(), gelu_tanh_f16_direct(x).to_bits(), "{x}");
+        }
+    }
 
     /// Random block-format rows: each block a small f16 scale (0.0625) and random quant bytes.
     fn random_blocks(ty: GgmlType, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {

@@ -25,6 +25,8 @@ pub const FORMAT: Format = Format {
         #[cfg(target_arch = "x86_64")]
         avx2_t4: None,
         wide: false,
+        #[cfg(target_arch = "x86_64")]
+        avx512: None,
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 13, suffix: "iq4_nl", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

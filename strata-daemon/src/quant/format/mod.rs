@@ -77,6 +77,11 @@ pub struct Q8Dot {
     pub avx2_t4: Option<unsafe fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4]>,
     /// Rows also go through the AVX-512 VNNI kernel ([`super::q4_wide`], Q4_0 and Q4_1 only) where the CPU has it.
     pub wide: bool,
+    /// AVX-512 F/BW/VNNI kernels over activations laid out once per token ([`super::dot512`]): where the CPU has
+    /// them ([`crate::quant::SimdLevel::Avx512`]) every product of the format goes through them instead of the AVX2
+    /// ones. `None`: the AVX2 kernels serve at that level too.
+    #[cfg(target_arch = "x86_64")]
+    pub avx512: Option<super::dot512::Dot512>,
 }
 
 /// The CUDA kernels of a format (`strata.cu`): its `FMT_*` index, the suffix of its kernels' names

@@ -21,6 +21,8 @@ pub const FORMAT: Format = Format {
         #[cfg(target_arch = "x86_64")]
         avx2_t4: None,
         wide: true,
+        #[cfg(target_arch = "x86_64")]
+        avx512: None,
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 4, suffix: "q4_0", narrow: true, prefill: Prefill::Mmq, on_demand: false }),

@@ -26,6 +26,8 @@ pub const FORMAT: Format = Format {
         #[cfg(target_arch = "x86_64")]
         avx2_t4: Some(crate::quant::dot_k::avx2::dot_q4_k_t4),
         wide: false,
+        #[cfg(target_arch = "x86_64")]
+        avx512: Some(crate::quant::dot512::avx512::Q4_K),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 10, suffix: "q4_k", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

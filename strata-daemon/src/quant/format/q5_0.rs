@@ -21,6 +21,8 @@ pub const FORMAT: Format = Format {
         #[cfg(target_arch = "x86_64")]
         avx2_t4: Some(crate::quant::dot_k::avx2::dot_q5_0_t4),
         wide: false,
+        #[cfg(target_arch = "x86_64")]
+        avx512: Some(crate::quant::dot512::avx512::Q5_0),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 6, suffix: "q5_0", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

@@ -25,6 +25,8 @@ pub const FORMAT: Format = Format {
         #[cfg(target_arch = "x86_64")]
         avx2_t4: Some(crate::quant::dot_k::avx2::dot_q5_k_t4),
         wide: false,
+        #[cfg(target_arch = "x86_64")]
+        avx512: Some(crate::quant::dot512::avx512::Q5_K),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 11, suffix: "q5_k", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

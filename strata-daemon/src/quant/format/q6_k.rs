@@ -26,6 +26,8 @@ pub const FORMAT: Format = Format {
         #[cfg(target_arch = "x86_64")]
         avx2_t4: Some(crate::quant::dot_k::avx2::dot_q6_k_t4),
         wide: false,
+        #[cfg(target_arch = "x86_64")]
+        avx512: Some(crate::quant::dot512::avx512::Q6_K),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 12, suffix: "q6_k", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

@@ -20,6 +20,8 @@ pub const FORMAT: Format = Format {
         #[cfg(target_arch = "x86_64")]
         avx2_t4: None,
         wide: false,
+        #[cfg(target_arch = "x86_64")]
+        avx512: Some(crate::quant::dot512::avx512::Q8_0),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 3, suffix: "q8_0", narrow: true, prefill: Prefill::Mmq, on_demand: false }),
