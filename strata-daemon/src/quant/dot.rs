@@ -142,6 +142,17 @@ pub fn k512(ty: GgmlType) -> Option<K512> {
     None
 }
 
+/// The AVX-512 prefill product of `ty` ([`super::gemm512`]) where the format has one and the CPU runs it (the level
+/// and features of [`k512`]); `None` otherwise.
+pub fn gemm512_of(ty: GgmlType) -> Option<super::gemm512::Gemm512> {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx512 && super::dot512::supported() {
+        return super::format::lookup(ty).and_then(|f| f.q8).and_then(|k| k.gemm512);
+    }
+    let _ = ty;
+    None
+}
+
 /// Runs `f` on `x` laid out for the AVX-512 kernels (a per-thread buffer, filled by this call).
 fn with_x512<R>(x: &[BlockQ8], q8k: bool, f: impl FnOnce(&X512) -> R) -> R {
     X512_ONE.with(|b| {

@@ -141,11 +141,13 @@ pub mod avx512 {
 
     use super::{Dot512, X512};
     use crate::quant::format::kquant::scale_min_k4;
+    use crate::quant::gemm512::{Gemm512, Unpack};
 
-    /// The little-endian f16 at `p` as f32. SAFETY (callers): `p` readable for 2 bytes.
+    /// The little-endian f16 at `p` as f32. SAFETY (callers): `p` readable for 2 bytes; AVX-512 F (so F16C).
     #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn h2f(p: *const u8) -> f32 {
-        half::f16::from_bits(u16::from_le_bytes([*p, *p.add(1)])).to_f32()
+        crate::quant::dot::avx2::h2f(p)
     }
 
     /// The little-endian u16 at `p`. SAFETY (callers): `p` readable for 2 bytes.
@@ -438,6 +440,144 @@ pub mod avx512 {
         reduce_n(acc)
     }
 
+    /// Unpacks a row of 32-value blocks (`bytes` each, f16 `d` first) for the GEMM ([`crate::quant::gemm512`]):
+    /// the codes of each pair of blocks from `pair`, each block's `d`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn unpack_blocks32(
+        row: &[u8],
+        codes: &mut [i8],
+        d: &mut [f32],
+        bytes: usize,
+        pair: impl Fn(*const u8, bool) -> __m512i,
+    ) {
+        let n = codes.len() / 32;
+        assert!(row.len() == n * bytes && d.len() == n, "unpack: lengths");
+        let p = row.as_ptr();
+        let c = codes.as_mut_ptr();
+        let mut i = 0;
+        while i < n {
+            let two = i + 1 < n;
+            let q = pair(p.add(bytes * i), two);
+            if two {
+                _mm512_storeu_si512(c.add(32 * i) as *mut __m512i, q);
+            } else {
+                _mm256_storeu_si256(c.add(32 * i) as *mut __m256i, _mm512_castsi512_si256(q));
+            }
+            i += 2;
+        }
+        for (i, d) in d.iter_mut().enumerate() {
+            *d = h2f(p.add(bytes * i));
+        }
+    }
+
+    /// Unpacks a Q5_0 row for the GEMM (signed codes `code − 16`, each block's `d`).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VNNI present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn unpack_q5_0(row: &[u8], codes: &mut [i8], d: &mut [f32]) {
+        unpack_blocks32(row, codes, d, 22, |b, two| q5_0_pair(b, two))
+    }
+
+    /// Unpacks a Q8_0 row for the GEMM (the codes, each block's `d`).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VNNI present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn unpack_q8_0(row: &[u8], codes: &mut [i8], d: &mut [f32]) {
+        unpack_blocks32(row, codes, d, 34, |b, two| q8_0_pair(b, two))
+    }
+
+    /// Unpacks a Q4_K or Q5_K (`FIFTH`) row for the GEMM: codes 0..15 (0..31), per 32 values the 6-bit scale and
+    /// minimum, per super-block `d` and `dmin`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn unpack_q45_k<const FIFTH: bool>(
+        row: &[u8],
+        codes: &mut [i8],
+        sc: &mut [i32],
+        mn: &mut [i32],
+        d: &mut [f32],
+        dmin: &mut [f32],
+    ) {
+        let bytes = if FIFTH { 176 } else { 144 };
+        let nsb = codes.len() / 256;
+        assert!(
+            row.len() == nsb * bytes
+                && sc.len() == 8 * nsb
+                && mn.len() == 8 * nsb
+                && d.len() == nsb
+                && dmin.len() == nsb,
+            "unpack: lengths"
+        );
+        for (i, blk) in row.chunks_exact(bytes).enumerate() {
+            let k = q45_super::<FIFTH>(blk);
+            for (c, q) in k.q.iter().enumerate() {
+                _mm512_storeu_si512(codes.as_mut_ptr().add(256 * i + 64 * c) as *mut __m512i, *q);
+            }
+            for j in 0..8 {
+                sc[8 * i + j] = k.sc[j] as i32;
+                mn[8 * i + j] = k.mn[2 * j] as i32;
+            }
+            d[i] = k.d;
+            dmin[i] = k.dmin;
+        }
+    }
+
+    /// Unpacks a Q4_K row for the GEMM ([`unpack_q45_k`]).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VNNI present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn unpack_q4_k(row: &[u8], c: &mut [i8], sc: &mut [i32], mn: &mut [i32], d: &mut [f32], dm: &mut [f32]) {
+        unpack_q45_k::<false>(row, c, sc, mn, d, dm)
+    }
+
+    /// Unpacks a Q5_K row for the GEMM ([`unpack_q45_k`]).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VNNI present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn unpack_q5_k(row: &[u8], c: &mut [i8], sc: &mut [i32], mn: &mut [i32], d: &mut [f32], dm: &mut [f32]) {
+        unpack_q45_k::<true>(row, c, sc, mn, d, dm)
+    }
+
+    /// Unpacks a Q6_K row for the GEMM: signed codes `code − 32`, per 16 values the signed scale, per super-block
+    /// `d` (no minimums).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VNNI present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn unpack_q6_k(
+        row: &[u8],
+        codes: &mut [i8],
+        sc: &mut [i32],
+        mn: &mut [i32],
+        d: &mut [f32],
+        dm: &mut [f32],
+    ) {
+        let nsb = codes.len() / 256;
+        assert!(
+            row.len() == nsb * 210 && sc.len() == 16 * nsb && mn.len() == 16 * nsb && d.len() == nsb && dm.len() == nsb,
+            "unpack: lengths"
+        );
+        let k32 = _mm512_set1_epi8(32);
+        for (i, blk) in row.chunks_exact(210).enumerate() {
+            let (q, _, dd) = q6_super(blk);
+            for (c, q) in q.iter().enumerate() {
+                let v = _mm512_sub_epi8(*q, k32);
+                _mm512_storeu_si512(codes.as_mut_ptr().add(256 * i + 64 * c) as *mut __m512i, v);
+            }
+            for g in 0..16 {
+                sc[16 * i + g] = blk[192 + g] as i8 as i32;
+                mn[16 * i + g] = 0;
+            }
+            d[i] = dd;
+            dm[i] = 0.0;
+        }
+    }
+
     /// A format's one-token and four-token entry points over its generic kernel.
     macro_rules! entry {
         ($($one:ident, $four:ident => $n:ident $(:: $k:literal)?, $q8k:literal, $what:literal);* $(;)?) => {$(
@@ -463,6 +603,17 @@ pub mod avx512 {
         dot_q5_k, dot_q5_k_t4 => q45_k_n::true, true, "Q5_K";
         dot_q6_k, dot_q6_k_t4 => q6_k_n, true, "Q6_K";
     );
+
+    /// Q5_0's GEMM unpacking (ggml's 8-lane order).
+    pub const Q5_0_GEMM: Gemm512 = Gemm512 { unpack: Unpack::Blocks32(unpack_q5_0), group: 32, min: false };
+    /// Q8_0's GEMM unpacking (ggml's 8-lane order).
+    pub const Q8_0_GEMM: Gemm512 = Gemm512 { unpack: Unpack::Blocks32(unpack_q8_0), group: 32, min: false };
+    /// Q4_K's GEMM unpacking.
+    pub const Q4_K_GEMM: Gemm512 = Gemm512 { unpack: Unpack::SuperSimd(unpack_q4_k), group: 32, min: true };
+    /// Q5_K's GEMM unpacking.
+    pub const Q5_K_GEMM: Gemm512 = Gemm512 { unpack: Unpack::SuperSimd(unpack_q5_k), group: 32, min: true };
+    /// Q6_K's GEMM unpacking.
+    pub const Q6_K_GEMM: Gemm512 = Gemm512 { unpack: Unpack::SuperSimd(unpack_q6_k), group: 16, min: false };
 
     /// Q5_0's kernels.
     pub const Q5_0: Dot512 = Dot512 { one: dot_q5_0, four: dot_q5_0_t4, q8k: false };

@@ -12,6 +12,7 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::quant::dot512::X512;
+use crate::quant::gemm512::{Gemm512, WRows, XTile};
 use crate::quant::q4_wide::Q8Quads;
 use crate::quant::{dot_q8, dot_q8_scalar, dot_q8_x4, quantize_q8, vec_dot_f32_row, wide, BlockQ8, GgmlType, K512};
 
@@ -606,6 +607,8 @@ thread_local! {
     static QUADS: RefCell<Q8Quads> = RefCell::new(Q8Quads::default());
     /// A pool thread's activations laid out for the AVX-512 kernels, one per token of the product in hand.
     static X512S: RefCell<Vec<X512>> = const { RefCell::new(Vec::new()) };
+    /// A pool thread's activation tiles and unpacked rows for the AVX-512 GEMM.
+    static GEMM: RefCell<(Vec<XTile>, WRows)> = RefCell::new((Vec::new(), WRows::default()));
 }
 
 /// Rows `r0..r1` of several products of the same activations (each output `x.t × w.rows`, written through its
@@ -637,6 +640,11 @@ fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1
 fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
     let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
     let simd = precision == Precision::Q8Activations;
+    if let Some(g) = crate::quant::gemm512_of(w.ty).filter(|_| q8 && simd && x.t >= GEMM_TOKENS) {
+        if rows_gemm(w, x, p, r0, r1, &g) {
+            return;
+        }
+    }
     if let Some(k) = crate::quant::k512(w.ty).filter(|_| q8 && simd) {
         if rows_512(w, x, p, r0, r1, k) {
             return;
@@ -674,6 +682,60 @@ fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize
         };
         put_rows(p, ti * w.rows, r0, r1, x4, one);
     }
+}
+
+/// Tokens from which prefill products go through the AVX-512 GEMM ([`crate::quant::gemm512`], 16 tokens per
+/// vector) rather than the row kernels.
+const GEMM_TOKENS: usize = 8;
+
+/// One product's rows through the AVX-512 GEMM ([`crate::quant::gemm512`]): the activations interleaved in tiles of
+/// 16 tokens, then per 4 rows: unpacked once, multiplied with every tile. Returns false (nothing written) where the
+/// format needs Q8_K activations and the product's are not, for the row kernels to serve.
+fn rows_gemm(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, g: &Gemm512) -> bool {
+    use crate::quant::gemm512::LANES;
+    GEMM.with(|b| {
+        let (tiles, wr) = &mut *b.borrow_mut();
+        let nt = x.t.div_ceil(LANES);
+        if tiles.len() < nt {
+            tiles.resize_with(nt, XTile::default);
+        }
+        for (i, tile) in tiles.iter_mut().enumerate().take(nt) {
+            let mut xs: [&[BlockQ8]; LANES] = [&[]; LANES];
+            let t0 = i * LANES;
+            let tn = (x.t - t0).min(LANES);
+            for (j, xj) in xs.iter_mut().enumerate().take(tn) {
+                *xj = x.qrow_for(w.ty, t0 + j);
+            }
+            tile.prepare(&xs[..tn]);
+            if g.needs_uniform() && !tile.uniform() {
+                return false;
+            }
+        }
+        let (n, rb) = (w.cols, w.row_bytes());
+        let mut out = [[0f32; LANES]; 4];
+        let mut r = r0;
+        while r < r1 {
+            let re = (r + 4).min(r1);
+            let mut rows: [&[u8]; 4] = [&[]; 4];
+            for (k, row) in rows.iter_mut().enumerate().take(re - r) {
+                *row = w.row(r + k);
+            }
+            wr.unpack(g, &rows[..re - r], n, rb);
+            for (i, tile) in tiles.iter().enumerate().take(nt) {
+                wr.times(tile, &mut out);
+                for (k, o) in out.iter().enumerate().take(re - r) {
+                    for (j, v) in o.iter().enumerate().take(tile.tokens()) {
+                        // SAFETY: token i·16 + j < t and row r + k < r1 inside the matrix, so the index lies inside
+                        // `out` (`t × rows`, asserted where the job was planned); each (token, row) is written by
+                        // exactly one task (row ranges are disjoint).
+                        unsafe { *p.0.add((i * LANES + j) * w.rows + r + k) = *v };
+                    }
+                }
+            }
+            r = re;
+        }
+        true
+    })
 }
 
 /// One product's rows through the AVX-512 kernels ([`crate::quant::dot512`]): each token's activations laid out once,

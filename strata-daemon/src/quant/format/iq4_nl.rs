@@ -27,6 +27,8 @@ pub const FORMAT: Format = Format {
         wide: false,
         #[cfg(target_arch = "x86_64")]
         avx512: None,
+        #[cfg(target_arch = "x86_64")]
+        gemm512: None,
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 13, suffix: "iq4_nl", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

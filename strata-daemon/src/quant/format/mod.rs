@@ -82,6 +82,10 @@ pub struct Q8Dot {
     /// ones. `None`: the AVX2 kernels serve at that level too.
     #[cfg(target_arch = "x86_64")]
     pub avx512: Option<super::dot512::Dot512>,
+    /// The AVX-512 prefill product ([`super::gemm512`]: tokens in the vector lanes) — how the format's rows unpack
+    /// into integer codes and per-group scales. `None`: prefill products use the row kernels.
+    #[cfg(target_arch = "x86_64")]
+    pub gemm512: Option<super::gemm512::Gemm512>,
 }
 
 /// The CUDA kernels of a format (`strata.cu`): its `FMT_*` index, the suffix of its kernels' names

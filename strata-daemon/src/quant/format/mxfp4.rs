@@ -26,6 +26,8 @@ pub const FORMAT: Format = Format {
         wide: false,
         #[cfg(target_arch = "x86_64")]
         avx512: None,
+        #[cfg(target_arch = "x86_64")]
+        gemm512: None,
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 15, suffix: "mxfp4", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

@@ -23,6 +23,8 @@ pub const FORMAT: Format = Format {
         wide: true,
         #[cfg(target_arch = "x86_64")]
         avx512: None,
+        #[cfg(target_arch = "x86_64")]
+        gemm512: None,
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 4, suffix: "q4_0", narrow: true, prefill: Prefill::Mmq, on_demand: false }),

@@ -28,6 +28,8 @@ pub const FORMAT: Format = Format {
         wide: false,
         #[cfg(target_arch = "x86_64")]
         avx512: Some(crate::quant::dot512::avx512::Q4_K),
+        #[cfg(target_arch = "x86_64")]
+        gemm512: Some(crate::quant::dot512::avx512::Q4_K_GEMM),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 10, suffix: "q4_k", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

@@ -23,6 +23,8 @@ pub const FORMAT: Format = Format {
         wide: false,
         #[cfg(target_arch = "x86_64")]
         avx512: Some(crate::quant::dot512::avx512::Q5_0),
+        #[cfg(target_arch = "x86_64")]
+        gemm512: Some(crate::quant::dot512::avx512::Q5_0_GEMM),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 6, suffix: "q5_0", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

@@ -27,6 +27,8 @@ pub const FORMAT: Format = Format {
         wide: false,
         #[cfg(target_arch = "x86_64")]
         avx512: Some(crate::quant::dot512::avx512::Q5_K),
+        #[cfg(target_arch = "x86_64")]
+        gemm512: Some(crate::quant::dot512::avx512::Q5_K_GEMM),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 11, suffix: "q5_k", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

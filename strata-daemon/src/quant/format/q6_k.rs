@@ -28,6 +28,8 @@ pub const FORMAT: Format = Format {
         wide: false,
         #[cfg(target_arch = "x86_64")]
         avx512: Some(crate::quant::dot512::avx512::Q6_K),
+        #[cfg(target_arch = "x86_64")]
+        gemm512: Some(crate::quant::dot512::avx512::Q6_K_GEMM),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 12, suffix: "q6_k", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

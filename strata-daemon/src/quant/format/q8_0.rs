@@ -22,6 +22,8 @@ pub const FORMAT: Format = Format {
         wide: false,
         #[cfg(target_arch = "x86_64")]
         avx512: Some(crate::quant::dot512::avx512::Q8_0),
+        #[cfg(target_arch = "x86_64")]
+        gemm512: Some(crate::quant::dot512::avx512::Q8_0_GEMM),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 3, suffix: "q8_0", narrow: true, prefill: Prefill::Mmq, on_demand: false }),
