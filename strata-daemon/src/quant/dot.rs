@@ -115,6 +115,20 @@ impl K512 {
         unreachable!("no AVX-512 kernels off x86-64")
     }
 
+    /// Four rows times one token, each result [`K512::one`]'s bits (four independent chains where the format has
+    /// a four-row kernel, else four calls). Panics as `one`.
+    #[inline]
+    pub fn rows4(&self, rows: [&[u8]; 4], x: &X512) -> [f32; 4] {
+        let rb = self.ty.row_bytes(x.blocks() * 32);
+        assert!(rows.iter().all(|r| r.len() == rb) && self.takes(x), "dot512: lengths or activations");
+        #[cfg(target_arch = "x86_64")]
+        if let Some(f) = self.k.rows4 {
+            // SAFETY: as in `one`, for each row.
+            return unsafe { f(rows, x) };
+        }
+        rows.map(|r| self.one(r, x))
+    }
+
     /// `row` times four tokens (each as long as `x[0]`), each result [`K512::one`]'s bits. Panics as `one`.
     #[inline]
     pub fn four(&self, row: &[u8], x: [&X512; 4]) -> [f32; 4] {
@@ -302,7 +316,7 @@ pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
         return with_quads(x, |q| q.dot_x4(ty, rows));
     }
     if let Some(k5) = k512(ty) {
-        if let Some(v) = with_x512(x, k5.q8k(), |xl| k5.takes(xl).then(|| rows.map(|r| k5.one(r, xl)))) {
+        if let Some(v) = with_x512(x, k5.q8k(), |xl| k5.takes(xl).then(|| k5.rows4(rows, xl))) {
             return v;
         }
     }

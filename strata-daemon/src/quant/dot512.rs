@@ -116,6 +116,10 @@ pub struct Dot512 {
     /// One row times four tokens (same contract for each; all as long as `x[0]`).
     #[cfg(target_arch = "x86_64")]
     pub four: unsafe fn(&[u8], [&X512; 4]) -> [f32; 4],
+    /// Four rows times one token, each row [`Dot512::one`]'s bits (decode: four independent chains), where the
+    /// format has it. Same contract as `one` for each row.
+    #[cfg(target_arch = "x86_64")]
+    pub rows4: Option<unsafe fn([&[u8]; 4], &X512) -> [f32; 4]>,
     /// The kernels need Q8_K activations ([`X512::uniform`]): the K-quants.
     pub q8k: bool,
 }
@@ -150,10 +154,12 @@ pub mod avx512 {
         crate::quant::dot::avx2::h2f(p)
     }
 
-    /// The little-endian u16 at `p`. SAFETY (callers): `p` readable for 2 bytes.
+    /// The upper 256 bits of a float vector (AVX-512 F only: `_mm512_extractf32x8_ps` needs DQ, which these
+    /// functions do not enable, and would not inline).
     #[inline]
-    unsafe fn rd16(p: *const u8) -> u16 {
-        u16::from_le_bytes([*p, *p.add(1)])
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn upper(v: __m512) -> __m256 {
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
     }
 
     /// Two 256-bit halves as one vector.
@@ -161,13 +167,6 @@ pub mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
         _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
-    }
-
-    /// The two blocks' scale products, lane-wise: `[d0 × 8 | d1 × 8]` from two f16 bit patterns.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn scales2(d0: u16, d1: u16) -> __m512 {
-        _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(d1 as i16), _mm_set1_epi16(d0 as i16)))
     }
 
     /// The horizontal sums of `N` accumulators.
@@ -188,39 +187,64 @@ pub mod avx512 {
     /// so the results are theirs bit for bit.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn blocks32_n<const N: usize>(
-        row: &[u8],
+    unsafe fn blocks32_n<const R: usize, const N: usize>(
+        rows: [&[u8]; R],
         x: [&X512; N],
         bytes: usize,
         codes: impl Fn(*const u8, bool) -> __m512i,
-    ) -> [f32; N] {
+    ) -> [[f32; N]; R] {
         let n = x[0].n;
-        let p = row.as_ptr();
-        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
         let k80 = _mm512_set1_epi8(-128);
+        // the scales of 16 blocks at a time: one gather of each block's first 4 bytes (its f16 `d` and 2 more of the
+        // block), then lanes [d_i × 8 | d_i+1 × 8] for each pair by one permute
+        let offsets = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(bytes as i32),
+        );
+        let pair_idx = join(_mm256_set1_epi32(0), _mm256_set1_epi32(1));
+        let mut dw = [_mm512_setzero_ps(); R];
         let mut i = 0;
         while i < n {
             let two = i + 1 < n;
-            let b0 = p.add(bytes * i);
-            let q = codes(b0, two);
-            // −128 · Σw per four-byte lane: the offset of the activations moved to unsigned
-            let neg = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k80, q));
-            let w2 = scales2(rd16(b0), if two { rd16(b0.add(bytes)) } else { 0 });
+            let mut q = [_mm512_setzero_si512(); R];
+            let mut neg = [_mm512_setzero_si512(); R];
+            let mut w2 = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                let b0 = rows[r].as_ptr().add(bytes * i);
+                if i % 16 == 0 {
+                    let live = (n - i).min(16);
+                    let mask = if live == 16 { 0xffff } else { (1u16 << live) - 1 };
+                    let g = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, offsets, b0 as *const i32);
+                    dw[r] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+                }
+                q[r] = codes(b0, two);
+                // −128 · Σw per four-byte lane: the offset of the activations moved to unsigned
+                neg[r] =
+                    _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k80, q[r]));
+                w2[r] = _mm512_permutexvar_ps(_mm512_add_epi32(pair_idx, _mm512_set1_epi32((i % 16) as i32)), dw[r]);
+            }
             let pi = i / 2;
-            for (a, xt) in acc.iter_mut().zip(x) {
+            for (t, xt) in x.iter().enumerate() {
                 let xu = _mm512_loadu_si512(xt.xu.as_ptr().add(64 * pi) as *const __m512i);
-                let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, xu, q));
-                let sc = _mm512_mul_ps(w2, _mm512_loadu_ps(xt.dpair.as_ptr().add(16 * pi)));
-                *a = _mm256_fmadd_ps(_mm512_castps512_ps256(sc), _mm512_castps512_ps256(s), *a);
-                if two {
-                    *a = _mm256_fmadd_ps(_mm512_extractf32x8_ps::<1>(sc), _mm512_extractf32x8_ps::<1>(s), *a);
+                let dx = _mm512_loadu_ps(xt.dpair.as_ptr().add(16 * pi));
+                for r in 0..R {
+                    let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg[r], xu, q[r]));
+                    let sc = _mm512_mul_ps(w2[r], dx);
+                    let a = &mut acc[r][t];
+                    *a = _mm256_fmadd_ps(_mm512_castps512_ps256(sc), _mm512_castps512_ps256(s), *a);
+                    if two {
+                        *a = _mm256_fmadd_ps(upper(sc), upper(s), *a);
+                    }
                 }
             }
             i += 2;
         }
-        let mut out = [0f32; N];
+        let mut out = [[0f32; N]; R];
         for (o, a) in out.iter_mut().zip(acc) {
-            *o = crate::quant::dot::avx2::hsum(a);
+            for (o, a) in o.iter_mut().zip(a) {
+                *o = crate::quant::dot::avx2::hsum(a);
+            }
         }
         out
     }
@@ -255,18 +279,50 @@ pub mod avx512 {
         join(w0, w1)
     }
 
-    /// Q5_0 rows.
+    /// `R` Q5_0 rows times `N` tokens.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn q5_0_rn<const R: usize, const N: usize>(rows: [&[u8]; R], x: [&X512; N]) -> [[f32; N]; R] {
+        blocks32_n(rows, x, 22, |b, two| q5_0_pair(b, two))
+    }
+
+    /// `R` Q8_0 rows times `N` tokens.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn q8_0_rn<const R: usize, const N: usize>(rows: [&[u8]; R], x: [&X512; N]) -> [[f32; N]; R] {
+        blocks32_n(rows, x, 34, |b, two| q8_0_pair(b, two))
+    }
+
+    /// One Q5_0 row times `N` tokens.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn q5_0_n<const N: usize>(row: &[u8], x: [&X512; N]) -> [f32; N] {
-        blocks32_n(row, x, 22, |b, two| q5_0_pair(b, two))
+        q5_0_rn::<1, N>([row], x)[0]
     }
 
-    /// Q8_0 rows.
+    /// One Q8_0 row times `N` tokens.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn q8_0_n<const N: usize>(row: &[u8], x: [&X512; N]) -> [f32; N] {
-        blocks32_n(row, x, 34, |b, two| q8_0_pair(b, two))
+        q8_0_rn::<1, N>([row], x)[0]
+    }
+
+    /// Four Q5_0 rows times one token (each row the one-token kernel's bits; four independent accumulation chains).
+    ///
+    /// # Safety
+    /// As [`Dot512::one`], for each row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn dot_q5_0_x4(rows: [&[u8]; 4], x: &X512) -> [f32; 4] {
+        q5_0_rn::<4, 1>(rows, [x]).map(|v| v[0])
+    }
+
+    /// Four Q8_0 rows times one token (as [`dot_q5_0_x4`]).
+    ///
+    /// # Safety
+    /// As [`Dot512::one`], for each row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn dot_q8_0_x4(rows: [&[u8]; 4], x: &X512) -> [f32; 4] {
+        q8_0_rn::<4, 1>(rows, [x]).map(|v| v[0])
     }
 
     /// Adds one super-block's products to a token's accumulators: `q[c]` the unsigned codes of values
@@ -616,15 +672,15 @@ pub mod avx512 {
     pub const Q6_K_GEMM: Gemm512 = Gemm512 { unpack: Unpack::SuperSimd(unpack_q6_k), group: 16, min: false };
 
     /// Q5_0's kernels.
-    pub const Q5_0: Dot512 = Dot512 { one: dot_q5_0, four: dot_q5_0_t4, q8k: false };
+    pub const Q5_0: Dot512 = Dot512 { one: dot_q5_0, four: dot_q5_0_t4, rows4: Some(dot_q5_0_x4), q8k: false };
     /// Q8_0's kernels.
-    pub const Q8_0: Dot512 = Dot512 { one: dot_q8_0, four: dot_q8_0_t4, q8k: false };
+    pub const Q8_0: Dot512 = Dot512 { one: dot_q8_0, four: dot_q8_0_t4, rows4: Some(dot_q8_0_x4), q8k: false };
     /// Q4_K's kernels.
-    pub const Q4_K: Dot512 = Dot512 { one: dot_q4_k, four: dot_q4_k_t4, q8k: true };
+    pub const Q4_K: Dot512 = Dot512 { one: dot_q4_k, four: dot_q4_k_t4, rows4: None, q8k: true };
     /// Q5_K's kernels.
-    pub const Q5_K: Dot512 = Dot512 { one: dot_q5_k, four: dot_q5_k_t4, q8k: true };
+    pub const Q5_K: Dot512 = Dot512 { one: dot_q5_k, four: dot_q5_k_t4, rows4: None, q8k: true };
     /// Q6_K's kernels.
-    pub const Q6_K: Dot512 = Dot512 { one: dot_q6_k, four: dot_q6_k_t4, q8k: true };
+    pub const Q6_K: Dot512 = Dot512 { one: dot_q6_k, four: dot_q6_k_t4, rows4: None, q8k: true };
 }
 
 #[cfg(test)]
@@ -687,7 +743,8 @@ mod tests {
         }
     }
 
-    /// Q5_0 and Q8_0 give the AVX2 kernels' bits (the same float order), random and saturating, odd block counts.
+    /// Q5_0 and Q8_0 give the AVX2 kernels' bits (the same float order), random and saturating, odd block counts
+    /// (more than 16 blocks: a second gather of scales); the four-row kernel gives each row the one-row bits.
     #[test]
     fn blocks_of_32_give_the_avx2_bits() {
         if !supported() {
@@ -697,7 +754,7 @@ mod tests {
         for ty in [GgmlType::Q5_0, GgmlType::Q8_0] {
             let f = lookup(ty).and_then(|f| f.q8).expect("registered");
             let k = f.avx512.expect("AVX-512 kernels");
-            for n_blocks in [1usize, 2, 3, 7, 20] {
+            for n_blocks in [1usize, 2, 3, 7, 20, 37] {
                 for extreme in [false, true] {
                     let r = row(ty, n_blocks, extreme, &mut seed);
                     let x = acts(ty, n_blocks * 32, extreme, &mut seed);
@@ -706,6 +763,13 @@ mod tests {
                     // SAFETY: AVX-512 F/BW/VNNI (and so AVX2/FMA/F16C) detected; the row holds n_blocks blocks.
                     let (a, b) = unsafe { ((k.one)(&r, &l), (f.avx2)(&r, &x)) };
                     assert_eq!(a.to_bits(), b.to_bits(), "{ty:?} x{n_blocks} {extreme}: {a} vs avx2 {b}");
+                    // four rows at once: each row the one-row bits
+                    let others: Vec<Vec<u8>> = (0..3).map(|_| row(ty, n_blocks, extreme, &mut seed)).collect();
+                    let rows4 = [&r[..], &others[0][..], &others[1][..], &others[2][..]];
+                    // SAFETY: as above, for each row.
+                    let (four, ones) =
+                        unsafe { ((k.rows4.expect("a four-row kernel"))(rows4, &l), rows4.map(|rr| (k.one)(rr, &l))) };
+                    assert_eq!(four.map(f32::to_bits), ones.map(f32::to_bits), "{ty:?} x{n_blocks}: rows4");
                 }
             }
         }

@@ -775,7 +775,15 @@ fn rows_512(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, k:
                 t0 += 4;
             }
             for ti in t0..x.t {
-                for r in rt..re {
+                let mut r = rt;
+                while r + 4 <= re {
+                    let v = k.rows4([w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], &b[ti]);
+                    for (j, v) in v.into_iter().enumerate() {
+                        put(ti, r + j, v);
+                    }
+                    r += 4;
+                }
+                for r in r..re {
                     put(ti, r, k.one(w.row(r), &b[ti]));
                 }
             }
