@@ -34,8 +34,9 @@ pub enum SimdLevel {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
-    /// AVX2 as above, and the AVX-512 F/BW/VNNI/VBMI kernels: Q4_0 and Q4_1 rows through [`super::q4_wide`], the
-    /// Q4_K_M family's (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0) through [`super::dot512`].
+    /// AVX2 as above, and the AVX-512 F/BW/VNNI/VBMI kernels: Q4_0 and Q4_1 rows through [`super::q4_wide`], Q5_0
+    /// and Q8_0 rows through [`super::dot512`], prefill products of the other block formats through
+    /// [`super::gemm512`].
     Avx512,
 }
 
@@ -79,7 +80,8 @@ thread_local! {
 }
 
 /// A format's AVX-512 kernels on this CPU ([`k512`]): one row times one or four tokens' activations laid out by
-/// [`X512::prepare`], each token's result the same bits whichever entry computes it.
+/// [`X512::prepare`], or four rows times one token, each result the same bits whichever entry computes it (and
+/// the AVX2 kernels').
 #[derive(Clone, Copy)]
 pub struct K512 {
     ty: GgmlType,
@@ -87,26 +89,11 @@ pub struct K512 {
 }
 
 impl K512 {
-    /// Whether the kernels take activations laid out as `x` (the K-quants need Q8_K's one scale per super-block;
-    /// where they lack it the AVX2 kernels serve).
-    pub fn takes(&self, x: &X512) -> bool {
-        if self.k.q8k {
-            x.uniform()
-        } else {
-            !x.for_q8k()
-        }
-    }
-
-    /// Whether [`X512::prepare`] should lay activations out for the K-quant kernels (its `q8k`).
-    pub fn q8k(&self) -> bool {
-        self.k.q8k
-    }
-
     /// `row` (`x.blocks() · 32` values of the format) times one token. Panics when the row's length disagrees or
     /// [`K512::takes`] is false.
     #[inline]
     pub fn one(&self, row: &[u8], x: &X512) -> f32 {
-        assert!(row.len() == self.ty.row_bytes(x.blocks() * 32) && self.takes(x), "dot512: lengths or activations");
+        assert!(row.len() == self.ty.row_bytes(x.blocks() * 32), "dot512: row length");
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a K512 exists only where k512 found the AVX-512 level (F, BW, VNNI); the row holds x.blocks()
         // blocks and the activations suit the kernel (asserted above).
@@ -115,28 +102,23 @@ impl K512 {
         unreachable!("no AVX-512 kernels off x86-64")
     }
 
-    /// Four rows times one token, each result [`K512::one`]'s bits (four independent chains where the format has
-    /// a four-row kernel, else four calls). Panics as `one`.
+    /// Four rows times one token, each result [`K512::one`]'s bits (four independent chains). Panics as `one`.
     #[inline]
     pub fn rows4(&self, rows: [&[u8]; 4], x: &X512) -> [f32; 4] {
         let rb = self.ty.row_bytes(x.blocks() * 32);
-        assert!(rows.iter().all(|r| r.len() == rb) && self.takes(x), "dot512: lengths or activations");
+        assert!(rows.iter().all(|r| r.len() == rb), "dot512: row lengths");
         #[cfg(target_arch = "x86_64")]
-        if let Some(f) = self.k.rows4 {
-            // SAFETY: as in `one`, for each row.
-            return unsafe { f(rows, x) };
-        }
-        rows.map(|r| self.one(r, x))
+        // SAFETY: as in `one`, for each row.
+        return unsafe { (self.k.rows4)(rows, x) };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no AVX-512 kernels off x86-64")
     }
 
     /// `row` times four tokens (each as long as `x[0]`), each result [`K512::one`]'s bits. Panics as `one`.
     #[inline]
     pub fn four(&self, row: &[u8], x: [&X512; 4]) -> [f32; 4] {
         let n = x[0].blocks();
-        assert!(
-            row.len() == self.ty.row_bytes(n * 32) && x.iter().all(|xt| xt.blocks() == n && self.takes(xt)),
-            "dot512: lengths or activations"
-        );
+        assert!(row.len() == self.ty.row_bytes(n * 32) && x.iter().all(|xt| xt.blocks() == n), "dot512: lengths");
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `one`, for each token.
         return unsafe { (self.k.four)(row, x) };
@@ -168,10 +150,10 @@ pub fn gemm512_of(ty: GgmlType) -> Option<super::gemm512::Gemm512> {
 }
 
 /// Runs `f` on `x` laid out for the AVX-512 kernels (a per-thread buffer, filled by this call).
-fn with_x512<R>(x: &[BlockQ8], q8k: bool, f: impl FnOnce(&X512) -> R) -> R {
+fn with_x512<R>(x: &[BlockQ8], f: impl FnOnce(&X512) -> R) -> R {
     X512_ONE.with(|b| {
         let mut b = b.borrow_mut();
-        b.prepare(x, q8k);
+        b.prepare(x);
         f(&b)
     })
 }
@@ -292,9 +274,7 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
         return with_quads(x, |q| q.dot(ty, row));
     }
     if let Some(k5) = k512(ty) {
-        if let Some(v) = with_x512(x, k5.q8k(), |xl| k5.takes(xl).then(|| k5.one(row, xl))) {
-            return v;
-        }
+        return with_x512(x, |xl| k5.one(row, xl));
     }
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {
@@ -316,9 +296,7 @@ pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
         return with_quads(x, |q| q.dot_x4(ty, rows));
     }
     if let Some(k5) = k512(ty) {
-        if let Some(v) = with_x512(x, k5.q8k(), |xl| k5.takes(xl).then(|| k5.rows4(rows, xl))) {
-            return v;
-        }
+        return with_x512(x, |xl| k5.rows4(rows, xl));
     }
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {

@@ -1,26 +1,17 @@
-//! AVX-512 (F, BW, VNNI) dot kernels of the formats of llama.cpp's `Q4_K_M` mix — Q4_K, Q5_K, Q6_K, and Q5_0 and
-//! Q8_0 (the fallbacks of rows whose width is not a multiple of 256) — one row against one or four tokens'
-//! activations, 64 values per 512-bit step.
+//! AVX-512 (F, BW, VNNI) kernels for the formats of llama.cpp's `Q4_K_M` mix: the one-token, four-token and
+//! four-row dot products of Q5_0 and Q8_0 (the fallbacks of rows whose width is not a multiple of 256), and the
+//! super-block unpackers of Q4_K, Q5_K and Q6_K that the prefill GEMM ([`super::gemm512`]) runs on.
 //!
-//! The AVX2 kernels ([`super::dot_k`]) turn each 32-value block's integer sum into floats and scale it on its own
-//! (`maddubs`, `madd`, conversion, a scalar scale product, `fma`: eight instructions per block and token). Here:
-//! - **K-quants**: a row's codes are unpacked once per super-block for all tokens (unsigned: Q4_K's 0..15,
-//!   Q5_K's 0..31, Q6_K's code + 32 in 0..63), multiplied with the activations by `vpmaddubsw` and weighted by the
-//!   sub-blocks' integer scales with `vpdpwssd` into one i32 accumulator for the whole super-block; one
-//!   conversion and one `fma` per super-block apply `d · d_x` (Q8_K activations: one `d_x` per 256 values). The
-//!   minimums (Q4_K, Q5_K) and Q6_K's offset of 32 multiply the activations' per-16 sums ([`X512::bsum`], ggml's
-//!   Q8_K `bsums`), one `vpmaddwd` per super-block.
-//! - **Q5_0, Q8_0** (one f16 scale per 32): two blocks per step; `vpdpbusd` multiplies the activations moved to
-//!   unsigned (`x + 128`, [`X512::xu`]) with the signed codes, starting from `−128 · Σw` (computed once per row
-//!   step for all tokens), then one conversion and, per block, one `fma` with its `d_w · d_x` into 8 lanes: the
-//!   AVX2 kernels' order, so these two formats give their bits exactly.
+//! Q5_0 and Q8_0 (one f16 scale per 32 values): two blocks per 512-bit step; `vpdpbusd` multiplies the activations
+//! moved to unsigned (`x + 128`, laid out once per token by [`X512::prepare`]) with the signed codes, starting from
+//! `−128 · Σw` (computed once per row step for all tokens); the block scales are gathered 16 at a time. Each block's
+//! 8 lanes of four-product sums are then added into 8 accumulators by one `fma` with `d_w · d_x`, blocks in row
+//! order, and summed as the AVX2 lane sum sums them: the AVX2 kernels' (and ggml's `ggml_vec_dot_q8_0_q8_0`) order,
+//! so every entry point gives their bits exactly.
 //!
-//! The integer sums are ggml's (`ggml_vec_dot_q4_K_q8_K` etc.: Σ sc·q·x per sub-block, minus dmin·Σ m·bsum); for
-//! the K-quants only the order of the float additions differs from the AVX2 kernels, so the two agree to rounding. The one-token and
-//! four-token entry points run the same instructions per token and give the same bits.
-//!
-//! Activations are rearranged once per token and product ([`X512::prepare`]); the K-quant kernels need Q8_K
-//! activations (one scale per super-block, [`X512::uniform`]), as every product of a K-quant row gets.
+//! The K-quants' one-token products stay on the AVX2 kernels ([`super::dot_k`]): an AVX-512 version over activations
+//! laid out per task (stop 24) was faster on a 2-core VM's large tasks but slower in the GPU host's hybrid path,
+//! whose many small tasks paid the layout more often than they gained from it.
 
 use super::BlockQ8;
 
@@ -30,74 +21,28 @@ use super::BlockQ8;
 pub struct X512 {
     /// Blocks of 32 (before padding).
     n: usize,
-    /// The codes, block after block (`32 · n` rounded up to 64).
-    qs: Vec<i8>,
     /// The codes plus 128 as unsigned bytes (`vpdpbusd`'s unsigned operand); padding 128.
     xu: Vec<u8>,
     /// Each block's scale `d` eight times (one 256-bit half of a lane vector per block); padding 0.
     dpair: Vec<f32>,
-    /// Each block's scale once.
-    d: Vec<f32>,
-    /// The sum of each 16 codes (`2n` values; ggml's Q8_K `bsums`).
-    bsum: Vec<i16>,
-    /// Whether each whole super-block of 8 blocks shares one scale (Q8_K activations): the K-quant kernels need it.
-    uniform: bool,
-    /// Laid out for the K-quant kernels (`qs`, `d`, `bsum`), else for the 32-value ones (`xu`, `dpair`).
-    q8k: bool,
 }
 
 impl X512 {
-    /// Lays out `x` (any number of blocks) for the kernels of Q8_K activations (`q8k`: the K-quants' codes, scales
-    /// and per-16 sums) or for those of Q8_0 ones (the unsigned codes and the lane scales).
-    pub fn prepare(&mut self, x: &[BlockQ8], q8k: bool) {
+    /// Lays out `x` (any number of blocks).
+    pub fn prepare(&mut self, x: &[BlockQ8]) {
         let n = x.len();
         let np = n.div_ceil(2) * 2;
         self.n = n;
-        if q8k {
-            self.qs.resize(np * 32, 0);
-            self.d.resize(n, 0.0);
-            self.bsum.resize(2 * n, 0);
-            for (((b, qs), d), bs) in
-                x.iter().zip(self.qs.chunks_exact_mut(32)).zip(self.d.iter_mut()).zip(self.bsum.chunks_exact_mut(2))
-            {
-                qs.copy_from_slice(&b.qs);
-                *d = b.d;
-                for (s, h) in bs.iter_mut().zip(b.qs.chunks_exact(16)) {
-                    let mut t = 0i16;
-                    for &q in h {
-                        t += q as i16;
-                    }
-                    *s = t;
-                }
+        self.xu.resize(np * 32, 0x80);
+        self.dpair.resize(np * 8, 0.0);
+        for ((b, xu), dp) in x.iter().zip(self.xu.chunks_exact_mut(32)).zip(self.dpair.chunks_exact_mut(8)) {
+            for (u, &q) in xu.iter_mut().zip(&b.qs) {
+                *u = (q as u8) ^ 0x80;
             }
-            self.qs[n * 32..].fill(0);
-            self.uniform =
-                n.is_multiple_of(8) && x.chunks_exact(8).all(|s| s.iter().all(|b| b.d.to_bits() == s[0].d.to_bits()));
-        } else {
-            self.xu.resize(np * 32, 0x80);
-            self.dpair.resize(np * 8, 0.0);
-            for ((b, xu), dp) in x.iter().zip(self.xu.chunks_exact_mut(32)).zip(self.dpair.chunks_exact_mut(8)) {
-                for (u, &q) in xu.iter_mut().zip(&b.qs) {
-                    *u = (q as u8) ^ 0x80;
-                }
-                dp.fill(b.d);
-            }
-            self.xu[n * 32..].fill(0x80);
-            self.dpair[n * 8..].fill(0.0);
-            self.uniform = false;
+            dp.fill(b.d);
         }
-        self.q8k = q8k;
-    }
-
-    /// Whether the layout is the K-quant kernels' and every super-block of 8 blocks shares one scale (Q8_K
-    /// activations, as `quantize_q8_k` writes them).
-    pub fn uniform(&self) -> bool {
-        self.q8k && self.uniform
-    }
-
-    /// Whether the layout is the K-quant kernels' (`prepare(_, true)`).
-    pub fn for_q8k(&self) -> bool {
-        self.q8k
+        self.xu[n * 32..].fill(0x80);
+        self.dpair[n * 8..].fill(0.0);
     }
 
     /// Blocks of 32.
@@ -110,18 +55,16 @@ impl X512 {
 #[derive(Debug, Clone, Copy)]
 pub struct Dot512 {
     /// One row (`x.blocks() · 32` values) times one token. SAFETY (callers): [`supported`] is true; `row` holds
-    /// `x.blocks()` blocks of 32 of the format; with `q8k`, `x.uniform()`.
+    /// `x.blocks()` blocks of 32 of the format.
     #[cfg(target_arch = "x86_64")]
     pub one: unsafe fn(&[u8], &X512) -> f32,
     /// One row times four tokens (same contract for each; all as long as `x[0]`).
     #[cfg(target_arch = "x86_64")]
     pub four: unsafe fn(&[u8], [&X512; 4]) -> [f32; 4],
-    /// Four rows times one token, each row [`Dot512::one`]'s bits (decode: four independent chains), where the
-    /// format has it. Same contract as `one` for each row.
+    /// Four rows times one token, each row [`Dot512::one`]'s bits (decode: four independent chains). Same contract
+    /// as `one` for each row.
     #[cfg(target_arch = "x86_64")]
-    pub rows4: Option<unsafe fn([&[u8]; 4], &X512) -> [f32; 4]>,
-    /// The kernels need Q8_K activations ([`X512::uniform`]): the K-quants.
-    pub q8k: bool,
+    pub rows4: unsafe fn([&[u8]; 4], &X512) -> [f32; 4],
 }
 
 /// Whether this CPU runs the kernels: AVX-512 F, BW and VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later).
@@ -169,22 +112,6 @@ pub mod avx512 {
         _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
     }
 
-    /// The horizontal sums of `N` accumulators.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn reduce_n<const N: usize>(acc: [__m512; N]) -> [f32; N] {
-        let mut out = [0f32; N];
-        for (o, a) in out.iter_mut().zip(acc) {
-            *o = _mm512_reduce_add_ps(a);
-        }
-        out
-    }
-
-    /// Rows of 32-value blocks with one f16 scale (Q5_0, Q8_0): `codes(block pointer, second block present)`
-    /// gives two blocks' 64 signed codes (the second half zero when absent); `bytes` per block. Each token's floats
-    /// follow the AVX2 kernels' (and ggml's `ggml_vec_dot_q8_0_q8_0` / `_q5_0_q8_0`) order — per block, 8 lanes of
-    /// four-product sums times `d_w · d_x` added into 8 accumulators, blocks in row order, then the AVX2 lane sum —
-    /// so the results are theirs bit for bit.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn blocks32_n<const R: usize, const N: usize>(
@@ -325,55 +252,12 @@ pub mod avx512 {
         q8_0_rn::<4, 1>(rows, [x]).map(|v| v[0])
     }
 
-    /// Adds one super-block's products to a token's accumulators: `q[c]` the unsigned codes of values
-    /// `64c .. 64c + 64`, `sv[c]` their per-pair i16 scales, `off` the i16 weights of the token's 16 per-16 sums
-    /// (subtracted in the integer sum, Q6_K's offset) or `None`, `mins` likewise but scaled by `dmin` (Q4_K/Q5_K).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn super_block(
-        acc: &mut __m512,
-        accm: &mut __m512,
-        xt: &X512,
-        b: usize,
-        q: &[__m512i; 4],
-        sv: &[__m512i; 4],
-        off: Option<__m256i>,
-        mins: Option<__m256i>,
-        d: f32,
-        dmin: f32,
-    ) {
-        let xq = xt.qs.as_ptr().add(256 * b);
-        let mut ia = _mm512_setzero_si512();
-        for c in 0..4 {
-            let xv = _mm512_loadu_si512(xq.add(64 * c) as *const __m512i);
-            ia = _mm512_dpwssd_epi32(ia, _mm512_maddubs_epi16(q[c], xv), sv[c]);
-        }
-        let bs = _mm256_loadu_si256(xt.bsum.as_ptr().add(16 * b) as *const __m256i);
-        if let Some(o) = off {
-            ia = _mm512_sub_epi32(ia, _mm512_zextsi256_si512(_mm256_madd_epi16(bs, o)));
-        }
-        let dx = xt.d[8 * b];
-        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(d * dx), *acc);
-        if let Some(m) = mins {
-            let mv = _mm512_zextsi256_si512(_mm256_madd_epi16(bs, m));
-            *accm = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mv), _mm512_set1_ps(dmin * dx), *accm);
-        }
-    }
-
-    /// The i16 scale vector of a pair of 32-value sub-blocks: `[s0 × 16 | s1 × 16]`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn pair_scales(s0: u8, s1: u8) -> __m512i {
-        join(_mm256_set1_epi16(s0 as i16), _mm256_set1_epi16(s1 as i16))
-    }
-
     /// A Q4_K / Q5_K super-block unpacked: the unsigned codes of values `64c .. 64c + 64` in `q[c]`, the 8
-    /// sub-blocks' 6-bit scales, their minimums twice each (per 16 values, i16), the super-scales.
+    /// sub-blocks' 6-bit scales and minimums, the super-scales.
     struct KSuper {
         q: [__m512i; 4],
         sc: [u8; 8],
-        mn: [i16; 16],
+        mn: [u8; 8],
         d: f32,
         dmin: f32,
     }
@@ -389,12 +273,9 @@ pub mod avx512 {
         let m4 = _mm512_set1_epi8(0x0f);
         let sixteen = _mm512_set1_epi8(16);
         let p = blk.as_ptr();
-        let mut k = KSuper { q: [_mm512_setzero_si512(); 4], sc: [0; 8], mn: [0; 16], d: h2f(p), dmin: h2f(p.add(2)) };
+        let mut k = KSuper { q: [_mm512_setzero_si512(); 4], sc: [0; 8], mn: [0; 8], d: h2f(p), dmin: h2f(p.add(2)) };
         for j in 0..8 {
-            let (s, m) = scale_min_k4(j, &blk[4..16]);
-            k.sc[j] = s;
-            k.mn[2 * j] = m as i16;
-            k.mn[2 * j + 1] = m as i16;
+            (k.sc[j], k.mn[j]) = scale_min_k4(j, &blk[4..16]);
         }
         let qh = if FIFTH { _mm256_loadu_si256(p.add(16) as *const __m256i) } else { _mm256_setzero_si256() };
         let qh = join(qh, qh);
@@ -410,39 +291,12 @@ pub mod avx512 {
         k
     }
 
-    /// Q4_K and Q5_K (with `FIFTH`) rows ([`q45_super`]).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn q45_k_n<const N: usize, const FIFTH: bool>(row: &[u8], x: [&X512; N]) -> [f32; N] {
-        let bytes = if FIFTH { 176 } else { 144 };
-        let mut acc = [_mm512_setzero_ps(); N];
-        let mut accm = [_mm512_setzero_ps(); N];
-        for (b, blk) in row.chunks_exact(bytes).enumerate() {
-            let k = q45_super::<FIFTH>(blk);
-            let (d, dmin, mn) = (k.d, k.dmin, k.mn);
-            let mut sv = [_mm512_setzero_si512(); 4];
-            for (c, v) in sv.iter_mut().enumerate() {
-                *v = pair_scales(k.sc[2 * c], k.sc[2 * c + 1]);
-            }
-            let q = k.q;
-            let mins = _mm256_loadu_si256(mn.as_ptr() as *const __m256i);
-            for ((a, am), xt) in acc.iter_mut().zip(accm.iter_mut()).zip(x) {
-                super_block(a, am, xt, b, &q, &sv, None, Some(mins), d, dmin);
-            }
-        }
-        let mut out = reduce_n(acc);
-        for (o, m) in out.iter_mut().zip(reduce_n(accm)) {
-            *o -= m;
-        }
-        out
-    }
-
     /// Unpacks a Q6_K super-block (210 bytes: 128 bytes of low nibbles, 64 of high bit pairs, 16 signed scales per
-    /// 16, f16 `d`; value `d · sc · (code − 32)`): the unsigned codes of values `64c .. 64c + 64` in `q[c]`, the 16
-    /// scales (i16), `d`. SAFETY (callers): AVX-512 F/BW/VNNI; `blk` holds 210 bytes.
+    /// 16, f16 `d`; value `d · sc · (code − 32)`): the unsigned codes of values `64c .. 64c + 64` in `q[c]`, and
+    /// `d`. SAFETY (callers): AVX-512 F/BW/VNNI; `blk` holds 210 bytes.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn q6_super(blk: &[u8]) -> ([__m512i; 4], __m256i, f32) {
+    unsafe fn q6_super(blk: &[u8]) -> ([__m512i; 4], f32) {
         debug_assert_eq!(blk.len(), 210);
         let m4 = _mm512_set1_epi8(0x0f);
         let three = _mm512_set1_epi8(3);
@@ -462,38 +316,7 @@ pub mod avx512 {
                 q[2 * h + s] = _mm512_or_si512(nib, _mm512_slli_epi16(hb, 4));
             }
         }
-        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192) as *const __m128i));
-        (q, sc16, h2f(p.add(208)))
-    }
-
-    /// Q6_K rows ([`q6_super`]).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn q6_k_n<const N: usize>(row: &[u8], x: [&X512; N]) -> [f32; N] {
-        let mut acc = [_mm512_setzero_ps(); N];
-        let mut unused = [_mm512_setzero_ps(); N];
-        // i16 lane k of a 64-value step covers values 2k, 2k + 1: scale (8h + 4s) + k / 8
-        let idx: [__m512i; 4] = std::array::from_fn(|g| {
-            let mut v = [0i16; 32];
-            for (k, e) in v.iter_mut().enumerate() {
-                *e = (4 * g + k / 8) as i16;
-            }
-            _mm512_loadu_si512(v.as_ptr() as *const __m512i)
-        });
-        for (b, blk) in row.chunks_exact(210).enumerate() {
-            let (q, sc16, d) = q6_super(blk);
-            let scz = _mm512_zextsi256_si512(sc16);
-            let mut sv = [_mm512_setzero_si512(); 4];
-            for (g, v) in sv.iter_mut().enumerate() {
-                *v = _mm512_permutexvar_epi16(idx[g], scz);
-            }
-            // the codes are value + 32: subtract 32 · Σ sc · (the 16-value sums)
-            let off = _mm256_slli_epi16(sc16, 5);
-            for ((a, u), xt) in acc.iter_mut().zip(unused.iter_mut()).zip(x) {
-                super_block(a, u, xt, b, &q, &sv, Some(off), None, d, 0.0);
-            }
-        }
-        reduce_n(acc)
+        (q, h2f(p.add(208)))
     }
 
     /// Unpacks a row of 32-value blocks (`bytes` each, f16 `d` first) for the GEMM ([`crate::quant::gemm512`]):
@@ -574,7 +397,7 @@ pub mod avx512 {
             }
             for j in 0..8 {
                 sc[8 * i + j] = k.sc[j] as i32;
-                mn[8 * i + j] = k.mn[2 * j] as i32;
+                mn[8 * i + j] = k.mn[j] as i32;
             }
             d[i] = k.d;
             dmin[i] = k.dmin;
@@ -620,7 +443,7 @@ pub mod avx512 {
         );
         let k32 = _mm512_set1_epi8(32);
         for (i, blk) in row.chunks_exact(210).enumerate() {
-            let (q, _, dd) = q6_super(blk);
+            let (q, dd) = q6_super(blk);
             for (c, q) in q.iter().enumerate() {
                 let v = _mm512_sub_epi8(*q, k32);
                 _mm512_storeu_si512(codes.as_mut_ptr().add(256 * i + 64 * c) as *mut __m512i, v);
@@ -636,28 +459,25 @@ pub mod avx512 {
 
     /// A format's one-token and four-token entry points over its generic kernel.
     macro_rules! entry {
-        ($($one:ident, $four:ident => $n:ident $(:: $k:literal)?, $q8k:literal, $what:literal);* $(;)?) => {$(
+        ($($one:ident, $four:ident => $n:ident, $what:literal);* $(;)?) => {$(
             #[doc = concat!("One ", $what, " row times one token.\n\n# Safety\nAs [`Dot512::one`].")]
             #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
             pub unsafe fn $one(row: &[u8], x: &X512) -> f32 {
-                $n::<1 $(, $k)?>(row, [x])[0]
+                $n::<1>(row, [x])[0]
             }
 
             #[doc = concat!("One ", $what, " row times four tokens (each the one-token kernel's bits).\n\n# Safety\n",
                 "As [`Dot512::four`].")]
             #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
             pub unsafe fn $four(row: &[u8], x: [&X512; 4]) -> [f32; 4] {
-                $n::<4 $(, $k)?>(row, x)
+                $n::<4>(row, x)
             }
         )*};
     }
 
     entry!(
-        dot_q5_0, dot_q5_0_t4 => q5_0_n, false, "Q5_0";
-        dot_q8_0, dot_q8_0_t4 => q8_0_n, false, "Q8_0";
-        dot_q4_k, dot_q4_k_t4 => q45_k_n::false, true, "Q4_K";
-        dot_q5_k, dot_q5_k_t4 => q45_k_n::true, true, "Q5_K";
-        dot_q6_k, dot_q6_k_t4 => q6_k_n, true, "Q6_K";
+        dot_q5_0, dot_q5_0_t4 => q5_0_n, "Q5_0";
+        dot_q8_0, dot_q8_0_t4 => q8_0_n, "Q8_0";
     );
 
     /// Q5_0's GEMM unpacking (ggml's 8-lane order).
@@ -672,36 +492,25 @@ pub mod avx512 {
     pub const Q6_K_GEMM: Gemm512 = Gemm512 { unpack: Unpack::SuperSimd(unpack_q6_k), group: 16, min: false };
 
     /// Q5_0's kernels.
-    pub const Q5_0: Dot512 = Dot512 { one: dot_q5_0, four: dot_q5_0_t4, rows4: Some(dot_q5_0_x4), q8k: false };
+    pub const Q5_0: Dot512 = Dot512 { one: dot_q5_0, four: dot_q5_0_t4, rows4: dot_q5_0_x4 };
     /// Q8_0's kernels.
-    pub const Q8_0: Dot512 = Dot512 { one: dot_q8_0, four: dot_q8_0_t4, rows4: Some(dot_q8_0_x4), q8k: false };
-    /// Q4_K's kernels.
-    pub const Q4_K: Dot512 = Dot512 { one: dot_q4_k, four: dot_q4_k_t4, rows4: None, q8k: true };
-    /// Q5_K's kernels.
-    pub const Q5_K: Dot512 = Dot512 { one: dot_q5_k, four: dot_q5_k_t4, rows4: None, q8k: true };
-    /// Q6_K's kernels.
-    pub const Q6_K: Dot512 = Dot512 { one: dot_q6_k, four: dot_q6_k_t4, rows4: None, q8k: true };
+    pub const Q8_0: Dot512 = Dot512 { one: dot_q8_0, four: dot_q8_0_t4, rows4: dot_q8_0_x4 };
 }
 
 #[cfg(test)]
 mod tests {
     use super::{supported, X512};
-    use crate::quant::dot_k::tests::{exact, next, row, values};
+    use crate::quant::dot_k::tests::{exact, row, values};
     use crate::quant::format::lookup;
-    use crate::quant::{quantize_q8, quantize_q8_k, BlockQ8, GgmlType};
+    use crate::quant::{quantize_q8, BlockQ8, GgmlType};
 
-    const TYPES: [GgmlType; 5] = [GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
+    const TYPES: [GgmlType; 2] = [GgmlType::Q5_0, GgmlType::Q8_0];
 
-    /// `n` activations ([`values`]) quantized as the format's products quantize them (Q8_K for the K-quants, Q8_0
-    /// otherwise).
-    fn acts(ty: GgmlType, n: usize, extreme: bool, seed: &mut u64) -> Vec<BlockQ8> {
+    /// `n` activations ([`values`]) quantized to Q8_0, as the 32-value formats' products quantize them.
+    fn acts(n: usize, extreme: bool, seed: &mut u64) -> Vec<BlockQ8> {
         let xs = values(n, extreme, seed);
         let mut x = vec![BlockQ8::default(); n / 32];
-        if ty.block_size() == 256 {
-            quantize_q8_k(&xs, &mut x);
-        } else {
-            quantize_q8(&xs, &mut x);
-        }
+        quantize_q8(&xs, &mut x);
         x
     }
 
@@ -721,14 +530,13 @@ mod tests {
                 for extreme in [false, true] {
                     let n = n_blocks * ty.block_size();
                     let r = row(ty, n_blocks, extreme, &mut seed);
-                    let xs: Vec<Vec<BlockQ8>> = (0..4).map(|_| acts(ty, n, extreme, &mut seed)).collect();
+                    let xs: Vec<Vec<BlockQ8>> = (0..4).map(|_| acts(n, extreme, &mut seed)).collect();
                     let mut lay: Vec<X512> = vec![X512::default(); 4];
                     for (l, x) in lay.iter_mut().zip(&xs) {
-                        l.prepare(x, k.q8k);
-                        assert!(!k.q8k || l.uniform(), "{ty:?}: Q8_K activations are uniform");
+                        l.prepare(x);
                     }
                     // SAFETY: AVX-512 F/BW/VNNI detected above; the row holds n_blocks blocks of the format for
-                    // every token's activations, Q8_K ones for the K-quants.
+                    // every token's activations.
                     let four = unsafe { (k.four)(&r, [&lay[0], &lay[1], &lay[2], &lay[3]]) };
                     for t in 0..4 {
                         let (want, mag) = exact(ty, &r, &xs[t]);
@@ -757,9 +565,9 @@ mod tests {
             for n_blocks in [1usize, 2, 3, 7, 20, 37] {
                 for extreme in [false, true] {
                     let r = row(ty, n_blocks, extreme, &mut seed);
-                    let x = acts(ty, n_blocks * 32, extreme, &mut seed);
+                    let x = acts(n_blocks * 32, extreme, &mut seed);
                     let mut l = X512::default();
-                    l.prepare(&x, false);
+                    l.prepare(&x);
                     // SAFETY: AVX-512 F/BW/VNNI (and so AVX2/FMA/F16C) detected; the row holds n_blocks blocks.
                     let (a, b) = unsafe { ((k.one)(&r, &l), (f.avx2)(&r, &x)) };
                     assert_eq!(a.to_bits(), b.to_bits(), "{ty:?} x{n_blocks} {extreme}: {a} vs avx2 {b}");
@@ -767,29 +575,10 @@ mod tests {
                     let others: Vec<Vec<u8>> = (0..3).map(|_| row(ty, n_blocks, extreme, &mut seed)).collect();
                     let rows4 = [&r[..], &others[0][..], &others[1][..], &others[2][..]];
                     // SAFETY: as above, for each row.
-                    let (four, ones) =
-                        unsafe { ((k.rows4.expect("a four-row kernel"))(rows4, &l), rows4.map(|rr| (k.one)(rr, &l))) };
+                    let (four, ones) = unsafe { ((k.rows4)(rows4, &l), rows4.map(|rr| (k.one)(rr, &l))) };
                     assert_eq!(four.map(f32::to_bits), ones.map(f32::to_bits), "{ty:?} x{n_blocks}: rows4");
                 }
             }
         }
-    }
-
-    /// The K-quant kernels refuse activations without one scale per super-block (Q8_0 blocks), and the dispatch
-    /// every product uses then falls back to the AVX2 kernels with the same result to rounding.
-    #[test]
-    fn k_quants_need_q8k_activations() {
-        let mut seed = 0x0bad_u64;
-        let ty = GgmlType::Q4_K;
-        let r = row(ty, 2, false, &mut seed);
-        let xs: Vec<f32> = (0..512).map(|_| (next(&mut seed) % 2001) as f32 / 500.0 - 2.0).collect();
-        let mut x = vec![BlockQ8::default(); 16];
-        quantize_q8(&xs, &mut x);
-        let mut l = X512::default();
-        l.prepare(&x, true);
-        assert!(!l.uniform());
-        let (want, mag) = exact(ty, &r, &x);
-        let got = crate::quant::dot_q8(ty, &r, &x) as f64;
-        assert!((got - want).abs() <= 2e-6 * mag, "{got} vs {want}");
     }
 }

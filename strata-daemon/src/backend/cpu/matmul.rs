@@ -645,10 +645,9 @@ fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize
             return;
         }
     }
-    if let Some(k) = crate::quant::k512(w.ty).filter(|_| q8 && simd) {
-        if rows_512(w, x, p, r0, r1, k) {
-            return;
-        }
+    if let Some(k) = crate::quant::k512(w.ty).filter(|_| q8 && simd && r1 - r0 >= ROWS_512) {
+        rows_512(w, x, p, r0, r1, k);
+        return;
     }
     // four tokens at a time where the format unpacks a row once for them (the same bits per token)
     let mut t0 = 0;
@@ -738,20 +737,20 @@ fn rows_gemm(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, g
     })
 }
 
+/// Rows from which a task lays its activations out for the AVX-512 row kernels ([`rows_512`]); smaller tasks (the
+/// hybrid GPU path's expert slices) take the AVX2 kernels, whose bits these kernels share.
+const ROWS_512: usize = 32;
+
 /// One product's rows through the AVX-512 kernels ([`crate::quant::dot512`]): each token's activations laid out once,
-/// four tokens per row pass while four remain, then one. Returns false (nothing written) where the kernels do not
-/// take the activations (a K-quant row without Q8_K activations), for the AVX2 path to serve.
-fn rows_512(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, k: K512) -> bool {
+/// four tokens per row pass while four remain, then one token four rows at a time.
+fn rows_512(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, k: K512) {
     X512S.with(|b| {
         let mut b = b.borrow_mut();
         if b.len() < x.t {
             b.resize_with(x.t, X512::default);
         }
         for (ti, bt) in b.iter_mut().enumerate().take(x.t) {
-            bt.prepare(x.qrow_for(w.ty, ti), k.q8k());
-            if !k.takes(bt) {
-                return false;
-            }
+            bt.prepare(x.qrow_for(w.ty, ti));
         }
         let put = |ti: usize, r: usize, v: f32| {
             // SAFETY: token ti < t and row r in r0..r1 inside the matrix, so ti * rows + r lies inside `out`
@@ -789,7 +788,6 @@ fn rows_512(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, k:
             }
             rt = re;
         }
-        true
     })
 }
 

@@ -26,7 +26,7 @@ pub const FORMAT: Format = Format {
         avx2_t4: Some(crate::quant::dot_k::avx2::dot_q5_k_t4),
         wide: false,
         #[cfg(target_arch = "x86_64")]
-        avx512: Some(crate::quant::dot512::avx512::Q5_K),
+        avx512: None,
         #[cfg(target_arch = "x86_64")]
         gemm512: Some(crate::quant::dot512::avx512::Q5_K_GEMM),
     }),

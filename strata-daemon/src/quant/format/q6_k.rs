@@ -27,7 +27,7 @@ pub const FORMAT: Format = Format {
         avx2_t4: Some(crate::quant::dot_k::avx2::dot_q6_k_t4),
         wide: false,
         #[cfg(target_arch = "x86_64")]
-        avx512: Some(crate::quant::dot512::avx512::Q6_K),
+        avx512: None,
         #[cfg(target_arch = "x86_64")]
         gemm512: Some(crate::quant::dot512::avx512::Q6_K_GEMM),
     }),
