@@ -1,6 +1,7 @@
 //! Activation quantization to 8-bit blocks and dot products of a weight row
-//! with quantized activations: scalar reference, AVX2/FMA/F16C and, for Q4_0 and Q4_1,
-//! AVX-512 VNNI ([`super::q4_wide`]), chosen once at run time.
+//! with quantized activations: scalar reference, AVX2/FMA/F16C and AVX-512 VNNI (Q4_0 and Q4_1 rows through
+//! [`super::q4_wide`]; the entry points [`k512`] and [`gemm512_of`] of [`super::dot512`] and [`super::gemm512`]),
+//! chosen once at run time.
 //!
 //! As in ggml, activations multiplied by Q8_0/Q4_0 rows are quantized to Q8_0
 //! (scale `d = amax/127` stored as f16) and by Q4_1 rows to Q8_1 (Q8_0 plus
@@ -34,9 +35,10 @@ pub enum SimdLevel {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
-    /// AVX2 as above, and the AVX-512 F/BW/VNNI/VBMI kernels: Q4_0 and Q4_1 rows through [`super::q4_wide`], Q5_0
-    /// and Q8_0 rows through [`super::dot512`], prefill products of the other block formats through
-    /// [`super::gemm512`].
+    /// AVX2 as above, and the AVX-512 F/BW/VNNI/VBMI kernels: Q4_0 and Q4_1 rows through [`super::q4_wide`];
+    /// Q5_0 and Q8_0 rows of products whose tasks hold 32+ rows through [`super::dot512`]; products of 8+ tokens
+    /// of the formats with a [`super::gemm512`] (Q5_0, Q8_0, the K-quants, IQ4_XS, the lattice IQs) through it. The
+    /// K- and IQ-quants' products of fewer tokens stay on the AVX2 kernels.
     Avx512,
 }
 
@@ -75,8 +77,6 @@ pub fn simd_level() -> SimdLevel {
 thread_local! {
     /// Activations rearranged for the wide Q4_0/Q4_1 kernel by [`dot_q8`] / [`dot_q8_x4`] (one row at a time).
     static QUADS: RefCell<Q8Quads> = RefCell::new(Q8Quads::default());
-    /// Activations laid out for the [`super::dot512`] kernels by [`dot_q8`] / [`dot_q8_x4`] (one call at a time).
-    static X512_ONE: RefCell<X512> = RefCell::new(X512::default());
 }
 
 /// A format's AVX-512 kernels on this CPU ([`k512`]): one row times one or four tokens' activations laid out by
@@ -89,14 +89,13 @@ pub struct K512 {
 }
 
 impl K512 {
-    /// `row` (`x.blocks() · 32` values of the format) times one token. Panics when the row's length disagrees or
-    /// [`K512::takes`] is false.
+    /// `row` (`x.blocks() · 32` values of the format) times one token. Panics when the row's length disagrees.
     #[inline]
     pub fn one(&self, row: &[u8], x: &X512) -> f32 {
         assert!(row.len() == self.ty.row_bytes(x.blocks() * 32), "dot512: row length");
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a K512 exists only where k512 found the AVX-512 level (F, BW, VNNI); the row holds x.blocks()
-        // blocks and the activations suit the kernel (asserted above).
+        // blocks of the format (asserted above).
         return unsafe { (self.k.one)(row, x) };
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!("no AVX-512 kernels off x86-64")
@@ -147,15 +146,6 @@ pub fn gemm512_of(ty: GgmlType) -> Option<super::gemm512::Gemm512> {
     }
     let _ = ty;
     None
-}
-
-/// Runs `f` on `x` laid out for the AVX-512 kernels (a per-thread buffer, filled by this call).
-fn with_x512<R>(x: &[BlockQ8], f: impl FnOnce(&X512) -> R) -> R {
-    X512_ONE.with(|b| {
-        let mut b = b.borrow_mut();
-        b.prepare(x);
-        f(&b)
-    })
 }
 
 /// Whether rows of `ty` go through the AVX-512 kernel ([`super::q4_wide`]): Q4_0 and Q4_1 at
@@ -273,9 +263,6 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     if k.wide && simd_level() == SimdLevel::Avx512 {
         return with_quads(x, |q| q.dot(ty, row));
     }
-    if let Some(k5) = k512(ty) {
-        return with_x512(x, |xl| k5.one(row, xl));
-    }
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {
         // SAFETY: simd_level() returned Avx2 or Avx512 only after detecting avx2, fma and f16c;
@@ -294,9 +281,6 @@ pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
     let k = q8_kernels(ty);
     if k.wide && simd_level() == SimdLevel::Avx512 {
         return with_quads(x, |q| q.dot_x4(ty, rows));
-    }
-    if let Some(k5) = k512(ty) {
-        return with_x512(x, |xl| k5.rows4(rows, xl));
     }
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {

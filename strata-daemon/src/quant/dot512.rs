@@ -9,7 +9,7 @@
 //! order, and summed as the AVX2 lane sum sums them: the AVX2 kernels' (and ggml's `ggml_vec_dot_q8_0_q8_0`) order,
 //! so every entry point gives their bits exactly.
 //!
-//! The K-quants' one-token products stay on the AVX2 kernels ([`super::dot_k`]): an AVX-512 version over activations
+//! The K-quants' one-token products stay on the AVX2 kernels (`quant::dot_k`): an AVX-512 version over activations
 //! laid out per task (stop 24) was faster on a 2-core VM's large tasks but slower in the GPU host's hybrid path,
 //! whose many small tasks paid the layout more often than they gained from it.
 
@@ -67,7 +67,9 @@ pub struct Dot512 {
     pub rows4: unsafe fn([&[u8]; 4], &X512) -> [f32; 4],
 }
 
-/// Whether this CPU runs the kernels: AVX-512 F, BW and VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later).
+/// Whether this CPU runs the kernels: AVX-512 F, BW and VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later). The
+/// dispatch ([`crate::quant::k512`], [`crate::quant::gemm512_of`]) also needs [`crate::quant::SimdLevel::Avx512`],
+/// which adds VBMI (the Q4_0/Q4_1 kernel's): Cascade Lake, with VNNI but no VBMI, stays on AVX2.
 #[cfg(target_arch = "x86_64")]
 pub fn supported() -> bool {
     is_x86_feature_detected!("avx512f")
@@ -112,6 +114,9 @@ pub mod avx512 {
         _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
     }
 
+    /// `R` rows of 32-value blocks times `N` tokens. SAFETY (callers): AVX-512 F/BW/VNNI present; every row holds
+    /// `x[0].blocks()` blocks of `bytes` bytes, every token as many; `codes(p, two)` reads only the block at `p`
+    /// (and the next one when `two`).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn blocks32_n<const R: usize, const N: usize>(
@@ -404,7 +409,7 @@ pub mod avx512 {
         }
     }
 
-    /// Unpacks a Q4_K row for the GEMM ([`unpack_q45_k`]).
+    /// Unpacks a Q4_K row for the GEMM (as `unpack_q45_k` describes).
     ///
     /// # Safety
     /// AVX-512 F/BW/VNNI present.
@@ -413,7 +418,7 @@ pub mod avx512 {
         unpack_q45_k::<false>(row, c, sc, mn, d, dm)
     }
 
-    /// Unpacks a Q5_K row for the GEMM ([`unpack_q45_k`]).
+    /// Unpacks a Q5_K row for the GEMM (as `unpack_q45_k` describes).
     ///
     /// # Safety
     /// AVX-512 F/BW/VNNI present.

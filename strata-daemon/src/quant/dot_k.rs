@@ -443,7 +443,7 @@ pub(super) mod tests {
         GgmlType::Q6_K,
     ];
 
-    pub(in crate::quant) fn next(seed: &mut u64) -> u64 {
+    fn next(seed: &mut u64) -> u64 {
         *seed ^= *seed << 13;
         *seed ^= *seed >> 7;
         *seed ^= *seed << 17;

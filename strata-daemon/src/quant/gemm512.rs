@@ -14,10 +14,14 @@
 //!   8 accumulators per token (word `k` of every block into accumulator `k`), each block's `d_w · d_x` applied by
 //!   one `fma`, and the 8 are summed as the AVX2 lane sum sums them — the AVX2 and one-token AVX-512 kernels' bits
 //!   exactly (ggml's `ggml_vec_dot_q8_0_q8_0` order).
-//! - **super-blocks of 256** (the K- and IQ-quants): per super-block and token, the groups' sums times their integer
-//!   scales are added as integers (and the minimums times the activations' per-group sums), then one `fma` applies
-//!   `d · d_x` (and one `dmin · d_x`), as ggml's `ggml_vec_dot_q*_K_q8_K` do per lane. These need Q8_K activations
-//!   (one `d_x` per super-block, [`XTile::uniform`]), as every product of such a row gets.
+//! - **super-blocks of 256** (the K-quants, IQ4_XS and the lattice IQs): per super-block and token, the groups' sums
+//!   times their integer scales are added as integers (and the minimums times the activations' per-group sums), then
+//!   one `fma` applies `d · d_x` (and one `dmin · d_x`), as ggml's `ggml_vec_dot_q*_K_q8_K` do per lane. These need
+//!   Q8_K activations (one `d_x` per super-block, [`XTile::uniform`]); the CPU matmul checks and otherwise leaves
+//!   the product to the row kernels.
+//!
+//! The kernels run only where [`super::dot512::supported`] holds: [`WRows::unpack`] and [`WRows::times`] check it
+//! (and panic otherwise), whoever built the [`Gemm512`].
 //!
 //! Each lane (token) adds its blocks in row order, so a token's result does not depend on the other tokens of its
 //! tile or on how rows are split among threads.
@@ -137,7 +141,8 @@ pub struct WRows {
     blocks32: bool,
     /// `rows × n` codes.
     codes: Vec<i8>,
-    /// `rows × n / group`: `−128 · Σ codes` per group (super-blocks) or per 4-value word (32-value blocks).
+    /// `−128 · Σ codes` per group (super-blocks: `rows × n / group`) or per 4-value word (32-value blocks:
+    /// `rows × n / 4`).
     neg: Vec<i32>,
     /// `rows × n / 32`: each block's scale (32-value blocks).
     a: Vec<f32>,
@@ -150,8 +155,11 @@ pub struct WRows {
 }
 
 impl WRows {
-    /// Unpacks `rows` (each `n` values of the format of `g`, `row_bytes` bytes). Panics when a length disagrees.
+    /// Unpacks `rows` (each `n` values of the format of `g`, `row_bytes` bytes). Panics when a length disagrees, the
+    /// group size is not 16 or 32, or the CPU lacks AVX-512 F/BW/VNNI.
     pub fn unpack(&mut self, g: &Gemm512, rows: &[&[u8]], n: usize, row_bytes: usize) {
+        assert!(super::dot512::supported(), "WRows: AVX-512 F/BW/VNNI kernels on a CPU without them");
+        assert!(g.group == 16 || g.group == 32, "WRows: groups of 16 or 32 values");
         let blocks32 = matches!(g.unpack, Unpack::Blocks32(_));
         assert!(n.is_multiple_of(if blocks32 { 32 } else { QK_K }), "WRows: whole blocks");
         assert!(!blocks32 || (g.group == 32 && !g.min), "WRows: 32-value blocks have one scale, no minimum");
@@ -178,9 +186,10 @@ impl WRows {
             assert_eq!(row.len(), row_bytes, "WRows: row length");
             let codes = &mut self.codes[r * n..(r + 1) * n];
             match g.unpack {
-                // SAFETY (the three arms): the registry gives these unpackers only to formats whose rows hold `n`
-                // values in `row_bytes` (asserted), and a Gemm512 is handed out only where the CPU has the AVX-512
-                // set; the slices have the lengths the unpackers take (one entry per block, group, super-block).
+                // SAFETY (the two arms): the CPU has AVX-512 F/BW/VNNI (asserted above); the registry gives these
+                // unpackers to formats whose rows hold `n` values in `row_bytes` bytes (the row length is asserted,
+                // and each unpacker asserts its row against its slices); the slices have the lengths the unpackers
+                // take (one entry per block, group, super-block).
                 Unpack::Blocks32(f) => unsafe { f(row, codes, &mut self.a[r * n / 32..(r + 1) * n / 32]) },
                 Unpack::SuperSimd(f) => unsafe {
                     f(
@@ -220,9 +229,10 @@ impl WRows {
     pub fn times(&self, x: &XTile, out: &mut [[f32; LANES]; 4]) {
         assert!(self.rows <= 4 && x.n == self.n, "WRows::times: at most 4 rows of the tile's length");
         assert!(self.blocks32 || x.uniform, "WRows::times: super-block formats need Q8_K activations");
+        assert!(super::dot512::supported(), "WRows: AVX-512 F/BW/VNNI kernels on a CPU without them");
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a WRows is filled only through a Gemm512, which the registry hands out where the CPU has AVX-512
-        // F/BW/VNNI; the lengths and activations agree (asserted above and in `unpack`/`prepare`).
+        // SAFETY: the CPU has AVX-512 F/BW/VNNI (asserted above); the rows were unpacked by `unpack` (group 16 or
+        // 32, lengths set for `n`), and the lengths and activations agree (asserted above and in `prepare`).
         unsafe {
             let mut r = 0;
             while r < self.rows {

@@ -248,8 +248,8 @@ pub fn gelu_tanh(x: f32) -> f32 {
 
 /// [`gelu_tanh`] as llama.cpp's CPU backend computes it (`GGML_GELU_FP16`): the input rounded to f16 and looked
 /// up in a table of f16 results, 0 at or below −10 and the identity at or above 10.
-/// The table is built once (65,536 f16 results, 128 KiB), as llama.cpp builds its own; the values are those of
-/// [`gelu_tanh_f16_direct`].
+/// The table is built once (65,536 f16 results, 128 KiB), as llama.cpp builds its own, from the direct
+/// computation (`gelu_tanh_f16_direct`).
 #[inline]
 pub fn gelu_tanh_f16(x: f32) -> f32 {
     static TABLE: std::sync::OnceLock<Box<[u16]>> = std::sync::OnceLock::new();
@@ -259,14 +259,16 @@ pub fn gelu_tanh_f16(x: f32) -> f32 {
         x
     } else {
         let t = TABLE.get_or_init(|| {
-            (0..=u16::MAX).map(|b| half::f16::from_f32(gelu_tanh(half::f16::from_bits(b).to_f32())).to_bits()).collect()
+            (0..=u16::MAX)
+                .map(|b| half::f16::from_f32(gelu_tanh_f16_direct(half::f16::from_bits(b).to_f32())).to_bits())
+                .collect()
         });
         half::f16::from_bits(t[half::f16::from_f32(x).to_bits() as usize]).to_f32()
     }
 }
 
-/// [`gelu_tanh_f16`] computed without the table (its reference).
-pub fn gelu_tanh_f16_direct(x: f32) -> f32 {
+/// [`gelu_tanh_f16`] computed without the table (the table's entries, and its test's reference).
+fn gelu_tanh_f16_direct(x: f32) -> f32 {
     if x <= -10.0 {
         0.0
     } else if x >= 10.0 {
@@ -738,7 +740,8 @@ fn rows_gemm(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, g
 }
 
 /// Rows from which a task lays its activations out for the AVX-512 row kernels ([`rows_512`]); smaller tasks (the
-/// hybrid GPU path's expert slices) take the AVX2 kernels, whose bits these kernels share.
+/// hybrid GPU path's expert slices) take the AVX2 kernels, whose bits these kernels share (and [`dot_q8`] /
+/// [`dot_q8_x4`], which other callers use, are the AVX2 kernels too).
 const ROWS_512: usize = 32;
 
 /// One product's rows through the AVX-512 kernels ([`crate::quant::dot512`]): each token's activations laid out once,

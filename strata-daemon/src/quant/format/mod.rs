@@ -3,8 +3,10 @@
 //! the activation format its products pair with, and the index and suffix of its CUDA kernels. The rest reads the
 //! table: which formats load (and the list named in errors), dequantization and the dot dispatch, the tools'
 //! `--type` parsers, the CUDA kernel ids and names. Adding a format = one module here and one row in
-//! [`REGISTRY`], plus its kernels where they live: the AVX2 ones in `quant::dot`, an AVX-512 one in
-//! [`super::q4_wide`] (which knows Q4_0 and Q4_1 only: [`Q8Dot::wide`] must stay false for others), the CUDA ones
+//! [`REGISTRY`], plus its kernels where they live: the AVX2 ones in `quant::dot` / `quant::dot_k`, the AVX-512
+//! ones in [`super::q4_wide`] (which knows Q4_0 and Q4_1 only: [`Q8Dot::wide`] must stay false for others),
+//! [`super::dot512`] ([`Q8Dot::avx512`]) and the prefill GEMM's unpacking ([`Q8Dot::gemm512`]: a
+//! [`super::gemm512::Unpack`] — a super-block format with a scalar `unpack` to `kquant::Unpacked` needs only that), the CUDA ones
 //! in `kernels/strata.cu` (a block format: its `FMT_*` index, `row_bytes`, `SUB_QK`/`SUB_BYTES`/`SUB_HALVES`/
 //! `SUB_MIN`, its cases of `sub_word` and `sub_scales`, and its `#ifdef STRATA_FMT_<suffix>` instantiation; then
 //! [`CudaFormat`] with `on_demand` and its [`Prefill`], and [`N_CUDA_FORMATS`]), and `synth-moe`'s random filler if
@@ -77,9 +79,9 @@ pub struct Q8Dot {
     pub avx2_t4: Option<unsafe fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4]>,
     /// Rows also go through the AVX-512 VNNI kernel ([`super::q4_wide`], Q4_0 and Q4_1 only) where the CPU has it.
     pub wide: bool,
-    /// AVX-512 F/BW/VNNI kernels over activations laid out once per token ([`super::dot512`]): where the CPU has
-    /// them ([`crate::quant::SimdLevel::Avx512`]) every product of the format goes through them instead of the AVX2
-    /// ones. `None`: the AVX2 kernels serve at that level too.
+    /// AVX-512 F/BW/VNNI row kernels over activations laid out once per token and task ([`super::dot512`],
+    /// bit-identical to the AVX2 ones): where the CPU has them ([`crate::quant::SimdLevel::Avx512`]) tasks of 32+
+    /// rows go through them (Q5_0, Q8_0). `None`: the AVX2 kernels serve at that level too.
     #[cfg(target_arch = "x86_64")]
     pub avx512: Option<super::dot512::Dot512>,
     /// The AVX-512 prefill product ([`super::gemm512`]: tokens in the vector lanes) — how the format's rows unpack
