@@ -125,6 +125,12 @@ pub struct Gemm512 {
 }
 
 impl Gemm512 {
+    /// A super-block format's GEMM through its scalar unpacker (`unpack`, `bytes` per super-block of 256): groups
+    /// of 16 values, minimums when `min` (Q2_K).
+    pub const fn scalar(unpack: fn(&[u8], &mut Unpacked), bytes: usize, min: bool) -> Gemm512 {
+        Gemm512 { unpack: Unpack::Super(unpack, bytes), group: 16, min }
+    }
+
     /// Whether the format's kernels need Q8_K activations ([`XTile::uniform`]): the super-block ones.
     pub fn needs_uniform(&self) -> bool {
         !matches!(self.unpack, Unpack::Blocks32(_))

@@ -34,11 +34,7 @@ pub const FORMAT: Format = Format {
         #[cfg(target_arch = "x86_64")]
         avx512: None,
         #[cfg(target_arch = "x86_64")]
-        gemm512: Some(crate::quant::gemm512::Gemm512 {
-            unpack: crate::quant::gemm512::Unpack::Super(|b, u| super::iq::unpack(&LATTICE, b, u), BYTES),
-            group: 16,
-            min: false,
-        }),
+        gemm512: Some(crate::quant::gemm512::Gemm512::scalar(|b, u| super::iq::unpack(&LATTICE, b, u), BYTES, false)),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 20, suffix: "iq3_s", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

@@ -30,11 +30,7 @@ pub const FORMAT: Format = Format {
         #[cfg(target_arch = "x86_64")]
         avx512: None,
         #[cfg(target_arch = "x86_64")]
-        gemm512: Some(crate::quant::gemm512::Gemm512 {
-            unpack: crate::quant::gemm512::Unpack::Super(unpack, BYTES),
-            group: 16,
-            min: false,
-        }),
+        gemm512: Some(crate::quant::gemm512::Gemm512::scalar(unpack, BYTES, false)),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 14, suffix: "iq4_xs", narrow: false, prefill: Prefill::Mmq, on_demand: true }),

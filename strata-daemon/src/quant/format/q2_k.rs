@@ -28,11 +28,7 @@ pub const FORMAT: Format = Format {
         #[cfg(target_arch = "x86_64")]
         avx512: None,
         #[cfg(target_arch = "x86_64")]
-        gemm512: Some(crate::quant::gemm512::Gemm512 {
-            unpack: crate::quant::gemm512::Unpack::Super(unpack, BYTES),
-            group: 16,
-            min: true,
-        }),
+        gemm512: Some(crate::quant::gemm512::Gemm512::scalar(unpack, BYTES, true)),
     }),
     f32_dot: None,
     cuda: Some(CudaFormat { index: 8, suffix: "q2_k", narrow: false, prefill: Prefill::Rows, on_demand: true }),
