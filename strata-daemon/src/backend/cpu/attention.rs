@@ -12,6 +12,9 @@ use crate::backend::kv::KvRows;
 use crate::pool::WorkerPool;
 use crate::quant::f16;
 
+#[cfg(target_arch = "x86_64")]
+use super::attention_x86 as x86;
+
 /// The shapes of one attention call.
 #[derive(Debug, Clone, Copy)]
 pub struct Heads {
@@ -57,6 +60,18 @@ pub fn attend(
     }
     let q = &*q;
     let group = nh / h.n_head_kv;
+    #[cfg(target_arch = "x86_64")]
+    let width = x86::Width::detect();
+    #[cfg(target_arch = "x86_64")]
+    if let (KvRows::F16(k), KvRows::F16(v), Some(w)) = (keys, values, width) {
+        if t * h.n_head_kv < 4 * pool.threads() && hd % 8 == 0 && hd <= x86::MAX_HD {
+            let rows = Rows { q, h, pos0, t, scale, window, sinks };
+            // SAFETY: `w` is what this CPU runs; keys and values are f16 rows holding pos0 + t positions of kvd
+            // values (the caller's contract), out holds t · qd values (asserted).
+            unsafe { attend_split(pool, w, &rows, k, v, out) };
+            return;
+        }
+    }
     // a task: one row's heads that share a K/V head (their K and V rows converted once), or one head where that
     // would leave the pool short of tasks (a decode row)
     let per = if t * h.n_head_kv >= 4 * pool.threads() { group } else { 1 };
@@ -74,11 +89,11 @@ pub fn attend(
         SCORES.with(|cell| {
             let mut sc = cell.borrow_mut();
             #[cfg(target_arch = "x86_64")]
-            if let (KvRows::F16(k), KvRows::F16(v)) = (keys, values) {
-                if hd % 8 == 0 && hd <= 256 && per <= 64 && crate::quant::simd_level().avx2() {
-                    // SAFETY: AVX2 and F16C were detected; the span's rows lie inside keys and values (they hold
+            if let (KvRows::F16(k), KvRows::F16(v), Some(w)) = (keys, values, width) {
+                if hd % 8 == 0 && hd <= x86::MAX_HD {
+                    // SAFETY: `width` is what this CPU runs; the span's rows lie inside keys and values (they hold
                     // pos0 + t positions of kvd values, kh * hd + hd <= kvd), qv and o hold `per` heads.
-                    unsafe { heads_f16_avx2(qv, k, v, span, scale, sinks.map(|s| &s[h0..h0 + per]), &mut sc, o) };
+                    unsafe { x86::heads_f16(w, qv, k, v, span, scale, sinks.map(|s| &s[h0..h0 + per]), &mut sc, o) };
                     return;
                 }
             }
@@ -91,30 +106,121 @@ pub fn attend(
     pool.run(t * nh / per, task);
 }
 
+/// One attention call's query rows and their parameters (see [`attend`]).
+#[cfg(target_arch = "x86_64")]
+struct Rows<'a> {
+    q: &'a [f32],
+    h: Heads,
+    pos0: usize,
+    t: usize,
+    scale: f32,
+    window: usize,
+    sinks: Option<&'a [f32]>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Rows<'_> {
+    /// Row `i`'s span over K/V head `kh`.
+    fn span(&self, i: usize, kh: usize) -> Span {
+        let hd = self.h.head_dim;
+        let n = self.pos0 + i + 1;
+        let first = if self.window > 0 { n.saturating_sub(self.window) } else { 0 };
+        Span { first, n, kvd: self.h.n_head_kv * hd, off: kh * hd, hd }
+    }
+}
+
+/// [`attend`] for few rows (decode): three passes over the pool, so that every K and V row is read once for the
+/// heads that share it while the pool still has tasks enough: the scores by (row, K/V head, block of
+/// positions), the softmax by (row, head), the products with V by (row, K/V head, block of 32 columns). The bits
+/// of one task per head ([`x86::heads_f16`]): each score and each output value is computed whole by one task.
+///
+/// # Safety
+/// The CPU runs `w`; `k` and `v` hold `pos0 + t` positions of `n_head_kv · hd` values, `hd % 8 == 0`,
+/// `hd <= MAX_HD`; `out` holds `t · n_head · hd` values.
+#[cfg(target_arch = "x86_64")]
+unsafe fn attend_split(pool: &WorkerPool, w: x86::Width, r: &Rows<'_>, k: &[u16], v: &[u16], out: &mut [f32]) {
+    let (nh, nkv, hd) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim);
+    let (group, qd, t) = (nh / nkv, nh * hd, r.t);
+    let lmax = r.pos0 + t;
+    let want = 4 * pool.threads();
+    // scores: row i, head h, span position j at sc[(i·nh + h)·lmax + j]
+    let mut sc = vec![0f32; t * nh * lmax];
+    let sc_ptr = SyncPtr(sc.as_mut_ptr());
+    let chunks = want.div_ceil(t * nkv);
+    let pc = lmax.div_ceil(chunks).next_multiple_of(64);
+    let chunks = lmax.div_ceil(pc);
+    pool.run(t * nkv * chunks, |idx| {
+        let (i, kh, c) = (idx / (nkv * chunks), idx / chunks % nkv, idx % chunks);
+        let sp = r.span(i, kh);
+        let len = sp.n - sp.first;
+        let js = (c * pc).min(len)..((c + 1) * pc).min(len);
+        let qv = &r.q[i * qd + kh * group * hd..i * qd + (kh + 1) * group * hd];
+        // row i's K/V head kh: heads kh·group .., their scores `len` apart from this offset
+        let base = (i * nh + kh * group) * lmax;
+        // SAFETY: the CPU runs w; hd as required; js inside 0..len, rows inside k (pos0 + t positions); the
+        // heads' scores g·len + j (j in js) lie inside their rows' lmax-long regions ((group - 1)·len + len <=
+        // group·lmax), written by this task only.
+        unsafe { x86::scores_f16(w, qv, k, sp, r.scale, js, { sc_ptr }.0.add(base)) };
+    });
+    pool.run(t * nh, |idx| {
+        let (i, hq) = (idx / nh, idx % nh);
+        let sp = r.span(i, hq / group);
+        let len = sp.n - sp.first;
+        let g = hq % group;
+        // SAFETY: (row i, head hq)'s len scores, at offset g·len of its K/V head's region (as written above);
+        // this task alone touches them.
+        let s = unsafe { std::slice::from_raw_parts_mut({ sc_ptr }.0.add((i * nh + hq - g) * lmax + g * len), len) };
+        let mx = s.iter().fold(f32::NEG_INFINITY, |m, &d| m.max(d));
+        softmax(s, mx, true, r.sinks.map(|s| s[hq]));
+    });
+    let blocks = hd.div_ceil(32);
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    let sc = &sc;
+    pool.run(t * nkv * blocks, |idx| {
+        let (i, kh, b) = (idx / (nkv * blocks), idx / blocks % nkv, idx % blocks);
+        let sp = r.span(i, kh);
+        let len = sp.n - sp.first;
+        let base = (i * nh + kh * group) * lmax;
+        let cols = 32 * b..(32 * b + 32).min(hd);
+        // SAFETY: the CPU runs w; cols inside 0..hd on multiples of 8 (hd % 8 == 0); the span's rows inside v;
+        // this task alone writes columns `cols` of row i's heads kh·group .. (kh + 1)·group.
+        unsafe {
+            x86::values_f16(
+                w,
+                &sc[base..base + group * len],
+                v,
+                sp,
+                cols,
+                { out_ptr }.0.add((i * nh + kh * group) * hd),
+            )
+        };
+    });
+}
+
 /// The positions a query row attends to and where its K/V head's values sit in a position's row.
 #[derive(Debug, Clone, Copy)]
-struct Span {
+pub(super) struct Span {
     /// First attended position.
-    first: usize,
+    pub(super) first: usize,
     /// One past the last.
-    n: usize,
+    pub(super) n: usize,
     /// Values per position.
-    kvd: usize,
+    pub(super) kvd: usize,
     /// The head's first value in a position's row.
-    off: usize,
+    pub(super) off: usize,
     /// Values per head.
-    hd: usize,
+    pub(super) hd: usize,
 }
 
 impl Span {
-    fn row(&self, p: usize) -> std::ops::Range<usize> {
+    pub(super) fn row(&self, p: usize) -> std::ops::Range<usize> {
         p * self.kvd + self.off..p * self.kvd + self.off + self.hd
     }
 }
 
 /// Softmax of `sc` in place: each score minus the largest (`mx`, or the sink when that is larger),
 /// exponentiated, divided by their sum (plus the sink's exponential), rounded to f16 when `r16`.
-fn softmax(sc: &mut [f32], mx: f32, r16: bool, sink: Option<f32>) {
+pub(super) fn softmax(sc: &mut [f32], mx: f32, r16: bool, sink: Option<f32>) {
     let mx = sink.map_or(mx, |s| mx.max(s));
     let mut sum = 0f32;
     for s in sc.iter_mut() {
@@ -170,102 +276,32 @@ fn head(
     }
 }
 
-/// `qv.len() / hd` heads sharing one K/V head over f16 rows (AVX2 + F16C; `sinks`: theirs, one per head): each
-/// position's K and V rows are converted once for all of them. The same bits as [`head`]: each score is [`f16::dot`]'s sum (eight lanes of
-/// products added in position order, reduced in `dot_f32`'s order), each output value the same sequence of
-/// multiplies and adds.
-///
-/// # Safety
-/// AVX2 and F16C must be available; `sp.hd % 8 == 0`, `sp.hd <= 256`, at most 64 heads; every row of the span lies inside `k` and
-/// `v`; `o.len() == qv.len()`, a multiple of `sp.hd`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn heads_f16_avx2(
-    qv: &[f32],
-    k: &[u16],
-    v: &[u16],
-    sp: Span,
-    scale: f32,
-    sinks: Option<&[f32]>,
-    sc: &mut Vec<f32>,
-    o: &mut [f32],
-) {
-    use std::arch::x86_64::*;
-    let (hd, per) = (sp.hd, qv.len() / sp.hd);
-    let (c8, len) = (hd / 8, sp.n - sp.first);
-    let mut row = [_mm256_setzero_ps(); 32];
-    sc.clear();
-    sc.resize(per * len, 0.0);
-    let mut mx = [f32::NEG_INFINITY; 64];
-    for (j, p) in (sp.first..sp.n).enumerate() {
-        load_row(&k[sp.row(p)], &mut row[..c8]);
-        for g in 0..per {
-            let mut acc = _mm256_setzero_ps();
-            for (c, r) in row.iter().enumerate().take(c8) {
-                // SAFETY: (g * hd + 8c) + 8 <= per * hd = qv.len().
-                let x = unsafe { _mm256_loadu_ps(qv.as_ptr().add(g * hd + 8 * c)) };
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(x, *r));
-            }
-            let mut l = [0f32; 8];
-            // SAFETY: eight lanes into eight floats.
-            unsafe { _mm256_storeu_ps(l.as_mut_ptr(), acc) };
-            let d = f16::reduce8(&l) * scale;
-            mx[g] = mx[g].max(d);
-            sc[g * len + j] = d;
-        }
-    }
-    for g in 0..per {
-        softmax(&mut sc[g * len..(g + 1) * len], mx[g], true, sinks.map(|s| s[g]));
-    }
-    o.fill(0.0);
-    for (j, p) in (sp.first..sp.n).enumerate() {
-        load_row(&v[sp.row(p)], &mut row[..c8]);
-        for g in 0..per {
-            let w = _mm256_set1_ps(sc[g * len + j]);
-            for (c, r) in row.iter().enumerate().take(c8) {
-                // SAFETY: (g * hd + 8c) + 8 <= o.len().
-                unsafe {
-                    let ptr = o.as_mut_ptr().add(g * hd + 8 * c);
-                    _mm256_storeu_ps(ptr, _mm256_add_ps(_mm256_loadu_ps(ptr), _mm256_mul_ps(w, *r)));
-                }
-            }
-        }
-    }
-}
-
-/// `out.len()` vectors of eight f32 from the f16 row `r` (`8 · out.len()` values).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-fn load_row(r: &[u16], out: &mut [std::arch::x86_64::__m256]) {
-    use std::arch::x86_64::*;
-    assert!(r.len() >= 8 * out.len(), "f16 row length");
-    for (c, o) in out.iter_mut().enumerate() {
-        // SAFETY: 8c + 8 <= r.len() (asserted).
-        *o = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(r.as_ptr().add(8 * c) as *const __m128i)) };
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The AVX2 path (several heads per K/V head, rows converted once) gives the bits of the per-head path, with
-    /// and without a sliding window.
+    /// The x86 kernels (several heads per K/V head, rows converted once, eight positions per score block; AVX2
+    /// and, where the CPU has it, AVX-512) give the bits of the per-head path, with and without a sliding window,
+    /// for spans not a multiple of the blocks and heads not a multiple of the widest registers.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn grouped_heads_match_one_head_at_a_time() {
-        if !crate::quant::simd_level().avx2() {
-            return;
-        }
+        let Some(best) = x86::Width::detect() else { return };
+        let widths = if best == x86::Width::Avx512 { vec![x86::Width::Avx2, best] } else { vec![best] };
         let mut s = 7u32;
         let mut r = || {
             s = s.wrapping_mul(1664525).wrapping_add(1013904223);
             (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
         };
-        for (hd, per, nkv, n, first) in
-            [(64usize, 3usize, 3usize, 300usize, 0usize), (128, 4, 2, 57, 20), (8, 1, 1, 9, 0)]
-        {
+        let shapes = [
+            (64usize, 3usize, 3usize, 300usize, 0usize),
+            (128, 4, 2, 57, 20),
+            (8, 1, 1, 9, 0),
+            (80, 2, 1, 150, 3),
+            (256, 2, 1, 40, 0),
+            (64, 1, 1, 1, 0),
+        ];
+        for (w, (hd, per, nkv, n, first)) in widths.iter().flat_map(|&w| shapes.iter().map(move |&s| (w, s))) {
             let kvd = nkv * hd;
             let raw: Vec<f32> = (0..2 * n * kvd).map(|_| r()).collect();
             let mut kv = vec![0u16; 2 * n * kvd];
@@ -278,8 +314,8 @@ mod tests {
             let sinks = (first > 0 || hd == 8).then(|| (0..per).map(|g| g as f32 * 3.0 - 1.0).collect::<Vec<f32>>());
             let (mut fast, mut slow) = (vec![f32::NAN; per * hd], vec![f32::NAN; per * hd]);
             let mut sc = Vec::new();
-            // SAFETY: AVX2 and F16C detected above; the span's rows lie inside k and v; shapes as documented.
-            unsafe { heads_f16_avx2(&qv, k, v, sp, 0.125, sinks.as_deref(), &mut sc, &mut fast) };
+            // SAFETY: the width was detected on this CPU; the span's rows lie inside k and v; shapes as documented.
+            unsafe { x86::heads_f16(w, &qv, k, v, sp, 0.125, sinks.as_deref(), &mut sc, &mut fast) };
             for g in 0..per {
                 let q = &qv[g * hd..(g + 1) * hd];
                 let sink = sinks.as_ref().map(|s| s[g]);
@@ -295,7 +331,66 @@ mod tests {
                     &mut slow[g * hd..(g + 1) * hd],
                 );
             }
-            assert!(fast.iter().zip(&slow).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd}, {per} heads");
+            let wide = w == x86::Width::Avx512;
+            assert!(fast.iter().zip(&slow).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd}, {per} heads, {wide}");
+        }
+    }
+
+    /// A few rows (decode: the three-pass split over the pool) give the bits of the per-head path, with and
+    /// without a sliding window and sinks, for grouped and ungrouped heads and spans not a multiple of a block.
+    #[test]
+    fn decode_rows_match_one_head_at_a_time() {
+        let pool = WorkerPool::new(2).expect("pool");
+        let mut s = 11u32;
+        let mut r = || {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+        };
+        for (nh, nkv, hd, pos0, t, window, sinks) in [
+            (9usize, 3usize, 64usize, 700usize, 1usize, 0usize, false),
+            (4, 1, 256, 133, 2, 50, true),
+            (8, 8, 40, 5, 1, 0, true),
+            (6, 2, 72, 0, 1, 0, false),
+        ] {
+            let (qd, kvd, n) = (nh * hd, nkv * hd, pos0 + t);
+            let raw: Vec<f32> = (0..2 * n * kvd).map(|_| r()).collect();
+            let mut kv = vec![0u16; 2 * n * kvd];
+            f16::from_f32_slice(&raw, &mut kv);
+            let (k, v) = kv.split_at(n * kvd);
+            let mut q: Vec<f32> = (0..t * qd).map(|_| r()).collect();
+            let sink: Option<Vec<f32>> = sinks.then(|| (0..nh).map(|_| r() * 4.0).collect());
+            let h = Heads { n_head: nh, n_head_kv: nkv, head_dim: hd };
+            let mut got = vec![f32::NAN; t * qd];
+            let mut qr = q.clone();
+            attend(
+                &pool,
+                &mut qr,
+                KvRows::F16(k),
+                KvRows::F16(v),
+                h,
+                (pos0, t),
+                0.125,
+                window,
+                sink.as_deref(),
+                &mut got,
+            );
+            f16::round_slice(&mut q);
+            let mut want = vec![f32::NAN; t * qd];
+            let mut sc = Vec::new();
+            for i in 0..t {
+                for hq in 0..nh {
+                    let nn = pos0 + i + 1;
+                    let first = if window > 0 { nn.saturating_sub(window) } else { 0 };
+                    let sp = Span { first, n: nn, kvd, off: hq / (nh / nkv) * hd, hd };
+                    let (lo, hi) = (i * qd + hq * hd, i * qd + (hq + 1) * hd);
+                    let sk = sink.as_ref().map(|s| s[hq]);
+                    head(&q[lo..hi], KvRows::F16(k), KvRows::F16(v), sp, 0.125, true, sk, &mut sc, &mut want[lo..hi]);
+                }
+            }
+            assert!(
+                got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{nh} heads / {nkv}, hd {hd}, t {t}"
+            );
         }
     }
 

@@ -4,6 +4,8 @@
 //! blocks for the integer dot products ([`Precision`]).
 
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+mod attention_x86;
 pub mod experts;
 pub mod math;
 pub mod matmul;
