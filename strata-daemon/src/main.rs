@@ -51,6 +51,10 @@ struct Args {
     /// Context length in tokens (KV cache positions); capped at the model's training context.
     #[arg(long, default_value_t = 4096)]
     ctx: usize,
+    /// How the KV cache stores keys and values: f16 (llama.cpp's default) or q8_0 (ggml Q8_0 blocks, 53% of the
+    /// bytes; the CPU backend only so far; the head dimension must be a multiple of 32)
+    #[arg(long, default_value = "f16", value_name = "f16|q8_0")]
+    kv_type: strata::backend::KvType,
     /// CPU worker threads [default: physical cores]
     #[arg(long)]
     threads: Option<usize>,
@@ -237,6 +241,7 @@ fn run() -> Result<()> {
         Arc::new(GgufFile::open(&model_path).with_context(|| format!("loading model {}", model_path.display()))?);
     let mut model = Model::load(file.clone()).with_context(|| format!("loading model {}", model_path.display()))?;
     model.set_threads(threads)?;
+    model.set_kv_type(args.kv_type)?;
     // a layer split that cannot fit the model is refused before anything is loaded (the devices are checked when
     // the GPU is found)
     strata::tiers::split::check_flags(args.layer_split.as_ref(), &args.split_device, model.cfg.n_layer)?;
@@ -317,6 +322,7 @@ fn run() -> Result<()> {
         layers = model.cfg.n_layer,
         experts = model.cfg.n_expert,
         n_ctx,
+        kv_type = model.kv_type().name(),
         threads,
         simd = ?strata::quant::simd_level(),
         load_ms = t0.elapsed().as_millis() as u64,

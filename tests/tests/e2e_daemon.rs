@@ -232,3 +232,28 @@ fn stale_socket_replaced_live_socket_refused() {
     assert_eq!(std::fs::read(&f).unwrap(), b"keep me");
     std::fs::remove_file(&f).unwrap();
 }
+
+/// `--kv-type q8_0` serves (the answer of the f16 cache on a short greedy prompt) and logs its cache type; an unknown
+/// type is refused before the model loads, in one line naming the accepted ones.
+#[test]
+fn kv_type_q8_0_serves_and_an_unknown_type_is_refused() {
+    let d = Daemon::start(&["--kv-type", "q8_0"]);
+    let o = d.ctl(&["generate", "--max-tokens", "8", "The capital of France is"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with(" Paris"), "got {:?}", stdout(&o));
+    d.signal(Signal::SIGTERM);
+    let (_, log) = d.wait(Duration::from_secs(10));
+    assert!(log.contains("kv_type=\"q8_0\""), "{log}");
+    let sock = temp_path(".sock");
+    let o = run_daemon(&[
+        "--model",
+        model_path().to_str().unwrap(),
+        "--socket",
+        sock.to_str().unwrap(),
+        "--kv-type",
+        "q4_0",
+    ]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("unknown KV cache type \"q4_0\" (f16 or q8_0)"), "{e}");
+}

@@ -32,7 +32,7 @@ use crate::tiers::store::ExpertStore;
 use crate::tiers::vram::CacheSize;
 
 pub use cpu::{CpuBackend, Precision};
-pub use kv::KvCache;
+pub use kv::{KvCache, KvType};
 pub use scratch::{RouteRecord, Scratch};
 
 /// Which logits a forward pass returns.
@@ -88,6 +88,8 @@ pub struct ModelRef<'a> {
     pub pool: &'a WorkerPool,
     /// Arithmetic of the CPU's matrix products.
     pub precision: Precision,
+    /// How the KV cache stores rows (`--kv-type`; f32 rows regardless under [`Precision::F32`]).
+    pub kv_type: KvType,
     /// The expert store of an MoE model; `None` computes experts from the mapping.
     pub experts: Option<&'a Arc<ExpertStore>>,
 }
@@ -314,6 +316,13 @@ pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backen
             Err(e) => return Ok((None, format!("{e}: running on the CPU"))),
         };
         let d = probe.device.clone();
+        if m.kv_type != KvType::F16 {
+            return Err(format!(
+                "--kv-type {}: the CUDA backend keeps an f16 KV cache so far (use --kv-type f16, or --gpu off to \
+                 run on the CPU)",
+                m.kv_type.name()
+            ));
+        }
         let (free, total) = d.mem_info().map_err(|e| e.to_string())?;
         let cfg = cuda::GpuConfig {
             cache: o.cache,

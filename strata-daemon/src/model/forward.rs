@@ -17,7 +17,7 @@ use std::sync::Arc;
 use crate::arch::config::{ModelConfig, ModelError};
 use crate::arch::weights::Weights;
 use crate::arch::FfnKind;
-use crate::backend::{Backend, BackendError, CpuBackend, GpuOptions, KvCache, ModelRef, Norm, Ops, Precision};
+use crate::backend::{Backend, BackendError, CpuBackend, GpuOptions, KvCache, KvType, ModelRef, Norm, Ops, Precision};
 use crate::gguf::GgufFile;
 use crate::pool::WorkerPool;
 use crate::quant::GgmlType;
@@ -35,6 +35,8 @@ pub struct Model {
     pub weights: Weights,
     /// Arithmetic of the CPU's matrix products (default: 8-bit activations as llama.cpp).
     pub precision: Precision,
+    /// How new KV caches store rows (default f16; set through [`Model::set_kv_type`]).
+    kv_type: KvType,
     /// CPU worker pool of the forward pass (default: one thread per physical core).
     pub pool: Arc<WorkerPool>,
     /// The backend that runs the forward passes ([`CpuBackend`] until [`Model::attach_gpu`] finds a GPU).
@@ -61,10 +63,30 @@ impl Model {
             cfg,
             weights,
             precision: Precision::default(),
+            kv_type: KvType::default(),
             pool,
             backend: Box::new(CpuBackend),
             experts: None,
         })
+    }
+
+    /// Chooses how new KV caches store rows (`--kv-type`); set it before [`Model::attach_gpu`]. Errors: Q8_0
+    /// rows for a head dimension that is not a multiple of 32 (a block would span two heads).
+    pub fn set_kv_type(&mut self, ty: KvType) -> Result<(), ModelError> {
+        if !ty.fits(self.cfg.head_dim) {
+            return Err(ModelError::BadHyperParameter(format!(
+                "--kv-type {}: the head dimension {} is not a multiple of 32",
+                ty.name(),
+                self.cfg.head_dim
+            )));
+        }
+        self.kv_type = ty;
+        Ok(())
+    }
+
+    /// How new KV caches store rows.
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
     }
 
     /// Replaces the worker pool with one of `threads` threads (≥ 1).
@@ -108,6 +130,7 @@ impl Model {
             bytes: self.file.bytes(),
             pool: &self.pool,
             precision: self.precision,
+            kv_type: self.kv_type,
             experts: self.experts.as_ref(),
         }
     }

@@ -10,7 +10,7 @@ use super::math::dot_f32;
 use super::matmul::SyncPtr;
 use crate::backend::kv::KvRows;
 use crate::pool::WorkerPool;
-use crate::quant::f16;
+use crate::quant::{self, f16, f16_to_f32, BlockQ8, GgmlType};
 
 #[cfg(target_arch = "x86_64")]
 use super::attention_x86 as x86;
@@ -55,6 +55,11 @@ pub fn attend(
     let (qd, kvd) = (nh * hd, h.n_head_kv * hd);
     let r16 = matches!(keys, KvRows::F16(_));
     assert!(q.len() >= t * qd && out.len() >= t * qd, "attention buffers");
+    if let (KvRows::Q8_0(k), KvRows::Q8_0(v)) = (keys, values) {
+        let call = Call { h, pos0, t, scale, window, sinks };
+        attend_q8_0(pool, &q[..t * qd], k, v, &call, &mut out[..t * qd]);
+        return;
+    }
     if r16 {
         f16::round_slice(&mut q[..t * qd]);
     }
@@ -65,10 +70,10 @@ pub fn attend(
     #[cfg(target_arch = "x86_64")]
     if let (KvRows::F16(k), KvRows::F16(v), Some(w)) = (keys, values, width) {
         if t * h.n_head_kv < 4 * pool.threads() && hd % 8 == 0 && hd <= x86::MAX_HD {
-            let rows = Rows { q, h, pos0, t, scale, window, sinks };
+            let call = Call { h, pos0, t, scale, window, sinks };
             // SAFETY: `w` is what this CPU runs; keys and values are f16 rows holding pos0 + t positions of kvd
             // values (the caller's contract), out holds t · qd values (asserted).
-            unsafe { attend_split(pool, w, &rows, k, v, out) };
+            unsafe { attend_split(pool, w, &call, q, k, v, out) };
             return;
         }
     }
@@ -106,10 +111,8 @@ pub fn attend(
     pool.run(t * nh / per, task);
 }
 
-/// One attention call's query rows and their parameters (see [`attend`]).
-#[cfg(target_arch = "x86_64")]
-struct Rows<'a> {
-    q: &'a [f32],
+/// One attention call's shapes and parameters (see [`attend`]).
+struct Call<'a> {
     h: Heads,
     pos0: usize,
     t: usize,
@@ -118,8 +121,7 @@ struct Rows<'a> {
     sinks: Option<&'a [f32]>,
 }
 
-#[cfg(target_arch = "x86_64")]
-impl Rows<'_> {
+impl Call<'_> {
     /// Row `i`'s span over K/V head `kh`.
     fn span(&self, i: usize, kh: usize) -> Span {
         let hd = self.h.head_dim;
@@ -138,7 +140,15 @@ impl Rows<'_> {
 /// The CPU runs `w`; `k` and `v` hold `pos0 + t` positions of `n_head_kv · hd` values, `hd % 8 == 0`,
 /// `hd <= MAX_HD`; `out` holds `t · n_head · hd` values.
 #[cfg(target_arch = "x86_64")]
-unsafe fn attend_split(pool: &WorkerPool, w: x86::Width, r: &Rows<'_>, k: &[u16], v: &[u16], out: &mut [f32]) {
+unsafe fn attend_split(
+    pool: &WorkerPool,
+    w: x86::Width,
+    r: &Call<'_>,
+    q: &[f32],
+    k: &[u16],
+    v: &[u16],
+    out: &mut [f32],
+) {
     let (nh, nkv, hd) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim);
     let (group, qd, t) = (nh / nkv, nh * hd, r.t);
     let lmax = r.pos0 + t;
@@ -154,7 +164,7 @@ unsafe fn attend_split(pool: &WorkerPool, w: x86::Width, r: &Rows<'_>, k: &[u16]
         let sp = r.span(i, kh);
         let len = sp.n - sp.first;
         let js = (c * pc).min(len)..((c + 1) * pc).min(len);
-        let qv = &r.q[i * qd + kh * group * hd..i * qd + (kh + 1) * group * hd];
+        let qv = &q[i * qd + kh * group * hd..i * qd + (kh + 1) * group * hd];
         // row i's K/V head kh: heads kh·group .., their scores `len` apart from this offset
         let base = (i * nh + kh * group) * lmax;
         // SAFETY: the CPU runs w; hd as required; js inside 0..len, rows inside k (pos0 + t positions); the
@@ -195,6 +205,73 @@ unsafe fn attend_split(pool: &WorkerPool, w: x86::Width, r: &Rows<'_>, k: &[u16]
             )
         };
     });
+}
+
+/// [`attend`] over Q8_0 K/V rows, as llama.cpp's flash attention over a Q8_0 cache computes it: the query
+/// quantized to Q8_0 (per 32 values), each score the Q8_0 × Q8_0 product of a K row and the query times `scale`,
+/// the softmax in f32 (probabilities not rounded), the V rows dequantized to f32 for the weighted sum. One task
+/// per row and query head (the rows are read per head).
+fn attend_q8_0(pool: &WorkerPool, q: &[f32], k: &[u8], v: &[u8], r: &Call<'_>, out: &mut [f32]) {
+    let (nh, nkv, hd) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim);
+    assert!(hd % 32 == 0, "Q8_0 KV rows: a head dimension that is a multiple of 32");
+    let (group, rb, hb) = (nh / nkv, GgmlType::Q8_0.row_bytes(nkv * hd), GgmlType::Q8_0.row_bytes(hd));
+    let mut qb = vec![BlockQ8::default(); q.len() / 32];
+    quant::quantize_q8(q, &mut qb);
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    let width = x86::Width::detect();
+    pool.run(r.t * nh, |idx| {
+        let (i, hq) = (idx / nh, idx % nh);
+        let kh = hq / group;
+        let Span { first, n, .. } = r.span(i, kh);
+        let xq = &qb[(i * nh + hq) * hd / 32..(i * nh + hq + 1) * hd / 32];
+        let row = |p: usize| p * rb + kh * hb..p * rb + (kh + 1) * hb;
+        // SAFETY: task idx writes only out[idx·hd .. (idx + 1)·hd] (row i, head hq), inside `out` (t · nh · hd
+        // values); tasks are disjoint and `out` outlives `run`.
+        let o = unsafe { std::slice::from_raw_parts_mut({ out_ptr }.0.add(idx * hd), hd) };
+        SCORES.with(|cell| {
+            let mut sc = cell.borrow_mut();
+            sc.clear();
+            let mut p = first;
+            while p + 4 <= n {
+                let rows = [&k[row(p)], &k[row(p + 1)], &k[row(p + 2)], &k[row(p + 3)]];
+                sc.extend(quant::dot_q8_x4(GgmlType::Q8_0, rows, xq).map(|d| d * r.scale));
+                p += 4;
+            }
+            for p in p..n {
+                sc.push(quant::dot_q8(GgmlType::Q8_0, &k[row(p)], xq) * r.scale);
+            }
+            let mx = sc.iter().fold(f32::NEG_INFINITY, |m, &d| m.max(d));
+            softmax(&mut sc, mx, false, r.sinks.map(|s| s[hq]));
+            o.fill(0.0);
+            #[cfg(target_arch = "x86_64")]
+            if let Some(w) = width {
+                // SAFETY: `w` is what this CPU runs; hd % 32 == 0 (asserted); every span row's head bytes
+                // (row(p).start + hb) lie inside v (pos0 + t positions of rb bytes).
+                unsafe { x86::values_q8_0(w, &sc, v, |j| row(first + j).start, o) };
+                return;
+            }
+            values_q8_0(&sc, v, |j| row(first + j).start, o);
+        });
+    });
+}
+
+/// `o[x] += Σ_j wts[j] · V_j[x]` over Q8_0 rows (row `j`'s `o.len() / 32` blocks from byte `row(j)` of `v`), each
+/// value `q · d` as the Q8_0 dequantizer gives it, added in position order (the portable path; the x86 kernels
+/// give its bits).
+fn values_q8_0(wts: &[f32], v: &[u8], row: impl Fn(usize) -> usize, o: &mut [f32]) {
+    let mut vrow = [0f32; 32];
+    for (j, &w) in wts.iter().enumerate() {
+        for (c, blk) in v[row(j)..row(j) + o.len() / 32 * 34].chunks_exact(34).enumerate() {
+            let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]]));
+            for (x, &b) in vrow.iter_mut().zip(&blk[2..]) {
+                *x = (b as i8) as f32 * d;
+            }
+            for (y, x) in o[c * 32..(c + 1) * 32].iter_mut().zip(&vrow) {
+                *y += w * x;
+            }
+        }
+    }
 }
 
 /// The positions a query row attends to and where its K/V head's values sit in a position's row.
@@ -258,6 +335,7 @@ fn head(
         let d = match keys {
             KvRows::F16(k) => f16::dot(qv, &k[sp.row(p)]),
             KvRows::F32(k) => dot_f32(qv, &k[sp.row(p)]),
+            KvRows::Q8_0(_) => unreachable!("Q8_0 rows run through attend_q8_0"),
         } * scale;
         mx = mx.max(d);
         sc.push(d);
@@ -272,6 +350,7 @@ fn head(
                     *x += w * y;
                 }
             }
+            KvRows::Q8_0(_) => unreachable!("Q8_0 rows run through attend_q8_0"),
         }
     }
 }
@@ -279,6 +358,14 @@ fn head(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Values uniform in [-1, 1) from a linear congruential sequence seeded with `seed`.
+    fn uniform(mut s: u32) -> impl FnMut() -> f32 {
+        move || {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+        }
+    }
 
     /// The x86 kernels (several heads per K/V head, rows converted once, eight positions per score block; AVX2
     /// and, where the CPU has it, AVX-512) give the bits of the per-head path, with and without a sliding window,
@@ -288,11 +375,7 @@ mod tests {
     fn grouped_heads_match_one_head_at_a_time() {
         let Some(best) = x86::Width::detect() else { return };
         let widths = if best == x86::Width::Avx512 { vec![x86::Width::Avx2, best] } else { vec![best] };
-        let mut s = 7u32;
-        let mut r = || {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut r = uniform(7);
         let shapes = [
             (64usize, 3usize, 3usize, 300usize, 0usize),
             (128, 4, 2, 57, 20),
@@ -341,11 +424,7 @@ mod tests {
     #[test]
     fn decode_rows_match_one_head_at_a_time() {
         let pool = WorkerPool::new(2).expect("pool");
-        let mut s = 11u32;
-        let mut r = || {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut r = uniform(11);
         for (nh, nkv, hd, pos0, t, window, sinks) in [
             (9usize, 3usize, 64usize, 700usize, 1usize, 0usize, false),
             (4, 1, 256, 133, 2, 50, true),
@@ -391,6 +470,79 @@ mod tests {
                 got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{nh} heads / {nkv}, hd {hd}, t {t}"
             );
+        }
+    }
+
+    /// Attention over a Q8_0 cache is its definition: the query quantized to Q8_0, scores from the dequantized
+    /// K rows, an f32 softmax (with a sink), the dequantized V rows weighted (checked in f64 on random rows, for a
+    /// decode row and a windowed chunk); and the x86 V kernels give the portable loop's bits.
+    #[test]
+    fn q8_0_cache_attention_is_its_definition() {
+        use crate::backend::kv::{KvCache, KvType};
+        let pool = WorkerPool::new(2).expect("pool");
+        let mut r = uniform(5);
+        for (nh, nkv, hd, pos0, t, window, sinks) in
+            [(6usize, 2usize, 64usize, 300usize, 1usize, 0usize, false), (4, 1, 96, 40, 3, 17, true)]
+        {
+            let (qd, kvd, n) = (nh * hd, nkv * hd, pos0 + t);
+            let mut kv = KvCache::with_type(1, n, kvd, KvType::Q8_0);
+            for p in 0..n {
+                let (k, v): (Vec<f32>, Vec<f32>) = (0..kvd).map(|_| (r() * 3.0, r())).unzip();
+                kv.store(0, p, &k, &v);
+            }
+            let (KvRows::Q8_0(kb), KvRows::Q8_0(vb)) = (kv.keys(0, n), kv.values(0, n)) else { panic!("q8_0") };
+            let deq = |b: &[u8]| {
+                let mut x = vec![0f32; b.len() / 34 * 32];
+                quant::dequantize_row(GgmlType::Q8_0, b, &mut x).unwrap();
+                x
+            };
+            let (kf, vf) = (deq(kb), deq(vb));
+            let q: Vec<f32> = (0..t * qd).map(|_| r()).collect();
+            let sink: Option<Vec<f32>> = sinks.then(|| (0..nh).map(|_| r()).collect());
+            let mut qb = vec![BlockQ8::default(); t * qd / 32];
+            quant::quantize_q8(&q, &mut qb);
+            let qf: Vec<f32> = qb.iter().flat_map(|b| b.qs.map(|c| c as f32 * b.d)).collect();
+            let h = Heads { n_head: nh, n_head_kv: nkv, head_dim: hd };
+            let mut got = vec![f32::NAN; t * qd];
+            let kvr = (kv.keys(0, n), kv.values(0, n));
+            attend(&pool, &mut q.clone(), kvr.0, kvr.1, h, (pos0, t), 0.125, window, sink.as_deref(), &mut got);
+            for i in 0..t {
+                for hq in 0..nh {
+                    let (nn, kh) = (pos0 + i + 1, hq / (nh / nkv));
+                    let first = if window > 0 { nn.saturating_sub(window) } else { 0 };
+                    let qh = &qf[i * qd + hq * hd..i * qd + (hq + 1) * hd];
+                    let sc: Vec<f64> = (first..nn)
+                        .map(|p| {
+                            let kr = &kf[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
+                            qh.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * 0.125
+                        })
+                        .collect();
+                    let sk = sink.as_ref().map(|s| s[hq] as f64);
+                    let mx = sc.iter().cloned().chain(sk).fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = sc.iter().chain(sk.as_ref()).map(|&x| (x - mx).exp()).sum();
+                    for x in 0..hd {
+                        let want: f64 = (first..nn)
+                            .map(|p| (sc[p - first] - mx).exp() / z * vf[p * kvd + kh * hd + x] as f64)
+                            .sum();
+                        let g = got[i * qd + hq * hd + x] as f64;
+                        assert!((g - want).abs() < 2e-5, "row {i} head {hq} [{x}]: {g} vs {want}");
+                    }
+                }
+            }
+            // the x86 V kernels against the portable loop, bit for bit
+            #[cfg(target_arch = "x86_64")]
+            if let Some(best) = x86::Width::detect() {
+                let wts: Vec<f32> = (0..n).map(|_| r().abs()).collect();
+                let rb = GgmlType::Q8_0.row_bytes(kvd);
+                let mut want = vec![0f32; hd];
+                values_q8_0(&wts, vb, |j| j * rb, &mut want);
+                for w in [x86::Width::Avx2, best] {
+                    let mut fast = vec![0f32; hd];
+                    // SAFETY: the width was detected on this CPU; hd % 32 == 0; every row lies inside vb.
+                    unsafe { x86::values_q8_0(w, &wts, vb, |j| j * rb, &mut fast) };
+                    assert!(fast.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "x86 Q8_0 values");
+                }
+            }
         }
     }
 

@@ -366,3 +366,71 @@ unsafe fn acc_zmm<const N: usize>(wts: &[f32], tile: &[f32], hd: usize, x: usize
         unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(x + 16 * u), *a) };
     }
 }
+
+/// `o[x] += Σ_j wts[j] · V_j[x]` for one head over Q8_0 rows: row `j`'s `o.len() / 32` blocks start at byte
+/// `row(j)` of `v`; each value is `q · d` (its code times its block's f16 scale, as the Q8_0 dequantizer), added
+/// in position order (the bits of the scalar loop of [`super::attention`]'s Q8_0 path).
+///
+/// # Safety
+/// The CPU must run `w`; `o.len() % 32 == 0`; every `row(j) + 34 · o.len() / 32 <= v.len()`.
+pub(super) unsafe fn values_q8_0(w: Width, wts: &[f32], v: &[u8], row: impl Fn(usize) -> usize, o: &mut [f32]) {
+    for c in 0..o.len() / 32 {
+        let out = &mut o[32 * c..32 * c + 32];
+        match w {
+            // SAFETY: AVX2 (contract); every row's block c lies inside v (contract).
+            Width::Avx2 => unsafe { values_q8_0_avx2(wts, v, |j| row(j) + 34 * c, out) },
+            // SAFETY: as above, with AVX-512 F.
+            Width::Avx512 => unsafe { values_q8_0_avx512(wts, v, |j| row(j) + 34 * c, out) },
+        }
+    }
+}
+
+/// One block's 32 columns of [`values_q8_0`] (AVX2): `blk(j)` is position j's block.
+///
+/// # Safety
+/// AVX2 + F16C; every `blk(j) + 34 <= v.len()`; `out.len() == 32`.
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn values_q8_0_avx2(wts: &[f32], v: &[u8], blk: impl Fn(usize) -> usize, out: &mut [f32]) {
+    // SAFETY: out holds 32 values.
+    let mut acc: [__m256; 4] = std::array::from_fn(|u| unsafe { _mm256_loadu_ps(out.as_ptr().add(8 * u)) });
+    for (j, &wt) in wts.iter().enumerate() {
+        let b = &v[blk(j)..blk(j) + 34];
+        let d = _mm256_set1_ps(half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32());
+        let wv = _mm256_set1_ps(wt);
+        for (u, a) in acc.iter_mut().enumerate() {
+            // SAFETY: 2 + 8u + 8 <= 34 bytes of the block.
+            let q = unsafe { _mm_loadl_epi64(b.as_ptr().add(2 + 8 * u) as *const __m128i) };
+            let x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+            *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, x));
+        }
+    }
+    for (u, a) in acc.iter().enumerate() {
+        // SAFETY: as the loads above.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * u), *a) };
+    }
+}
+
+/// [`values_q8_0_avx2`] in two AVX-512 registers (the same per-value arithmetic).
+///
+/// # Safety
+/// AVX-512 F; as [`values_q8_0_avx2`].
+#[target_feature(enable = "avx512f,avx2,f16c")]
+unsafe fn values_q8_0_avx512(wts: &[f32], v: &[u8], blk: impl Fn(usize) -> usize, out: &mut [f32]) {
+    // SAFETY: out holds 32 values.
+    let mut acc: [__m512; 2] = std::array::from_fn(|u| unsafe { _mm512_loadu_ps(out.as_ptr().add(16 * u)) });
+    for (j, &wt) in wts.iter().enumerate() {
+        let b = &v[blk(j)..blk(j) + 34];
+        let d = _mm512_set1_ps(half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32());
+        let wv = _mm512_set1_ps(wt);
+        for (u, a) in acc.iter_mut().enumerate() {
+            // SAFETY: 2 + 16u + 16 <= 34 bytes of the block.
+            let q = unsafe { _mm_loadu_si128(b.as_ptr().add(2 + 16 * u) as *const __m128i) };
+            let x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+            *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, x));
+        }
+    }
+    for (u, a) in acc.iter().enumerate() {
+        // SAFETY: as the loads above.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * u), *a) };
+    }
+}

@@ -31,8 +31,12 @@ impl Backend for CpuBackend {
     }
 
     fn new_kv(&self, m: &ModelRef<'_>, n_ctx: usize) -> KvCache {
-        // f16 rows (llama.cpp's F16 cache) unless the exact f32 reference runs
-        KvCache::with_f16(m.cfg.n_layer, n_ctx, m.cfg.n_head_kv * m.cfg.head_dim, m.precision != Precision::F32)
+        // the --kv-type's rows (f16 by default, llama.cpp's F16 cache); f32 rows when the exact f32 reference runs
+        let kv_dim = m.cfg.n_head_kv * m.cfg.head_dim;
+        if m.precision == Precision::F32 {
+            return KvCache::with_f16(m.cfg.n_layer, n_ctx, kv_dim, false);
+        }
+        KvCache::with_type(m.cfg.n_layer, n_ctx, kv_dim, m.kv_type)
     }
 
     fn forward(
