@@ -62,7 +62,8 @@ enum Rows {
     Q8_0(Vec<u8>),
 }
 
-/// The first `n × kv_dim` values of one layer's keys or values (see [`KvCache::keys`]).
+/// The first `n` positions of one layer's keys or values (see [`KvCache::keys`]): `n × kv_dim` values, or
+/// `n × kv_dim / 32` Q8_0 blocks of 34 bytes.
 #[derive(Debug, Clone, Copy)]
 pub enum KvRows<'a> {
     /// f16 bits.
@@ -121,11 +122,6 @@ impl KvCache {
         }
     }
 
-    /// Whether rows are stored as f16 (also for a cache without layers: the CUDA backend's host stand-in).
-    pub fn is_f16(&self) -> bool {
-        matches!(self.k.first(), Some(Rows::F16(_)) | None)
-    }
-
     /// Size in bytes.
     pub fn bytes(&self) -> usize {
         let row = match self.k.first() {
@@ -182,7 +178,11 @@ impl KvCache {
 }
 
 /// `dst` (`src.len() / 32` ggml `block_q8_0`s) = `src` quantized as the module says.
+///
+/// # Panics
+/// When `src.len()` is not a multiple of 32 or `dst` is not 34 bytes per 32 values.
 pub fn encode_q8_0(src: &[f32], dst: &mut [u8]) {
+    assert!(src.len() % 32 == 0 && dst.len() == src.len() / 32 * 34, "Q8_0 row: 34 bytes per 32 values");
     let mut blocks = [BlockQ8::default(); 32];
     for (xs, out) in src.chunks(32 * 32).zip(dst.chunks_mut(34 * 32)) {
         let b = &mut blocks[..xs.len() / 32];
@@ -210,7 +210,7 @@ mod tests {
         assert_eq!(got, [half::f16::from_f32(1.0 / 3.0).to_f32(), f32::NEG_INFINITY, 0.0]);
         assert_eq!(kv.bytes(), 2 * 2 * 4 * 3 * 2);
         let kv32 = KvCache::with_f16(1, 4, 3, false);
-        assert!(!kv32.is_f16() && kv32.bytes() == 2 * 4 * 3 * 4);
+        assert!(matches!(kv32.keys(0, 1), KvRows::F32(_)) && kv32.bytes() == 2 * 4 * 3 * 4);
     }
 
     /// Q8_0 rows are ggml's encoding: an f16 scale of max|x| / 127 per block of 32, the values read back by the

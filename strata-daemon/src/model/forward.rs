@@ -71,8 +71,16 @@ impl Model {
     }
 
     /// Chooses how new KV caches store rows (`--kv-type`); set it before [`Model::attach_gpu`]. Errors: Q8_0
-    /// rows for a head dimension that is not a multiple of 32 (a block would span two heads).
+    /// rows for a head dimension that is not a multiple of 32 (a block would span two heads); a type other than
+    /// f16 once a GPU backend runs the model (its cache is f16 only so far).
     pub fn set_kv_type(&mut self, ty: KvType) -> Result<(), ModelError> {
+        if ty != KvType::F16 && self.backend.name() != "cpu" {
+            return Err(ModelError::BadHyperParameter(format!(
+                "--kv-type {}: the {} backend keeps an f16 KV cache so far",
+                ty.name(),
+                self.backend.name()
+            )));
+        }
         if !ty.fits(self.cfg.head_dim) {
             return Err(ModelError::BadHyperParameter(format!(
                 "--kv-type {}: the head dimension {} is not a multiple of 32",

@@ -1,8 +1,13 @@
-//! Causal attention of a chunk of query rows over the KV cache (CPU): one task per row and K/V head (the query
-//! heads sharing it; per query head for a decode row, so the pool has tasks enough), softmax in f32
-//! with llama.cpp's F16-cache roundings (queries and probabilities to f16) unless the cache holds f32 rows (the
-//! exact reference precision). f16 rows are read through [`crate::quant::f16`]'s products, which give the bits
-//! of the f32 products over the same values.
+//! Causal attention of a chunk of query rows over the KV cache (CPU), softmax in f32.
+//!
+//! - f16 rows: llama.cpp's F16-cache roundings (queries and probabilities to f16). A prompt chunk runs one task
+//!   per row and K/V head (the query heads sharing it); a few rows (decode) run three passes over the pool
+//!   (scores by block of positions, softmax by head, V by block of columns), so each row is read once and the
+//!   pool still has tasks enough. The x86 kernels ([`super::attention_x86`]) give the bits of the portable
+//!   per-head path, whose products ([`crate::quant::f16`]) give those of f32 products over the same values.
+//! - Q8_0 rows (`--kv-type q8_0`): as llama.cpp's flash attention over a Q8_0 cache (query quantized to Q8_0,
+//!   V dequantized to f32); one task per row and query head.
+//! - f32 rows: the exact reference precision.
 
 use std::cell::RefCell;
 
@@ -35,8 +40,13 @@ thread_local! {
 /// `pos0 ..`, each attending to positions `0 ..= its own` (the last `window` of them when `window > 0`). `sinks`
 /// (`n_head` logits, when given): head h's softmax also counts `e^sinks[h]` in its denominator, a position
 /// without a value (ggml's `soft_max` with sinks: the largest of the scores and the sink is subtracted). `keys`
-/// and `values` hold at least `pos0 + t` positions of `n_head_kv × head_dim` values. f16 rows: `q` is rounded to
-/// f16 first (in place) and the probabilities before the product with V, as llama.cpp does over its F16 cache.
+/// and `values` hold at least `pos0 + t` positions of `n_head_kv × head_dim` values, both of one kind. f16 rows:
+/// `q` is rounded to f16 first (in place) and the probabilities before the product with V, as llama.cpp does over
+/// its F16 cache. Q8_0 rows: `q` is quantized to Q8_0 for the scores (left as it is), the probabilities stay f32.
+///
+/// # Panics
+/// When `n_head_kv` does not divide `n_head`, a buffer is shorter than the shapes say, `keys` and `values` are of
+/// different kinds, or Q8_0 rows come with a `head_dim` that is not a multiple of 32.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     pool: &WorkerPool,
@@ -54,7 +64,15 @@ pub fn attend(
     assert!(sinks.is_none_or(|s| s.len() >= nh), "attention sinks: one per query head");
     let (qd, kvd) = (nh * hd, h.n_head_kv * hd);
     let r16 = matches!(keys, KvRows::F16(_));
+    assert!(h.n_head_kv > 0 && nh % h.n_head_kv == 0, "attention: {nh} query heads over {} K/V heads", h.n_head_kv);
     assert!(q.len() >= t * qd && out.len() >= t * qd, "attention buffers");
+    let n = pos0 + t;
+    let held = |r: KvRows<'_>| match r {
+        KvRows::F16(x) => x.len() >= n * kvd,
+        KvRows::F32(x) => x.len() >= n * kvd,
+        KvRows::Q8_0(x) => kvd % 32 == 0 && x.len() >= n * GgmlType::Q8_0.row_bytes(kvd),
+    };
+    assert!(held(keys) && held(values), "attention: the K/V rows hold fewer than {n} positions");
     if let (KvRows::Q8_0(k), KvRows::Q8_0(v)) = (keys, values) {
         let call = Call { h, pos0, t, scale, window, sinks };
         attend_q8_0(pool, &q[..t * qd], k, v, &call, &mut out[..t * qd]);
@@ -72,7 +90,7 @@ pub fn attend(
         if t * h.n_head_kv < 4 * pool.threads() && hd % 8 == 0 && hd <= x86::MAX_HD {
             let call = Call { h, pos0, t, scale, window, sinks };
             // SAFETY: `w` is what this CPU runs; keys and values are f16 rows holding pos0 + t positions of kvd
-            // values (the caller's contract), out holds t · qd values (asserted).
+            // values, n_head_kv divides n_head, out holds t · qd values (all asserted above).
             unsafe { attend_split(pool, w, &call, q, k, v, out) };
             return;
         }
@@ -97,7 +115,8 @@ pub fn attend(
             if let (KvRows::F16(k), KvRows::F16(v), Some(w)) = (keys, values, width) {
                 if hd % 8 == 0 && hd <= x86::MAX_HD {
                     // SAFETY: `width` is what this CPU runs; the span's rows lie inside keys and values (they hold
-                    // pos0 + t positions of kvd values, kh * hd + hd <= kvd), qv and o hold `per` heads.
+                    // pos0 + t positions of kvd values and kh * hd + hd <= kvd, asserted above), qv and o hold
+                    // `per` heads.
                     unsafe { x86::heads_f16(w, qv, k, v, span, scale, sinks.map(|s| &s[h0..h0 + per]), &mut sc, o) };
                     return;
                 }
@@ -137,8 +156,8 @@ impl Call<'_> {
 /// of one task per head ([`x86::heads_f16`]): each score and each output value is computed whole by one task.
 ///
 /// # Safety
-/// The CPU runs `w`; `k` and `v` hold `pos0 + t` positions of `n_head_kv · hd` values, `hd % 8 == 0`,
-/// `hd <= MAX_HD`; `out` holds `t · n_head · hd` values.
+/// The CPU runs `w`; `n_head_kv` divides `n_head`; `k` and `v` hold `pos0 + t` positions of `n_head_kv · hd`
+/// values, `hd % 8 == 0`, `hd <= MAX_HD`; `q` and `out` hold `t · n_head · hd` values.
 #[cfg(target_arch = "x86_64")]
 unsafe fn attend_split(
     pool: &WorkerPool,
@@ -152,13 +171,15 @@ unsafe fn attend_split(
     let (nh, nkv, hd) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim);
     let (group, qd, t) = (nh / nkv, nh * hd, r.t);
     let lmax = r.pos0 + t;
+    // the longest span: a sliding window's rows attend to `window` positions at most
+    let lspan = if r.window > 0 { lmax.min(r.window) } else { lmax };
     let want = 4 * pool.threads();
     // scores: row i, head h, span position j at sc[(i·nh + h)·lmax + j]
     let mut sc = vec![0f32; t * nh * lmax];
     let sc_ptr = SyncPtr(sc.as_mut_ptr());
     let chunks = want.div_ceil(t * nkv);
-    let pc = lmax.div_ceil(chunks).next_multiple_of(64);
-    let chunks = lmax.div_ceil(pc);
+    let pc = lspan.div_ceil(chunks).next_multiple_of(64);
+    let chunks = lspan.div_ceil(pc);
     pool.run(t * nkv * chunks, |idx| {
         let (i, kh, c) = (idx / (nkv * chunks), idx / chunks % nkv, idx % chunks);
         let sp = r.span(i, kh);
@@ -290,6 +311,7 @@ pub(super) struct Span {
 }
 
 impl Span {
+    /// The indices of position `p`'s values of this head in the K or V rows.
     pub(super) fn row(&self, p: usize) -> std::ops::Range<usize> {
         p * self.kvd + self.off..p * self.kvd + self.off + self.hd
     }
@@ -419,18 +441,25 @@ mod tests {
         }
     }
 
-    /// A few rows (decode: the three-pass split over the pool) give the bits of the per-head path, with and
-    /// without a sliding window and sinks, for grouped and ungrouped heads and spans not a multiple of a block.
+    /// A few rows (decode: the three-pass split over the pool, on AVX2 and, where the CPU has it, AVX-512) give
+    /// the bits of the per-head path, with and without a sliding window and sinks, for grouped and ungrouped
+    /// heads, several rows of different span lengths, and spans not a multiple of a block; `attend` takes the
+    /// split for these shapes and gives the same.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn decode_rows_match_one_head_at_a_time() {
+        let Some(best) = x86::Width::detect() else { return };
         let pool = WorkerPool::new(2).expect("pool");
         let mut r = uniform(11);
         for (nh, nkv, hd, pos0, t, window, sinks) in [
             (9usize, 3usize, 64usize, 700usize, 1usize, 0usize, false),
             (4, 1, 256, 133, 2, 50, true),
-            (8, 8, 40, 5, 1, 0, true),
+            (4, 4, 40, 5, 1, 0, true),
             (6, 2, 72, 0, 1, 0, false),
+            (8, 2, 64, 100, 3, 0, true),
+            (8, 2, 64, 300, 3, 120, false),
         ] {
+            assert!(t * nkv < 4 * pool.threads(), "a shape attend splits");
             let (qd, kvd, n) = (nh * hd, nkv * hd, pos0 + t);
             let raw: Vec<f32> = (0..2 * n * kvd).map(|_| r()).collect();
             let mut kv = vec![0u16; 2 * n * kvd];
@@ -439,20 +468,9 @@ mod tests {
             let mut q: Vec<f32> = (0..t * qd).map(|_| r()).collect();
             let sink: Option<Vec<f32>> = sinks.then(|| (0..nh).map(|_| r() * 4.0).collect());
             let h = Heads { n_head: nh, n_head_kv: nkv, head_dim: hd };
-            let mut got = vec![f32::NAN; t * qd];
-            let mut qr = q.clone();
-            attend(
-                &pool,
-                &mut qr,
-                KvRows::F16(k),
-                KvRows::F16(v),
-                h,
-                (pos0, t),
-                0.125,
-                window,
-                sink.as_deref(),
-                &mut got,
-            );
+            let mut via_attend = vec![f32::NAN; t * qd];
+            let (kr, vr) = (KvRows::F16(k), KvRows::F16(v));
+            attend(&pool, &mut q.clone(), kr, vr, h, (pos0, t), 0.125, window, sink.as_deref(), &mut via_attend);
             f16::round_slice(&mut q);
             let mut want = vec![f32::NAN; t * qd];
             let mut sc = Vec::new();
@@ -463,13 +481,20 @@ mod tests {
                     let sp = Span { first, n: nn, kvd, off: hq / (nh / nkv) * hd, hd };
                     let (lo, hi) = (i * qd + hq * hd, i * qd + (hq + 1) * hd);
                     let sk = sink.as_ref().map(|s| s[hq]);
-                    head(&q[lo..hi], KvRows::F16(k), KvRows::F16(v), sp, 0.125, true, sk, &mut sc, &mut want[lo..hi]);
+                    head(&q[lo..hi], kr, vr, sp, 0.125, true, sk, &mut sc, &mut want[lo..hi]);
                 }
             }
-            assert!(
-                got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{nh} heads / {nkv}, hd {hd}, t {t}"
-            );
+            let same = |got: &[f32]| got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same(&via_attend), "attend: {nh} heads / {nkv}, hd {hd}, t {t}, window {window}");
+            for w in [x86::Width::Avx2, best] {
+                let call = Call { h, pos0, t, scale: 0.125, window, sinks: sink.as_deref() };
+                let mut got = vec![f32::NAN; t * qd];
+                // SAFETY: the width was detected on this CPU; nkv divides nh; k and v hold n positions of kvd
+                // values; hd % 8 == 0 and hd <= MAX_HD; q and got hold t · qd values.
+                unsafe { attend_split(&pool, w, &call, &q, k, v, &mut got) };
+                let wide = w == x86::Width::Avx512;
+                assert!(same(&got), "split: {nh} heads / {nkv}, hd {hd}, t {t}, window {window}, AVX-512 {wide}");
+            }
         }
     }
 

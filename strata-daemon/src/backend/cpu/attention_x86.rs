@@ -11,7 +11,7 @@ use super::attention::{softmax, Span};
 
 /// Positions per score block (one accumulator each).
 const BLK: usize = 8;
-/// f32 values of the V tile (16 KiB: `TILE / hd` positions per pass).
+/// f32 values of the V tile (16 KiB: `TILE / columns` positions per pass).
 const TILE: usize = 4096;
 /// The largest head handled (32 chunks of eight values).
 pub(super) const MAX_HD: usize = 256;
@@ -20,7 +20,7 @@ pub(super) const MAX_HD: usize = 256;
 #[repr(align(64))]
 struct KTile([f32; MAX_HD * BLK]);
 
-/// Converted V rows: `[position][hd]`.
+/// Converted V rows: `[position][column]` (the task's columns of the head).
 #[repr(align(64))]
 struct VTile([f32; TILE]);
 
@@ -135,7 +135,7 @@ pub(super) unsafe fn values_f16(w: Width, sc: &[f32], v: &[u16], sp: Span, cols:
         let nb = step.min(len - j0);
         for p in 0..nb {
             let row = sp.row(sp.first + j0 + p);
-            prefetch_ahead(v, sp, sp.first + j0 + p + PREFETCH);
+            prefetch_ahead(v, sp, sp.first + j0 + p + PREFETCH, cols.clone());
             // SAFETY: AVX2 + F16C (contract); the row lies inside v, the tile holds nb <= TILE / nc rows.
             unsafe { widen(&v[row.start + cols.start..row.start + cols.end], &mut vt.0[p * nc..(p + 1) * nc]) };
         }
@@ -165,7 +165,7 @@ unsafe fn k_tile(k: &[u16], sp: Span, j0: usize, nb: usize, kt: &mut KTile) {
             continue;
         }
         let row = &k[sp.row(sp.first + j0 + p)];
-        prefetch_ahead(k, sp, sp.first + j0 + p + PREFETCH);
+        prefetch_ahead(k, sp, sp.first + j0 + p + PREFETCH, 0..sp.hd);
         for c in 0..c8 {
             // SAFETY: 8c + 8 <= hd = row.len(); the tile index (c·BLK + p)·8 + 8 <= MAX_HD·BLK.
             unsafe {
@@ -180,13 +180,14 @@ unsafe fn k_tile(k: &[u16], sp: Span, j0: usize, nb: usize, kt: &mut KTile) {
 /// apart: a strided stream).
 const PREFETCH: usize = 16;
 
-/// Asks for the lines of span position `p`'s row (when it exists) ahead of its use.
+/// Asks for the lines of columns `cols` of span position `p`'s row (when it exists) ahead of their use.
 #[inline(always)]
-fn prefetch_ahead(rows: &[u16], sp: Span, p: usize) {
-    if p < sp.n {
-        let r = sp.row(p);
-        for off in (r.start..r.end).step_by(32) {
-            // SAFETY: `off` is inside `rows` (the span's rows lie inside it); a prefetch reads nothing.
+fn prefetch_ahead(rows: &[u16], sp: Span, p: usize, cols: std::ops::Range<usize>) {
+    let r = sp.row(p);
+    if p < sp.n && r.start + cols.end <= rows.len() {
+        for off in (r.start + cols.start..r.start + cols.end).step_by(32) {
+            // SAFETY: `off` < r.start + cols.end <= rows.len() (checked): inside the slice; a prefetch reads
+            // nothing.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(rows.as_ptr().add(off) as *const i8) };
         }
     }
