@@ -89,9 +89,10 @@ pub fn attend(
     if let (KvRows::F16(k), KvRows::F16(v), Some(w)) = (keys, values, width) {
         if t * h.n_head_kv < 4 * pool.threads() && hd % 8 == 0 && hd <= x86::MAX_HD {
             let call = Call { h, pos0, t, scale, window, sinks };
-            // SAFETY: `w` is what this CPU runs; keys and values are f16 rows holding pos0 + t positions of kvd
-            // values, n_head_kv divides n_head, out holds t · qd values (all asserted above).
-            unsafe { attend_split(pool, w, &call, q, k, v, out) };
+            let kern = F16Kernels { w, q, k, v, h, scale };
+            // SAFETY: `w` is what this CPU runs, hd % 8 == 0 and hd <= MAX_HD; keys and values are f16 rows holding
+            // pos0 + t positions of kvd values, n_head_kv divides n_head, out holds t · qd values (asserted above).
+            unsafe { split_passes(pool, &call, &kern, out) };
             return;
         }
     }
@@ -150,26 +151,137 @@ impl Call<'_> {
     }
 }
 
+/// The kernels of one kind of K/V rows for [`split_passes`] and the per-(row, K/V head) tasks: each works on the
+/// query heads of one row that share a K/V head (`group` of them), reading each K and V row once for all.
+trait GroupKernels: Sync {
+    /// Whether the probabilities are rounded to f16 before the product with V.
+    const R16: bool;
+
+    /// The scores of span positions `js` (indices from `sp.first`) of row `i`'s heads over K/V head `kh`: head
+    /// `g`'s score of position `j` to `sc[g · len + j]` (`len = sp.n - sp.first`), scaled.
+    ///
+    /// # Safety
+    /// `sp` is row `i`'s span over `kh` within the rows; `js` inside `0..len`; `sc` valid for writes of those
+    /// elements and no one else touching them meanwhile.
+    unsafe fn scores(&self, i: usize, kh: usize, sp: Span, js: std::ops::Range<usize>, sc: *mut f32);
+
+    /// `o[g · hd + x]` = `Σ_j sc[g · len + j] · V[first + j][x]` for the columns `x` in `cols` of row `i`'s heads
+    /// over K/V head `kh` (positions in order).
+    ///
+    /// # Safety
+    /// As `scores`; `cols` inside `0..hd` with bounds on multiples of 8 (of 32 for Q8_0 rows); `o` (the row's
+    /// first head of the group) valid for writes of those columns of the `group` heads and no one else touching
+    /// them meanwhile.
+    unsafe fn values(&self, i: usize, kh: usize, sp: Span, sc: &[f32], cols: std::ops::Range<usize>, o: *mut f32);
+}
+
+/// f16 rows on x86 ([`x86::scores_f16`], [`x86::values_f16`]) for queries `q` already rounded to f16.
+#[cfg(target_arch = "x86_64")]
+struct F16Kernels<'a> {
+    w: x86::Width,
+    q: &'a [f32],
+    k: &'a [u16],
+    v: &'a [u16],
+    h: Heads,
+    scale: f32,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl GroupKernels for F16Kernels<'_> {
+    const R16: bool = true;
+
+    unsafe fn scores(&self, i: usize, kh: usize, sp: Span, js: std::ops::Range<usize>, sc: *mut f32) {
+        let (hd, group) = (self.h.head_dim, self.h.n_head / self.h.n_head_kv);
+        let q0 = (i * self.h.n_head + kh * group) * hd;
+        // SAFETY: the CPU runs w and hd % 8 == 0, hd <= MAX_HD (the constructor's contract); js and sc as this
+        // function's contract; the span's rows lie inside k.
+        unsafe { x86::scores_f16(self.w, &self.q[q0..q0 + group * hd], self.k, sp, self.scale, js, sc) };
+    }
+
+    unsafe fn values(&self, _i: usize, _kh: usize, sp: Span, sc: &[f32], cols: std::ops::Range<usize>, o: *mut f32) {
+        // SAFETY: as in `scores`; cols on multiples of 8 inside 0..hd; o as this function's contract.
+        unsafe { x86::values_f16(self.w, sc, self.v, sp, cols, o) };
+    }
+}
+
+/// Q8_0 rows: the queries quantized to Q8_0 (`qb`, `t · n_head · hd / 32` blocks), K rows through the Q8_0 row
+/// kernels, V rows dequantized to f32 ([`values_q8_0`] or its x86 kernels).
+struct Q8Kernels<'a> {
+    #[cfg(target_arch = "x86_64")]
+    w: Option<x86::Width>,
+    qb: &'a [BlockQ8],
+    k: &'a [u8],
+    v: &'a [u8],
+    h: Heads,
+    scale: f32,
+}
+
+impl Q8Kernels<'_> {
+    /// Bytes of K/V head `kh` in position `p`'s row.
+    fn row(&self, p: usize, kh: usize) -> std::ops::Range<usize> {
+        let (rb, hb) = (GgmlType::Q8_0.row_bytes(self.h.n_head_kv * self.h.head_dim), self.h.head_dim / 32 * 34);
+        p * rb + kh * hb..p * rb + (kh + 1) * hb
+    }
+}
+
+impl GroupKernels for Q8Kernels<'_> {
+    const R16: bool = false;
+
+    unsafe fn scores(&self, i: usize, kh: usize, sp: Span, js: std::ops::Range<usize>, sc: *mut f32) {
+        let (nb, group, len) = (self.h.head_dim / 32, self.h.n_head / self.h.n_head_kv, sp.n - sp.first);
+        let h0 = i * self.h.n_head + kh * group;
+        let xq = |g: usize| &self.qb[(h0 + g) * nb..(h0 + g + 1) * nb];
+        let mut j = js.start;
+        while j + 4 <= js.end {
+            let p = sp.first + j;
+            let rows = [0, 1, 2, 3].map(|u| &self.k[self.row(p + u, kh)]);
+            for g in 0..group {
+                let d = quant::dot_q8_x4(GgmlType::Q8_0, rows, xq(g));
+                for (u, d) in d.iter().enumerate() {
+                    // SAFETY: g·len + j + u < group·len, an element this call owns (contract).
+                    unsafe { *sc.add(g * len + j + u) = d * self.scale };
+                }
+            }
+            j += 4;
+        }
+        for j in j..js.end {
+            let row = &self.k[self.row(sp.first + j, kh)];
+            for g in 0..group {
+                // SAFETY: as above.
+                unsafe { *sc.add(g * len + j) = quant::dot_q8(GgmlType::Q8_0, row, xq(g)) * self.scale };
+            }
+        }
+    }
+
+    unsafe fn values(&self, _i: usize, kh: usize, sp: Span, sc: &[f32], cols: std::ops::Range<usize>, o: *mut f32) {
+        let (hd, len) = (self.h.head_dim, sp.n - sp.first);
+        let at = |j: usize| self.row(sp.first + j, kh).start + cols.start / 32 * 34;
+        for (g, wts) in sc.chunks_exact(len).enumerate() {
+            // SAFETY: head g's columns `cols`, owned by this call (contract).
+            let out = unsafe { std::slice::from_raw_parts_mut(o.add(g * hd + cols.start), cols.len()) };
+            out.fill(0.0);
+            #[cfg(target_arch = "x86_64")]
+            if let Some(w) = self.w {
+                // SAFETY: `w` is what this CPU runs; cols.len() % 32 == 0; every span row's blocks lie inside v.
+                unsafe { x86::values_q8_0(w, wts, self.v, at, out) };
+                continue;
+            }
+            values_q8_0(wts, self.v, at, out);
+        }
+    }
+}
+
 /// [`attend`] for few rows (decode): three passes over the pool, so that every K and V row is read once for the
 /// heads that share it while the pool still has tasks enough: the scores by (row, K/V head, block of
 /// positions), the softmax by (row, head), the products with V by (row, K/V head, block of 32 columns). The bits
-/// of one task per head ([`x86::heads_f16`]): each score and each output value is computed whole by one task.
+/// of one task per row and K/V head: each score and each output value is computed whole by one task.
 ///
 /// # Safety
-/// The CPU runs `w`; `n_head_kv` divides `n_head`; `k` and `v` hold `pos0 + t` positions of `n_head_kv · hd`
-/// values, `hd % 8 == 0`, `hd <= MAX_HD`; `q` and `out` hold `t · n_head · hd` values.
-#[cfg(target_arch = "x86_64")]
-unsafe fn attend_split(
-    pool: &WorkerPool,
-    w: x86::Width,
-    r: &Call<'_>,
-    q: &[f32],
-    k: &[u16],
-    v: &[u16],
-    out: &mut [f32],
-) {
+/// `kern` is valid for `r`'s shapes (rows holding `pos0 + t` positions, the CPU features it needs); `n_head_kv`
+/// divides `n_head`; `hd` a multiple of 32 for Q8_0 rows; `out` holds `t · n_head · hd` values.
+unsafe fn split_passes<K: GroupKernels>(pool: &WorkerPool, r: &Call<'_>, kern: &K, out: &mut [f32]) {
     let (nh, nkv, hd) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim);
-    let (group, qd, t) = (nh / nkv, nh * hd, r.t);
+    let (group, t) = (nh / nkv, r.t);
     let lmax = r.pos0 + t;
     // the longest span: a sliding window's rows attend to `window` positions at most
     let lspan = if r.window > 0 { lmax.min(r.window) } else { lmax };
@@ -185,13 +297,11 @@ unsafe fn attend_split(
         let sp = r.span(i, kh);
         let len = sp.n - sp.first;
         let js = (c * pc).min(len)..((c + 1) * pc).min(len);
-        let qv = &q[i * qd + kh * group * hd..i * qd + (kh + 1) * group * hd];
         // row i's K/V head kh: heads kh·group .., their scores `len` apart from this offset
         let base = (i * nh + kh * group) * lmax;
-        // SAFETY: the CPU runs w; hd as required; js inside 0..len, rows inside k (pos0 + t positions); the
-        // heads' scores g·len + j (j in js) lie inside their rows' lmax-long regions ((group - 1)·len + len <=
-        // group·lmax), written by this task only.
-        unsafe { x86::scores_f16(w, qv, k, sp, r.scale, js, { sc_ptr }.0.add(base)) };
+        // SAFETY: js inside 0..len; the heads' scores g·len + j (j in js) lie inside their rows' lmax-long regions
+        // ((group - 1)·len + len <= group·lmax), written by this task only; kern as this function's contract.
+        unsafe { kern.scores(i, kh, sp, js, { sc_ptr }.0.add(base)) };
     });
     pool.run(t * nh, |idx| {
         let (i, hq) = (idx / nh, idx % nh);
@@ -202,7 +312,7 @@ unsafe fn attend_split(
         // this task alone touches them.
         let s = unsafe { std::slice::from_raw_parts_mut({ sc_ptr }.0.add((i * nh + hq - g) * lmax + g * len), len) };
         let mx = s.iter().fold(f32::NEG_INFINITY, |m, &d| m.max(d));
-        softmax(s, mx, true, r.sinks.map(|s| s[hq]));
+        softmax(s, mx, K::R16, r.sinks.map(|s| s[hq]));
     });
     let blocks = hd.div_ceil(32);
     let out_ptr = SyncPtr(out.as_mut_ptr());
@@ -213,66 +323,61 @@ unsafe fn attend_split(
         let len = sp.n - sp.first;
         let base = (i * nh + kh * group) * lmax;
         let cols = 32 * b..(32 * b + 32).min(hd);
-        // SAFETY: the CPU runs w; cols inside 0..hd on multiples of 8 (hd % 8 == 0); the span's rows inside v;
-        // this task alone writes columns `cols` of row i's heads kh·group .. (kh + 1)·group.
-        unsafe {
-            x86::values_f16(
-                w,
-                &sc[base..base + group * len],
-                v,
-                sp,
-                cols,
-                { out_ptr }.0.add((i * nh + kh * group) * hd),
-            )
-        };
+        // SAFETY: cols inside 0..hd on multiples of 8 (whole blocks of 32 for Q8_0 rows); this task alone writes
+        // columns `cols` of row i's heads kh·group .. (kh + 1)·group.
+        let o = unsafe { { out_ptr }.0.add((i * nh + kh * group) * hd) };
+        // SAFETY: as above; kern as this function's contract.
+        unsafe { kern.values(i, kh, sp, &sc[base..base + group * len], cols, o) };
     });
 }
 
 /// [`attend`] over Q8_0 K/V rows, as llama.cpp's flash attention over a Q8_0 cache computes it: the query
 /// quantized to Q8_0 (per 32 values), each score the Q8_0 × Q8_0 product of a K row and the query times `scale`,
-/// the softmax in f32 (probabilities not rounded), the V rows dequantized to f32 for the weighted sum. One task
-/// per row and query head (the rows are read per head).
+/// the softmax in f32 (probabilities not rounded), the V rows dequantized to f32 for the weighted sum. A few rows
+/// run [`split_passes`]; a prompt chunk one task per row and K/V head (its heads share each row read).
 fn attend_q8_0(pool: &WorkerPool, q: &[f32], k: &[u8], v: &[u8], r: &Call<'_>, out: &mut [f32]) {
     let (nh, nkv, hd) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim);
     assert!(hd % 32 == 0, "Q8_0 KV rows: a head dimension that is a multiple of 32");
-    let (group, rb, hb) = (nh / nkv, GgmlType::Q8_0.row_bytes(nkv * hd), GgmlType::Q8_0.row_bytes(hd));
+    let group = nh / nkv;
     let mut qb = vec![BlockQ8::default(); q.len() / 32];
     quant::quantize_q8(q, &mut qb);
+    let kern = Q8Kernels {
+        #[cfg(target_arch = "x86_64")]
+        w: x86::Width::detect(),
+        qb: &qb,
+        k,
+        v,
+        h: r.h,
+        scale: r.scale,
+    };
+    if r.t * nkv < 4 * pool.threads() {
+        // SAFETY: the kernels read the rows `attend` checked (pos0 + t positions), nkv divides nh, hd % 32 == 0,
+        // out holds t · nh · hd values.
+        unsafe { split_passes(pool, r, &kern, out) };
+        return;
+    }
     let out_ptr = SyncPtr(out.as_mut_ptr());
-    #[cfg(target_arch = "x86_64")]
-    let width = x86::Width::detect();
-    pool.run(r.t * nh, |idx| {
-        let (i, hq) = (idx / nh, idx % nh);
-        let kh = hq / group;
-        let Span { first, n, .. } = r.span(i, kh);
-        let xq = &qb[(i * nh + hq) * hd / 32..(i * nh + hq + 1) * hd / 32];
-        let row = |p: usize| p * rb + kh * hb..p * rb + (kh + 1) * hb;
-        // SAFETY: task idx writes only out[idx·hd .. (idx + 1)·hd] (row i, head hq), inside `out` (t · nh · hd
-        // values); tasks are disjoint and `out` outlives `run`.
-        let o = unsafe { std::slice::from_raw_parts_mut({ out_ptr }.0.add(idx * hd), hd) };
+    pool.run(r.t * nkv, |idx| {
+        let (i, kh) = (idx / nkv, idx % nkv);
+        let sp = r.span(i, kh);
+        let len = sp.n - sp.first;
         SCORES.with(|cell| {
             let mut sc = cell.borrow_mut();
             sc.clear();
-            let mut p = first;
-            while p + 4 <= n {
-                let rows = [&k[row(p)], &k[row(p + 1)], &k[row(p + 2)], &k[row(p + 3)]];
-                sc.extend(quant::dot_q8_x4(GgmlType::Q8_0, rows, xq).map(|d| d * r.scale));
-                p += 4;
+            sc.resize(group * len, 0.0);
+            // SAFETY: sc holds group · len scores, this task's own.
+            unsafe { kern.scores(i, kh, sp, 0..len, sc.as_mut_ptr()) };
+            for (g, s) in sc.chunks_exact_mut(len).enumerate() {
+                let mx = s.iter().fold(f32::NEG_INFINITY, |m, &d| m.max(d));
+                softmax(s, mx, false, r.sinks.map(|s| s[kh * group + g]));
             }
-            for p in p..n {
-                sc.push(quant::dot_q8(GgmlType::Q8_0, &k[row(p)], xq) * r.scale);
+            // SAFETY: task idx writes only row i's heads kh·group .. (kh + 1)·group, inside `out` (t · nh · hd
+            // values); tasks are disjoint and `out` outlives `run`.
+            let o = unsafe { { out_ptr }.0.add((i * nh + kh * group) * hd) };
+            for b in 0..hd / 32 {
+                // SAFETY: block b's columns of those heads, this task's own.
+                unsafe { kern.values(i, kh, sp, &sc, 32 * b..32 * b + 32, o) };
             }
-            let mx = sc.iter().fold(f32::NEG_INFINITY, |m, &d| m.max(d));
-            softmax(&mut sc, mx, false, r.sinks.map(|s| s[hq]));
-            o.fill(0.0);
-            #[cfg(target_arch = "x86_64")]
-            if let Some(w) = width {
-                // SAFETY: `w` is what this CPU runs; hd % 32 == 0 (asserted); every span row's head bytes
-                // (row(p).start + hb) lie inside v (pos0 + t positions of rb bytes).
-                unsafe { x86::values_q8_0(w, &sc, v, |j| row(first + j).start, o) };
-                return;
-            }
-            values_q8_0(&sc, v, |j| row(first + j).start, o);
         });
     });
 }
@@ -491,7 +596,7 @@ mod tests {
                 let mut got = vec![f32::NAN; t * qd];
                 // SAFETY: the width was detected on this CPU; nkv divides nh; k and v hold n positions of kvd
                 // values; hd % 8 == 0 and hd <= MAX_HD; q and got hold t · qd values.
-                unsafe { attend_split(&pool, w, &call, &q, k, v, &mut got) };
+                unsafe { split_passes(&pool, &call, &F16Kernels { w, q: &q, k, v, h, scale: 0.125 }, &mut got) };
                 let wide = w == x86::Width::Avx512;
                 assert!(same(&got), "split: {nh} heads / {nkv}, hd {hd}, t {t}, window {window}, AVX-512 {wide}");
             }
@@ -499,16 +604,20 @@ mod tests {
     }
 
     /// Attention over a Q8_0 cache is its definition: the query quantized to Q8_0, scores from the dequantized
-    /// K rows, an f32 softmax (with a sink), the dequantized V rows weighted (checked in f64 on random rows, for a
-    /// decode row and a windowed chunk); and the x86 V kernels give the portable loop's bits.
+    /// K rows, an f32 softmax (with a sink), the dequantized V rows weighted (checked in f64 on random rows, for
+    /// the three-pass split of few rows and the per-(row, K/V head) tasks of a chunk, with and without windows);
+    /// and the x86 V kernels give the portable loop's bits.
     #[test]
     fn q8_0_cache_attention_is_its_definition() {
         use crate::backend::kv::{KvCache, KvType};
         let pool = WorkerPool::new(2).expect("pool");
         let mut r = uniform(5);
-        for (nh, nkv, hd, pos0, t, window, sinks) in
-            [(6usize, 2usize, 64usize, 300usize, 1usize, 0usize, false), (4, 1, 96, 40, 3, 17, true)]
-        {
+        for (nh, nkv, hd, pos0, t, window, sinks) in [
+            (6usize, 2usize, 64usize, 300usize, 1usize, 0usize, false),
+            (4, 1, 96, 40, 3, 17, true),
+            (8, 2, 64, 50, 5, 0, true),
+            (6, 3, 32, 20, 4, 9, false),
+        ] {
             let (qd, kvd, n) = (nh * hd, nkv * hd, pos0 + t);
             let mut kv = KvCache::with_type(1, n, kvd, KvType::Q8_0);
             for p in 0..n {
