@@ -233,12 +233,21 @@ fn tiers_line(c: &pb::RequestCounters) -> String {
 }
 
 fn counters_line(c: &pb::RequestCounters) -> String {
+    // the prompt rate counts the tokens computed: with a reused prefix, say how many those were
+    let prompt = if c.prompt_reused > 0 {
+        format!(
+            "({} reused; {} computed in {:.1} ms, {:.1} tok/s)",
+            c.prompt_reused,
+            c.prompt_tokens.saturating_sub(c.prompt_reused),
+            c.prompt_ms,
+            c.prompt_tok_s
+        )
+    } else {
+        format!("(0 reused) in {:.1} ms ({:.1} tok/s)", c.prompt_ms, c.prompt_tok_s)
+    };
     format!(
-        "prompt {} tokens ({} reused) in {:.1} ms ({:.1} tok/s), generated {} tokens in {:.1} ms ({:.1} tok/s), finish: {}",
+        "prompt {} tokens {prompt}, generated {} tokens in {:.1} ms ({:.1} tok/s), finish: {}",
         c.prompt_tokens,
-        c.prompt_reused,
-        c.prompt_ms,
-        c.prompt_tok_s,
         c.generated_tokens,
         c.decode_ms,
         c.decode_tok_s,

@@ -233,8 +233,9 @@ fn stale_socket_replaced_live_socket_refused() {
     std::fs::remove_file(&f).unwrap();
 }
 
-/// `--kv-type q8_0` serves (the answer of the f16 cache on a short greedy prompt) and logs its cache type; an unknown
-/// type is refused before the model loads, in one line naming the accepted ones.
+/// `--kv-type q8_0` serves (the answer of the f16 cache on a short greedy prompt, and a repeated prompt from the
+/// cached prefix) and logs its cache type; an unknown type is refused before the model loads, in one line naming
+/// the accepted ones.
 #[test]
 fn kv_type_q8_0_serves_and_an_unknown_type_is_refused() {
     // the CPU backend (a GPU host refuses q8_0: its CUDA cache is f16 only so far)
@@ -242,6 +243,9 @@ fn kv_type_q8_0_serves_and_an_unknown_type_is_refused() {
     let o = d.ctl(&["generate", "--max-tokens", "8", "The capital of France is"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).starts_with(" Paris"), "got {:?}", stdout(&o));
+    // the same prompt again reuses the cached prefix; the line says how many tokens the prompt rate counts
+    let o = d.ctl(&["generate", "--max-tokens", "2", "The capital of France is"]);
+    assert!(stderr(&o).contains("prompt 5 tokens (4 reused; 1 computed in "), "{}", stderr(&o));
     d.signal(Signal::SIGTERM);
     let (_, log) = d.wait(Duration::from_secs(10));
     assert!(log.contains("kv_type=\"q8_0\""), "{log}");
