@@ -34,6 +34,9 @@ pub struct Heads {
 thread_local! {
     /// A task's scores, then probabilities (one per attended position).
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// [`split_passes`]' scores of every row and head, kept by the calling thread between calls (a decode token
+    /// would otherwise allocate and zero one per layer).
+    static SPLIT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// `out` (`t × n_head × head_dim`) = softmax(q·Kᵀ · scale) · V for the `t` rows of `q` (same shape) at positions
@@ -214,13 +217,15 @@ struct Q8Kernels<'a> {
     v: &'a [u8],
     h: Heads,
     scale: f32,
+    /// Bytes of a position's row (`n_head_kv · head_dim / 32` blocks) and of one K/V head's part of it.
+    rb: usize,
+    hb: usize,
 }
 
 impl Q8Kernels<'_> {
     /// Bytes of K/V head `kh` in position `p`'s row.
     fn row(&self, p: usize, kh: usize) -> std::ops::Range<usize> {
-        let (rb, hb) = (GgmlType::Q8_0.row_bytes(self.h.n_head_kv * self.h.head_dim), self.h.head_dim / 32 * 34);
-        p * rb + kh * hb..p * rb + (kh + 1) * hb
+        p * self.rb + kh * self.hb..p * self.rb + (kh + 1) * self.hb
     }
 }
 
@@ -287,7 +292,11 @@ unsafe fn split_passes<K: GroupKernels>(pool: &WorkerPool, r: &Call<'_>, kern: &
     let lspan = if r.window > 0 { lmax.min(r.window) } else { lmax };
     let want = 4 * pool.threads();
     // scores: row i, head h, span position j at sc[(i·nh + h)·lmax + j]
-    let mut sc = vec![0f32; t * nh * lmax];
+    // every score the later passes read is written by the first (the rest of each region is never read)
+    let mut sc = SPLIT.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    if sc.len() < t * nh * lmax {
+        sc.resize(t * nh * lmax, 0.0);
+    }
     let sc_ptr = SyncPtr(sc.as_mut_ptr());
     let chunks = want.div_ceil(t * nkv);
     let pc = lspan.div_ceil(chunks).next_multiple_of(64);
@@ -316,7 +325,7 @@ unsafe fn split_passes<K: GroupKernels>(pool: &WorkerPool, r: &Call<'_>, kern: &
     });
     let blocks = hd.div_ceil(32);
     let out_ptr = SyncPtr(out.as_mut_ptr());
-    let sc = &sc;
+    let scores = &sc;
     pool.run(t * nkv * blocks, |idx| {
         let (i, kh, b) = (idx / (nkv * blocks), idx / blocks % nkv, idx % blocks);
         let sp = r.span(i, kh);
@@ -327,8 +336,9 @@ unsafe fn split_passes<K: GroupKernels>(pool: &WorkerPool, r: &Call<'_>, kern: &
         // columns `cols` of row i's heads kh·group .. (kh + 1)·group.
         let o = unsafe { { out_ptr }.0.add((i * nh + kh * group) * hd) };
         // SAFETY: as above; kern as this function's contract.
-        unsafe { kern.values(i, kh, sp, &sc[base..base + group * len], cols, o) };
+        unsafe { kern.values(i, kh, sp, &scores[base..base + group * len], cols, o) };
     });
+    SPLIT.with(|c| *c.borrow_mut() = sc);
 }
 
 /// [`attend`] over Q8_0 K/V rows, as llama.cpp's flash attention over a Q8_0 cache computes it: the query
@@ -349,6 +359,8 @@ fn attend_q8_0(pool: &WorkerPool, q: &[f32], k: &[u8], v: &[u8], r: &Call<'_>, o
         v,
         h: r.h,
         scale: r.scale,
+        rb: GgmlType::Q8_0.row_bytes(nkv * hd),
+        hb: GgmlType::Q8_0.row_bytes(hd),
     };
     if r.t * nkv < 4 * pool.threads() {
         // SAFETY: the kernels read the rows `attend` checked (pos0 + t positions), nkv divides nh, hd % 32 == 0,
