@@ -894,6 +894,11 @@ __device__ __forceinline__ void mq_load_a(const u8* row, int ib, int tg, int& lo
     }
 }
 
+// (float)c for |c| < 2^22 (an int8 MMA's sum over one block: at most 32 · 128 · 127), exactly, in an integer add
+// and a float subtraction (1.5 · 2^23 + c is a float whose last mantissa bit is worth 1) instead of the
+// quarter-rate conversion instruction (four per MMA per thread).
+__device__ __forceinline__ float i2f_small(int c) { return __int_as_float(0x4B400000 + c) - 12582912.0f; }
+
 // One block's MMA into acc (this thread's rows g, g + 8 × columns 2·tg, 2·tg + 1 of one column tile), its integer
 // sums scaled by the rows' d (da, db) and the columns' dx, plus Q4_1's m·sx.
 // Formats of two scales per block (SUB_HALVES: da1, db1 scale the second 16 values) take two MMAs, each with the
@@ -909,17 +914,17 @@ __device__ __forceinline__ void mq_mma_scaled(float* acc, const int* a, int b0, 
         int c1[4] = {0, 0, 0, 0};
         mma_s8_16832(c, alo, b0, b1);
         mma_s8_16832(c1, ahi, b0, b1);
-        acc[0] += dx0 * (da * (float)c[0] + da1 * (float)c1[0]);
-        acc[1] += dx1 * (da * (float)c[1] + da1 * (float)c1[1]);
-        acc[2] += dx0 * (db * (float)c[2] + db1 * (float)c1[2]);
-        acc[3] += dx1 * (db * (float)c[3] + db1 * (float)c1[3]);
+        acc[0] += dx0 * (da * i2f_small(c[0]) + da1 * i2f_small(c1[0]));
+        acc[1] += dx1 * (da * i2f_small(c[1]) + da1 * i2f_small(c1[1]));
+        acc[2] += dx0 * (db * i2f_small(c[2]) + db1 * i2f_small(c1[2]));
+        acc[3] += dx1 * (db * i2f_small(c[3]) + db1 * i2f_small(c1[3]));
         return;
     }
     mma_s8_16832(c, a, b0, b1);
-    acc[0] += da * dx0 * (float)c[0];
-    acc[1] += da * dx1 * (float)c[1];
-    acc[2] += db * dx0 * (float)c[2];
-    acc[3] += db * dx1 * (float)c[3];
+    acc[0] += da * dx0 * i2f_small(c[0]);
+    acc[1] += da * dx1 * i2f_small(c[1]);
+    acc[2] += db * dx0 * i2f_small(c[2]);
+    acc[3] += db * dx1 * i2f_small(c[3]);
     if (FMT == FMT_Q4_1 || (IS_SUB(FMT) && SUB_MIN(FMT) == 1)) {
         acc[0] += ma * sx0;
         acc[1] += ma * sx1;
@@ -996,10 +1001,163 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
     }
 }
 
+// The pipelined MMA loop (Q8_0, Q4_0, Q4_1; STRATA_MMQ_PIPE, on unless compiled with 0): the weight rows' blocks
+// and the tokens' Q8 blocks of MQ_KB blocks at a time are copied into shared memory by cp.async (sm_80+) while the
+// previous MQ_KB blocks are multiplied, two stages in dynamic shared memory ([stage][NR rows × MQ_SA bytes | MQ_KB ×
+// MQ_BN × MQ_XS ints]; NR = MQ_BM, or 2·MQ_BM gate and up rows for GATED). The weights are copied as they are in
+// memory (16-byte pieces when every row and stage starts 16-byte aligned, else 4-byte ones) and read from shared
+// memory into the fragments as mq_load_a reads them from global memory; a Q8 block as its 40 bytes (d, s, qs at
+// ints 0, 1, 2..9 of its 12). Arithmetic as mq_core's, in the same order: the same bits.
+// rowp (shared, NR entries, written and synced by the caller): row i's first byte; mode: 16 or 4 (mq_pipe_mode).
+#ifndef STRATA_MMQ_PIPE
+#define STRATA_MMQ_PIPE 1
+#endif
+#define MQ_PIPE_FMT(F) ((F) == FMT_Q8_0 || (F) == FMT_Q4_0 || (F) == FMT_Q4_1)
+// bytes per block, and the shared row stride of MQ_KB blocks: a multiple of 16 bytes whose word count is 4 times an
+// odd number, so that the fragment reads of the 8 rows × 4 lanes of a warp fall on 32 different banks
+#define MQ_BB(F) ((F) == FMT_Q8_0 ? 34 : (F) == FMT_Q4_0 ? 18 : 20)
+#define MQ_SA(F) ((F) == FMT_Q8_0 ? 272 : (F) == FMT_Q4_0 ? 144 : 176)
+#define MQ_XBYTES (MQ_KB * MQ_BN * MQ_XS * 4)
+#define MQ_STAGE(F, NR) ((NR) * MQ_SA(F) + MQ_XBYTES)
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+#endif
+}
+
+// How the pipelined loop may copy rows whose starts are all congruent to `base_or` (the OR of the row bases and
+// the row stride) modulo 16, nb blocks long: 16 (16-byte pieces: aligned and whole stages), 4 (4-byte pieces: each
+// stage's span of every row a whole number of aligned words), 0 (not pipelined: mq_core).
+template <int FMT>
+__device__ __forceinline__ int mq_pipe_mode(unsigned long long base_or, int nb) {
+    if (!STRATA_MMQ_PIPE || !MQ_PIPE_FMT(FMT)) return 0;
+    if ((base_or & 15) == 0 && nb % MQ_KB == 0) return 16;
+    if ((base_or & 3) == 0 && ((nb % MQ_KB) * MQ_BB(FMT)) % 4 == 0) return 4;
+    return 0;
+}
+
+template <int FMT, bool GATED>
+__device__ __forceinline__ void mq_pipe_load(const u8* const* rowp, int mode, int kb0, int nb, const Q8* xq, int xb,
+                                             const int* xrow, u8* stage) {
+    constexpr int NR = GATED ? 2 * MQ_BM : MQ_BM, BB = MQ_BB(FMT), SA = MQ_SA(FMT), NT = 32 * MQ_WARPS;
+    const int kn = min(MQ_KB, nb - kb0);
+    const int span = kn * BB;  // bytes of each row in this stage
+    if (mode == 16) {
+        const int ch = span / 16;
+        for (int i = threadIdx.x; i < NR * ch; i += NT) {
+            const int r = i / ch, c = i - r * ch;
+            cp_async16(stage + r * SA + c * 16, rowp[r] + (size_t)kb0 * BB + c * 16);
+        }
+    } else {
+        const int ch = span / 4;
+        for (int i = threadIdx.x; i < NR * ch; i += NT) {
+            const int r = i / ch, c = i - r * ch;
+            cp_async4(stage + r * SA + c * 4, rowp[r] + (size_t)kb0 * BB + c * 4);
+        }
+    }
+    int* xs = (int*)(stage + NR * SA);
+    for (int i = threadIdx.x; i < kn * MQ_BN; i += NT) {
+        const int kb = i / MQ_BN, c = i % MQ_BN;
+        int* dst = xs + (kb * MQ_BN + c) * MQ_XS;
+        const int xr = xrow[c];
+        if (xr >= 0) {
+            const int* src = (const int*)(xq + (size_t)xr * xb + kb0 + kb);
+#pragma unroll
+            for (int q = 0; q < 5; q++) cp_async8(dst + 2 * q, src + 2 * q);
+        } else {
+#pragma unroll
+            for (int q = 0; q < 10; q++) dst[q] = 0;
+        }
+    }
+}
+
+template <int FMT, bool GATED>
+__device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, int nb, const Q8* xq, int xb,
+                                             const int* xrow, u8* smem, float (&acc)[MQ_BN / 8][4],
+                                             float (&accu)[MQ_BN / 8][4]) {
+    constexpr int NR = GATED ? 2 * MQ_BM : MQ_BM, SA = MQ_SA(FMT), STAGE = MQ_STAGE(FMT, NR);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+    const int la = warp * 16 + g, lb = la + 8;  // this thread's rows in the tile
+#pragma unroll
+    for (int j = 0; j < MQ_BN / 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][e] = accu[j][e] = 0.f;
+    const int ns = (nb + MQ_KB - 1) / MQ_KB;
+    mq_pipe_load<FMT, GATED>(rowp, mode, 0, nb, xq, xb, xrow, smem);
+    cp_async_commit();
+    for (int st = 0; st < ns; st++) {
+        if (st + 1 < ns) mq_pipe_load<FMT, GATED>(rowp, mode, (st + 1) * MQ_KB, nb, xq, xb, xrow, smem + ((st + 1) & 1) * STAGE);
+        cp_async_commit();
+        cp_async_wait<1>();  // this thread's copies of stage st are done
+        __syncthreads();     // and everyone's
+        const u8* as = smem + (st & 1) * STAGE;
+        const int* xk0 = (const int*)(as + NR * SA);
+        const int kn = min(MQ_KB, nb - st * MQ_KB);
+#pragma unroll
+        for (int kb = 0; kb < MQ_KB; kb++) {
+            if (kb >= kn) break;
+            int a[4], au[4];
+            float da, db, ma = 0.f, mb = 0.f, dua = 0.f, dub = 0.f, mua = 0.f, mub = 0.f;
+            float da1 = 0.f, db1 = 0.f, dua1 = 0.f, dub1 = 0.f;
+            mq_load_a<FMT>(as + la * SA, kb, tg, a[0], a[2], da, ma, da1);
+            mq_load_a<FMT>(as + lb * SA, kb, tg, a[1], a[3], db, mb, db1);
+            if (GATED) {
+                mq_load_a<FMT>(as + (MQ_BM + la) * SA, kb, tg, au[0], au[2], dua, mua, dua1);
+                mq_load_a<FMT>(as + (MQ_BM + lb) * SA, kb, tg, au[1], au[3], dub, mub, dub1);
+            }
+            const int* xk = xk0 + kb * MQ_BN * MQ_XS;
+#pragma unroll
+            for (int j = 0; j < MQ_BN / 8; j++) {
+                const int* xb0 = xk + (j * 8 + g) * MQ_XS;
+                const int b0 = xb0[2 + tg], b1 = xb0[6 + tg];
+                const int* x0 = xk + (j * 8 + 2 * tg) * MQ_XS;
+                const float dx0 = __int_as_float(x0[0]), dx1 = __int_as_float(x0[MQ_XS]);
+                const float sx0 = __int_as_float(x0[1]), sx1 = __int_as_float(x0[MQ_XS + 1]);
+                mq_mma_scaled<FMT>(acc[j], a, b0, b1, da, db, ma, mb, da1, db1, dx0, dx1, sx0, sx1);
+                if (GATED)
+                    mq_mma_scaled<FMT>(accu[j], au, b0, b1, dua, dub, mua, mub, dua1, dub1, dx0, dx1, sx0, sx1);
+            }
+        }
+        __syncthreads();  // stage st's buffer is free for stage st + 2
+    }
+    cp_async_wait<0>();
+}
+
+// The dynamic shared memory the tensor-core product kernels of FMT take (the pipelined loop's two stages; the
+// other loop stages its Q8 blocks in the first MQ_XBYTES of it). Formats without the pipelined loop: none.
+#define MQ_SMEM(F, GATED) (MQ_PIPE_FMT(F) ? 2 * MQ_STAGE(F, (GATED) ? 2 * MQ_BM : MQ_BM) : 0)
+
 template <int FMT>
 __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
                          const Q8* xq, int x_stride, int nt, float* out, int out_stride, int accumulate) {
-    __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
     __shared__ int xrow[MQ_BN];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
     const int rows = rows0 + rows1 + rows2;
@@ -1012,7 +1170,24 @@ __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     float acc[MQ_BN / 8][4], unused[MQ_BN / 8][4];
     pdl_trigger();
     pdl_wait();
-    mq_core<FMT, false>(rp, rp, cols / 32, xq, x_stride / 32, xrow, xs, acc, unused);
+    if constexpr (MQ_PIPE_FMT(FMT)) {
+        extern __shared__ __align__(16) int mq_dyn[];
+        __shared__ const u8* rowp[MQ_BM];
+        const int mode = mq_pipe_mode<FMT>((unsigned long long)w0 | (unsigned long long)w1 |
+                                               (unsigned long long)w2 | (unsigned long long)rbytes,
+                                           cols / 32);
+        if (mode) {
+            for (int i = threadIdx.x; i < MQ_BM; i += 32 * MQ_WARPS)
+                rowp[i] = stacked_row(w0, w1, w2, rows0, rows1, min(blockIdx.x * MQ_BM + i, rows - 1), rbytes);
+            __syncthreads();
+            mq_core_pipe<FMT, false>(rowp, mode, cols / 32, xq, x_stride / 32, xrow, (u8*)mq_dyn, acc, unused);
+        } else {
+            mq_core<FMT, false>(rp, rp, cols / 32, xq, x_stride / 32, xrow, mq_dyn, acc, unused);
+        }
+    } else {
+        __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
+        mq_core<FMT, false>(rp, rp, cols / 32, xq, x_stride / 32, xrow, xs, acc, unused);
+    }
 #pragma unroll
     for (int j = 0; j < MQ_BN / 8; j++) {
 #pragma unroll
@@ -1035,7 +1210,9 @@ __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
 #define MF_BK 32
 template <int FMT, int RT>
 __device__ void mmf_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
-                         const float* xf, int x_stride, int nt, float* out, int out_stride, int accumulate) {
+                         const float* xf, int x_stride, int nt, float* out, int out_stride, int accumulate,
+                         int kbeg = 0, int kend = 1 << 30) {
+    kend = min(kend, cols);
     constexpr int MF_BM = 16 * RT;  // rows per block: RT per thread, 16 apart
     __shared__ float ws[MF_BK][MF_BM + 4];
     __shared__ float xs[MF_BK][MF_BN + 4];
@@ -1050,12 +1227,12 @@ __device__ void mmf_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
         for (int j = 0; j < 4; j++) acc[i][j] = 0.f;
     pdl_trigger();
     pdl_wait();
-    for (int k0 = 0; k0 < cols; k0 += MF_BK) {
+    for (int k0 = kbeg; k0 < kend; k0 += MF_BK) {
         __syncthreads();
         for (int e = tid; e < MF_BM * MF_BK; e += 256) {
             const int rr = e / MF_BK, c = e % MF_BK, r = r0 + rr, col = k0 + c;
             float v = 0.f;
-            if (r < rows && col < cols) {
+            if (r < rows && col < kend) {
                 const u8* row = stacked_row(w0, w1, w2, rows0, rows1, r, rb);
                 if (FMT == FMT_F32) v = ((const float*)row)[col];
                 else if (FMT == FMT_F16) v = half_to_float(((const u16*)row)[col]);
@@ -1065,7 +1242,7 @@ __device__ void mmf_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
         }
         for (int e = tid; e < MF_BN * MF_BK; e += 256) {
             const int tt = e / MF_BK, c = e % MF_BK, col = k0 + c;
-            xs[c][tt] = t0 + tt < nt && col < cols ? xf[(size_t)(t0 + tt) * x_stride + col] : 0.f;
+            xs[c][tt] = t0 + tt < nt && col < kend ? xf[(size_t)(t0 + tt) * x_stride + col] : 0.f;
         }
         __syncthreads();
 #pragma unroll 8
@@ -1110,6 +1287,47 @@ __device__ void mmf_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
 MMF_KERNEL(mmf_f32, FMT_F32)
 MMF_KERNEL(mmf_f16, FMT_F16)
 MMF_KERNEL(mmf_bf16, FMT_BF16)
+
+// Split-K form of the tiled float product for matrices of few rows and many columns (a router over a prefill chunk:
+// 128 rows × 2,048 columns gave 16-64 blocks of 64 serial column steps, latency-bound at 0.25 ms per layer on the
+// H200). Block (x, y, z) computes rows x·MF_BM.., tokens y·MF_BN.. over columns [z·kspan, (z + 1)·kspan) as mmf_body
+// and writes its partial sums to part[(z · nt + tok) · rows + r]; mmf_sum_split adds the gridDim.z partials of
+// each output in z order (deterministic; another order than the one-block kernels': rounding only).
+extern "C" __global__ void __launch_bounds__(256) mmf_split_f32(const u8* __restrict__ w, int rows, int cols,
+                                                              const float* xf, int x_stride, int nt, int kspan,
+                                                              float* part) {
+    const int z = blockIdx.z;
+    mmf_body<FMT_F32, 4>(w, nullptr, nullptr, rows, 0, 0, cols, xf, x_stride, nt, part + (size_t)z * nt * rows, rows,
+                         0, z * kspan, z * kspan + kspan);
+}
+extern "C" __global__ void __launch_bounds__(256) mmf_split_f16(const u8* __restrict__ w, int rows, int cols,
+                                                              const float* xf, int x_stride, int nt, int kspan,
+                                                              float* part) {
+    const int z = blockIdx.z;
+    mmf_body<FMT_F16, 4>(w, nullptr, nullptr, rows, 0, 0, cols, xf, x_stride, nt, part + (size_t)z * nt * rows, rows,
+                         0, z * kspan, z * kspan + kspan);
+}
+extern "C" __global__ void __launch_bounds__(256) mmf_split_bf16(const u8* __restrict__ w, int rows, int cols,
+                                                               const float* xf, int x_stride, int nt, int kspan,
+                                                               float* part) {
+    const int z = blockIdx.z;
+    mmf_body<FMT_BF16, 4>(w, nullptr, nullptr, rows, 0, 0, cols, xf, x_stride, nt, part + (size_t)z * nt * rows,
+                          rows, 0, z * kspan, z * kspan + kspan);
+}
+
+// out[tok · out_stride + r] (+)= Σ_z part[(z · nt + tok) · rows + r], z = 0 .. nz − 1 in order. Grid: ceil(nt · rows /
+// 256); block: 256 threads.
+extern "C" __global__ void mmf_sum_split(const float* part, int nz, int nt, int rows, float* out, int out_stride,
+                                         int accumulate) {
+    pdl_entry();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nt * rows) return;
+    const int tok = i / rows, r = i % rows;
+    float s = 0.f;
+    for (int z = 0; z < nz; z++) s += part[(size_t)z * nt * rows + i];
+    float* o = out + (size_t)tok * out_stride + r;
+    *o = accumulate ? *o + s : s;
+}
 
 #define MMQ_KERNEL(NAME, FMT)                                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * MQ_WARPS) NAME(                                            \
@@ -1504,6 +1722,50 @@ extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_
     for (int j = j0; j < kvd; j += js) vc[j] = float_to_half(src[qd + kvd + j]);
 }
 
+// Element `e` of one head of k after RoPE (x: the head's hd values; the same rounded products as rope_store).
+__device__ __forceinline__ float rope_elem(const float* x, const float2* c, int e, int n_rot, int neox) {
+    if (e >= n_rot) return x[e];
+    if (neox) {
+        const int half = n_rot / 2;
+        return e < half ? rotate(x[e], x[e + half], c[e]).x : rotate(x[e - half], x[e], c[e - half]).y;
+    }
+    const int p = e & ~1;
+    const float2 o = rotate(x[p], x[p + 1], c[p / 2]);
+    return (e & 1) ? o.y : o.x;
+}
+
+// rope_store for a Q8_0 KV cache (`--kv-type q8_0`): q as rope_store writes it; k (after RoPE) and v stored as ggml
+// Q8_0 blocks of 32 values (KvRows<1>), quantized as quantize_block_warp quantizes activations — d = max|x| / 127
+// rounded to f16, codes round(x · 127 / max|x|) to nearest even: the CPU cache's encoding (kv.rs encode_q8_0), so the
+// cache holds the same bytes as the CPU's for the same k and v. One warp per block of 32 values; hd % 32 == 0.
+// Grid: (t, any); block: 128 threads.
+extern "C" __global__ void rope_store_q8(const float* qkv, const float2* cs, int n_head, int n_head_kv, int hd,
+                                         int n_rot, const int* pos, float* q, u8* kcache, u8* vcache, int neox) {
+    pdl_entry();
+    const int i = blockIdx.x;
+    const int pos0 = *pos;
+    const int qd = n_head * hd, kvd = n_head_kv * hd;
+    const float* src = qkv + (size_t)i * (qd + 2 * kvd);
+    const float2* c = cs + (size_t)i * (n_rot / 2);
+    const int j0 = blockIdx.y * blockDim.x + threadIdx.x, js = gridDim.y * blockDim.x;
+    for (int j = j0; j < qd; j += js) {
+        const int h = j / hd, e = j % hd;
+        q[(size_t)i * qd + j] = f16_round(rope_elem(src + (size_t)h * hd, c, e, n_rot, neox));
+    }
+    const int lane = threadIdx.x % 32, nb = kvd / 32;
+    const size_t rb = (size_t)nb * 34;
+    for (int w = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; w < 2 * nb; w += gridDim.y * (blockDim.x / 32)) {
+        const bool is_v = w >= nb;
+        const int b = is_v ? w - nb : w, d = b * 32 + lane, h = d / hd, e = d % hd;
+        const float v = is_v ? src[qd + kvd + d] : rope_elem(src + qd + (size_t)h * hd, c, e, n_rot, neox);
+        const float amax = warp_max(fabsf(v));
+        const float id = amax != 0.f ? 127.0f / amax : 0.f;
+        u8* blk = (is_v ? vcache : kcache) + (size_t)(pos0 + i) * rb + (size_t)b * 34;
+        blk[2 + lane] = (u8)(signed char)__float2int_rn(v * id);
+        if (lane == 0) *(u16*)blk = float_to_half(amax / 127.0f);
+    }
+}
+
 // The maximum of `v` over the block (every thread gets it), through `red` (one float per warp, shared); ends with a
 // barrier, so `red` may be reused.
 __device__ __forceinline__ float block_max(float v, float* red) {
@@ -1515,6 +1777,47 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     for (int w = 1; w < nw; w++) v = fmaxf(v, red[w]);
     __syncthreads();
     return v;
+}
+
+// KV cache rows, by type: KVQ 0 = f16 (kvd halves per position), 1 = ggml Q8_0 (kvd / 32 blocks of 34 bytes per
+// position: an f16 scale d and 32 signed bytes, value = d · q; a head's hd values (hd % 32 == 0) are hd / 32 whole
+// blocks). `at(p, kh, hd)` is the first byte of K/V head kh at position p.
+template <int KVQ>
+struct KvRows {
+    const u8* base;
+    size_t rb;  // bytes per position
+    __device__ __forceinline__ KvRows(const void* b, int kvd)
+        : base((const u8*)b), rb(KVQ ? (size_t)(kvd / 32) * 34 : (size_t)kvd * 2) {}
+    __device__ __forceinline__ const u8* at(size_t p, int kh, int hd) const {
+        return base + p * rb + (KVQ ? (size_t)kh * (hd / 32) * 34 : (size_t)kh * hd * 2);
+    }
+    // value `col` of the head row at `r` (from `at`)
+    __device__ __forceinline__ float val(const u8* r, int col) const {
+        if (KVQ) {
+            const u8* b = r + (col / 32) * 34;
+            return h2f(b) * (float)(signed char)b[2 + col % 32];
+        }
+        return half_to_float(((const u16*)r)[col]);
+    }
+};
+
+// The attention score q · k of a Q8_0 key row `kr` (hd / 32 blocks) and the f32 query `qs` (shared): per block
+// d · Σ q·k in f32 (the dequantized values d·k are exact in f32; no query quantization).
+__device__ __forceinline__ float att_score_q8(const float* qs, const u8* kr, int hd) {
+    float s = 0.f;
+    for (int b = 0; b < hd / 32; b++) {
+        const u8* blk = kr + b * 34;
+        const u16* w = (const u16*)(blk + 2);
+        float a = 0.f;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const u16 v = w[j];
+            a = fmaf(qs[32 * b + 2 * j], (float)(signed char)(v & 0xff), a);
+            a = fmaf(qs[32 * b + 2 * j + 1], (float)(signed char)(v >> 8), a);
+        }
+        s = fmaf(h2f(blk), a, s);
+    }
+    return s;
 }
 
 // The attention score q · k of one position (unscaled): f16 keys `kr`, f32 query `qs` (shared); `vec`: 16-byte
@@ -1551,9 +1854,11 @@ __device__ __forceinline__ float att_score(const float* qs, const u16* kr, int h
 // outq != null (hd % 32 == 0): the output rows are also written as Q8 blocks (the input of the output product).
 // window > 0: each row attends to its last `window` positions only (sliding-window layers); sinks != null: head h's
 // softmax also counts exp(sinks[h]) in its denominator (gpt-oss's attention sinks, one logit per query head).
-extern "C" __global__ void attention(const float* q, const u16* kcache, const u16* vcache, int n_head,
-                                     int n_head_kv, int hd, const int* pos, float scale, float* out, Q8* outq,
-                                     int window, const float* sinks) {
+// KVQ 1 (`attention_q8`): a Q8_0 cache (KvRows), scores by att_score_q8, V dequantized; not bit-exact with the CPU
+// path (which quantizes the query for the scores).
+template <int KVQ>
+__device__ void attention_body(const float* q, const void* kc, const void* vc, int n_head, int n_head_kv, int hd,
+                               const int* pos, float scale, float* out, Q8* outq, int window, const float* sinks) {
     pdl_entry();
     extern __shared__ float sh[];
     const int pos0 = *pos;
@@ -1562,9 +1867,10 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
     // a sliding window: the last `window` positions only (scores indexed from the first of them)
     const int first = window > 0 ? max(0, n_all - window) : 0;
     const int n = n_all - first;
-    kcache += (size_t)first * n_head_kv * hd;
-    vcache += (size_t)first * n_head_kv * hd;
     const int kvd = n_head_kv * hd;
+    const KvRows<KVQ> kr(kc, kvd), vr(vc, kvd);
+    const u16* kcache = (const u16*)kc + (size_t)first * kvd;
+    const u16* vcache = (const u16*)vc + (size_t)first * kvd;
     const int kh = h / (n_head / n_head_kv);
     float* qs = sh;
     float* sc = sh + hd;
@@ -1575,7 +1881,8 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
     const bool vec = hd % 8 == 0 && kvd % 8 == 0 && ((size_t)kcache & 15) == 0;
     float mx = -INFINITY;
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
-        float s = att_score(qs, kcache + (size_t)p * kvd + kh * hd, hd, vec);
+        float s = KVQ ? att_score_q8(qs, kr.at(first + p, kh, hd), hd)
+                      : att_score(qs, kcache + (size_t)p * kvd + kh * hd, hd, vec);
         s = __fmul_rn(s, scale);
         sc[p] = s;
         mx = fmaxf(mx, s);
@@ -1604,13 +1911,28 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
         const int d = d0 + threadIdx.x;
         float acc = 0.f;
         if (d < hd) {
-            const u16* vp = vcache + kh * hd + d;
+            if (KVQ) {
+                for (int p = 0; p < n; p++) acc = __fadd_rn(acc, __fmul_rn(sc[p], vr.val(vr.at(first + p, kh, hd), d)));
+            } else {
+                const u16* vp = vcache + kh * hd + d;
 #pragma unroll 4
-            for (int p = 0; p < n; p++) acc = __fadd_rn(acc, __fmul_rn(sc[p], half_to_float(vp[(size_t)p * kvd])));
+                for (int p = 0; p < n; p++) acc = __fadd_rn(acc, __fmul_rn(sc[p], half_to_float(vp[(size_t)p * kvd])));
+            }
             o[d] = acc;
         }
         if (outq && d - lane < hd) quantize_block_warp(acc, outq + ((size_t)i * n_head + h) * (hd / 32) + d / 32, lane);
     }
+}
+
+extern "C" __global__ void attention(const float* q, const u16* kcache, const u16* vcache, int n_head,
+                                     int n_head_kv, int hd, const int* pos, float scale, float* out, Q8* outq,
+                                     int window, const float* sinks) {
+    attention_body<0>(q, kcache, vcache, n_head, n_head_kv, hd, pos, scale, out, outq, window, sinks);
+}
+extern "C" __global__ void attention_q8(const float* q, const u8* kcache, const u8* vcache, int n_head,
+                                        int n_head_kv, int hd, const int* pos, float scale, float* out, Q8* outq,
+                                        int window, const float* sinks) {
+    attention_body<1>(q, kcache, vcache, n_head, n_head_kv, hd, pos, scale, out, outq, window, sinks);
 }
 
 // Split-K attention of a few query rows over a long KV cache (decode windows, `cap` > ATT_SPLIT_MIN positions).
@@ -1622,10 +1944,13 @@ extern "C" __global__ void attention(const float* q, const u16* kcache, const u1
 // differs from `attention` by rounding only. window > 0: positions before the row's last `window` do not count (a
 // chunk wholly before them writes l = 0). Grid: (n_head, t, ceil(cap / ATT_CHUNK)); block: 128 threads; hd <= 256.
 #define ATT_CHUNK 256
-extern "C" __global__ void attention_split(const float* q, const u16* kcache, const u16* vcache, int n_head,
-                                           int n_head_kv, int hd, const int* pos, float scale, float* part,
-                                           int window) {
+template <int KVQ>
+__device__ void attention_split_body(const float* q, const void* kc, const void* vc, int n_head, int n_head_kv,
+                                     int hd, const int* pos, float scale, float* part, int window) {
     pdl_entry();
+    const u16* kcache = (const u16*)kc;
+    const u16* vcache = (const u16*)vc;
+    const KvRows<KVQ> kr(kc, n_head_kv * hd), vr(vc, n_head_kv * hd);
     __shared__ float qs[256];
     __shared__ float sc[ATT_CHUNK];
     __shared__ float red[32];
@@ -1651,7 +1976,9 @@ extern "C" __global__ void attention_split(const float* q, const u16* kcache, co
     const bool vec = hd % 8 == 0 && kvd % 8 == 0 && ((size_t)kcache & 15) == 0;
     float mx = -INFINITY;
     for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-        const float s = __fmul_rn(att_score(qs, kcache + (size_t)p * kvd + kh * hd, hd, vec), scale);
+        const float s = __fmul_rn(KVQ ? att_score_q8(qs, kr.at(p, kh, hd), hd)
+                                      : att_score(qs, kcache + (size_t)p * kvd + kh * hd, hd, vec),
+                                  scale);
         sc[p - p0] = s;
         mx = fmaxf(mx, s);
     }
@@ -1674,10 +2001,25 @@ extern "C" __global__ void attention_split(const float* q, const u16* kcache, co
     const u16* vp = vcache + (size_t)p0 * kvd + kh * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.f;
+        if (KVQ) {
+            for (int p = 0; p < p1 - p0; p++) acc = fmaf(sc[p], vr.val(vr.at(p0 + p, kh, hd), d), acc);
+        } else {
 #pragma unroll 4
-        for (int p = 0; p < p1 - p0; p++) acc = fmaf(sc[p], half_to_float(vp[(size_t)p * kvd + d]), acc);
+            for (int p = 0; p < p1 - p0; p++) acc = fmaf(sc[p], half_to_float(vp[(size_t)p * kvd + d]), acc);
+        }
         pr[2 + d] = acc;
     }
+}
+
+extern "C" __global__ void attention_split(const float* q, const u16* kcache, const u16* vcache, int n_head,
+                                           int n_head_kv, int hd, const int* pos, float scale, float* part,
+                                           int window) {
+    attention_split_body<0>(q, kcache, vcache, n_head, n_head_kv, hd, pos, scale, part, window);
+}
+extern "C" __global__ void attention_split_q8(const float* q, const u8* kcache, const u8* vcache, int n_head,
+                                              int n_head_kv, int hd, const int* pos, float scale, float* part,
+                                              int window) {
+    attention_split_body<1>(q, kcache, vcache, n_head, n_head_kv, hd, pos, scale, part, window);
 }
 
 // Merges the chunks of attention_split: out = Σ_z exp(m_z − M) · acc_z / Σ_z exp(m_z − M) · l_z (M the largest
@@ -1753,9 +2095,26 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1
 #endif
 }
 
-template <int HD>
-__device__ void attention_tiled_body(const float* q, const u16* kcache, const u16* vcache, int n_head, int n_head_kv,
+// 8 values of a Q8_0 row from value `off` (a multiple of 8) as f16 (d · q rounded to f16, as llama.cpp's tensor-core
+// attention converts a quantized cache).
+__device__ __forceinline__ uint4 q8_row_half8(const u8* row, int off) {
+    const u8* b = row + (off / 32) * 34;
+    const float d = h2f(b);
+    const u16* w = (const u16*)(b + 2 + off % 32);
+    u32 o[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const u16 v = w[j];
+        o[j] = pack_half2(d * (float)(signed char)(v & 0xff), d * (float)(signed char)(v >> 8));
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+template <int HD, int KVQ>
+__device__ void attention_tiled_body(const float* q, const void* kc, const void* vc, int n_head, int n_head_kv,
                                      int t, const int* pos, float scale, float* out, int window, const float* sinks) {
+    const u16* kcache = (const u16*)kc;
+    const u16* vcache = (const u16*)vc;
     constexpr int LD = HD + 8;  // shared row stride in halves: rows 4 banks apart, no conflicts in the B loads
     __shared__ __align__(16) u16 ks[FA_BK * LD];
     __shared__ __align__(16) u16 vs[FA_BK * LD];
@@ -1802,9 +2161,15 @@ __device__ void attention_tiled_body(const float* q, const u16* kcache, const u1
             const int r = c / CH, off = (c % CH) * 8;
             uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
             if (p0 + r < n_blk) {
-                const size_t src = (size_t)(p0 + r) * kvd + (size_t)kh * HD + off;
-                kv = *(const uint4*)(kcache + src);
-                vv = *(const uint4*)(vcache + src);
+                if (KVQ) {
+                    const KvRows<1> kr(kc, kvd), vr(vc, kvd);
+                    kv = q8_row_half8(kr.at(p0 + r, kh, HD), off);
+                    vv = q8_row_half8(vr.at(p0 + r, kh, HD), off);
+                } else {
+                    const size_t src = (size_t)(p0 + r) * kvd + (size_t)kh * HD + off;
+                    kv = *(const uint4*)(kcache + src);
+                    vv = *(const uint4*)(vcache + src);
+                }
             }
             *(uint4*)(ks + r * LD + off) = kv;
             *(uint4*)(vs + r * LD + off) = vv;
@@ -1904,7 +2269,12 @@ __device__ void attention_tiled_body(const float* q, const u16* kcache, const u1
     extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) attention_tiled_##HD(                             \
         const float* q, const u16* kcache, const u16* vcache, int n_head, int n_head_kv, int t, const int* pos,   \
         float scale, float* out, int window, const float* sinks) {                                                \
-        attention_tiled_body<HD>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out, window, sinks);       \
+        attention_tiled_body<HD, 0>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out, window, sinks);    \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) attention_tiled_q8_##HD(                          \
+        const float* q, const u8* kcache, const u8* vcache, int n_head, int n_head_kv, int t, const int* pos,     \
+        float scale, float* out, int window, const float* sinks) {                                                \
+        attention_tiled_body<HD, 1>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out, window, sinks);    \
     }
 ATTENTION_TILED(64)
 ATTENTION_TILED(80)
@@ -2430,7 +2800,6 @@ __device__ __forceinline__ void mq_tile_cols(const Group* groups, int2 tl, bool 
 template <int FMT>
 __device__ void expert_gate_up_mmq_body(const Group* groups, const int2* tiles, const u8* slots, size_t slot_bytes,
                                         int ff, int e, const Q8* xq, float* h, const Glu gl) {
-    __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
     __shared__ int xrow[MQ_BN], prow[MQ_BN];
     pdl_entry();
     const int2 tl = tiles[blockIdx.y];
@@ -2443,7 +2812,24 @@ __device__ void expert_gate_up_mmq_body(const Group* groups, const int2* tiles, 
     const u8* ru[2] = {rp[0] + (size_t)ff * rbytes, rp[1] + (size_t)ff * rbytes};
     mq_tile_cols(groups, tl, false, xrow, prow);
     float acc[MQ_BN / 8][4], accu[MQ_BN / 8][4];
-    mq_core<FMT, true>(rp, ru, e / 32, xq, e / 32, xrow, xs, acc, accu);
+    if constexpr (MQ_PIPE_FMT(FMT)) {
+        extern __shared__ __align__(16) int mq_dyn[];
+        __shared__ const u8* rowp[2 * MQ_BM];
+        const int mode = mq_pipe_mode<FMT>((unsigned long long)blob | (unsigned long long)rbytes, e / 32);
+        if (mode) {
+            for (int i = threadIdx.x; i < MQ_BM; i += 32 * MQ_WARPS) {
+                rowp[i] = blob + (size_t)min(blockIdx.x * MQ_BM + i, ff - 1) * rbytes;
+                rowp[MQ_BM + i] = rowp[i] + (size_t)ff * rbytes;
+            }
+            __syncthreads();
+            mq_core_pipe<FMT, true>(rowp, mode, e / 32, xq, e / 32, xrow, (u8*)mq_dyn, acc, accu);
+        } else {
+            mq_core<FMT, true>(rp, ru, e / 32, xq, e / 32, xrow, mq_dyn, acc, accu);
+        }
+    } else {
+        __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
+        mq_core<FMT, true>(rp, ru, e / 32, xq, e / 32, xrow, xs, acc, accu);
+    }
 #pragma unroll
     for (int j = 0; j < MQ_BN / 8; j++) {
 #pragma unroll
@@ -2460,7 +2846,6 @@ __device__ void expert_gate_up_mmq_body(const Group* groups, const int2* tiles, 
 template <int FMT>
 __device__ void expert_down_mmq_body(const Group* groups, const int2* tiles, const u8* slots, size_t slot_bytes,
                                      size_t down_off, size_t down_rb, int ff, int e, const Q8* hq, float* out) {
-    __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
     __shared__ int xrow[MQ_BN], prow[MQ_BN];
     pdl_entry();
     const int2 tl = tiles[blockIdx.y];
@@ -2471,7 +2856,22 @@ __device__ void expert_down_mmq_body(const Group* groups, const int2* tiles, con
     const u8* rp[2] = {down + (size_t)min(ra, e - 1) * down_rb, down + (size_t)min(rb, e - 1) * down_rb};
     mq_tile_cols(groups, tl, true, xrow, prow);
     float acc[MQ_BN / 8][4], unused[MQ_BN / 8][4];
-    mq_core<FMT, false>(rp, rp, ff / 32, hq, ff / 32, xrow, xs, acc, unused);
+    if constexpr (MQ_PIPE_FMT(FMT)) {
+        extern __shared__ __align__(16) int mq_dyn[];
+        __shared__ const u8* rowp[MQ_BM];
+        const int mode = mq_pipe_mode<FMT>((unsigned long long)down | (unsigned long long)down_rb, ff / 32);
+        if (mode) {
+            for (int i = threadIdx.x; i < MQ_BM; i += 32 * MQ_WARPS)
+                rowp[i] = down + (size_t)min(blockIdx.x * MQ_BM + i, e - 1) * down_rb;
+            __syncthreads();
+            mq_core_pipe<FMT, false>(rowp, mode, ff / 32, hq, ff / 32, xrow, (u8*)mq_dyn, acc, unused);
+        } else {
+            mq_core<FMT, false>(rp, rp, ff / 32, hq, ff / 32, xrow, mq_dyn, acc, unused);
+        }
+    } else {
+        __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
+        mq_core<FMT, false>(rp, rp, ff / 32, hq, ff / 32, xrow, xs, acc, unused);
+    }
 #pragma unroll
     for (int j = 0; j < MQ_BN / 8; j++) {
 #pragma unroll

@@ -99,6 +99,9 @@ pub struct BenchArgs {
     /// Prefill chunk (the daemon's `--batch`): the prompt runs through the model this many tokens at a time.
     #[arg(long, default_value_t = 64)]
     batch: usize,
+    /// The KV cache's type (the daemon's `--kv-type`: f16 or q8_0).
+    #[arg(long, default_value = "f16")]
+    kv_type: strata::backend::KvType,
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -304,11 +307,14 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Random f16-rounded queries (as RoPE leaves them) and f16 K/V caches of `pos0 + t` positions on the device, with
-/// two output buffers (NaN-filled) for two attention kernels to be compared.
+/// two output buffers (NaN-filled) for two attention kernels to be compared. Built by [`AttentionCase::new_q8`],
+/// it also holds Q8_0 caches (`kq`, `vq`: random values encoded as the CPU's `--kv-type q8_0` cache encodes
+/// them), and the f16 caches hold their dequantized values rounded to f16.
 struct AttentionCase {
     q: strata::backend::cuda::driver::DevBuf,
     k: strata::backend::cuda::driver::DevBuf,
     v: strata::backend::cuda::driver::DevBuf,
+    kq: Option<(strata::backend::cuda::driver::DevBuf, strata::backend::cuda::driver::DevBuf)>,
     pos: strata::backend::cuda::driver::DevBuf,
     out: [strata::backend::cuda::driver::DevBuf; 2],
     outq: strata::backend::cuda::driver::DevBuf,
@@ -328,11 +334,52 @@ impl AttentionCase {
             q: DevBuf::from_slice(&q)?,
             k: DevBuf::from_slice(&kc)?,
             v: DevBuf::from_slice(&vc)?,
+            kq: None,
             pos: DevBuf::from_slice(&[pos0 as i32, 0])?,
             out: [DevBuf::from_slice(&vec![f32::NAN; len])?, DevBuf::from_slice(&vec![f32::NAN; len])?],
             outq: DevBuf::alloc(t * nh * hd.div_ceil(32) * strata::backend::cuda::ops::Q8_BYTES)?,
             len,
         })
+    }
+
+    /// As [`AttentionCase::new`] with Q8_0 caches beside the f16 ones (head size a multiple of 32).
+    fn new_q8(
+        (nh, nkv, hd): (usize, usize, usize),
+        (pos0, t): (usize, usize),
+        seed: &mut u64,
+    ) -> Result<AttentionCase> {
+        use strata::backend::cuda::driver::DevBuf;
+        let mut c = AttentionCase::new((nh, nkv, hd), (pos0, t), seed)?;
+        let n = (pos0 + t) * nkv * hd;
+        let mut caches = Vec::new();
+        let mut halves = Vec::new();
+        for scale in [2.0f32, 1.0] {
+            let x: Vec<f32> = (0..n).map(|_| ((rng(seed) % 20001) as f32 / 10000.0 - 1.0) * scale).collect();
+            let mut q8 = vec![0u8; n / 32 * 34];
+            strata::backend::kv::encode_q8_0(&x, &mut q8);
+            let h: Vec<u16> = q8
+                .chunks_exact(34)
+                .flat_map(|b| {
+                    let d = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                    b[2..].iter().map(move |&v| half::f16::from_f32(d * v as i8 as f32).to_bits())
+                })
+                .collect();
+            caches.push(DevBuf::from_slice(&q8)?);
+            halves.push(DevBuf::from_slice(&h)?);
+        }
+        let (vq, kq) = (caches.pop().expect("v"), caches.pop().expect("k"));
+        c.v = halves.pop().expect("v");
+        c.k = halves.pop().expect("k");
+        c.kq = Some((kq, vq));
+        Ok(c)
+    }
+
+    /// The K/V caches as the kernels take them: the f16 ones, or (`q8`) the Q8_0 ones.
+    fn kv(&self, q8: bool) -> strata::backend::cuda::ops::KvPtrs {
+        match (&self.kq, q8) {
+            (Some((k, v)), true) => strata::backend::cuda::ops::KvPtrs { k: k.ptr, v: v.ptr, q8: true },
+            _ => strata::backend::cuda::ops::KvPtrs { k: self.k.ptr, v: self.v.ptr, q8: false },
+        }
     }
 
     /// The relative error of the second output against the first, once the stream is done.
@@ -348,22 +395,45 @@ impl AttentionCase {
 /// The split-K attention against the one-block kernel ([`AttentionCase`]), the split one launched for attention
 /// size class `cap` ≥ pos0 + t (chunks past the rows' positions, as a replayed decode graph has them): the relative
 /// error of the output rows.
+/// `q8`: over Q8_0 caches ([`AttentionCase::new_q8`]).
 fn check_attention(
     ops: &strata::backend::cuda::ops::Ops,
     (nh, nkv, hd): (usize, usize, usize),
     (pos0, t, cap): (usize, usize, usize),
     (window, with_sinks): (usize, bool),
+    q8: bool,
     seed: &mut u64,
 ) -> Result<f64> {
-    let c = AttentionCase::new((nh, nkv, hd), (pos0, t), seed)?;
+    let c = if q8 {
+        AttentionCase::new_q8((nh, nkv, hd), (pos0, t), seed)?
+    } else {
+        AttentionCase::new((nh, nkv, hd), (pos0, t), seed)?
+    };
     let part = strata::backend::cuda::driver::DevBuf::alloc(
         strata::backend::cuda::ops::split_part_floats(t, nh, hd, cap) * 4,
     )?;
-    let (q, k, v, p) = (c.q.ptr, c.k.ptr, c.v.ptr, c.pos.ptr);
+    let (q, kv, p) = (c.q.ptr, c.kv(q8), c.pos.ptr);
     let sinks = Sinks::new(with_sinks, nh, seed)?;
     let ws = (window, sinks.ptr());
-    ops.attention(q, k, v, nh, nkv, hd, p, pos0 + t, t, c.out[0].ptr, c.outq.ptr, None, ws)?;
-    ops.attention(q, k, v, nh, nkv, hd, p, cap, t, c.out[1].ptr, c.outq.ptr, Some(part.ptr), ws)?;
+    ops.attention(q, kv, nh, nkv, hd, p, pos0 + t, t, c.out[0].ptr, c.outq.ptr, None, ws)?;
+    ops.attention(q, kv, nh, nkv, hd, p, cap, t, c.out[1].ptr, c.outq.ptr, Some(part.ptr), ws)?;
+    c.diff(ops)
+}
+
+/// The one-block kernel over Q8_0 caches against the same kernel over f16 caches holding their dequantized values
+/// rounded to f16 ([`AttentionCase::new_q8`]): the relative error of the output rows (the rounding of d·q to f16
+/// only, when the Q8_0 rows are read right).
+fn check_attention_q8(
+    ops: &strata::backend::cuda::ops::Ops,
+    (nh, nkv, hd): (usize, usize, usize),
+    (pos0, t): (usize, usize),
+    seed: &mut u64,
+) -> Result<f64> {
+    let c = AttentionCase::new_q8((nh, nkv, hd), (pos0, t), seed)?;
+    let (q, p) = (c.q.ptr, c.pos.ptr);
+    let scale = 1.0 / (hd as f32).sqrt();
+    ops.attention_exact(q, c.kv(false), (nh, nkv, hd), p, scale, pos0 + t, t, c.out[0].ptr, c.outq.ptr, (0, 0))?;
+    ops.attention_exact(q, c.kv(true), (nh, nkv, hd), p, scale, pos0 + t, t, c.out[1].ptr, c.outq.ptr, (0, 0))?;
     c.diff(ops)
 }
 
@@ -387,20 +457,26 @@ impl Sinks {
 
 /// The tiled prefill attention (what [`strata::backend::cuda::ops::Ops::attention`] runs for more than a decode
 /// window's rows) against the one-block kernel ([`AttentionCase`]): the relative error of the output rows.
+/// `q8`: over Q8_0 caches ([`AttentionCase::new_q8`]).
 fn check_attention_tiled(
     ops: &strata::backend::cuda::ops::Ops,
     (nh, nkv, hd): (usize, usize, usize),
     (pos0, t): (usize, usize),
     (window, with_sinks): (usize, bool),
+    q8: bool,
     seed: &mut u64,
 ) -> Result<f64> {
-    let c = AttentionCase::new((nh, nkv, hd), (pos0, t), seed)?;
-    let (q, k, v, p) = (c.q.ptr, c.k.ptr, c.v.ptr, c.pos.ptr);
+    let c = if q8 {
+        AttentionCase::new_q8((nh, nkv, hd), (pos0, t), seed)?
+    } else {
+        AttentionCase::new((nh, nkv, hd), (pos0, t), seed)?
+    };
+    let (q, kv, p) = (c.q.ptr, c.kv(q8), c.pos.ptr);
     let scale = 1.0 / (hd as f32).sqrt();
     let sinks = Sinks::new(with_sinks, nh, seed)?;
     let ws = (window, sinks.ptr());
-    ops.attention_exact(q, k, v, (nh, nkv, hd), p, scale, pos0 + t, t, c.out[0].ptr, c.outq.ptr, ws)?;
-    ops.attention(q, k, v, nh, nkv, hd, p, pos0 + t, t, c.out[1].ptr, c.outq.ptr, None, ws)?;
+    ops.attention_exact(q, kv, (nh, nkv, hd), p, scale, pos0 + t, t, c.out[0].ptr, c.outq.ptr, ws)?;
+    ops.attention(q, kv, nh, nkv, hd, p, pos0 + t, t, c.out[1].ptr, c.outq.ptr, None, ws)?;
     c.diff(ops)
 }
 
@@ -821,6 +897,37 @@ fn check_kernels(
         kern.push(serde_json::json!({"kernel": "mmv_mixed_stack", "rows": rows, "cols": cols, "t": t,
             "rel_err_vs_cpu": rc}));
     }
+    // 1. (cont.) a router over a prefill chunk: float formats split over the columns (partials added in order)
+    println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "split", "rows", "cols", "t", "rel_err_cpu");
+    let rpart = strata::backend::cuda::driver::DevBuf::alloc(strata::backend::cuda::ops::MF_SPLIT_MAX * 512 * 128 * 4)?;
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+        for &(rows, cols, t) in &[(128usize, 2048usize, 512usize), (128, 2048, 9), (60, 1056, 100), (64, 4096, 33)] {
+            let w = random_rows(ty, rows, cols, &mut seed);
+            let mut x = Act::default();
+            x.resize(t, cols);
+            for v in x.f.iter_mut() {
+                *v = (rng(&mut seed) % 20001) as f32 / 10000.0 - 1.0;
+            }
+            x.quantize();
+            let mut cpu = vec![0f32; t * rows];
+            matmul_with(&pool, MatRef { data: &w, ty, rows, cols, stride: 0 }, &x, &mut cpu, Precision::F32);
+            let dm = strata::backend::cuda::ops::DMat::upload(&w, ty, rows, cols)?;
+            let xf = strata::backend::cuda::driver::DevBuf::from_slice(&x.f)?;
+            let out = strata::backend::cuda::driver::DevBuf::from_slice(&vec![f32::NAN; t * rows])?;
+            if !ops.mmf_split(&dm, xf.ptr, t, out.ptr, rows, false, rpart.ptr)? {
+                println!("{:<6} {rows:>6} {cols:>6} {t:>3}  (no split kernel)", format!("{ty:?}"));
+                continue;
+            }
+            stream.sync()?;
+            let mut gpu = vec![0f32; t * rows];
+            out.read_sync(0, &mut gpu)?;
+            let rc = rel_err(&gpu, &cpu);
+            worst = worst.max(rc);
+            println!("{:<6} {rows:>6} {cols:>6} {t:>3} {rc:>12.2e}  ({ty:?}, split-K)", "split");
+            kern.push(serde_json::json!({"kernel": "mmf_split", "format": format!("{ty:?}"), "rows": rows,
+                "cols": cols, "t": t, "rel_err_vs_cpu": rc}));
+        }
+    }
     // 1a. RMSNorm + Q8 after the MoE combine
     println!("{:<6} {:>6} {:>6} {:>3} {:>12} {:>12}", "norm", "n", "k", "t", "rel_err_out", "rel_err_x");
     for &(n, k, t) in &[(576usize, 4usize, 1usize), (2048, 8, 1), (4096, 2, 3), (2048, 8, 5), (8192, 8, 1), (64, 4, 2)]
@@ -857,15 +964,40 @@ fn check_kernels(
         (16, 4, 64, 3000, 5, 4096, 300),
         (8, 2, 128, 1100, 8, 1108, 1000),
     ] {
-        let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), (win, win > 0 || nh == 64), &mut seed)?;
+        let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), (win, win > 0 || nh == 64), false, &mut seed)?;
         worst = worst.max(r);
         println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {win:>5} {r:>12.2e}", "split");
         kern.push(serde_json::json!({"kernel": "attention_split", "n_head": nh, "n_head_kv": nkv, "hd": hd,
             "pos0": pos0, "t": t, "cap": cap, "window": win, "rel_err_vs_one_block": r}));
     }
+    // 1a'q. the Q8_0 KV cache (`--kv-type q8_0`): the one-block kernel over Q8_0 rows against the f16 kernel over
+    // their dequantized values; the split-K kernel over Q8_0 rows against the one-block one
+    for &(nh, nkv, hd, pos0, t) in
+        &[(32usize, 4usize, 128usize, 300usize, 1usize), (16, 16, 64, 37, 3), (8, 1, 96, 700, 2)]
+    {
+        let r = check_attention_q8(&ops, (nh, nkv, hd), (pos0, t), &mut seed)?;
+        worst = worst.max(r);
+        println!(
+            "{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {:>6} {:>5} {r:>12.2e}  (Q8_0 vs f16 of its values)",
+            "q8kv", "", ""
+        );
+        kern.push(serde_json::json!({"kernel": "attention_q8", "n_head": nh, "n_head_kv": nkv, "hd": hd,
+            "pos0": pos0, "t": t, "rel_err_vs_f16_of_dequantized": r}));
+    }
+    for &(nh, nkv, hd, pos0, t, cap, win) in &[
+        (32usize, 4usize, 128usize, 4095usize, 1usize, 4096usize, 0usize),
+        (8, 2, 64, 1500, 4, 2048, 0),
+        (64, 8, 64, 4095, 1, 4096, 128),
+    ] {
+        let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), (win, win > 0 || nh == 64), true, &mut seed)?;
+        worst = worst.max(r);
+        println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {win:>5} {r:>12.2e}  (Q8_0 cache)", "split");
+        kern.push(serde_json::json!({"kernel": "attention_split_q8", "n_head": nh, "n_head_kv": nkv, "hd": hd,
+            "pos0": pos0, "t": t, "cap": cap, "window": win, "rel_err_vs_one_block": r}));
+    }
     // 1a''. tiled prefill attention (tensor cores, online softmax) against the one-block kernel: odd row counts,
     // rows not a multiple of the 64-row tile, GQA 1:1 to 8:1, every head size it has
-    if ops.k.attention_tiled(128).is_some() {
+    if ops.k.attention_tiled(128, false).is_some() {
         println!("{:<6} {:>6} {:>6} {:>6} {:>6} {:>12}", "attn", "heads", "kv", "hd", "pos0", "t  rel_err_1blk");
         for &(nh, nkv, hd, pos0, t, win) in &[
             (32usize, 4usize, 128usize, 0usize, 64usize, 0usize),
@@ -882,10 +1014,25 @@ fn check_kernels(
             (8, 2, 128, 50, 200, 16),
             (12, 4, 80, 3000, 129, 700),
         ] {
-            let r = check_attention_tiled(&ops, (nh, nkv, hd), (pos0, t), (win, win > 0 || nh == 64), &mut seed)?;
+            let r =
+                check_attention_tiled(&ops, (nh, nkv, hd), (pos0, t), (win, win > 0 || nh == 64), false, &mut seed)?;
             worst = worst.max(r);
             println!("{:<6} {nh:>6} {nkv:>6} {hd:>6} {pos0:>6} {t:>4} {win:>5} {r:>12.2e}", "tiled");
             kern.push(serde_json::json!({"kernel": "attention_tiled", "n_head": nh, "n_head_kv": nkv, "hd": hd,
+                "pos0": pos0, "t": t, "window": win, "rel_err_vs_one_block": r}));
+        }
+        // over Q8_0 caches (tiles converted to f16 as they are loaded)
+        for &(nh, nkv, hd, pos0, t, win) in &[
+            (32usize, 4usize, 128usize, 3000usize, 512usize, 0usize),
+            (16, 16, 64, 0, 37, 0),
+            (9, 3, 64, 1000, 200, 0),
+            (16, 4, 64, 1000, 300, 128),
+            (8, 2, 96, 7, 9, 0),
+        ] {
+            let r = check_attention_tiled(&ops, (nh, nkv, hd), (pos0, t), (win, win > 0 || nh == 64), true, &mut seed)?;
+            worst = worst.max(r);
+            println!("{:<6} {nh:>6} {nkv:>6} {hd:>6} {pos0:>6} {t:>4} {win:>5} {r:>12.2e}  (Q8_0 cache)", "tiled");
+            kern.push(serde_json::json!({"kernel": "attention_tiled_q8", "n_head": nh, "n_head_kv": nkv, "hd": hd,
                 "pos0": pos0, "t": t, "window": win, "rel_err_vs_one_block": r}));
         }
     }
@@ -1078,6 +1225,47 @@ fn forward_checks(a: &CheckArgs, report: &mut serde_json::Map<String, serde_json
                 "max_kl": worst_kl, "argmax_agreement": agree as f64 / n as f64,
                 "digest": format!("{bytes_digest:016x}")}));
         }
+        // the Q8_0 KV cache (`--kv-type q8_0`) on the GPU against the CPU's Q8_0 cache: prefill chunks of 64 (the
+        // tiled kernel over Q8_0 tiles) against the CPU's batch, decode windows (the one-block kernel) against
+        // the CPU's decode; and the CPU's Q8_0 cache against its f16 one (what the cache type itself costs)
+        if cpu.cfg.head_dim % 32 == 0 {
+            let mut cpu8 = load(path, Arc::new(Knobs::default()), 8)?;
+            cpu8.set_kv_type(strata::backend::KvType::Q8_0)?;
+            let cpu8_all = {
+                let mut kv = cpu8.new_kv(toks.len() + 1);
+                cpu8.forward(&toks[..toks.len() - 1], &mut kv, Logits::All, &mut Scratch::default())
+            };
+            let cpu8_dec = teacher_force(&cpu8, &toks);
+            let knobs = Arc::new(Knobs::default());
+            knobs.set("adapt_every", "0").map_err(|e| anyhow::anyhow!("{e}"))?;
+            let mut m = load_mode(path, knobs, 8, false, None)?;
+            m.set_kv_type(strata::backend::KvType::Q8_0)?;
+            let line = m
+                .attach_gpu(&check_gpu_options(CacheSize::Auto, &[], toks.len() + 8))
+                .map_err(|e| anyhow::anyhow!(e))?;
+            eprintln!("{line}");
+            let gl = {
+                let mut kv = m.new_kv(toks.len() + 1);
+                m.forward(&toks[..toks.len() - 1], &mut kv, Logits::All, &mut Scratch::default())
+            };
+            let gd = teacher_force(&m, &toks);
+            for (name, a, b) in [
+                ("kv q8_0: prefill 64 vs cpu q8_0", &cpu8_all[7 * n_vocab..], &gl[7 * n_vocab..]),
+                ("kv q8_0: decode vs cpu q8_0", &cpu8_dec[..], &gd[..]),
+                ("kv q8_0: cpu q8_0 vs cpu f16", &reference[..], &cpu8_dec[..]),
+            ] {
+                let (kls, agree) = kl_argmax(a, b, n_vocab);
+                let n = kls.len();
+                let mean = kls.iter().sum::<f64>() / n as f64;
+                let worst_kl = kls.iter().cloned().fold(0f64, f64::max);
+                println!(
+                    "{name:<32} positions {n}  mean KL {mean:.2e} (max {worst_kl:.2e})  argmax {:.2}%",
+                    100.0 * agree as f64 / n as f64
+                );
+                configs.push(serde_json::json!({"config": name, "positions": n, "mean_kl": mean, "max_kl": worst_kl,
+                    "argmax_agreement": agree as f64 / n as f64}));
+            }
+        }
         let nl = cpu.cfg.n_layer;
         let half = vec![nl / 2];
         let thirds = if nl >= 3 { vec![nl / 3, 2 * nl / 3] } else { half.clone() };
@@ -1246,6 +1434,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let t0 = Instant::now();
     let knobs = Arc::new(Knobs::default());
     let mut m = load_mode(&a.model, knobs.clone(), threads, a.resident, a.ram_share)?;
+    m.set_kv_type(a.kv_type)?;
     eprintln!(
         "loaded {} in {:.1} s ({threads} CPU threads; RAM copy: {})",
         a.model.display(),
@@ -1451,7 +1640,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
         let stage_slots: Vec<usize> = gpu(&m).stages().iter().map(|s| s.slots).collect();
         arms.push(serde_json::json!({"arm": name, "cache_frac": f, "slots": n, "stage_slots": stage_slots,
-            "pcie_prefill": pcie_prefill, "batch": a.batch,
+            "pcie_prefill": pcie_prefill, "batch": a.batch, "kv_type": a.kv_type.name(),
             "adaptive": mode, "policy": policy, "pcie_frac": pcie,
             "pcie_auto": auto,
             "prompt_tok_s": pt, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,

@@ -301,8 +301,8 @@ pub struct GpuOptions {
 /// The backend to run `m` on: the CUDA backend when GPU use is on and a driver, NVRTC and a device are found
 /// (it uploads the dense weights and fills the VRAM expert cache), otherwise `None` (stay on the CPU). Returns
 /// it with the one line to log (what runs where, or why the CPU). Errors: a GPU was found but loading onto it
-/// failed (out of VRAM, a format without kernels), or the model asks for a KV cache type the CUDA backend does
-/// not keep (`--kv-type q8_0`): the caller decides whether that is fatal.
+/// failed (out of VRAM, a format without kernels), or a Q8_0 KV cache (`--kv-type q8_0`) with a head size that is
+/// not a multiple of 32: the caller decides whether that is fatal.
 pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backend>>, String), String> {
     // a layer split's points and device count are checked against the model before any GPU is looked for
     crate::tiers::split::check_flags(o.layer_split.as_ref(), &o.split_devices, m.cfg.n_layer)
@@ -317,10 +317,10 @@ pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backen
             Err(e) => return Ok((None, format!("{e}: running on the CPU"))),
         };
         let d = probe.device.clone();
-        if m.kv_type != KvType::F16 {
+        if m.kv_type == KvType::Q8_0 && !m.cfg.head_dim.is_multiple_of(32) {
             return Err(format!(
-                "--kv-type {}: the CUDA backend keeps an f16 KV cache so far (use --kv-type f16)",
-                m.kv_type.name()
+                "--kv-type q8_0: head size {} is not a multiple of 32 (Q8_0 blocks); use --kv-type f16",
+                m.cfg.head_dim
             ));
         }
         let (free, total) = d.mem_info().map_err(|e| e.to_string())?;

@@ -161,7 +161,10 @@ impl FormatSet {
 /// cache that cannot be written is only a warning). Returns the image and whether it came from the cache.
 pub fn cubin(arch: &str, formats: FormatSet) -> Result<(Vec<u8>, bool), GpuError> {
     let src = source()?;
-    let defines = formats.defines();
+    let mut defines = formats.defines();
+    if !mmq_pipe_wanted() {
+        defines.push("-DSTRATA_MMQ_PIPE=0".into());
+    }
     let headers = formats.headers();
     let htext: String = headers.iter().map(|(n, t)| format!("{n}\n{t}")).collect();
     let (opts, defs) = (OPTIONS.join(" "), defines.join(" "));
@@ -207,6 +210,10 @@ pub struct Kernels {
     mmq: [Option<Func>; N],
     /// The float formats' prefill products for matrices of few rows (`mmf_*_r16`: 16 rows per block).
     mmf16: [Option<Func>; N],
+    /// The float formats' split-K prefill products (`mmf_split_*`: a router over a prefill chunk).
+    mmf_split: [Option<Func>; N],
+    /// `mmf_sum_split` (adds the split-K partials).
+    pub mmf_sum_split: Func,
     /// The tensor-core expert gate/up and down kernels over `group_by_expert`'s tiles (as `mmq`).
     gate_up_mmq: [Option<Func>; N],
     down_mmq: [Option<Func>; N],
@@ -223,16 +230,24 @@ pub struct Kernels {
     pub qkv_prep: Func,
     /// `rope_store`.
     pub rope_store: Func,
+    /// `rope_store_q8` (RoPE and the store into a Q8_0 KV cache).
+    pub rope_store_q8: Func,
     /// `gated_add` (a shared expert's output into the residual).
     pub gated_add: Func,
     /// `attention`.
     pub attention: Func,
+    /// `attention_q8` (the one-block kernel over a Q8_0 KV cache).
+    pub attention_q8: Func,
     /// `attention_split` (split-K partials of a long context's few query rows).
     pub attention_split: Func,
+    /// `attention_split_q8` (the same over a Q8_0 KV cache).
+    pub attention_split_q8: Func,
     /// `attention_combine` (merges `attention_split`'s partials).
     pub attention_combine: Func,
     /// `attention_tiled_<hd>` for the head sizes of [`TILED_HEAD_SIZES`] (None: off, see [`tiled_attention_wanted`]).
     attention_tiled: [Option<Func>; TILED_HEAD_SIZES.len()],
+    /// `attention_tiled_q8_<hd>` (over a Q8_0 KV cache; head sizes that are multiples of 32).
+    attention_tiled_q8: [Option<Func>; TILED_HEAD_SIZES.len()],
     /// `route_topk`.
     pub route_topk: Func,
     /// `group_by_expert` (a prefill chunk's groups, per expert, on the device).
@@ -267,6 +282,19 @@ pub fn cluster_norm_wanted(cc: (i32, i32)) -> bool {
 /// `STRATA_GPU_MMQ=0` (then the row kernels over groups of up to MAX_NT tokens; for A/B measurements).
 pub fn mmq_wanted() -> bool {
     !std::env::var("STRATA_GPU_MMQ").is_ok_and(|v| v == "0")
+}
+
+/// Whether the tensor-core products of Q8_0, Q4_0 and Q4_1 copy their operands into shared memory while they
+/// multiply the previous ones (`mq_core_pipe`, cp.async): unless `STRATA_GPU_MMQ_PIPE=0` (then `mq_core`, which
+/// reads the weights straight from global memory; the same bits either way; for A/B measurements).
+pub fn mmq_pipe_wanted() -> bool {
+    !std::env::var("STRATA_GPU_MMQ_PIPE").is_ok_and(|v| v == "0")
+}
+
+/// Whether a router's prefill product runs split over its columns (`mmf_split_*` + `mmf_sum_split`): unless
+/// `STRATA_GPU_ROUTER_SPLIT=0` (then the 16-rows-per-block kernel; for A/B measurements).
+pub fn mmf_split_wanted() -> bool {
+    !std::env::var("STRATA_GPU_ROUTER_SPLIT").is_ok_and(|v| v == "0")
 }
 
 /// Whether the card runs the tensor-core kernels (`mma.sync` int8 and f16 tiles: compute capability 8.0 or newer);
@@ -396,6 +424,10 @@ impl Kernels {
                 Prefill::Rows => None,
             })?,
             mmf16: prefill_per(&|f| (f.prefill == Prefill::Float).then(|| format!("mmf_{}_r16", f.suffix)))?,
+            mmf_split: prefill_per(&|f| {
+                (f.prefill == Prefill::Float && mmf_split_wanted()).then(|| format!("mmf_split_{}", f.suffix))
+            })?,
+            mmf_sum_split: get("mmf_sum_split")?,
             gate_up_mmq: prefill_per(&tc("expert_gate_up_mmq_"))?,
             down_mmq: prefill_per(&tc("expert_down_mmq_"))?,
             gate_up1n: narrow_per("expert_gate_up_")?,
@@ -405,15 +437,29 @@ impl Kernels {
             rms_norm_q8_cluster: if cluster_norm { Some(get("rms_norm_q8_cluster")?) } else { None },
             qkv_prep: get("qkv_prep")?,
             rope_store: get("rope_store")?,
+            rope_store_q8: get("rope_store_q8")?,
             gated_add: get("gated_add")?,
             attention: get("attention")?,
+            attention_q8: get("attention_q8")?,
             attention_split: get("attention_split")?,
+            attention_split_q8: get("attention_split_q8")?,
             attention_combine: get("attention_combine")?,
             attention_tiled: {
                 let mut v = [None; TILED_HEAD_SIZES.len()];
                 if tensor_cores && tiled_attention_wanted() {
                     for (f, hd) in v.iter_mut().zip(TILED_HEAD_SIZES) {
                         *f = Some(get(leak(format!("attention_tiled_{hd}")))?);
+                    }
+                }
+                v
+            },
+            attention_tiled_q8: {
+                let mut v = [None; TILED_HEAD_SIZES.len()];
+                if tensor_cores && tiled_attention_wanted() {
+                    for (f, hd) in v.iter_mut().zip(TILED_HEAD_SIZES) {
+                        if hd % 32 == 0 {
+                            *f = Some(get(leak(format!("attention_tiled_q8_{hd}")))?);
+                        }
                     }
                 }
                 v
@@ -426,6 +472,16 @@ impl Kernels {
         };
         // the opt-in limit covers static shared memory too (a few hundred bytes in `attention`)
         k.attention.set_max_smem(max_smem_optin - 1024)?;
+        k.attention_q8.set_max_smem(max_smem_optin - 1024)?;
+        // the tensor-core products' pipeline stages (up to 116 KiB: Q8_0 gate and up rows)
+        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+            let i = fmt_index(ty)?;
+            for (f, gated) in [(k.mmq[i], false), (k.gate_up_mmq[i], true), (k.down_mmq[i], false)] {
+                if let Some(f) = f {
+                    f.set_max_smem(super::ops::mq_smem(ty, gated) as i32)?;
+                }
+            }
+        }
         Ok(k)
     }
 
@@ -453,6 +509,10 @@ impl Kernels {
     pub fn mmf_r16(&self, ty: GgmlType) -> Option<Func> {
         fmt_index(ty).ok().and_then(|i| self.mmf16[i])
     }
+    /// The float formats' split-K prefill product (see [`super::ops::Ops::mmf_split`]), if it is on.
+    pub fn mmf_split(&self, ty: GgmlType) -> Option<Func> {
+        fmt_index(ty).ok().and_then(|i| self.mmf_split[i])
+    }
     /// The tensor-core expert kernels (gate/up for `gate`, down for `down`) if both formats have them and they are
     /// on.
     pub fn expert_mmq(&self, gate: GgmlType, down: GgmlType) -> Option<(Func, Func)> {
@@ -460,9 +520,15 @@ impl Kernels {
         let d = fmt_index(down).ok().and_then(|i| self.down_mmq[i])?;
         Some((g, d))
     }
-    /// The tiled prefill attention kernel for head size `hd`, if there is one and it is on.
-    pub fn attention_tiled(&self, hd: usize) -> Option<Func> {
-        TILED_HEAD_SIZES.iter().position(|&h| h == hd).and_then(|i| self.attention_tiled[i])
+    /// The tiled prefill attention kernel for head size `hd` (`q8`: over a Q8_0 KV cache), if there is one and it
+    /// is on.
+    pub fn attention_tiled(&self, hd: usize, q8: bool) -> Option<Func> {
+        let i = TILED_HEAD_SIZES.iter().position(|&h| h == hd)?;
+        if q8 {
+            self.attention_tiled_q8[i]
+        } else {
+            self.attention_tiled[i]
+        }
     }
     /// The narrow one-token gate/up kernel for `ty`, if it has one (block formats) and it is on.
     pub fn gate_up_narrow(&self, ty: GgmlType) -> Option<Func> {

@@ -104,6 +104,8 @@ pub(super) struct Bufs {
     pub(super) h: DevBuf,
     pub(super) hq: DevBuf,
     pub(super) rl: DevBuf,
+    /// The split-K router product's partial outputs (`MF_SPLIT_MAX × t × n_expert` f32; see `Ops::mmf_split`).
+    pub(super) rpart: DevBuf,
     pub(super) ids: DevBuf,
     pub(super) w: DevBuf,
     pub(super) flag: DevBuf,
@@ -206,6 +208,8 @@ pub struct Stage {
     /// KV cache of the stage's layers (`kc[i]` for layer `l0 + i`).
     pub(super) kc: Vec<DevBuf>,
     pub(super) vc: Vec<DevBuf>,
+    /// The KV cache's rows are ggml Q8_0 blocks (`--kv-type q8_0`), else f16.
+    pub(super) kv_q8: bool,
     n_ctx: usize,
     max_t: usize,
     pub(super) b: Bufs,
@@ -476,11 +480,12 @@ impl Stage {
             None
         };
         let kvd = c.n_head_kv * c.head_dim;
+        let kv_q8 = model.kv_type == crate::backend::KvType::Q8_0;
         let mut kc = Vec::new();
         let mut vc = Vec::new();
         for _ in 0..n_stage {
-            kc.push(DevBuf::alloc(cfg.n_ctx * kvd * 2)?);
-            vc.push(DevBuf::alloc(cfg.n_ctx * kvd * 2)?);
+            kc.push(DevBuf::alloc(super::ops::KvPtrs::bytes(kv_q8, cfg.n_ctx, kvd))?);
+            vc.push(DevBuf::alloc(super::ops::KvPtrs::bytes(kv_q8, cfg.n_ctx, kvd))?);
         }
         let t = cfg.max_chunk.max(1);
         let e = c.n_embd;
@@ -501,6 +506,11 @@ impl Stage {
             h: f4(t * ffm)?,
             hq: DevBuf::alloc(t * ffm / 32 * Q8_BYTES + Q8_BYTES)?,
             rl: f4(t * c.n_expert.max(1))?,
+            rpart: f4(if c.n_expert > 0 && t > super::ops::MAX_NT {
+                super::ops::MF_SPLIT_MAX * t * c.n_expert
+            } else {
+                1
+            })?,
             ids: f4(t * kk)?,
             w: f4(t * kk)?,
             flag: f4(t * kk)?,
@@ -535,6 +545,7 @@ impl Stage {
             head,
             kc,
             vc,
+            kv_q8,
             n_ctx: cfg.n_ctx,
             max_t: t,
             b,
@@ -944,7 +955,9 @@ impl Stage {
     ) -> Result<(), GpuError> {
         let b = &self.b;
         let ne = router.rows;
-        ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false)?;
+        if !ops.mmf_split(router, b.xn.ptr, t, b.rl.ptr, ne, false, b.rpart.ptr)? {
+            ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false)?;
+        }
         let mode = (self.gating, bias.map_or(0, |b| b.router.ptr));
         ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, fast, win, mode)
     }

@@ -90,10 +90,34 @@ impl Combine {
     }
 }
 
+/// One layer's KV cache on the device: the K and V rows' addresses (`n_ctx` positions of `kvd` values each) and
+/// their type: f16 (`kvd` halves per position) or, `q8`, ggml Q8_0 (`kvd / 32` blocks of 34 bytes per position,
+/// `--kv-type q8_0`; head sizes that are multiples of 32).
+#[derive(Clone, Copy, Debug)]
+pub struct KvPtrs {
+    /// K rows.
+    pub k: u64,
+    /// V rows.
+    pub v: u64,
+    /// Q8_0 rows (else f16).
+    pub q8: bool,
+}
+
+impl KvPtrs {
+    /// Bytes of `n_ctx` positions of `kvd` values (one of K or V).
+    pub fn bytes(q8: bool, n_ctx: usize, kvd: usize) -> usize {
+        if q8 {
+            n_ctx * (kvd / 32) * 34
+        } else {
+            n_ctx * kvd * 2
+        }
+    }
+}
+
 /// The arguments both attention kernels start with: queries, K and V caches, head counts and size, the device
 /// address of pos0, the score scale.
-fn attention_args(q: u64, kc: u64, vc: u64, (nh, nkv, hd): (usize, usize, usize), pos: u64, scale: f32) -> Args {
-    Args::new().ptr(q).ptr(kc).ptr(vc).i32(nh as i32).i32(nkv as i32).i32(hd as i32).ptr(pos).f32(scale)
+fn attention_args(q: u64, kv: KvPtrs, (nh, nkv, hd): (usize, usize, usize), pos: u64, scale: f32) -> Args {
+    Args::new().ptr(q).ptr(kv.k).ptr(kv.v).i32(nh as i32).i32(nkv as i32).i32(hd as i32).ptr(pos).f32(scale)
 }
 
 /// Positions per block of the split-K attention (`ATT_CHUNK` in strata.cu).
@@ -177,10 +201,34 @@ pub const MQ_BM: usize = 64;
 /// See [`MQ_BM`].
 pub const MQ_BN: usize = 64;
 
+/// Dynamic shared memory of the tensor-core product kernels of `ty` (`MQ_SMEM` in strata.cu): two pipeline stages
+/// of MQ_KB = 8 blocks — the weight rows (64, or 128 gate and up rows when `gated`, at the format's shared row
+/// stride) and the tokens' Q8 blocks (8 × 64 × 48 bytes) — for Q8_0, Q4_0 and Q4_1; 0 for the other formats
+/// (static shared memory).
+pub fn mq_smem(ty: GgmlType, gated: bool) -> u32 {
+    let sa = match ty {
+        GgmlType::Q8_0 => 272,
+        GgmlType::Q4_0 => 144,
+        GgmlType::Q4_1 => 176,
+        _ => return 0,
+    };
+    let rows = if gated { 2 * MQ_BM } else { MQ_BM };
+    2 * (rows * sa + 8 * MQ_BN * 12 * 4) as u32
+}
+
 /// Rows and tokens per block of the tiled float-format prefill product (`MF_BM`, `MF_BN`; 256 threads).
 pub const MF_BM: usize = 64;
 /// See [`MF_BM`].
 pub const MF_BN: usize = 64;
+/// Column ranges of [`Ops::mmf_split`] at most (its scratch holds this many partial outputs).
+pub const MF_SPLIT_MAX: usize = 16;
+
+/// Column ranges for a split-K float product of `blocks` row × token blocks over `cols` columns: enough for about
+/// 256 blocks in all (two per SM of an H200), at most [`MF_SPLIT_MAX`], each of at least 128 columns.
+pub fn mf_split_count(blocks: usize, cols: usize) -> usize {
+    (256 / blocks.max(1)).clamp(1, MF_SPLIT_MAX).min((cols / 128).max(1))
+}
+
 /// Float matrices of at most this many rows run the 16-rows-per-block variant (`mmf_*_r16`).
 pub const MF_FEW_ROWS: usize = 1024;
 
@@ -243,7 +291,8 @@ impl Ops<'_> {
             // the tiled one (MF_BM × MF_BN, 256 threads)
             let args = mmv_args(mats, xq, xf, t, out, out_stride, accumulate);
             return if block {
-                f.launch(self.s, (total.div_ceil(MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, 1), 32 * WARPS, 0, args)
+                let smem = mq_smem(m0.ty, false);
+                f.launch(self.s, (total.div_ceil(MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, 1), 32 * WARPS, smem, args)
             } else {
                 // few rows (a router): 16 per block, so that the card has blocks enough
                 let (f, bm) = match self.k.mmf_r16(m0.ty) {
@@ -258,6 +307,52 @@ impl Ops<'_> {
         // block formats: each warp RPW rows; float formats: each block RPW rows, its warps splitting the columns
         let per_block = if m0.ty.block_size() > 1 { WARPS as usize * RPW } else { RPW };
         f.launch(self.s, (total.div_ceil(per_block) as u32, 1, 1), 32 * WARPS, 0, args)
+    }
+
+    /// `out[t*out_stride + r] (+)= Σ_c W[r, c] x[t, c]` for a float-format matrix of few rows and a prefill chunk
+    /// (a router: 128 rows × 2,048 columns), split over its columns into `nz` ranges computed by parallel blocks
+    /// and added in range order by a second launch (deterministic; rounding differs from [`Ops::mmv`]'s kernels).
+    /// `part`: scratch of [`MF_SPLIT_MAX`] × `t` × rows f32. Returns false (nothing launched) where the split
+    /// does not apply: no split kernel for the format (block formats, or `STRATA_GPU_ROUTER_SPLIT=0`), more than
+    /// [`MF_FEW_ROWS`] rows, or `t` ≤ [`MAX_NT`] (decode windows keep the row kernels).
+    #[allow(clippy::too_many_arguments)]
+    pub fn mmf_split(
+        &self,
+        m: &DMat,
+        xf: u64,
+        t: usize,
+        out: u64,
+        out_stride: usize,
+        accumulate: bool,
+        part: u64,
+    ) -> Result<bool, GpuError> {
+        let Some(f) = self.k.mmf_split(m.ty).filter(|_| t > MAX_NT && m.rows <= MF_FEW_ROWS) else {
+            return Ok(false);
+        };
+        let blocks = m.rows.div_ceil(MF_BM) * t.div_ceil(MF_BN);
+        let nz = mf_split_count(blocks, m.cols);
+        let kspan = m.cols.div_ceil(nz).next_multiple_of(32);
+        let nz = m.cols.div_ceil(kspan);
+        let args = Args::new()
+            .ptr(m.buf.ptr)
+            .i32(m.rows as i32)
+            .i32(m.cols as i32)
+            .ptr(xf)
+            .i32(m.cols as i32)
+            .i32(t as i32)
+            .i32(kspan as i32)
+            .ptr(part);
+        f.launch(self.s, (m.rows.div_ceil(MF_BM) as u32, t.div_ceil(MF_BN) as u32, nz as u32), 256, 0, args)?;
+        let args = Args::new()
+            .ptr(part)
+            .i32(nz as i32)
+            .i32(t as i32)
+            .i32(m.rows as i32)
+            .ptr(out)
+            .i32(out_stride as i32)
+            .i32(accumulate as i32);
+        self.k.mmf_sum_split.launch(self.s, ((t * m.rows).div_ceil(256) as u32, 1, 1), 256, 0, args)?;
+        Ok(true)
     }
 
     /// Q8 blocks of `n_blocks × 32` f32 values.
@@ -337,8 +432,8 @@ impl Ops<'_> {
         self.k.gated_add.launch(self.s, (t as u32, 1, 1), 256, 0, args)
     }
 
-    /// RoPE + KV store (see the kernel); `pos` is the device address of pos0 (an `int`); `neox`: NeoX pairs
-    /// `(i, i + n_rot/2)` instead of adjacent ones.
+    /// RoPE + KV store (see the kernels `rope_store`, `rope_store_q8`); `pos` is the device address of pos0 (an
+    /// `int`); `neox`: NeoX pairs `(i, i + n_rot/2)` instead of adjacent ones.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_store(
         &self,
@@ -351,8 +446,7 @@ impl Ops<'_> {
         pos: u64,
         t: usize,
         q: u64,
-        kc: u64,
-        vc: u64,
+        kv: KvPtrs,
         neox: bool,
     ) -> Result<(), GpuError> {
         let args = Args::new()
@@ -364,9 +458,14 @@ impl Ops<'_> {
             .i32(n_rot as i32)
             .ptr(pos)
             .ptr(q)
-            .ptr(kc)
-            .ptr(vc)
+            .ptr(kv.k)
+            .ptr(kv.v)
             .i32(neox as i32);
+        if kv.q8 {
+            // one thread per q value, one warp per 32-value K or V block
+            let work = (n_head * hd).max(2 * n_head_kv * hd / 32 * 32);
+            return self.k.rope_store_q8.launch(self.s, (t as u32, work.div_ceil(128).min(64) as u32, 1), 128, 0, args);
+        }
         let pairs = (n_head * hd / 2).max(n_head_kv * hd);
         self.k.rope_store.launch(self.s, (t as u32, pairs.div_ceil(128).min(64) as u32, 1), 128, 0, args)
     }
@@ -387,8 +486,7 @@ impl Ops<'_> {
     pub fn attention(
         &self,
         q: u64,
-        kc: u64,
-        vc: u64,
+        kv: KvPtrs,
         n_head: usize,
         n_head_kv: usize,
         hd: usize,
@@ -404,8 +502,9 @@ impl Ops<'_> {
         if let Some(part) = split.filter(|_| split_applies(cap, t, hd)) {
             // split-K: chunks of ATT_CHUNK positions in parallel, then the merge (with the Q8 rows)
             let nz = cap.div_ceil(ATT_CHUNK) as u32;
-            let args = attention_args(q, kc, vc, (n_head, n_head_kv, hd), pos, scale).ptr(part).i32(window as i32);
-            self.k.attention_split.launch(self.s, (n_head as u32, t as u32, nz), 128, 0, args)?;
+            let args = attention_args(q, kv, (n_head, n_head_kv, hd), pos, scale).ptr(part).i32(window as i32);
+            let f = if kv.q8 { &self.k.attention_split_q8 } else { &self.k.attention_split };
+            f.launch(self.s, (n_head as u32, t as u32, nz), 128, 0, args)?;
             let args = Args::new()
                 .ptr(part)
                 .i32(n_head as i32)
@@ -415,12 +514,12 @@ impl Ops<'_> {
                 .ptr(if hd.is_multiple_of(32) { outq } else { 0 })
                 .ptr(sinks);
             self.k.attention_combine.launch(self.s, (n_head as u32, t as u32, 1), 128, 0, args)?;
-        } else if let Some(f) = self.k.attention_tiled(hd).filter(|_| tiled_applies(t, n_head_kv * hd)) {
+        } else if let Some(f) = self.k.attention_tiled(hd, kv.q8).filter(|_| tiled_applies(t, n_head_kv * hd)) {
             // a prefill chunk: the tiled tensor-core kernel, then the Q8 rows
             let args = Args::new()
                 .ptr(q)
-                .ptr(kc)
-                .ptr(vc)
+                .ptr(kv.k)
+                .ptr(kv.v)
                 .i32(n_head as i32)
                 .i32(n_head_kv as i32)
                 .i32(t as i32)
@@ -432,7 +531,7 @@ impl Ops<'_> {
             f.launch(self.s, (t.div_ceil(FA_BQ) as u32, n_head as u32, 1), 32 * FA_WARPS, 0, args)?;
             return self.quantize(out, outq, t * n_head * hd / 32);
         } else {
-            self.attention_exact(q, kc, vc, (n_head, n_head_kv, hd), pos, scale, cap, t, out, outq, (window, sinks))?;
+            self.attention_exact(q, kv, (n_head, n_head_kv, hd), pos, scale, cap, t, out, outq, (window, sinks))?;
         }
         if !hd.is_multiple_of(32) {
             self.quantize(out, outq, t * n_head * hd / 32)?;
@@ -440,14 +539,14 @@ impl Ops<'_> {
         Ok(())
     }
 
-    /// The one-block-per-row attention kernel (bit-exact with the CPU path; see `attention`), whatever `t`: the
-    /// reference the other attention kernels are checked against. `cap` ≥ pos0 + t sizes its shared memory.
+    /// The one-block-per-row attention kernel (bit-exact with the CPU path over an f16 cache; see `attention`),
+    /// whatever `t`: the reference the other attention kernels are checked against. `cap` ≥ pos0 + t sizes its
+    /// shared memory.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_exact(
         &self,
         q: u64,
-        kc: u64,
-        vc: u64,
+        kv: KvPtrs,
         (n_head, n_head_kv, hd): (usize, usize, usize),
         pos: u64,
         scale: f32,
@@ -458,12 +557,13 @@ impl Ops<'_> {
         (window, sinks): (usize, u64),
     ) -> Result<(), GpuError> {
         let smem = ((hd + cap) * 4) as u32;
-        let args = attention_args(q, kc, vc, (n_head, n_head_kv, hd), pos, scale)
+        let args = attention_args(q, kv, (n_head, n_head_kv, hd), pos, scale)
             .ptr(out)
             .ptr(if hd.is_multiple_of(32) { outq } else { 0 })
             .i32(window as i32)
             .ptr(sinks);
-        self.k.attention.launch(self.s, (n_head as u32, t as u32, 1), 128, smem, args)
+        let f = if kv.q8 { &self.k.attention_q8 } else { &self.k.attention };
+        f.launch(self.s, (n_head as u32, t as u32, 1), 128, smem, args)
     }
 
     /// Softmax + top-k of `t` rows of router logits into `ids`/`w` (`t × k`). With `fast = Some((table,
@@ -611,7 +711,13 @@ impl Ops<'_> {
                 .ptr(glu.ids)
                 .ptr(glu.gub)
                 .i32(glu.act);
-            gu.launch(self.s, (ff.div_ceil(MQ_BM) as u32, n_tiles as u32, 1), 32 * WARPS, 0, args)?;
+            gu.launch(
+                self.s,
+                (ff.div_ceil(MQ_BM) as u32, n_tiles as u32, 1),
+                32 * WARPS,
+                mq_smem(gate_ty, true),
+                args,
+            )?;
             self.quantize(h, hq, n_pairs * ff / 32)?;
             let args = Args::new()
                 .ptr(groups)
@@ -624,7 +730,7 @@ impl Ops<'_> {
                 .i32(e as i32)
                 .ptr(hq)
                 .ptr(out);
-            dn.launch(self.s, (e.div_ceil(MQ_BM) as u32, n_tiles as u32, 1), 32 * WARPS, 0, args)
+            dn.launch(self.s, (e.div_ceil(MQ_BM) as u32, n_tiles as u32, 1), 32 * WARPS, mq_smem(down_ty, false), args)
         };
         Some(run())
     }

@@ -7,7 +7,7 @@
 //! replayed; [`super::model::Stage`] records a whole decode token the same way when no layer needs the host.
 
 use super::model::{GFfn, Host, Stage};
-use super::ops::{Combine, Ops as Launch};
+use super::ops::{Combine, KvPtrs, Ops as Launch};
 use super::GpuError;
 use crate::backend::{BackendError, ModelRef, Norm, Ops, Scratch};
 
@@ -137,35 +137,21 @@ impl Ops for GpuPass<'_, '_> {
     fn rope_store(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let b = &g.b;
-        let (kc, vc) = (g.kc[l - g.l0].ptr, g.vc[l - g.l0].ptr);
+        let kv = KvPtrs { k: g.kc[l - g.l0].ptr, v: g.vc[l - g.l0].ptr, q8: g.kv_q8 };
         let neox = c.spec.def.rope == crate::arch::RopeKind::Neox;
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
-        Ok(self.launch().rope_store(b.qkv.ptr, b.cs.at(8), nh, nkv, hd, c.n_rot, b.cs.ptr, t, b.q.ptr, kc, vc, neox)?)
+        Ok(self.launch().rope_store(b.qkv.ptr, b.cs.at(8), nh, nkv, hd, c.n_rot, b.cs.ptr, t, b.q.ptr, kv, neox)?)
     }
 
     fn attention(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t, cap) = (self.g, self.m.cfg, self.t, self.cap);
         let b = &g.b;
-        let (kc, vc) = (g.kc[l - g.l0].ptr, g.vc[l - g.l0].ptr);
+        let kv = KvPtrs { k: g.kc[l - g.l0].ptr, v: g.vc[l - g.l0].ptr, q8: g.kv_q8 };
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
         let part = b.attn_part.as_ref().map(|p| p.ptr);
         let gl = g.layer(l);
         let ws = (gl.window, gl.sinks.as_ref().map_or(0, |d| d.ptr));
-        Ok(self.launch().attention(
-            b.q.ptr,
-            kc,
-            vc,
-            nh,
-            nkv,
-            hd,
-            b.cs.ptr,
-            cap,
-            t,
-            b.attn.ptr,
-            b.attnq.ptr,
-            part,
-            ws,
-        )?)
+        Ok(self.launch().attention(b.q.ptr, kv, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr, part, ws)?)
     }
 
     fn attn_output(&mut self, l: usize) -> Result<(), BackendError> {
