@@ -361,7 +361,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                             "n_layers": m.n_layers, "n_embd": m.n_embd, "n_head": m.n_head, "n_head_kv": m.n_head_kv,
                             "n_vocab": m.n_vocab, "n_ctx_train": m.n_ctx_train, "n_ctx": m.n_ctx,
                             "n_expert": m.n_expert, "n_expert_used": m.n_expert_used,
-                            "file_bytes": m.file_bytes, "n_params": m.n_params, "file_type": m.file_type, "threads": m.threads, "backend": m.backend,
+                            "file_bytes": m.file_bytes, "n_params": m.n_params, "file_type": m.file_type, "threads": m.threads, "backend": m.backend, "kv_type": m.kv_type,
                         },
                         "totals": {
                             "requests": t.requests, "prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens,
@@ -394,8 +394,12 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 println!("model        {} ({})", m.name, m.path);
                 println!("             {} {}, {} layers, n_embd {}, heads {}/{} kv, vocab {}, {:.1} M params, {} ({:.1} MiB)", m.architecture, experts, m.n_layers, m.n_embd, m.n_head, m.n_head_kv, m.n_vocab, m.n_params as f64 / 1e6, m.file_type, m.file_bytes as f64 / 1048576.0);
                 println!(
-                    "context      {} tokens (trained {}), {} CPU threads, {} backend",
-                    m.n_ctx, m.n_ctx_train, m.threads, m.backend
+                    "context      {} tokens (trained {}), {} KV cache, {} CPU threads, {} backend",
+                    m.n_ctx,
+                    m.n_ctx_train,
+                    if m.kv_type.is_empty() { "f16" } else { &m.kv_type },
+                    m.threads,
+                    m.backend
                 );
                 println!(
                     "requests     {} finished (of which {} cancelled), {} rejected",

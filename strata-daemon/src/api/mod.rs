@@ -72,6 +72,8 @@ pub struct ModelSummary {
     pub threads: u32,
     /// The backend that runs the forward passes (`cpu`, `cuda`).
     pub backend: String,
+    /// The KV cache's row type (`--kv-type`: `f16`, `q8_0`).
+    pub kv_type: String,
 }
 
 /// The daemon's statistics now.
@@ -197,6 +199,7 @@ impl Control {
             file_type: format!("{:?}", model.file_type()),
             threads: engine.cfg.threads as u32,
             backend: model.backend.name().to_string(),
+            kv_type: model.kv_type().name().to_string(),
         };
         Control { engine, tok, summary, store: model.experts.clone(), knobs, profile_save }
     }

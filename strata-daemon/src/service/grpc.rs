@@ -105,6 +105,7 @@ fn summary_pb(m: &ModelSummary) -> pb::ModelSummary {
         file_type: m.file_type.clone(),
         threads: m.threads,
         backend: m.backend.clone(),
+        kv_type: m.kv_type.clone(),
     }
 }
 
