@@ -835,9 +835,13 @@ MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 // (m16n8k32, s32 accumulation) whose integer sums are scaled per block as the one-row kernels do (Q8_0: d·dx·Σ;
 // Q4_0: d·dx·Σ(q − 8)·qx, the same integer as their Σ − 8·Σqx; Q4_1: d·dx·Σ + m·sx); the blocks' scaled sums are
 // added in another order than theirs, so results differ by rounding only. Block: MQ_WARPS warps, MQ_BM = 16 rows
-// per warp by MQ_BN tokens (8 MMA column tiles); the tokens' Q8 blocks pass through shared memory MQ_KB blocks at a
-// time ([block][token][12 ints]: 8 of quants, d, s; the 12-int stride keeps the B loads off each other's banks), the
-// weights are read straight into the A fragments. Grid: (ceil(rows / MQ_BM), ceil(t / MQ_BN)).
+// per warp by MQ_BN tokens (8 MMA column tiles). Two loops: mq_core (the K-quant and IQ formats; Q8_0/Q4_0/Q4_1
+// when the pipelined loop is off or the rows' alignment does not allow it) stages the tokens' Q8 blocks in shared
+// memory MQ_KB blocks at a time ([block][token][12 ints]: 8 of quants, d, s; the 12-int stride keeps the B loads off
+// each other's banks) and reads the weights straight into the A fragments; mq_core_pipe (below) copies weights and
+// tokens into shared memory while the previous blocks multiply. The Q8_0/Q4_0/Q4_1 kernels take their shared memory
+// as dynamic shared memory of the size the host's mq_smem gives (both loops' staging; the others' is static).
+// Grid: (ceil(rows / MQ_BM), ceil(t / MQ_BN)).
 #define MQ_WARPS 4
 #define MQ_BM (16 * MQ_WARPS)
 #define MQ_BN 64
@@ -1020,23 +1024,17 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
 #define MQ_XBYTES (MQ_KB * MQ_BN * MQ_XS * 4)
 #define MQ_STAGE(F, NR) ((NR) * MQ_SA(F) + MQ_XBYTES)
 
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+// One cp.async copy of N (4, 8 or 16) bytes from global to shared memory; 16-byte copies skip L1 (.cg: the weights
+// are streamed once per block).
+template <int N>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+    static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
 #if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
-#else
-    __trap();
-#endif
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
-#else
-    __trap();
-#endif
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+    if constexpr (N == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
+                     "n"(N));
 #else
     __trap();
 #endif
@@ -1074,13 +1072,13 @@ __device__ __forceinline__ void mq_pipe_load(const u8* const* rowp, int mode, in
         const int ch = span / 16;
         for (int i = threadIdx.x; i < NR * ch; i += NT) {
             const int r = i / ch, c = i - r * ch;
-            cp_async16(stage + r * SA + c * 16, rowp[r] + (size_t)kb0 * BB + c * 16);
+            cp_async<16>(stage + r * SA + c * 16, rowp[r] + (size_t)kb0 * BB + c * 16);
         }
     } else {
         const int ch = span / 4;
         for (int i = threadIdx.x; i < NR * ch; i += NT) {
             const int r = i / ch, c = i - r * ch;
-            cp_async4(stage + r * SA + c * 4, rowp[r] + (size_t)kb0 * BB + c * 4);
+            cp_async<4>(stage + r * SA + c * 4, rowp[r] + (size_t)kb0 * BB + c * 4);
         }
     }
     int* xs = (int*)(stage + NR * SA);
@@ -1091,7 +1089,7 @@ __device__ __forceinline__ void mq_pipe_load(const u8* const* rowp, int mode, in
         if (xr >= 0) {
             const int* src = (const int*)(xq + (size_t)xr * xb + kb0 + kb);
 #pragma unroll
-            for (int q = 0; q < 5; q++) cp_async8(dst + 2 * q, src + 2 * q);
+            for (int q = 0; q < 5; q++) cp_async<8>(dst + 2 * q, src + 2 * q);
         } else {
 #pragma unroll
             for (int q = 0; q < 10; q++) dst[q] = 0;
@@ -1151,9 +1149,6 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
     cp_async_wait<0>();
 }
 
-// The dynamic shared memory the tensor-core product kernels of FMT take (the pipelined loop's two stages; the
-// other loop stages its Q8 blocks in the first MQ_XBYTES of it). Formats without the pipelined loop: none.
-#define MQ_SMEM(F, GATED) (MQ_PIPE_FMT(F) ? 2 * MQ_STAGE(F, (GATED) ? 2 * MQ_BM : MQ_BM) : 0)
 
 template <int FMT>
 __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
@@ -2270,7 +2265,10 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
         const float* q, const u16* kcache, const u16* vcache, int n_head, int n_head_kv, int t, const int* pos,   \
         float scale, float* out, int window, const float* sinks) {                                                \
         attention_tiled_body<HD, 0>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out, window, sinks);    \
-    }                                                                                                             \
+    }
+// over a Q8_0 cache: head sizes that are multiples of 32 (whole Q8_0 blocks per head)
+#define ATTENTION_TILED_Q8(HD)                                                                                    \
+    static_assert(HD % 32 == 0, "Q8_0 rows hold whole 32-value blocks per head");                              \
     extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) attention_tiled_q8_##HD(                          \
         const float* q, const u8* kcache, const u8* vcache, int n_head, int n_head_kv, int t, const int* pos,     \
         float scale, float* out, int window, const float* sinks) {                                                \
@@ -2280,6 +2278,9 @@ ATTENTION_TILED(64)
 ATTENTION_TILED(80)
 ATTENTION_TILED(96)
 ATTENTION_TILED(128)
+ATTENTION_TILED_Q8(64)
+ATTENTION_TILED_Q8(96)
+ATTENTION_TILED_Q8(128)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Experts from VRAM slots.

@@ -52,7 +52,7 @@ struct Args {
     #[arg(long, default_value_t = 4096)]
     ctx: usize,
     /// How the KV cache stores keys and values: f16 (llama.cpp's default) or q8_0 (ggml Q8_0 blocks, 53% of the
-    /// bytes; the CPU backend only so far; the head dimension must be a multiple of 32)
+    /// bytes, on the CPU and the GPU; the head dimension must be a multiple of 32)
     #[arg(long, default_value = "f16", value_name = "f16|q8_0")]
     kv_type: strata::backend::KvType,
     /// CPU worker threads [default: physical cores]

@@ -772,11 +772,13 @@ fn check_kernels(
 ) -> Result<()> {
     // 1. dense products against the CPU path on random inputs
     let every = strata::backend::cuda::kernels::FormatSet::all();
-    let (img, _) = strata::backend::cuda::kernels::cubin(&dev.arch(), every)?;
+    let mmq_pipe = strata::backend::cuda::kernels::mmq_pipe_on(dev.max_smem_optin);
+    let (img, _) = strata::backend::cuda::kernels::cubin(&dev.arch(), every, mmq_pipe)?;
     let load_kernels = |narrow_down: bool| {
         strata::backend::cuda::kernels::Kernels::load(
             &img,
             every,
+            mmq_pipe,
             dev.max_smem_optin,
             strata::backend::cuda::kernels::pdl_wanted(dev.cc),
             strata::backend::cuda::kernels::cluster_norm_wanted(dev.cc),
@@ -811,6 +813,8 @@ fn check_kernels(
             (131, 800, 100),
             (64, 2048, 512),
             (1100, 256, 70),
+            // 26 blocks per row: the pipelined loop's 4-byte copies for Q8_0 / Q4_0 (a tail stage of 2 blocks)
+            (131, 832, 100),
         ] {
             if cols % ty.block_size() != 0 {
                 continue;

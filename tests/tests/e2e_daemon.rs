@@ -238,7 +238,7 @@ fn stale_socket_replaced_live_socket_refused() {
 /// the accepted ones.
 #[test]
 fn kv_type_q8_0_serves_and_an_unknown_type_is_refused() {
-    // the CPU backend (a GPU host refuses q8_0: its CUDA cache is f16 only so far)
+    // the CPU backend (the GPU's Q8_0 cache is checked by gpu-check on a GPU host)
     let d = Daemon::start(&["--kv-type", "q8_0", "--gpu", "off"]);
     let o = d.ctl(&["generate", "--max-tokens", "8", "The capital of France is"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -246,6 +246,12 @@ fn kv_type_q8_0_serves_and_an_unknown_type_is_refused() {
     // the same prompt again reuses the cached prefix; the line says how many tokens the prompt rate counts
     let o = d.ctl(&["generate", "--max-tokens", "2", "The capital of France is"]);
     assert!(stderr(&o).contains("prompt 5 tokens (4 reused; 1 computed in "), "{}", stderr(&o));
+    // stats say the cache's type, as text and as JSON
+    let o = d.ctl(&["stats"]);
+    assert!(stdout(&o).contains("q8_0 KV cache"), "{}", stdout(&o));
+    let o = d.ctl(&["--json", "stats"]);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("stats --json");
+    assert_eq!(v["model"]["kv_type"], "q8_0", "{v}");
     d.signal(Signal::SIGTERM);
     let (_, log) = d.wait(Duration::from_secs(10));
     assert!(log.contains("kv_type=\"q8_0\""), "{log}");

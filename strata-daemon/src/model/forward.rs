@@ -70,15 +70,16 @@ impl Model {
         })
     }
 
-    /// Chooses how new KV caches store rows (`--kv-type`); set it before [`Model::attach_gpu`]. Errors: Q8_0
-    /// rows for a head dimension that is not a multiple of 32 (a block would span two heads); a type other than
-    /// f16 once a GPU backend runs the model (its cache is f16 only so far).
+    /// Chooses how new KV caches store rows (`--kv-type`); set it before [`Model::attach_gpu`] (the GPU backend
+    /// sizes and types its VRAM cache when it attaches). Errors: Q8_0 rows for a head dimension that is not a
+    /// multiple of 32 (a block would span two heads); a change of type once a GPU backend runs the model.
     pub fn set_kv_type(&mut self, ty: KvType) -> Result<(), ModelError> {
-        if ty != KvType::F16 && self.backend.name() != "cpu" {
+        if ty != self.kv_type && self.backend.name() != "cpu" {
             return Err(ModelError::BadHyperParameter(format!(
-                "--kv-type {}: the {} backend keeps an f16 KV cache so far",
+                "--kv-type {}: the {} backend already keeps a {} KV cache (set the type before it attaches)",
                 ty.name(),
-                self.backend.name()
+                self.backend.name(),
+                self.kv_type.name()
             )));
         }
         if !ty.fits(self.cfg.head_dim) {

@@ -158,11 +158,12 @@ impl FormatSet {
 }
 
 /// The CUBIN for `arch` holding the kernels of `formats`, from the disk cache or compiled (and then cached; a
-/// cache that cannot be written is only a warning). Returns the image and whether it came from the cache.
-pub fn cubin(arch: &str, formats: FormatSet) -> Result<(Vec<u8>, bool), GpuError> {
+/// cache that cannot be written is only a warning); `mmq_pipe`: with the pipelined tensor-core loop (see
+/// [`mmq_pipe_on`]). Returns the image and whether it came from the cache.
+pub fn cubin(arch: &str, formats: FormatSet, mmq_pipe: bool) -> Result<(Vec<u8>, bool), GpuError> {
     let src = source()?;
     let mut defines = formats.defines();
-    if !mmq_pipe_wanted() {
+    if !mmq_pipe {
         defines.push("-DSTRATA_MMQ_PIPE=0".into());
     }
     let headers = formats.headers();
@@ -250,6 +251,9 @@ pub struct Kernels {
     attention_tiled_q8: [Option<Func>; TILED_HEAD_SIZES.len()],
     /// `route_topk`.
     pub route_topk: Func,
+    /// The module holds the pipelined tensor-core loop (see [`mmq_pipe_on`]; [`super::ops::mq_smem`] sizes the
+    /// launches by it).
+    pub mmq_pipe: bool,
     /// `group_by_expert` (a prefill chunk's groups, per expert, on the device).
     pub group_by_expert: Func,
     /// `swiglu`.
@@ -285,10 +289,14 @@ pub fn mmq_wanted() -> bool {
 }
 
 /// Whether the tensor-core products of Q8_0, Q4_0 and Q4_1 copy their operands into shared memory while they
-/// multiply the previous ones (`mq_core_pipe`, cp.async): unless `STRATA_GPU_MMQ_PIPE=0` (then `mq_core`, which
-/// reads the weights straight from global memory; the same bits either way; for A/B measurements).
-pub fn mmq_pipe_wanted() -> bool {
-    !std::env::var("STRATA_GPU_MMQ_PIPE").is_ok_and(|v| v == "0")
+/// multiply the previous ones (`mq_core_pipe`, cp.async): on a card whose blocks may opt into
+/// `max_smem_optin` bytes of shared memory, when the largest pipeline ([`super::ops::MQ_PIPE_MAX_SMEM`], plus the
+/// kernels' static shared memory) fits — the H100/H200 and A100 (227 / 163 KiB) yes, cards of 99 KiB (RTX 30-50,
+/// L4, L40S) no — and unless `STRATA_GPU_MMQ_PIPE=0` (for A/B measurements). Otherwise `mq_core`, which reads the
+/// weights straight from global memory; the same bits either way.
+pub fn mmq_pipe_on(max_smem_optin: i32) -> bool {
+    max_smem_optin.max(0) as usize >= super::ops::MQ_PIPE_MAX_SMEM + 4096
+        && !std::env::var("STRATA_GPU_MMQ_PIPE").is_ok_and(|v| v == "0")
 }
 
 /// Whether a router's prefill product runs split over its columns (`mmf_split_*` + `mmf_sum_split`): unless
@@ -352,10 +360,13 @@ impl Kernels {
     /// and looks every kernel up; `pdl`: launch them with
     /// programmatic dependent launch (see [`pdl_wanted`]); `cluster_norm`: use the cluster norm (see
     /// [`cluster_norm_wanted`]); `narrow`: use the narrow expert kernels (see [`narrow_wanted`]); `tensor_cores`:
-    /// the card has them (see [`tensor_cores_ok`]; without, the prefill keeps the row kernels).
+    /// the card has them (see [`tensor_cores_ok`]; without, the prefill keeps the row kernels); `mmq_pipe`: the
+    /// image was compiled with the pipelined tensor-core loop (the `mmq_pipe` given to [`cubin`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn load(
         image: &[u8],
         formats: FormatSet,
+        mmq_pipe: bool,
         max_smem_optin: i32,
         pdl: bool,
         cluster_norm: bool,
@@ -465,6 +476,7 @@ impl Kernels {
                 v
             },
             route_topk: get("route_topk")?,
+            mmq_pipe,
             group_by_expert: get("group_by_expert")?,
             swiglu: get("swiglu")?,
             expert_down_bias: get("expert_down_bias")?,
@@ -473,12 +485,12 @@ impl Kernels {
         // the opt-in limit covers static shared memory too (a few hundred bytes in `attention`)
         k.attention.set_max_smem(max_smem_optin - 1024)?;
         k.attention_q8.set_max_smem(max_smem_optin - 1024)?;
-        // the tensor-core products' pipeline stages (up to 116 KiB: Q8_0 gate and up rows)
+        // the tensor-core products' dynamic shared memory (pipeline stages: up to 116 KiB, Q8_0 gate and up rows)
         for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
             let i = fmt_index(ty)?;
             for (f, gated) in [(k.mmq[i], false), (k.gate_up_mmq[i], true), (k.down_mmq[i], false)] {
                 if let Some(f) = f {
-                    f.set_max_smem(super::ops::mq_smem(ty, gated) as i32)?;
+                    f.set_max_smem(super::ops::mq_smem(ty, gated, mmq_pipe) as i32)?;
                 }
             }
         }

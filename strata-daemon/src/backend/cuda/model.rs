@@ -336,11 +336,13 @@ impl Stage {
         let formats = super::kernels::FormatSet::of(
             model.weights.matrices().iter().map(|w| w.ty).filter(|&ty| super::kernels::fmt_index(ty).is_ok()),
         )?;
-        let (img, cached) = cubin(&dev.arch(), formats)?;
+        let mmq_pipe = super::kernels::mmq_pipe_on(dev.max_smem_optin);
+        let (img, cached) = cubin(&dev.arch(), formats, mmq_pipe)?;
         let pdl = super::kernels::pdl_wanted(dev.cc);
         let k = Kernels::load(
             &img,
             formats,
+            mmq_pipe,
             dev.max_smem_optin,
             pdl,
             super::kernels::cluster_norm_wanted(dev.cc),
@@ -481,6 +483,8 @@ impl Stage {
         };
         let kvd = c.n_head_kv * c.head_dim;
         let kv_q8 = model.kv_type == crate::backend::KvType::Q8_0;
+        let float_router = super::kernels::mmf_split_wanted()
+            && layers.iter().any(|g| matches!(&g.ffn, GFfn::Moe { router, .. } if router.ty.block_size() == 1));
         let mut kc = Vec::new();
         let mut vc = Vec::new();
         for _ in 0..n_stage {
@@ -506,7 +510,8 @@ impl Stage {
             h: f4(t * ffm)?,
             hq: DevBuf::alloc(t * ffm / 32 * Q8_BYTES + Q8_BYTES)?,
             rl: f4(t * c.n_expert.max(1))?,
-            rpart: f4(if c.n_expert > 0 && t > super::ops::MAX_NT {
+            // (only where a router is a float matrix: the split product's formats)
+            rpart: f4(if float_router && t > super::ops::MAX_NT {
                 super::ops::MF_SPLIT_MAX * t * c.n_expert
             } else {
                 1

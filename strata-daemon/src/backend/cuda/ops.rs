@@ -201,19 +201,31 @@ pub const MQ_BM: usize = 64;
 /// See [`MQ_BM`].
 pub const MQ_BN: usize = 64;
 
-/// Dynamic shared memory of the tensor-core product kernels of `ty` (`MQ_SMEM` in strata.cu): two pipeline stages
-/// of MQ_KB = 8 blocks — the weight rows (64, or 128 gate and up rows when `gated`, at the format's shared row
-/// stride) and the tokens' Q8 blocks (8 × 64 × 48 bytes) — for Q8_0, Q4_0 and Q4_1; 0 for the other formats
-/// (static shared memory).
-pub fn mq_smem(ty: GgmlType, gated: bool) -> u32 {
+/// Weight blocks per stage of the tensor-core products and ints per staged Q8 block (`MQ_KB`, `MQ_XS` in strata.cu).
+const MQ_KB: usize = 8;
+const MQ_XS: usize = 12;
+/// Bytes of one stage of the tokens' Q8 blocks (`MQ_XBYTES`): the whole staging of the loop that is not pipelined.
+const MQ_XBYTES: usize = MQ_KB * MQ_BN * MQ_XS * 4;
+/// The largest dynamic shared memory of the pipelined loop (Q8_0 gate and up rows: 118,784 bytes).
+pub const MQ_PIPE_MAX_SMEM: usize = 2 * (2 * MQ_BM * 272 + MQ_XBYTES);
+
+/// Dynamic shared memory (bytes) of the tensor-core product kernels of `ty` (`gated`: an expert's gate and up rows)
+/// for Q8_0, Q4_0 and Q4_1: with the pipelined loop (`pipe`, see [`super::kernels::mmq_pipe_on`]) two stages of
+/// MQ_KB blocks — the weight rows (64, or 128 when `gated`, at the format's shared row stride `MQ_SA`: 272, 144,
+/// 176 bytes) and the tokens' Q8 blocks ([`MQ_XBYTES`]) — else one stage of the Q8 blocks; 0 for the other formats
+/// (their kernels' shared memory is static).
+pub fn mq_smem(ty: GgmlType, gated: bool, pipe: bool) -> u32 {
     let sa = match ty {
         GgmlType::Q8_0 => 272,
         GgmlType::Q4_0 => 144,
         GgmlType::Q4_1 => 176,
         _ => return 0,
     };
+    if !pipe {
+        return MQ_XBYTES as u32;
+    }
     let rows = if gated { 2 * MQ_BM } else { MQ_BM };
-    2 * (rows * sa + 8 * MQ_BN * 12 * 4) as u32
+    (2 * (rows * sa + MQ_XBYTES)) as u32
 }
 
 /// Rows and tokens per block of the tiled float-format prefill product (`MF_BM`, `MF_BN`; 256 threads).
@@ -291,7 +303,7 @@ impl Ops<'_> {
             // the tiled one (MF_BM × MF_BN, 256 threads)
             let args = mmv_args(mats, xq, xf, t, out, out_stride, accumulate);
             return if block {
-                let smem = mq_smem(m0.ty, false);
+                let smem = mq_smem(m0.ty, false, self.k.mmq_pipe);
                 f.launch(self.s, (total.div_ceil(MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, 1), 32 * WARPS, smem, args)
             } else {
                 // few rows (a router): 16 per block, so that the card has blocks enough
@@ -314,7 +326,7 @@ impl Ops<'_> {
     /// and added in range order by a second launch (deterministic; rounding differs from [`Ops::mmv`]'s kernels).
     /// `part`: scratch of [`MF_SPLIT_MAX`] × `t` × rows f32. Returns false (nothing launched) where the split
     /// does not apply: no split kernel for the format (block formats, or `STRATA_GPU_ROUTER_SPLIT=0`), more than
-    /// [`MF_FEW_ROWS`] rows, or `t` ≤ [`MAX_NT`] (decode windows keep the row kernels).
+    /// [`MF_FEW_ROWS`] rows, or `t` ≤ [`MAX_NT`] (decode windows keep the row kernels). Errors: a launch failure.
     #[allow(clippy::too_many_arguments)]
     pub fn mmf_split(
         &self,
@@ -482,6 +494,11 @@ impl Ops<'_> {
     ///
     /// `(window, sinks)`: a sliding window of `window` positions per row (0 = none) and the device address of
     /// `n_head` attention-sink logits (0 = none), as [`crate::backend::cpu::attention::attend`] takes them.
+    ///
+    /// `kv.q8` (a Q8_0 cache, `hd` a multiple of 32): the same three paths over Q8_0 rows (`attention_q8`,
+    /// `attention_split_q8`, `attention_tiled_q8_<hd>`, which converts each K/V tile to f16 as it loads it); the
+    /// scores take the f32 query (the CPU path quantizes it), so no path is bit-exact with the CPU's. Errors: a
+    /// launch failure.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -715,7 +732,7 @@ impl Ops<'_> {
                 self.s,
                 (ff.div_ceil(MQ_BM) as u32, n_tiles as u32, 1),
                 32 * WARPS,
-                mq_smem(gate_ty, true),
+                mq_smem(gate_ty, true, self.k.mmq_pipe),
                 args,
             )?;
             self.quantize(h, hq, n_pairs * ff / 32)?;
@@ -730,7 +747,13 @@ impl Ops<'_> {
                 .i32(e as i32)
                 .ptr(hq)
                 .ptr(out);
-            dn.launch(self.s, (e.div_ceil(MQ_BM) as u32, n_tiles as u32, 1), 32 * WARPS, mq_smem(down_ty, false), args)
+            dn.launch(
+                self.s,
+                (e.div_ceil(MQ_BM) as u32, n_tiles as u32, 1),
+                32 * WARPS,
+                mq_smem(down_ty, false, self.k.mmq_pipe),
+                args,
+            )
         };
         Some(run())
     }
@@ -815,7 +838,7 @@ impl Ops<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{down_quantizes, Combine};
+    use super::{down_quantizes, mf_split_count, mq_smem, Combine, GgmlType, MQ_PIPE_MAX_SMEM};
 
     #[test]
     fn a_combine_from_a_later_row_skips_whole_rows_and_keeps_no_cpu_as_none() {
@@ -829,6 +852,35 @@ mod tests {
         assert_eq!(with_cpu.cpu, (4 << 20) + 3 * 2048 * 4);
         let same = c.from_row(0, 2048);
         assert_eq!((same.y, same.w, same.flag, same.k), (c.y, c.w, c.flag, 8));
+    }
+
+    #[test]
+    fn the_mmq_pipeline_fits_the_h200_and_not_cards_of_99_kib() {
+        // the largest stage pair: Q8_0 gate and up rows, two stages of 128 × 272 bytes + 24 KiB of Q8 blocks
+        assert_eq!(mq_smem(GgmlType::Q8_0, true, true) as usize, MQ_PIPE_MAX_SMEM);
+        assert_eq!(MQ_PIPE_MAX_SMEM, 118_784);
+        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+            for gated in [false, true] {
+                assert!(mq_smem(ty, gated, true) as usize <= MQ_PIPE_MAX_SMEM);
+                // without the pipeline the loop stages one set of Q8 blocks (as stop 25's static array)
+                assert_eq!(mq_smem(ty, gated, false), 8 * 64 * 12 * 4);
+            }
+        }
+        assert_eq!(mq_smem(GgmlType::Q4_K, true, true), 0, "static shared memory");
+        if std::env::var_os("STRATA_GPU_MMQ_PIPE").is_none() {
+            assert!(crate::backend::cuda::kernels::mmq_pipe_on(232_448)); // H100/H200 opt-in
+            assert!(crate::backend::cuda::kernels::mmq_pipe_on(166_912)); // A100
+            assert!(!crate::backend::cuda::kernels::mmq_pipe_on(101_376)); // sm_86/89/120
+        }
+    }
+
+    #[test]
+    fn a_router_split_keeps_whole_ranges_and_enough_blocks() {
+        // Qwen3-30B-A3B's router over a 512-token chunk: 2 × 8 blocks, 16 ranges of 128 columns
+        assert_eq!(mf_split_count(16, 2048), 16);
+        assert_eq!(mf_split_count(512, 2048), 1, "enough blocks without a split");
+        assert_eq!(mf_split_count(2, 200), 1, "ranges of at least 128 columns");
+        assert_eq!(mf_split_count(1, 100_000), 16, "at most MF_SPLIT_MAX");
     }
 
     #[test]

@@ -395,7 +395,8 @@ pub fn plan_stages(
     }
     // auto (REFERENCE.md §6): every layer's dense weights and KV, the experts hottest first, each card's room
     let c = m.cfg;
-    let kv = 2 * o.n_ctx as u64 * (c.n_head_kv * c.head_dim) as u64 * 2;
+    let q8 = m.kv_type == crate::backend::KvType::Q8_0;
+    let kv = 2 * super::ops::KvPtrs::bytes(q8, o.n_ctx, c.n_head_kv * c.head_dim) as u64;
     let layer_bytes: Vec<u64> = m
         .weights
         .blocks
