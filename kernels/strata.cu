@@ -1288,27 +1288,17 @@ MMF_KERNEL(mmf_bf16, FMT_BF16)
 // H200). Block (x, y, z) computes rows x·MF_BM.., tokens y·MF_BN.. over columns [z·kspan, (z + 1)·kspan) as mmf_body
 // and writes its partial sums to part[(z · nt + tok) · rows + r]; mmf_sum_split adds the gridDim.z partials of
 // each output in z order (deterministic; another order than the one-block kernels': rounding only).
-extern "C" __global__ void __launch_bounds__(256) mmf_split_f32(const u8* __restrict__ w, int rows, int cols,
-                                                              const float* xf, int x_stride, int nt, int kspan,
-                                                              float* part) {
-    const int z = blockIdx.z;
-    mmf_body<FMT_F32, 4>(w, nullptr, nullptr, rows, 0, 0, cols, xf, x_stride, nt, part + (size_t)z * nt * rows, rows,
-                         0, z * kspan, z * kspan + kspan);
-}
-extern "C" __global__ void __launch_bounds__(256) mmf_split_f16(const u8* __restrict__ w, int rows, int cols,
-                                                              const float* xf, int x_stride, int nt, int kspan,
-                                                              float* part) {
-    const int z = blockIdx.z;
-    mmf_body<FMT_F16, 4>(w, nullptr, nullptr, rows, 0, 0, cols, xf, x_stride, nt, part + (size_t)z * nt * rows, rows,
-                         0, z * kspan, z * kspan + kspan);
-}
-extern "C" __global__ void __launch_bounds__(256) mmf_split_bf16(const u8* __restrict__ w, int rows, int cols,
-                                                               const float* xf, int x_stride, int nt, int kspan,
-                                                               float* part) {
-    const int z = blockIdx.z;
-    mmf_body<FMT_BF16, 4>(w, nullptr, nullptr, rows, 0, 0, cols, xf, x_stride, nt, part + (size_t)z * nt * rows,
-                          rows, 0, z * kspan, z * kspan + kspan);
-}
+#define MMF_SPLIT_KERNEL(NAME, FMT)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const u8* __restrict__ w, int rows, int cols,          \
+                                                           const float* xf, int x_stride, int nt, int kspan,      \
+                                                           float* part) {                                         \
+        const int z = blockIdx.z;                                                                                 \
+        mmf_body<FMT, 4>(w, nullptr, nullptr, rows, 0, 0, cols, xf, x_stride, nt, part + (size_t)z * nt * rows,  \
+                         rows, 0, z * kspan, z * kspan + kspan);                                                  \
+    }
+MMF_SPLIT_KERNEL(mmf_split_f32, FMT_F32)
+MMF_SPLIT_KERNEL(mmf_split_f16, FMT_F16)
+MMF_SPLIT_KERNEL(mmf_split_bf16, FMT_BF16)
 
 // out[tok · out_stride + r] (+)= Σ_z part[(z · nt + tok) · rows + r], z = 0 .. nz − 1 in order. Grid: ceil(nt · rows /
 // 256); block: 256 threads.
