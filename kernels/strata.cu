@@ -1786,21 +1786,35 @@ struct KvRows {
     }
 };
 
-// The attention score q · k of a Q8_0 key row `kr` (hd / 32 blocks) and the f32 query `qs` (shared): per block
-// d · Σ q·k in f32 (the dequantized values d·k are exact in f32; no query quantization).
-__device__ __forceinline__ float att_score_q8(const float* qs, const u8* kr, int hd) {
+// The query of a Q8_0 cache's scores, quantized as the CPU path quantizes it (attend_q8_0: quantize_q8 per 32
+// values, as llama.cpp's vector kernels quantize it for a quantized K): `qs` (hd f32 values, shared) into codes
+// `qq` (hd / 4 ints of 4 codes) and scales `qd` (hd / 32, f16-rounded), both shared. One warp per 32-value block;
+// the caller syncs after.
+__device__ __forceinline__ void quantize_query_q8(const float* qs, int hd, int* qq, float* qd) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+    for (int b = warp; b < hd / 32; b += nw) {
+        const float v = qs[b * 32 + lane];
+        const float amax = warp_max(fabsf(v));
+        const float id = amax != 0.f ? 127.0f / amax : 0.f;
+        const int c = __float2int_rn(v * id) & 0xff;
+        const int c1 = __shfl_down_sync(0xffffffffu, c, 1), c2 = __shfl_down_sync(0xffffffffu, c, 2);
+        const int c3 = __shfl_down_sync(0xffffffffu, c, 3);
+        if ((lane & 3) == 0) qq[b * 8 + lane / 4] = c | (c1 << 8) | (c2 << 16) | (c3 << 24);
+        if (lane == 0) qd[b] = f16_round(amax / 127.0f);
+    }
+}
+
+// The attention score q · k (unscaled) of a Q8_0 key row `kr` (hd / 32 blocks) and the query's Q8_0 codes `qq` and
+// scales `qd` (quantize_query_q8): Σ over blocks of d_k · d_q · Σ q·k (integer sums), the CPU's order (the Q8_0
+// row kernel's scalar reference).
+__device__ __forceinline__ float att_score_q8(const int* qq, const float* qd, const u8* kr, int hd) {
     float s = 0.f;
     for (int b = 0; b < hd / 32; b++) {
         const u8* blk = kr + b * 34;
-        const u16* w = (const u16*)(blk + 2);
-        float a = 0.f;
+        int isum = 0;
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
-            const u16 v = w[j];
-            a = fmaf(qs[32 * b + 2 * j], (float)(signed char)(v & 0xff), a);
-            a = fmaf(qs[32 * b + 2 * j + 1], (float)(signed char)(v >> 8), a);
-        }
-        s = fmaf(h2f(blk), a, s);
+        for (int j = 0; j < 8; j++) isum = __dp4a(ld_i32_a2(blk + 2 + 4 * j), qq[b * 8 + j], isum);
+        s += h2f(blk) * qd[b] * (float)isum;
     }
     return s;
 }
@@ -1839,8 +1853,8 @@ __device__ __forceinline__ float att_score(const float* qs, const u16* kr, int h
 // outq != null (hd % 32 == 0): the output rows are also written as Q8 blocks (the input of the output product).
 // window > 0: each row attends to its last `window` positions only (sliding-window layers); sinks != null: head h's
 // softmax also counts exp(sinks[h]) in its denominator (gpt-oss's attention sinks, one logit per query head).
-// KVQ 1 (`attention_q8`): a Q8_0 cache (KvRows), scores by att_score_q8, V dequantized; not bit-exact with the CPU
-// path (which quantizes the query for the scores).
+// KVQ 1 (`attention_q8`): a Q8_0 cache (KvRows), the query quantized to Q8_0 for the scores as the CPU path does
+// (att_score_q8), V dequantized; the same arithmetic as the CPU's up to the order of its sums.
 template <int KVQ>
 __device__ void attention_body(const float* q, const void* kc, const void* vc, int n_head, int n_head_kv, int hd,
                                const int* pos, float scale, float* out, Q8* outq, int window, const float* sinks) {
@@ -1862,11 +1876,17 @@ __device__ void attention_body(const float* q, const void* kc, const void* vc, i
     const float* qv = q + ((size_t)i * n_head + h) * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qv[d];
     __syncthreads();
+    __shared__ int qq[KVQ ? 64 : 1];
+    __shared__ float qd[KVQ ? 8 : 1];
+    if (KVQ) {
+        quantize_query_q8(qs, hd, qq, qd);
+        __syncthreads();
+    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
     const bool vec = hd % 8 == 0 && kvd % 8 == 0 && ((size_t)kcache & 15) == 0;
     float mx = -INFINITY;
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
-        float s = KVQ ? att_score_q8(qs, kr.at(first + p, kh, hd), hd)
+        float s = KVQ ? att_score_q8(qq, qd, kr.at(first + p, kh, hd), hd)
                       : att_score(qs, kcache + (size_t)p * kvd + kh * hd, hd, vec);
         s = __fmul_rn(s, scale);
         sc[p] = s;
@@ -1957,11 +1977,17 @@ __device__ void attention_split_body(const float* q, const void* kc, const void*
     const float* qv = q + ((size_t)i * n_head + h) * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qv[d];
     __syncthreads();
+    __shared__ int qq[KVQ ? 64 : 1];
+    __shared__ float qd[KVQ ? 8 : 1];
+    if (KVQ) {
+        quantize_query_q8(qs, hd, qq, qd);
+        __syncthreads();
+    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
     const bool vec = hd % 8 == 0 && kvd % 8 == 0 && ((size_t)kcache & 15) == 0;
     float mx = -INFINITY;
     for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-        const float s = __fmul_rn(KVQ ? att_score_q8(qs, kr.at(p, kh, hd), hd)
+        const float s = __fmul_rn(KVQ ? att_score_q8(qq, qd, kr.at(p, kh, hd), hd)
                                       : att_score(qs, kcache + (size_t)p * kvd + kh * hd, hd, vec),
                                   scale);
         sc[p - p0] = s;
@@ -2007,41 +2033,73 @@ extern "C" __global__ void attention_split_q8(const float* q, const u8* kcache, 
     attention_split_body<1>(q, kcache, vcache, n_head, n_head_kv, hd, pos, scale, part, window);
 }
 
-// Merges the chunks of attention_split: out = Σ_z exp(m_z − M) · acc_z / Σ_z exp(m_z − M) · l_z (M the largest
-// m_z of the chunks inside the row, and the sink's logit; sinks != null adds exp(sinks[h] − M) to the denominator),
-// and its Q8 blocks when outq != null (hd % 32 == 0). Grid: (n_head, t); block: 128 threads.
-extern "C" __global__ void attention_combine(const float* part, int n_head, int hd, int nz, float* out, Q8* outq,
-                                             const float* sinks) {
+// Merges the chunks of attention_split / attention_decode: out = Σ_z exp(m_z − M) · acc_z / Σ_z exp(m_z − M) · l_z
+// (M the largest m_z of the chunks inside the row, and the sink's logit; sinks != null adds exp(sinks[h] − M) to
+// the denominator), and its Q8 blocks when outq != null (hd % 32 == 0). The chunks' weights are computed once per
+// block (128 at a time, in shared memory); warp w sums chunks w, w + 4, … (lanes over the hd values), and the
+// four warps' sums are added in warp order. Grid: (n_head, t); block: 128 threads; hd <= 256.
+extern "C" __global__ void __launch_bounds__(128) attention_combine(const float* part, int n_head, int hd, int nz,
+                                                                    float* out, Q8* outq, const float* sinks) {
     pdl_entry();
-    const int h = blockIdx.x, i = blockIdx.y, lane = threadIdx.x % 32;
+    __shared__ float wz[128];
+    __shared__ float red[32];
+    __shared__ float ws[4][256];
+    const int h = blockIdx.x, i = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const float* pr = part + ((size_t)i * n_head + h) * nz * (hd + 2);
     // a chunk past the row's positions wrote (m, l) = (−inf, 0) and nothing else; any other chunk counts (a NaN in
     // it reaches the output, as in the one-block kernel)
 #define ATT_LIVE(c) (!((c)[0] == -INFINITY && (c)[1] == 0.f))
     float M = -INFINITY;
-    for (int z = 0; z < nz; z++)
+    for (int z = threadIdx.x; z < nz; z += blockDim.x)
         if (ATT_LIVE(pr + (size_t)z * (hd + 2))) M = fmaxf(M, pr[(size_t)z * (hd + 2)]);
+    M = block_max(M, red);
     if (sinks) M = fmaxf(M, sinks[h]);
     float L = 0.f;
-    for (int z = 0; z < nz; z++) {
+    for (int z = threadIdx.x; z < nz; z += blockDim.x) {
         const float* c = pr + (size_t)z * (hd + 2);
         if (ATT_LIVE(c)) L += c[1] * expf(c[0] - M);
     }
+    L = warp_sum(L);
+    if (lane == 0) red[warp] = L;
+    __syncthreads();
+    L = 0.f;
+    for (int w = 0; w < 4; w++) L += red[w];
     if (sinks) L += expf(sinks[h] - M);
     const float inv = 1.0f / L;
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) acc[k] = 0.f;
+    for (int z0 = 0; z0 < nz; z0 += 128) {
+        __syncthreads();
+        if (z0 + threadIdx.x < nz) {
+            const float* c = pr + (size_t)(z0 + threadIdx.x) * (hd + 2);
+            wz[threadIdx.x] = ATT_LIVE(c) ? expf(c[0] - M) : 0.f;
+        }
+        __syncthreads();
+        const int zn = min(128, nz - z0);
+#pragma unroll 2
+        for (int z = warp; z < zn; z += 4) {
+            const float w = wz[z];
+            if (w == 0.f) continue;  // outside the row (its values were never written), or too small to count
+            const float* c = pr + (size_t)(z0 + z) * (hd + 2) + 2;
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                if (lane + 32 * k < hd) acc[k] = fmaf(w, c[lane + 32 * k], acc[k]);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        if (lane + 32 * k < hd) ws[warp][lane + 32 * k] = acc[k];
+    __syncthreads();
     float* o = out + ((size_t)i * n_head + h) * hd;
     for (int d0 = 0; d0 < hd; d0 += blockDim.x) {
         const int d = d0 + threadIdx.x;
-        float acc = 0.f;
+        float v = 0.f;
         if (d < hd) {
-            for (int z = 0; z < nz; z++) {
-                const float* c = pr + (size_t)z * (hd + 2);
-                if (ATT_LIVE(c)) acc = fmaf(expf(c[0] - M), c[2 + d], acc);
-            }
-            acc *= inv;
-            o[d] = acc;
+            v = ((ws[0][d] + ws[1][d]) + ws[2][d] + ws[3][d]) * inv;
+            o[d] = v;
         }
-        if (outq && d - lane < hd) quantize_block_warp(acc, outq + ((size_t)i * n_head + h) * (hd / 32) + d / 32, lane);
+        if (outq && d - lane < hd) quantize_block_warp(v, outq + ((size_t)i * n_head + h) * (hd / 32) + d / 32, lane);
     }
 }
 
@@ -2271,6 +2329,271 @@ ATTENTION_TILED(128)
 ATTENTION_TILED_Q8(64)
 ATTENTION_TILED_Q8(96)
 ATTENTION_TILED_Q8(128)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Decode attention over a long KV cache on tensor cores, split over the positions and grouped by KV head
+// (flash-decoding): the query heads that share a KV head are the rows of one m16n8k16 product, so every K/V row is
+// read from memory once for all of them.
+//
+// Block (c, i, z): KV head kh = c / ngrp; its query heads [kh·G + (c % ngrp)·gb, +gb) (G = n_head / n_head_kv
+// share the KV head; gb = ⌈G / ngrp⌉ ≤ ATT_DG = 16 per block, fewer in the last group) as the 16 rows of the
+// products (rows past gb are zeros); query row i; positions [z·chunk, min((z + 1)·chunk, n)) with n = pos0 + i + 1
+// (from n − window on when window > 0). Tiles of ATT_DTILE positions of K and V (f16 rows, HD + 8 halves apart)
+// are copied into shared memory, two tiles in flight (cp.async; a Q8_0 cache: loaded and converted to f16 as
+// attention_tiled_q8 does, one tile at a time); each of the ATT_DWARPS warps takes 16 positions of a tile: S = Q·Kᵀ
+// (f16 MMA, f32 accumulation; the query rounded to f16, as RoPE wrote it), s = S · scale, its own running softmax
+// per row (max m, sum l), then P·V with P = exp(s − m) rounded to f16. At the end the warps' partials are merged
+// and written in attention_combine's layout: (m, l, HD values) at part + ((i·n_head + h)·gridDim.z + z)·(HD + 2)
+// for each head h; a chunk outside the row writes (−inf, 0). The arithmetic differs from `attention`'s by rounding
+// only (as attention_tiled's does). Grid: (n_head_kv · ngrp, t, nz); block: 32 · ATT_DWARPS threads; dynamic
+// shared memory: att_decode_smem (ops.rs). HD: 64, 80, 96, 128 (Q8_0: 64, 96, 128).
+#define ATT_DG 16
+#define ATT_DWARPS 4
+#define ATT_DTILE (16 * ATT_DWARPS)
+
+// Copies `cnt` rows of `rbytes` bytes (source stride `rb`, destination stride `ds`) in pieces of 16 bytes by
+// cp.async (`unit` 16; the caller commits and waits) or of 2 bytes by plain loads (`unit` 2: rows not 16-byte
+// aligned, or before sm_80).
+__device__ __forceinline__ void att_dec_copy(u8* dst, int ds, const u8* src, size_t rb, int rbytes, int cnt,
+                                             int unit) {
+    const int per = rbytes / unit;
+    for (int x = threadIdx.x; x < cnt * per; x += blockDim.x) {
+        const int r = x / per, c = x - r * per;
+        u8* d = dst + r * ds + c * unit;
+        const u8* s = src + (size_t)r * rb + c * unit;
+#if __CUDA_ARCH__ >= 800
+        if (unit == 16)
+            cp_async<16>(d, s);
+        else
+#endif
+            *(u16*)d = *(const u16*)s;
+    }
+}
+
+template <int HD, int KVQ>
+__device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc, int n_head, int n_head_kv,
+                                      const int* pos, float scale, float* part, int window, int chunk, int ngrp) {
+    constexpr int LD = HD + 8;                     // shared row stride in halves (as attention_tiled)
+    constexpr int SB = 2 * ATT_DTILE * LD * 2;     // bytes of a stage: K and V tiles
+    constexpr int NST = KVQ ? 1 : 2;               // stages
+    pdl_entry();
+    extern __shared__ __align__(16) u8 dsm[];
+    const int G = n_head / n_head_kv;
+    const int kh = blockIdx.x / ngrp, gb = (G + ngrp - 1) / ngrp;
+    const int h0 = kh * G + (blockIdx.x % ngrp) * gb;
+    const int gcnt = min(gb, kh * G + G - h0);
+    const int i = blockIdx.y, z = blockIdx.z;
+    const int n = *pos + i + 1;
+    const int p0 = max(z * chunk, window > 0 ? n - window : 0), p1 = min(z * chunk + chunk, n);
+    if (gcnt <= 0) return;
+    if (p0 >= p1) {
+        if (threadIdx.x < gcnt) {
+            float* pr = part + (((size_t)i * n_head + h0 + threadIdx.x) * gridDim.z + z) * (HD + 2);
+            pr[0] = -INFINITY;
+            pr[1] = 0.f;
+        }
+        return;
+    }
+    const int kvd = n_head_kv * HD;
+    const int rbytes = KVQ ? HD / 32 * 34 : HD * 2;
+    const size_t rb = KVQ ? (size_t)(kvd / 32) * 34 : (size_t)kvd * 2;
+    const u8* kb = kc + (size_t)kh * rbytes;
+    const u8* vb = vc + (size_t)kh * rbytes;
+#if __CUDA_ARCH__ >= 800
+    const int unit = (((unsigned long long)kb | (unsigned long long)vb | rb) & 15) == 0 ? 16 : 2;
+#else
+    const int unit = 2;
+#endif
+    const int ntile = (p1 - p0 + ATT_DTILE - 1) / ATT_DTILE;
+    // tile t into stage t % NST: its rows, zeros past the chunk's end (their V rows are multiplied by P = 0)
+    auto issue = [&](int t) {
+        const int pb = p0 + t * ATT_DTILE, cnt = min(ATT_DTILE, p1 - pb);
+        u16* ks = (u16*)(dsm + (t % NST) * SB);
+        u16* vs = ks + ATT_DTILE * LD;
+        if (KVQ) {
+            constexpr int CH = HD / 8;
+            for (int c = threadIdx.x; c < ATT_DTILE * CH; c += blockDim.x) {
+                const int r = c / CH, off = (c % CH) * 8;
+                uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+                if (r < cnt) {
+                    kv = q8_row_half8(kb + (size_t)(pb + r) * rb, off);
+                    vv = q8_row_half8(vb + (size_t)(pb + r) * rb, off);
+                }
+                *(uint4*)(ks + r * LD + off) = kv;
+                *(uint4*)(vs + r * LD + off) = vv;
+            }
+        } else {
+            att_dec_copy((u8*)ks, LD * 2, kb + (size_t)pb * rb, rb, rbytes, cnt, unit);
+            att_dec_copy((u8*)vs, LD * 2, vb + (size_t)pb * rb, rb, rbytes, cnt, unit);
+            for (int c = threadIdx.x; c < (ATT_DTILE - cnt) * (HD / 8); c += blockDim.x) {
+                const int r = cnt + c / (HD / 8), off = (c % (HD / 8)) * 8;
+                *(uint4*)(ks + r * LD + off) = make_uint4(0, 0, 0, 0);
+                *(uint4*)(vs + r * LD + off) = make_uint4(0, 0, 0, 0);
+            }
+        }
+    };
+    issue(0);
+    cp_async_commit();
+    if (NST > 1 && ntile > 1) issue(1);
+    cp_async_commit();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+    // Q fragments: rows g and g + 8 are heads h0 + g and h0 + g + 8 (zeros past gcnt)
+    u32 qa[HD / 16][4];
+    {
+        const float* r0 = q + ((size_t)i * n_head + h0 + g) * HD;
+        const float* r1 = r0 + 8 * HD;
+        const bool v0 = g < gcnt, v1 = g + 8 < gcnt;
+#pragma unroll
+        for (int kt = 0; kt < HD / 16; kt++) {
+            const int c = kt * 16 + 2 * tg;
+            const float2 a0 = v0 ? *(const float2*)(r0 + c) : make_float2(0.f, 0.f);
+            const float2 a1 = v1 ? *(const float2*)(r1 + c) : make_float2(0.f, 0.f);
+            const float2 a2 = v0 ? *(const float2*)(r0 + c + 8) : make_float2(0.f, 0.f);
+            const float2 a3 = v1 ? *(const float2*)(r1 + c + 8) : make_float2(0.f, 0.f);
+            qa[kt][0] = pack_half2(a0.x, a0.y);
+            qa[kt][1] = pack_half2(a1.x, a1.y);
+            qa[kt][2] = pack_half2(a2.x, a2.y);
+            qa[kt][3] = pack_half2(a3.x, a3.y);
+        }
+    }
+    float acc[HD / 8][4];
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    for (int t = 0; t < ntile; t++) {
+        if (NST > 1) {
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const u16* ks = (const u16*)(dsm + (t % NST) * SB);
+        const u16* vs = ks + ATT_DTILE * LD;
+        const int w0 = warp * 16;                    // the warp's first position in the tile
+        const int live = p1 - (p0 + t * ATT_DTILE);  // positions of the tile inside the chunk (from 1)
+        if (w0 < live) {
+            float s[2][4];
+#pragma unroll
+            for (int j = 0; j < 2; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+            for (int kt = 0; kt < HD / 16; kt++) {
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const u16* kr = ks + (w0 + j * 8 + g) * LD + kt * 16 + 2 * tg;
+                    mma_16816(s[j], qa[kt], *(const u32*)kr, *(const u32*)(kr + 8));
+                }
+            }
+            float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int r = w0 + j * 8 + 2 * tg;
+                s[j][0] = r < live ? s[j][0] * scale : -INFINITY;
+                s[j][1] = r + 1 < live ? s[j][1] * scale : -INFINITY;
+                s[j][2] = r < live ? s[j][2] * scale : -INFINITY;
+                s[j][3] = r + 1 < live ? s[j][3] * scale : -INFINITY;
+                mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+            }
+#pragma unroll
+            for (int o = 1; o < 4; o <<= 1) {
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+            }
+            // the warp's first position is live, so the new maxima are finite
+            const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
+            const float a0 = expf(m0 - nm0), a1 = expf(m1 - nm1);
+            m0 = nm0;
+            m1 = nm1;
+            l0 *= a0;
+            l1 *= a1;
+#pragma unroll
+            for (int j = 0; j < HD / 8; j++) {
+                acc[j][0] *= a0;
+                acc[j][1] *= a0;
+                acc[j][2] *= a1;
+                acc[j][3] *= a1;
+            }
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                s[j][0] = expf(s[j][0] - m0);
+                s[j][1] = expf(s[j][1] - m0);
+                s[j][2] = expf(s[j][2] - m1);
+                s[j][3] = expf(s[j][3] - m1);
+                l0 += s[j][0] + s[j][1];
+                l1 += s[j][2] + s[j][3];
+            }
+            const u32 pa[4] = {pack_half2(s[0][0], s[0][1]), pack_half2(s[0][2], s[0][3]),
+                               pack_half2(s[1][0], s[1][1]), pack_half2(s[1][2], s[1][3])};
+            const u16* v0 = vs + (w0 + 2 * tg) * LD + g;
+#pragma unroll
+            for (int j = 0; j < HD / 8; j++) {
+                const u16* vp = v0 + j * 8;
+                const u32 b0 = (u32)vp[0] | ((u32)vp[LD] << 16);
+                const u32 b1 = (u32)vp[8 * LD] | ((u32)vp[9 * LD] << 16);
+                mma_16816(acc[j], pa, b0, b1);
+            }
+        }
+        __syncthreads();
+        if (t + NST < ntile) issue(t + NST);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+    }
+    __syncthreads();
+    // the warps' partials (a warp without positions has m = −inf, l = 0), merged per row
+    float* wm = (float*)dsm;
+    float* wl = wm + ATT_DWARPS * ATT_DG;
+    float* wa = wl + ATT_DWARPS * ATT_DG;
+    if (tg == 0) {
+        wm[warp * ATT_DG + g] = m0;
+        wm[warp * ATT_DG + g + 8] = m1;
+        wl[warp * ATT_DG + g] = l0;
+        wl[warp * ATT_DG + g + 8] = l1;
+    }
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++) {
+        const int d = j * 8 + 2 * tg;
+        *(float2*)(wa + (warp * ATT_DG + g) * HD + d) = make_float2(acc[j][0], acc[j][1]);
+        *(float2*)(wa + (warp * ATT_DG + g + 8) * HD + d) = make_float2(acc[j][2], acc[j][3]);
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < gcnt * (HD + 2); x += blockDim.x) {
+        const int r = x / (HD + 2), c = x - r * (HD + 2);
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < ATT_DWARPS; w++) M = fmaxf(M, wm[w * ATT_DG + r]);
+        float v = M;
+        if (c > 0) {
+            v = 0.f;
+#pragma unroll
+            for (int w = 0; w < ATT_DWARPS; w++) {
+                const float mw = wm[w * ATT_DG + r];
+                if (mw != -INFINITY)
+                    v = fmaf(expf(mw - M), c == 1 ? wl[w * ATT_DG + r] : wa[(w * ATT_DG + r) * HD + c - 2], v);
+            }
+        }
+        part[(((size_t)i * n_head + h0 + r) * gridDim.z + z) * (HD + 2) + c] = v;
+    }
+}
+
+#define ATT_DECODE_KERNEL(NAME, HD, KVQ)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_DWARPS)                                                 \
+        NAME(const float* q, const u8* kcache, const u8* vcache, int n_head, int n_head_kv, const int* pos,      \
+             float scale, float* part, int window, int chunk, int ngrp) {                                         \
+        attention_decode_body<HD, KVQ>(q, kcache, vcache, n_head, n_head_kv, pos, scale, part, window, chunk,      \
+                                       ngrp);                                                                     \
+    }
+ATT_DECODE_KERNEL(attention_decode_64, 64, 0)
+ATT_DECODE_KERNEL(attention_decode_80, 80, 0)
+ATT_DECODE_KERNEL(attention_decode_96, 96, 0)
+ATT_DECODE_KERNEL(attention_decode_128, 128, 0)
+ATT_DECODE_KERNEL(attention_decode_q8_64, 64, 1)
+ATT_DECODE_KERNEL(attention_decode_q8_96, 96, 1)
+ATT_DECODE_KERNEL(attention_decode_q8_128, 128, 1)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Experts from VRAM slots.

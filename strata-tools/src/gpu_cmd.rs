@@ -421,8 +421,9 @@ fn check_attention(
 }
 
 /// The one-block kernel over Q8_0 caches against the same kernel over f16 caches holding their dequantized values
-/// rounded to f16 ([`AttentionCase::new_q8`]): the relative error of the output rows (the rounding of d·q to f16
-/// only, when the Q8_0 rows are read right).
+/// rounded to f16 ([`AttentionCase::new_q8`]): the relative error of the output rows (the Q8_0 kernel also
+/// quantizes the query for the scores, as the CPU path does: about 4e-3 on random data, against 4e-4 for the
+/// rounding of d·q to f16 alone, when the Q8_0 rows are read right).
 fn check_attention_q8(
     ops: &strata::backend::cuda::ops::Ops,
     (nh, nkv, hd): (usize, usize, usize),
@@ -967,6 +968,14 @@ fn check_kernels(
         (64, 8, 64, 3000, 2, 4096, 0),
         (16, 4, 64, 3000, 5, 4096, 300),
         (8, 2, 128, 1100, 8, 1108, 1000),
+        // the grouped decode kernel's head groups: 16 and 12 query heads per KV head (two blocks each), 1:1
+        (64, 4, 128, 5000, 1, 8192, 0),
+        (24, 2, 128, 3000, 2, 4096, 0),
+        (16, 16, 128, 700, 1, 1024, 0),
+        // its other head sizes: 96 (tiles of 64 positions) and 256 (tiles of 32; a window across chunks)
+        (12, 4, 96, 2047, 2, 2049, 0),
+        (8, 1, 256, 3000, 1, 4096, 512),
+        (8, 2, 256, 300, 3, 512, 0),
     ] {
         let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), (win, win > 0 || nh == 64), false, &mut seed)?;
         worst = worst.max(r);
@@ -975,7 +984,9 @@ fn check_kernels(
             "pos0": pos0, "t": t, "cap": cap, "window": win, "rel_err_vs_one_block": r}));
     }
     // 1a'q. the Q8_0 KV cache (`--kv-type q8_0`): the one-block kernel over Q8_0 rows against the f16 kernel over
-    // their dequantized values; the split-K kernel over Q8_0 rows against the one-block one
+    // their dequantized values; the split-K kernel over Q8_0 rows against the one-block one (the grouped decode
+    // kernel rounds the query to f16 where the one-block one quantizes it: about 5e-3; attention_split_q8, for
+    // head size 256, quantizes it too: about 2e-4)
     for &(nh, nkv, hd, pos0, t) in
         &[(32usize, 4usize, 128usize, 300usize, 1usize), (16, 16, 64, 37, 3), (8, 1, 96, 700, 2)]
     {
@@ -992,6 +1003,10 @@ fn check_kernels(
         (32usize, 4usize, 128usize, 4095usize, 1usize, 4096usize, 0usize),
         (8, 2, 64, 1500, 4, 2048, 0),
         (64, 8, 64, 4095, 1, 4096, 128),
+        // Q8_0 rows of 102 bytes (head size 96: copied 2 bytes at a time), 272 (256), 16 heads per KV head
+        (12, 4, 96, 2000, 1, 2048, 0),
+        (8, 1, 256, 3000, 1, 4096, 0),
+        (64, 4, 128, 5000, 2, 8192, 0),
     ] {
         let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), (win, win > 0 || nh == 64), true, &mut seed)?;
         worst = worst.max(r);
@@ -1563,6 +1578,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let mut logits = m.forward(&prompt, &mut kv, Logits::Last, &mut s);
         let prompt_s = tp.elapsed().as_secs_f64();
         let td = Instant::now();
+        let mut first_s = 0.0;
         let mut shift_seed = 0x5EED_u64;
         for i in 0..a.gen {
             // greedy, as the daemon's sampler picks at temperature 0 (or, with --shift, a random token now and
@@ -1576,6 +1592,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             logits = m.forward(&[next], &mut kv, Logits::Last, &mut s);
             s.decode = false;
             m.end_decode_window()?;
+            if i == 0 {
+                first_s = td.elapsed().as_secs_f64();
+            }
         }
         let decode_s = td.elapsed().as_secs_f64();
         let d = st.counters.totals().since(&before);
@@ -1632,6 +1651,16 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             100.0 * hit,
             d.swaps
         );
+        if a.gen > 1 {
+            // the first decode token of a context size class captures its graph (once per class in a daemon's
+            // life); llama-bench times after a warm-up run
+            println!(
+                "{:<34} decode after the first token {:.2} tok/s (first token {:.1} ms)",
+                "",
+                (a.gen - 1) as f64 / (decode_s - first_s),
+                first_s * 1e3
+            );
+        }
         if a.prefetch > 0 {
             println!(
                 "{:<34} prefetched {:.2}/tok, used {:.1}%, wasted {:.1} MiB/tok; prediction names {:.1}% of routed experts",

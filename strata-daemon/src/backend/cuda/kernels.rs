@@ -245,6 +245,11 @@ pub struct Kernels {
     pub attention_split_q8: Func,
     /// `attention_combine` (merges `attention_split`'s partials).
     pub attention_combine: Func,
+    /// `attention_decode_<hd>` for the head sizes of [`DECODE_HEAD_SIZES`] (None: off, see
+    /// [`decode_attention_wanted`], or the card cannot give a block its shared memory).
+    attention_decode: [Option<Func>; DECODE_HEAD_SIZES.len()],
+    /// `attention_decode_q8_<hd>` (over a Q8_0 KV cache).
+    attention_decode_q8: [Option<Func>; DECODE_HEAD_SIZES.len()],
     /// `attention_tiled_<hd>` for the head sizes of [`TILED_HEAD_SIZES`] (None: off, see [`tiled_attention_wanted`]).
     attention_tiled: [Option<Func>; TILED_HEAD_SIZES.len()],
     /// `attention_tiled_q8_<hd>` (over a Q8_0 KV cache; head sizes that are multiples of 32).
@@ -313,6 +318,16 @@ pub fn tensor_cores_ok(cc: (i32, i32)) -> bool {
 
 /// Head sizes with a tiled prefill attention kernel (`attention_tiled_<hd>` in strata.cu).
 pub const TILED_HEAD_SIZES: [usize; 4] = [64, 80, 96, 128];
+
+/// Head sizes with a KV-head-grouped decode attention kernel (`attention_decode_<hd>` in strata.cu).
+pub const DECODE_HEAD_SIZES: [usize; 4] = [64, 80, 96, 128];
+
+/// Whether long-context decode windows use the KV-head-grouped split attention (`attention_decode_*`, see
+/// [`super::ops::Ops::attention`]): unless `STRATA_GPU_ATT_DECODE=0` (then `attention_split`, one block per query
+/// head; for A/B measurements).
+pub fn decode_attention_wanted() -> bool {
+    !std::env::var("STRATA_GPU_ATT_DECODE").is_ok_and(|v| v == "0")
+}
 
 /// Whether prefill chunks use the tiled tensor-core attention (`attention_tiled_*`): unless
 /// `STRATA_ATTN_TILED=0` (then the one-block kernel, bit-exact with the CPU path; for A/B measurements).
@@ -420,7 +435,18 @@ impl Kernels {
                 (tensor_cores && f.prefill == Prefill::Mmq).then(|| format!("{prefix}{}", f.suffix))
             }
         };
-        let k = Kernels {
+        // the grouped decode attention per head size, when on
+        // (on tensor cores; over a Q8_0 cache for head sizes of whole Q8_0 blocks)
+        let decode_per = |prefix: &str, q8: bool| -> Result<[Option<Func>; DECODE_HEAD_SIZES.len()], GpuError> {
+            let mut v = [None; DECODE_HEAD_SIZES.len()];
+            if tensor_cores && decode_attention_wanted() {
+                for (f, hd) in v.iter_mut().zip(DECODE_HEAD_SIZES).filter(|(_, hd)| !q8 || hd % 32 == 0) {
+                    *f = Some(get(leak(format!("{prefix}{hd}")))?);
+                }
+            }
+            Ok(v)
+        };
+        let mut k = Kernels {
             module,
             mmv: per("mmv_", "")?,
             gate_up: per("expert_gate_up_", "")?,
@@ -455,6 +481,8 @@ impl Kernels {
             attention_split: get("attention_split")?,
             attention_split_q8: get("attention_split_q8")?,
             attention_combine: get("attention_combine")?,
+            attention_decode: decode_per("attention_decode_", false)?,
+            attention_decode_q8: decode_per("attention_decode_q8_", true)?,
             attention_tiled: {
                 let mut v = [None; TILED_HEAD_SIZES.len()];
                 if tensor_cores && tiled_attention_wanted() {
@@ -482,6 +510,17 @@ impl Kernels {
             expert_down_bias: get("expert_down_bias")?,
             add_bias: get("add_bias")?,
         };
+        // the grouped decode attention's two K/V tiles: up to 68 KiB (f16, head size 128)
+        for (i, hd) in DECODE_HEAD_SIZES.iter().enumerate() {
+            for (f, q8) in [(&mut k.attention_decode[i], false), (&mut k.attention_decode_q8[i], true)] {
+                let bytes = super::ops::att_decode_smem(*hd, q8);
+                if f.is_some_and(|g| {
+                    bytes + 1024 > max_smem_optin.max(0) as usize || g.set_max_smem(bytes as i32).is_err()
+                }) {
+                    *f = None;
+                }
+            }
+        }
         // the opt-in limit covers static shared memory too (a few hundred bytes in `attention`)
         k.attention.set_max_smem(max_smem_optin - 1024)?;
         k.attention_q8.set_max_smem(max_smem_optin - 1024)?;
@@ -531,6 +570,16 @@ impl Kernels {
         let g = fmt_index(gate).ok().and_then(|i| self.gate_up_mmq[i])?;
         let d = fmt_index(down).ok().and_then(|i| self.down_mmq[i])?;
         Some((g, d))
+    }
+    /// The grouped decode attention kernel for head size `hd` (`q8`: over a Q8_0 KV cache), if there is one and it
+    /// is on.
+    pub fn attention_decode(&self, hd: usize, q8: bool) -> Option<Func> {
+        let i = DECODE_HEAD_SIZES.iter().position(|&h| h == hd)?;
+        if q8 {
+            self.attention_decode_q8[i]
+        } else {
+            self.attention_decode[i]
+        }
     }
     /// The tiled prefill attention kernel for head size `hd` (`q8`: over a Q8_0 KV cache), if there is one and it
     /// is on.

@@ -145,9 +145,53 @@ pub fn tiled_applies(t: usize, kvd: usize) -> bool {
     t > ATT_SPLIT_ROWS && kvd.is_multiple_of(8)
 }
 
-/// f32 values of the split-K scratch for `rows` query rows of `n_head` heads of size `hd` over `n_ctx` positions.
+/// Query heads per block of the grouped decode attention (`ATT_DG` in strata.cu: the 16 rows of its products).
+const ATT_DG: usize = 16;
+/// Positions per shared-memory tile of the grouped decode attention (`ATT_DTILE`: 16 per warp).
+const ATT_DTILE: usize = 64;
+/// Most chunks the grouped decode attention cuts a row's positions into.
+const ATT_DEC_MAX_Z: usize = 128;
+/// Blocks the grouped decode attention aims at per launch (its chunk count is chosen for about this many: a few
+/// per SM on the cards it runs on, so that every block's K/V copies are in flight at once), unless
+/// `STRATA_GPU_ATT_BLOCKS` says otherwise (for measurements; read once).
+const ATT_DEC_BLOCKS: usize = 512;
+
+/// [`ATT_DEC_BLOCKS`], or `STRATA_GPU_ATT_BLOCKS` where that is a positive number.
+fn att_dec_blocks() -> usize {
+    static B: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *B.get_or_init(|| {
+        std::env::var("STRATA_GPU_ATT_BLOCKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&b| b > 0)
+            .unwrap_or(ATT_DEC_BLOCKS)
+    })
+}
+
+/// Dynamic shared memory (bytes) of `attention_decode[_q8]_<hd>`: its K/V tile stages (f16 rows of hd + 8
+/// halves; two stages over an f16 cache, one over a Q8_0 cache) or, at the end, the 4 warps' partials (m, l and
+/// hd values per row), whichever is larger.
+pub fn att_decode_smem(hd: usize, q8: bool) -> usize {
+    let stages = if q8 { 1 } else { 2 };
+    (stages * 2 * ATT_DTILE * (hd + 8) * 2).max((2 * 4 * ATT_DG + 4 * ATT_DG * hd) * 4)
+}
+
+/// The grouped decode attention's cut of `cap` positions for `blocks` blocks per chunk (KV heads × head groups ×
+/// rows): (chunk length, chunk count). About `target` blocks in all, at most [`ATT_DEC_MAX_Z`] chunks, chunks of
+/// whole tiles.
+fn att_decode_cut(cap: usize, blocks: usize, target: usize) -> (usize, usize) {
+    let most = cap.div_ceil(ATT_DTILE).clamp(1, ATT_DEC_MAX_Z);
+    let nz = target.div_ceil(blocks.max(1)).clamp(1, most);
+    let chunk = cap.div_ceil(nz).next_multiple_of(ATT_DTILE);
+    (chunk, cap.div_ceil(chunk))
+}
+
+/// f32 values of the split-K scratch for `rows` query rows of `n_head` heads of size `hd` over `n_ctx` positions:
+/// room for either split kernel's chunks (`attention_split`: ⌈n_ctx / ATT_CHUNK⌉; `attention_decode`: at most
+/// [`ATT_DEC_MAX_Z`] of at least one tile) of (hd + 2) values per row and head.
 pub fn split_part_floats(rows: usize, n_head: usize, hd: usize, n_ctx: usize) -> usize {
-    rows.min(ATT_SPLIT_ROWS) * n_head * n_ctx.div_ceil(ATT_CHUNK) * (hd + 2)
+    let nz = n_ctx.div_ceil(ATT_CHUNK).max(n_ctx.div_ceil(ATT_DTILE).min(ATT_DEC_MAX_Z));
+    rows.min(ATT_SPLIT_ROWS) * n_head * nz * (hd + 2)
 }
 
 /// Threads of the one block of `group_by_expert` (GROUP_THREADS in strata.cu).
@@ -487,17 +531,22 @@ impl Ops<'_> {
     /// for every position of a class). The output rows go to `out` (f32) and to `outq` as Q8 blocks (written by
     /// the kernel when the head size is a multiple of 32, else by a separate quantize launch).
     ///
-    /// `split`: scratch for split-K partials (`t × n_head × ⌈cap / ATT_CHUNK⌉ × (hd + 2)` f32, see
-    /// [`split_part_floats`]): where [`split_applies`] (a long context, a few rows), the positions are cut into
-    /// chunks computed by parallel blocks and merged — not bit-exact with the one-block kernel (f32 rescaling
-    /// instead of f16-rounded probabilities), which every shorter context keeps.
+    /// `split`: scratch for split-K partials ([`split_part_floats`] for `t` rows over `cap` positions): where
+    /// [`split_applies`] (a long context, a few rows), the positions are cut into chunks computed by parallel
+    /// blocks and merged — not bit-exact with the one-block kernel (f32 rescaling instead of f16-rounded
+    /// probabilities), which every shorter context keeps. Head sizes 64, 80, 96 and 128 take the KV-head-grouped
+    /// `attention_decode_<hd>` on tensor cores (the query heads sharing a KV head are the rows of one product, so
+    /// each K/V row is read once for them; tiles copied to shared memory ahead of their use;
+    /// `STRATA_GPU_ATT_DECODE=0` turns it off), others `attention_split` (one block per query head and chunk of
+    /// ATT_CHUNK positions).
     ///
     /// `(window, sinks)`: a sliding window of `window` positions per row (0 = none) and the device address of
     /// `n_head` attention-sink logits (0 = none), as [`crate::backend::cpu::attention::attend`] takes them.
     ///
-    /// `kv.q8` (a Q8_0 cache, `hd` a multiple of 32): the same three paths over Q8_0 rows (`attention_q8`,
-    /// `attention_split_q8`, `attention_tiled_q8_<hd>`, which converts each K/V tile to f16 as it loads it); the
-    /// scores take the f32 query (the CPU path quantizes it), so no path is bit-exact with the CPU's. Errors: a
+    /// `kv.q8` (a Q8_0 cache, `hd` a multiple of 32): the same paths over Q8_0 rows (`attention_q8`,
+    /// `attention_decode_q8_<hd>` and `attention_tiled_q8_<hd>`, which convert each K/V tile to f16 as they load
+    /// it, `attention_split_q8`); the one-block and `attention_split_q8` kernels quantize the query for the scores
+    /// as the CPU path does (the tensor-core ones round it to f16); no path is bit-exact with the CPU's. Errors: a
     /// launch failure.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
@@ -517,11 +566,34 @@ impl Ops<'_> {
     ) -> Result<(), GpuError> {
         let scale = 1.0 / (hd as f32).sqrt();
         if let Some(part) = split.filter(|_| split_applies(cap, t, hd)) {
-            // split-K: chunks of ATT_CHUNK positions in parallel, then the merge (with the Q8 rows)
-            let nz = cap.div_ceil(ATT_CHUNK) as u32;
-            let args = attention_args(q, kv, (n_head, n_head_kv, hd), pos, scale).ptr(part).i32(window as i32);
-            let f = if kv.q8 { &self.k.attention_split_q8 } else { &self.k.attention_split };
-            f.launch(self.s, (n_head as u32, t as u32, nz), 128, 0, args)?;
+            let nz = if let Some(f) = self.k.attention_decode(hd, kv.q8) {
+                // grouped by KV head: chunks sized for about ATT_DEC_BLOCKS blocks
+                let ngrp = (n_head / n_head_kv).div_ceil(ATT_DG);
+                let (chunk, nz) = att_decode_cut(cap, n_head_kv * ngrp * t, att_dec_blocks());
+                let args = Args::new()
+                    .ptr(q)
+                    .ptr(kv.k)
+                    .ptr(kv.v)
+                    .i32(n_head as i32)
+                    .i32(n_head_kv as i32)
+                    .ptr(pos)
+                    .f32(scale)
+                    .ptr(part)
+                    .i32(window as i32)
+                    .i32(chunk as i32)
+                    .i32(ngrp as i32);
+                let grid = ((n_head_kv * ngrp) as u32, t as u32, nz as u32);
+                f.launch(self.s, grid, 128, att_decode_smem(hd, kv.q8) as u32, args)?;
+                nz as u32
+            } else {
+                // one block per query head: chunks of ATT_CHUNK positions
+                let nz = cap.div_ceil(ATT_CHUNK) as u32;
+                let args = attention_args(q, kv, (n_head, n_head_kv, hd), pos, scale).ptr(part).i32(window as i32);
+                let f = if kv.q8 { &self.k.attention_split_q8 } else { &self.k.attention_split };
+                f.launch(self.s, (n_head as u32, t as u32, nz), 128, 0, args)?;
+                nz
+            };
+            // the merge (with the Q8 rows)
             let args = Args::new()
                 .ptr(part)
                 .i32(n_head as i32)
@@ -838,7 +910,10 @@ impl Ops<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{down_quantizes, mf_split_count, mq_smem, Combine, GgmlType, MQ_PIPE_MAX_SMEM};
+    use super::{
+        att_decode_cut, att_decode_smem, down_quantizes, mf_split_count, mq_smem, split_part_floats, Combine, GgmlType,
+        ATT_CHUNK, MQ_PIPE_MAX_SMEM,
+    };
 
     #[test]
     fn a_combine_from_a_later_row_skips_whole_rows_and_keeps_no_cpu_as_none() {
@@ -852,6 +927,43 @@ mod tests {
         assert_eq!(with_cpu.cpu, (4 << 20) + 3 * 2048 * 4);
         let same = c.from_row(0, 2048);
         assert_eq!((same.y, same.w, same.flag, same.k), (c.y, c.w, c.flag, 8));
+    }
+
+    #[test]
+    fn the_decode_attention_cut_covers_the_positions_and_fits_its_scratch() {
+        // Qwen3-30B-A3B after a 4,096-token prompt (size class 8,192): 4 KV heads, one group of 8 heads each
+        assert_eq!(att_decode_cut(8192, 4, 512), (64, 128));
+        // 512 positions: every tile its own chunk (32 blocks)
+        assert_eq!(att_decode_cut(512, 4, 512), (64, 8));
+        // many blocks per chunk already: one chunk
+        assert_eq!(att_decode_cut(300, 600, 512), (320, 1));
+        // a smaller target: longer chunks
+        assert_eq!(att_decode_cut(4168, 4, 256), (128, 33));
+        for hd in [64, 80, 96, 128] {
+            for cap in [257, 300, 1000, 4096, 4097, 20001, 65536, 131072] {
+                for (n_head, n_kv, t) in [(32usize, 4usize, 1usize), (64, 2, 1), (16, 16, 3), (8, 1, 8), (24, 2, 2)] {
+                    let ngrp = (n_head / n_kv).div_ceil(16);
+                    let (chunk, nz) = att_decode_cut(cap, n_kv * ngrp * t, 512);
+                    assert!(chunk * nz >= cap && chunk * (nz - 1) < cap, "{cap} {hd}: {chunk} × {nz}");
+                    assert_eq!(chunk % 64, 0);
+                    // the scratch (sized for the context, which is at least the size class) holds every chunk,
+                    // as it holds attention_split's
+                    let floats = split_part_floats(t, n_head, hd, cap);
+                    assert!(t * n_head * nz * (hd + 2) <= floats);
+                    assert!(t * n_head * cap.div_ceil(ATT_CHUNK) * (hd + 2) <= floats);
+                }
+            }
+        }
+        // two stages of K and V tiles (64 rows of hd + 8 halves) over an f16 cache, one over a Q8_0 cache
+        assert_eq!(att_decode_smem(128, false), 2 * 2 * 64 * 136 * 2);
+        assert_eq!(att_decode_smem(128, true), 2 * 64 * 136 * 2);
+        for hd in [64, 80, 96, 128] {
+            for q8 in [false, true] {
+                // the warps' partials fit where the tiles were
+                assert!(att_decode_smem(hd, q8) >= (2 * 4 * 16 + 4 * 16 * hd) * 4);
+                assert!(att_decode_smem(hd, q8) <= 68 * 1024);
+            }
+        }
     }
 
     #[test]
