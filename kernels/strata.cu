@@ -2153,6 +2153,59 @@ __device__ __forceinline__ uint4 q8_row_half8(const u8* row, int off) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+// The m16n8k16 A fragments (f16) of query rows r0 (fragment rows g) and r1 (rows g + 8), HD f32 values each, for
+// lane quad position tg; a row that is not `live` reads as zeros.
+template <int HD>
+__device__ __forceinline__ void fa_q_frags(u32 (*qa)[4], const float* r0, const float* r1, bool live0, bool live1,
+                                           int tg) {
+#pragma unroll
+    for (int kt = 0; kt < HD / 16; kt++) {
+        const int c = kt * 16 + 2 * tg;
+        const float2 a0 = live0 ? *(const float2*)(r0 + c) : make_float2(0.f, 0.f);
+        const float2 a1 = live1 ? *(const float2*)(r1 + c) : make_float2(0.f, 0.f);
+        const float2 a2 = live0 ? *(const float2*)(r0 + c + 8) : make_float2(0.f, 0.f);
+        const float2 a3 = live1 ? *(const float2*)(r1 + c + 8) : make_float2(0.f, 0.f);
+        qa[kt][0] = pack_half2(a0.x, a0.y);
+        qa[kt][1] = pack_half2(a1.x, a1.y);
+        qa[kt][2] = pack_half2(a2.x, a2.y);
+        qa[kt][3] = pack_half2(a3.x, a3.y);
+    }
+}
+
+// The maxima of rows g (mx0) and g + 8 (mx1) over the four lanes of a quad that hold them.
+__device__ __forceinline__ void fa_quad_max(float& mx0, float& mx1) {
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+    }
+}
+
+// The running output of rows g and g + 8 (HD / 8 fragments of m16n8) rescaled by a0 and a1.
+template <int HD>
+__device__ __forceinline__ void fa_rescale(float (*acc)[4], float a0, float a1) {
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++) {
+        acc[j][0] *= a0;
+        acc[j][1] *= a0;
+        acc[j][2] *= a1;
+        acc[j][3] *= a1;
+    }
+}
+
+// acc += P·V over 16 positions: pa the A fragments of P (16 rows × 16 positions), v0 the f16 V tile (rows LD halves
+// apart) at the first of the 16 positions' row 2·tg, column g.
+template <int HD, int LD>
+__device__ __forceinline__ void fa_pv(float (*acc)[4], const u32* pa, const u16* v0) {
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++) {
+        const u16* vp = v0 + j * 8;
+        const u32 b0 = (u32)vp[0] | ((u32)vp[LD] << 16);
+        const u32 b1 = (u32)vp[8 * LD] | ((u32)vp[9 * LD] << 16);
+        mma_16816(acc[j], pa, b0, b1);
+    }
+}
+
 template <int HD, int KVQ>
 __device__ void attention_tiled_body(const float* q, const void* kc, const void* vc, int n_head, int n_head_kv,
                                      int t, const int* pos, float scale, float* out, int window, const float* sinks) {
@@ -2173,22 +2226,7 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
     const int n_blk = pos0 + min(t, qb + FA_BQ);       // causal length of the block's last row
     // Q fragments (rows past t read as zeros; their results are not written)
     u32 qa[HD / 16][4];
-    {
-        const float* r0 = q + ((size_t)i0 * n_head + h) * HD;
-        const float* r1 = q + ((size_t)i1 * n_head + h) * HD;
-#pragma unroll
-        for (int kt = 0; kt < HD / 16; kt++) {
-            const int c = kt * 16 + 2 * tg;
-            float2 a0 = i0 < t ? *(const float2*)(r0 + c) : make_float2(0.f, 0.f);
-            float2 a1 = i1 < t ? *(const float2*)(r1 + c) : make_float2(0.f, 0.f);
-            float2 a2 = i0 < t ? *(const float2*)(r0 + c + 8) : make_float2(0.f, 0.f);
-            float2 a3 = i1 < t ? *(const float2*)(r1 + c + 8) : make_float2(0.f, 0.f);
-            qa[kt][0] = pack_half2(a0.x, a0.y);
-            qa[kt][1] = pack_half2(a1.x, a1.y);
-            qa[kt][2] = pack_half2(a2.x, a2.y);
-            qa[kt][3] = pack_half2(a3.x, a3.y);
-        }
-    }
+    fa_q_frags<HD>(qa, q + ((size_t)i0 * n_head + h) * HD, q + ((size_t)i1 * n_head + h) * HD, i0 < t, i1 < t, tg);
     const int qp0 = pos0 + i0, qp1 = pos0 + i1;  // the rows' positions: keys at or before them count
     // and with a sliding window, keys after qp − window only; the block's first row's window starts the walk
     const int lo0 = window > 0 ? qp0 - window + 1 : 0, lo1 = window > 0 ? qp1 - window + 1 : 0;
@@ -2241,11 +2279,7 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
             mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
             mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
         }
-#pragma unroll
-        for (int o = 1; o < 4; o <<= 1) {
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-        }
+        fa_quad_max(mx0, mx1);
         // without a window every row has position 0 in the first tile, so its running max is finite from then on;
         // with one a row may have no position in a tile yet (max −inf: nothing to rescale, nothing to add)
         const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
@@ -2255,13 +2289,7 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
         const float e0 = m0 == -INFINITY ? 0.f : m0, e1 = m1 == -INFINITY ? 0.f : m1;
         l0 *= a0;
         l1 *= a1;
-#pragma unroll
-        for (int j = 0; j < HD / 8; j++) {
-            acc[j][0] *= a0;
-            acc[j][1] *= a0;
-            acc[j][2] *= a1;
-            acc[j][3] *= a1;
-        }
+        fa_rescale<HD>(acc, a0, a1);
 #pragma unroll
         for (int j = 0; j < FA_BK / 8; j++) {
             s[j][0] = expf(s[j][0] - e0);
@@ -2276,14 +2304,7 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
             const u32 pa[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
                                pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            const u16* v0 = vs + (kk * 16 + 2 * tg) * LD + g;
-#pragma unroll
-            for (int j = 0; j < HD / 8; j++) {
-                const u16* vp = v0 + j * 8;
-                const u32 b0 = (u32)vp[0] | ((u32)vp[LD] << 16);
-                const u32 b1 = (u32)vp[8 * LD] | ((u32)vp[9 * LD] << 16);
-                mma_16816(acc[j], pa, b0, b1);
-            }
+            fa_pv<HD, LD>(acc, pa, vs + (kk * 16 + 2 * tg) * LD + g);
         }
     }
 #pragma unroll
@@ -2441,20 +2462,7 @@ __device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc
     u32 qa[HD / 16][4];
     {
         const float* r0 = q + ((size_t)i * n_head + h0 + g) * HD;
-        const float* r1 = r0 + 8 * HD;
-        const bool v0 = g < gcnt, v1 = g + 8 < gcnt;
-#pragma unroll
-        for (int kt = 0; kt < HD / 16; kt++) {
-            const int c = kt * 16 + 2 * tg;
-            const float2 a0 = v0 ? *(const float2*)(r0 + c) : make_float2(0.f, 0.f);
-            const float2 a1 = v1 ? *(const float2*)(r1 + c) : make_float2(0.f, 0.f);
-            const float2 a2 = v0 ? *(const float2*)(r0 + c + 8) : make_float2(0.f, 0.f);
-            const float2 a3 = v1 ? *(const float2*)(r1 + c + 8) : make_float2(0.f, 0.f);
-            qa[kt][0] = pack_half2(a0.x, a0.y);
-            qa[kt][1] = pack_half2(a1.x, a1.y);
-            qa[kt][2] = pack_half2(a2.x, a2.y);
-            qa[kt][3] = pack_half2(a3.x, a3.y);
-        }
+        fa_q_frags<HD>(qa, r0, r0 + 8 * HD, g < gcnt, g + 8 < gcnt, tg);
     }
     float acc[HD / 8][4];
 #pragma unroll
@@ -2494,11 +2502,7 @@ __device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc
                 mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
                 mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
             }
-#pragma unroll
-            for (int o = 1; o < 4; o <<= 1) {
-                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-            }
+            fa_quad_max(mx0, mx1);
             // the warp's first position is live, so the new maxima are finite
             const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
             const float a0 = expf(m0 - nm0), a1 = expf(m1 - nm1);
@@ -2506,13 +2510,7 @@ __device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc
             m1 = nm1;
             l0 *= a0;
             l1 *= a1;
-#pragma unroll
-            for (int j = 0; j < HD / 8; j++) {
-                acc[j][0] *= a0;
-                acc[j][1] *= a0;
-                acc[j][2] *= a1;
-                acc[j][3] *= a1;
-            }
+            fa_rescale<HD>(acc, a0, a1);
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 s[j][0] = expf(s[j][0] - m0);
@@ -2524,14 +2522,7 @@ __device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc
             }
             const u32 pa[4] = {pack_half2(s[0][0], s[0][1]), pack_half2(s[0][2], s[0][3]),
                                pack_half2(s[1][0], s[1][1]), pack_half2(s[1][2], s[1][3])};
-            const u16* v0 = vs + (w0 + 2 * tg) * LD + g;
-#pragma unroll
-            for (int j = 0; j < HD / 8; j++) {
-                const u16* vp = v0 + j * 8;
-                const u32 b0 = (u32)vp[0] | ((u32)vp[LD] << 16);
-                const u32 b1 = (u32)vp[8 * LD] | ((u32)vp[9 * LD] << 16);
-                mma_16816(acc[j], pa, b0, b1);
-            }
+            fa_pv<HD, LD>(acc, pa, vs + (w0 + 2 * tg) * LD + g);
         }
         __syncthreads();
         if (t + NST < ntile) issue(t + NST);

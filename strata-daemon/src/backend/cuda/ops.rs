@@ -114,10 +114,15 @@ impl KvPtrs {
     }
 }
 
+/// The arguments every attention kernel starts with: queries, K and V caches, head counts.
+fn head_args(q: u64, kv: KvPtrs, nh: usize, nkv: usize) -> Args {
+    Args::new().ptr(q).ptr(kv.k).ptr(kv.v).i32(nh as i32).i32(nkv as i32)
+}
+
 /// The arguments both attention kernels start with: queries, K and V caches, head counts and size, the device
 /// address of pos0, the score scale.
 fn attention_args(q: u64, kv: KvPtrs, (nh, nkv, hd): (usize, usize, usize), pos: u64, scale: f32) -> Args {
-    Args::new().ptr(q).ptr(kv.k).ptr(kv.v).i32(nh as i32).i32(nkv as i32).i32(hd as i32).ptr(pos).f32(scale)
+    head_args(q, kv, nh, nkv).i32(hd as i32).ptr(pos).f32(scale)
 }
 
 /// Positions per block of the split-K attention (`ATT_CHUNK` in strata.cu).
@@ -570,12 +575,7 @@ impl Ops<'_> {
                 // grouped by KV head: chunks sized for about ATT_DEC_BLOCKS blocks
                 let ngrp = (n_head / n_head_kv).div_ceil(ATT_DG);
                 let (chunk, nz) = att_decode_cut(cap, n_head_kv * ngrp * t, att_dec_blocks());
-                let args = Args::new()
-                    .ptr(q)
-                    .ptr(kv.k)
-                    .ptr(kv.v)
-                    .i32(n_head as i32)
-                    .i32(n_head_kv as i32)
+                let args = head_args(q, kv, n_head, n_head_kv)
                     .ptr(pos)
                     .f32(scale)
                     .ptr(part)
@@ -605,12 +605,7 @@ impl Ops<'_> {
             self.k.attention_combine.launch(self.s, (n_head as u32, t as u32, 1), 128, 0, args)?;
         } else if let Some(f) = self.k.attention_tiled(hd, kv.q8).filter(|_| tiled_applies(t, n_head_kv * hd)) {
             // a prefill chunk: the tiled tensor-core kernel, then the Q8 rows
-            let args = Args::new()
-                .ptr(q)
-                .ptr(kv.k)
-                .ptr(kv.v)
-                .i32(n_head as i32)
-                .i32(n_head_kv as i32)
+            let args = head_args(q, kv, n_head, n_head_kv)
                 .i32(t as i32)
                 .ptr(pos)
                 .f32(scale)
