@@ -1786,9 +1786,10 @@ struct KvRows {
     }
 };
 
-// The query of a Q8_0 cache's scores, quantized as the CPU path quantizes it (attend_q8_0: quantize_q8 per 32
+// The query of a Q8_0 cache's scores, quantized with the CPU path's rule (attend_q8_0: quantize_q8 per 32
 // values, as llama.cpp's vector kernels quantize it for a quantized K): `qs` (hd f32 values, shared) into codes
-// `qq` (hd / 4 ints of 4 codes) and scales `qd` (hd / 32, f16-rounded), both shared. One warp per 32-value block;
+// `qq` (hd / 4 ints of 4 codes) and scales `qd` (hd / 32, f16-rounded), both shared; hd <= 256 (qq and qd are
+// fixed arrays of the callers; the backend refuses a Q8_0 cache for larger heads). One warp per 32-value block;
 // the caller syncs after.
 __device__ __forceinline__ void quantize_query_q8(const float* qs, int hd, int* qq, float* qd) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
@@ -1853,8 +1854,10 @@ __device__ __forceinline__ float att_score(const float* qs, const u16* kr, int h
 // outq != null (hd % 32 == 0): the output rows are also written as Q8 blocks (the input of the output product).
 // window > 0: each row attends to its last `window` positions only (sliding-window layers); sinks != null: head h's
 // softmax also counts exp(sinks[h]) in its denominator (gpt-oss's attention sinks, one logit per query head).
-// KVQ 1 (`attention_q8`): a Q8_0 cache (KvRows), the query quantized to Q8_0 for the scores as the CPU path does
-// (att_score_q8), V dequantized; the same arithmetic as the CPU's up to the order of its sums.
+// KVQ 1 (`attention_q8`): a Q8_0 cache (KvRows), the query quantized to Q8_0 for the scores with the CPU path's
+// rule (att_score_q8), V dequantized. Not the CPU's arithmetic: the query quantized here is the f16-rounded one
+// RoPE stored (the CPU quantizes the unrounded query) and the probabilities are rounded to f16 as for an f16
+// cache (the CPU's Q8_0 path keeps them in f32).
 template <int KVQ>
 __device__ void attention_body(const float* q, const void* kc, const void* vc, int n_head, int n_head_kv, int hd,
                                const int* pos, float scale, float* out, Q8* outq, int window, const float* sinks) {
@@ -1940,7 +1943,9 @@ extern "C" __global__ void attention_q8(const float* q, const u8* kcache, const 
     attention_body<1>(q, kcache, vcache, n_head, n_head_kv, hd, pos, scale, out, outq, window, sinks);
 }
 
-// Split-K attention of a few query rows over a long KV cache (decode windows, `cap` > ATT_SPLIT_MIN positions).
+// Split-K attention of a few query rows over a long KV cache (decode windows, `cap` > ATT_SPLIT_MIN positions) where
+// the grouped tensor-core kernel (attention_decode_<hd>) does not run: head sizes it lacks, cards before sm_80,
+// STRATA_GPU_ATT_DECODE=0.
 // Block (h, i, z) takes positions [z * ATT_CHUNK, min((z + 1) * ATT_CHUNK, n)) of row i (n = pos0 + i + 1, the
 // causal length) and writes its partial softmax — the chunk's max score m, l = Σ exp(s − m) and Σ exp(s − m) · V
 // (hd values) — at part + ((i * n_head + h) * gridDim.z + z) * (hd + 2); a chunk past n writes l = 0.
@@ -2582,6 +2587,7 @@ ATT_DECODE_KERNEL(attention_decode_64, 64, 0)
 ATT_DECODE_KERNEL(attention_decode_80, 80, 0)
 ATT_DECODE_KERNEL(attention_decode_96, 96, 0)
 ATT_DECODE_KERNEL(attention_decode_128, 128, 0)
+static_assert(64 % 32 == 0 && 96 % 32 == 0 && 128 % 32 == 0, "Q8_0 rows hold whole 32-value blocks per head");
 ATT_DECODE_KERNEL(attention_decode_q8_64, 64, 1)
 ATT_DECODE_KERNEL(attention_decode_q8_96, 96, 1)
 ATT_DECODE_KERNEL(attention_decode_q8_128, 128, 1)

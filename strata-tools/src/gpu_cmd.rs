@@ -420,6 +420,17 @@ fn check_attention(
     c.diff(ops)
 }
 
+/// The kernel [`strata::backend::cuda::ops::Ops::attention`] runs for a split decode window of head size `hd`
+/// (`q8`: over a Q8_0 cache): the grouped tensor-core kernel where the module has it, else the per-head one.
+fn split_kernel(ops: &strata::backend::cuda::ops::Ops, hd: usize, q8: bool) -> &'static str {
+    match (ops.k.attention_decode(hd, q8).is_some(), q8) {
+        (true, false) => "attention_decode",
+        (true, true) => "attention_decode_q8",
+        (false, false) => "attention_split",
+        (false, true) => "attention_split_q8",
+    }
+}
+
 /// The one-block kernel over Q8_0 caches against the same kernel over f16 caches holding their dequantized values
 /// rounded to f16 ([`AttentionCase::new_q8`]): the relative error of the output rows (the Q8_0 kernel also
 /// quantizes the query for the scores, as the CPU path does: about 4e-3 on random data, against 4e-4 for the
@@ -968,25 +979,29 @@ fn check_kernels(
         (64, 8, 64, 3000, 2, 4096, 0),
         (16, 4, 64, 3000, 5, 4096, 300),
         (8, 2, 128, 1100, 8, 1108, 1000),
-        // the grouped decode kernel's head groups: 16 and 12 query heads per KV head (two blocks each), 1:1
+        // the grouped decode kernel's head groups (up to 16 query heads per block): 16 and 12 per KV head (one
+        // block each), 17 (blocks of 9 and 8) and 32 (two blocks of 16) per KV head, 1:1
         (64, 4, 128, 5000, 1, 8192, 0),
         (24, 2, 128, 3000, 2, 4096, 0),
+        (34, 2, 128, 3000, 1, 4096, 0),
+        (64, 2, 64, 4095, 2, 4096, 0),
         (16, 16, 128, 700, 1, 1024, 0),
-        // its other head sizes: 96 (tiles of 64 positions) and 256 (tiles of 32; a window across chunks)
+        // its head size 96; head size 256 keeps attention_split (a window across chunks)
         (12, 4, 96, 2047, 2, 2049, 0),
         (8, 1, 256, 3000, 1, 4096, 512),
         (8, 2, 256, 300, 3, 512, 0),
     ] {
         let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), (win, win > 0 || nh == 64), false, &mut seed)?;
         worst = worst.max(r);
-        println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {win:>5} {r:>12.2e}", "split");
-        kern.push(serde_json::json!({"kernel": "attention_split", "n_head": nh, "n_head_kv": nkv, "hd": hd,
+        let kernel = split_kernel(&ops, hd, false);
+        println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {win:>5} {r:>12.2e}  ({kernel})", "split");
+        kern.push(serde_json::json!({"kernel": kernel, "n_head": nh, "n_head_kv": nkv, "hd": hd,
             "pos0": pos0, "t": t, "cap": cap, "window": win, "rel_err_vs_one_block": r}));
     }
     // 1a'q. the Q8_0 KV cache (`--kv-type q8_0`): the one-block kernel over Q8_0 rows against the f16 kernel over
-    // their dequantized values; the split-K kernel over Q8_0 rows against the one-block one (the grouped decode
-    // kernel rounds the query to f16 where the one-block one quantizes it: about 5e-3; attention_split_q8, for
-    // head size 256, quantizes it too: about 2e-4)
+    // their dequantized values; the split kernels over Q8_0 rows against the one-block one (the grouped decode
+    // kernel converts K to f16 and rounds the query to f16 where the one-block one quantizes the query: about
+    // 5e-3; attention_split_q8, for head size 256, quantizes it too: about 2e-4)
     for &(nh, nkv, hd, pos0, t) in
         &[(32usize, 4usize, 128usize, 300usize, 1usize), (16, 16, 64, 37, 3), (8, 1, 96, 700, 2)]
     {
@@ -1003,15 +1018,21 @@ fn check_kernels(
         (32usize, 4usize, 128usize, 4095usize, 1usize, 4096usize, 0usize),
         (8, 2, 64, 1500, 4, 2048, 0),
         (64, 8, 64, 4095, 1, 4096, 128),
-        // Q8_0 rows of 102 bytes (head size 96: copied 2 bytes at a time), 272 (256), 16 heads per KV head
+        // Q8_0 rows of 102 bytes (head size 96: 2-byte aligned), 272 (256: attention_split_q8), 16 and 32
+        // query heads per KV head (one and two blocks of the grouped kernel)
         (12, 4, 96, 2000, 1, 2048, 0),
         (8, 1, 256, 3000, 1, 4096, 0),
         (64, 4, 128, 5000, 2, 8192, 0),
+        (64, 2, 64, 3000, 1, 4096, 0),
     ] {
         let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), (win, win > 0 || nh == 64), true, &mut seed)?;
         worst = worst.max(r);
-        println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {win:>5} {r:>12.2e}  (Q8_0 cache)", "split");
-        kern.push(serde_json::json!({"kernel": "attention_split_q8", "n_head": nh, "n_head_kv": nkv, "hd": hd,
+        let kernel = split_kernel(&ops, hd, true);
+        println!(
+            "{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {win:>5} {r:>12.2e}  (Q8_0 cache, {kernel})",
+            "split"
+        );
+        kern.push(serde_json::json!({"kernel": kernel, "n_head": nh, "n_head_kv": nkv, "hd": hd,
             "pos0": pos0, "t": t, "cap": cap, "window": win, "rel_err_vs_one_block": r}));
     }
     // 1a''. tiled prefill attention (tensor cores, online softmax) against the one-block kernel: odd row counts,

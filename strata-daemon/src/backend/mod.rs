@@ -298,11 +298,31 @@ pub struct GpuOptions {
     pub max_chunk: usize,
 }
 
+/// Whether the CUDA backend holds a KV cache of `kv_type` for heads of `head_dim` values: a Q8_0 cache needs whole
+/// Q8_0 blocks per head (a multiple of 32) and at most 256 values (the Q8_0 attention kernels keep one head's
+/// quantized query in fixed shared memory). Errors: the one-line reason, naming the way out.
+pub fn gpu_kv_type_ok(kv_type: KvType, head_dim: usize) -> Result<(), String> {
+    if kv_type != KvType::Q8_0 {
+        return Ok(());
+    }
+    if !head_dim.is_multiple_of(32) {
+        return Err(format!(
+            "--kv-type q8_0: head size {head_dim} is not a multiple of 32 (Q8_0 blocks); use --kv-type f16"
+        ));
+    }
+    if head_dim > 256 {
+        return Err(format!(
+            "--kv-type q8_0 on the GPU: head size {head_dim} is above 256, the largest its kernels take; use --kv-type f16"
+        ));
+    }
+    Ok(())
+}
+
 /// The backend to run `m` on: the CUDA backend when GPU use is on and a driver, NVRTC and a device are found
 /// (it uploads the dense weights and fills the VRAM expert cache), otherwise `None` (stay on the CPU). Returns
 /// it with the one line to log (what runs where, or why the CPU). Errors: a GPU was found but loading onto it
-/// failed (out of VRAM, a format without kernels), or a Q8_0 KV cache (`--kv-type q8_0`) with a head size that is
-/// not a multiple of 32: the caller decides whether that is fatal.
+/// failed (out of VRAM, a format without kernels), or a Q8_0 KV cache (`--kv-type q8_0`) with a head size the GPU
+/// cannot hold in Q8_0 ([`gpu_kv_type_ok`]): the caller decides whether that is fatal.
 pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backend>>, String), String> {
     // a layer split's points and device count are checked against the model before any GPU is looked for
     crate::tiers::split::check_flags(o.layer_split.as_ref(), &o.split_devices, m.cfg.n_layer)
@@ -317,12 +337,7 @@ pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backen
             Err(e) => return Ok((None, format!("{e}: running on the CPU"))),
         };
         let d = probe.device.clone();
-        if m.kv_type == KvType::Q8_0 && !m.cfg.head_dim.is_multiple_of(32) {
-            return Err(format!(
-                "--kv-type q8_0: head size {} is not a multiple of 32 (Q8_0 blocks); use --kv-type f16",
-                m.cfg.head_dim
-            ));
-        }
+        gpu_kv_type_ok(m.kv_type, m.cfg.head_dim)?;
         let (free, total) = d.mem_info().map_err(|e| e.to_string())?;
         let cfg = cuda::GpuConfig {
             cache: o.cache,
@@ -372,5 +387,25 @@ pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backen
     {
         let _ = m;
         Ok((None, "built without the `cuda` feature: running on the CPU".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{gpu_kv_type_ok, KvType};
+
+    #[test]
+    fn the_gpu_takes_q8_0_caches_of_whole_blocks_up_to_256_values_per_head() {
+        for hd in [64, 96, 128, 256] {
+            assert_eq!(gpu_kv_type_ok(KvType::Q8_0, hd), Ok(()));
+        }
+        let e = gpu_kv_type_ok(KvType::Q8_0, 80).unwrap_err();
+        assert!(e.contains("multiple of 32") && e.contains("--kv-type f16"), "{e}");
+        let e = gpu_kv_type_ok(KvType::Q8_0, 512).unwrap_err();
+        assert!(e.contains("above 256") && e.contains("--kv-type f16"), "{e}");
+        // an f16 cache: any head size
+        for hd in [64, 80, 256, 512] {
+            assert_eq!(gpu_kv_type_ok(KvType::F16, hd), Ok(()));
+        }
     }
 }

@@ -538,8 +538,9 @@ impl Ops<'_> {
     ///
     /// `split`: scratch for split-K partials ([`split_part_floats`] for `t` rows over `cap` positions): where
     /// [`split_applies`] (a long context, a few rows), the positions are cut into chunks computed by parallel
-    /// blocks and merged — not bit-exact with the one-block kernel (f32 rescaling instead of f16-rounded
-    /// probabilities), which every shorter context keeps. Head sizes 64, 80, 96 and 128 take the KV-head-grouped
+    /// blocks and merged — not bit-exact with the one-block kernel, which every shorter context keeps (the
+    /// chunks' softmax is rescaled in f32; the grouped kernel also scores on f16 tensor cores and rounds the
+    /// unnormalised probabilities to f16). Head sizes 64, 80, 96 and 128 take the KV-head-grouped
     /// `attention_decode_<hd>` on tensor cores (the query heads sharing a KV head are the rows of one product, so
     /// each K/V row is read once for them; tiles copied to shared memory ahead of their use;
     /// `STRATA_GPU_ATT_DECODE=0` turns it off), others `attention_split` (one block per query head and chunk of
