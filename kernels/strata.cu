@@ -1636,15 +1636,20 @@ __device__ __forceinline__ float2 rotate(float a, float b, float2 r) {
 // qkv: t rows of (n_head + 2*n_head_kv) * hd values [q | k | v]; cs: t * (n_rot/2) (cos, sin) pairs.
 // `pos` points at pos0 (a device scalar, so a captured CUDA graph replays at any position).
 // Grid: (t, any); block: 128 threads.
+// The locals rope_store and rope_store_q8 start with, for their block's row i = blockIdx.x: pos0, the q and k/v
+// widths, the row's q|k|v values (src) and (cos, sin) pairs (c), this thread's first index (j0) and stride (js).
+#define ROPE_ROW_LOCALS                                                                                           \
+    const int i = blockIdx.x;                                                                                     \
+    const int pos0 = *pos;                                                                                        \
+    const int qd = n_head * hd, kvd = n_head_kv * hd;                                                             \
+    const float* src = qkv + (size_t)i * (qd + 2 * kvd);                                                          \
+    const float2* c = cs + (size_t)i * (n_rot / 2);                                                               \
+    const int j0 = blockIdx.y * blockDim.x + threadIdx.x, js = gridDim.y * blockDim.x;
+
 extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_head, int n_head_kv, int hd,
                                       int n_rot, const int* pos, float* q, u16* kcache, u16* vcache, int neox) {
     pdl_entry();
-    const int i = blockIdx.x;
-    const int pos0 = *pos;
-    const int qd = n_head * hd, kvd = n_head_kv * hd;
-    const float* src = qkv + (size_t)i * (qd + 2 * kvd);
-    const float2* c = cs + (size_t)i * (n_rot / 2);
-    const int j0 = blockIdx.y * blockDim.x + threadIdx.x, js = gridDim.y * blockDim.x;
+    ROPE_ROW_LOCALS
     if (neox) {
         // pair j of head h: (i, i + n_rot/2) for i = j % (hd/2) < n_rot/2; the unrotated tail is copied in pairs
         const int half = n_rot / 2, hh = hd / 2;
@@ -1680,29 +1685,21 @@ extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_
     // q
     for (int j = j0; j < qd / 2; j += js) {
         int h = (2 * j) / hd, p = (2 * j) % hd;  // p even
-        float a = src[h * hd + p], b = src[h * hd + p + 1];
-        float oa = a, ob = b;
-        if (p < n_rot) {
-            float2 r = c[p / 2];
-            oa = __fsub_rn(__fmul_rn(a, r.x), __fmul_rn(b, r.y));
-            ob = __fadd_rn(__fmul_rn(a, r.y), __fmul_rn(b, r.x));
-        }
-        q[(size_t)i * qd + h * hd + p] = f16_round(oa);
-        q[(size_t)i * qd + h * hd + p + 1] = f16_round(ob);
+        const float a = src[h * hd + p], b = src[h * hd + p + 1];
+        float2 o = make_float2(a, b);
+        if (p < n_rot) o = rotate(a, b, c[p / 2]);
+        q[(size_t)i * qd + h * hd + p] = f16_round(o.x);
+        q[(size_t)i * qd + h * hd + p + 1] = f16_round(o.y);
     }
     u16* kc = kcache + (size_t)(pos0 + i) * kvd;
     u16* vc = vcache + (size_t)(pos0 + i) * kvd;
     for (int j = j0; j < kvd / 2; j += js) {
         int h = (2 * j) / hd, p = (2 * j) % hd;
-        float a = src[qd + h * hd + p], b = src[qd + h * hd + p + 1];
-        float oa = a, ob = b;
-        if (p < n_rot) {
-            float2 r = c[p / 2];
-            oa = __fsub_rn(__fmul_rn(a, r.x), __fmul_rn(b, r.y));
-            ob = __fadd_rn(__fmul_rn(a, r.y), __fmul_rn(b, r.x));
-        }
-        kc[h * hd + p] = float_to_half(oa);
-        kc[h * hd + p + 1] = float_to_half(ob);
+        const float a = src[qd + h * hd + p], b = src[qd + h * hd + p + 1];
+        float2 o = make_float2(a, b);
+        if (p < n_rot) o = rotate(a, b, c[p / 2]);
+        kc[h * hd + p] = float_to_half(o.x);
+        kc[h * hd + p + 1] = float_to_half(o.y);
     }
     for (int j = j0; j < kvd; j += js) vc[j] = float_to_half(src[qd + kvd + j]);
 }
@@ -1727,12 +1724,7 @@ __device__ __forceinline__ float rope_elem(const float* x, const float2* c, int 
 extern "C" __global__ void rope_store_q8(const float* qkv, const float2* cs, int n_head, int n_head_kv, int hd,
                                          int n_rot, const int* pos, float* q, u8* kcache, u8* vcache, int neox) {
     pdl_entry();
-    const int i = blockIdx.x;
-    const int pos0 = *pos;
-    const int qd = n_head * hd, kvd = n_head_kv * hd;
-    const float* src = qkv + (size_t)i * (qd + 2 * kvd);
-    const float2* c = cs + (size_t)i * (n_rot / 2);
-    const int j0 = blockIdx.y * blockDim.x + threadIdx.x, js = gridDim.y * blockDim.x;
+    ROPE_ROW_LOCALS
     for (int j = j0; j < qd; j += js) {
         const int h = j / hd, e = j % hd;
         q[(size_t)i * qd + j] = f16_round(rope_elem(src + (size_t)h * hd, c, e, n_rot, neox));

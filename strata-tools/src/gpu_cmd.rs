@@ -420,6 +420,26 @@ fn check_attention(
     c.diff(ops)
 }
 
+/// One split-attention row of gpu-check: [`check_attention`] for heads `(nh, nkv, hd)`, rows `(pos0, t)` in size
+/// class `cap`, window `win` (sinks with a window or 64 heads; `q8`: over Q8_0 caches); prints the line, adds its
+/// JSON entry to `kern`, and returns the relative error.
+#[allow(clippy::type_complexity)]
+fn split_row(
+    ops: &strata::backend::cuda::ops::Ops,
+    (nh, nkv, hd, pos0, t, cap, win): (usize, usize, usize, usize, usize, usize, usize),
+    q8: bool,
+    seed: &mut u64,
+    kern: &mut Vec<serde_json::Value>,
+) -> Result<f64> {
+    let r = check_attention(ops, (nh, nkv, hd), (pos0, t, cap), (win, win > 0 || nh == 64), q8, seed)?;
+    let kernel = split_kernel(ops, hd, q8);
+    let what = if q8 { format!("Q8_0 cache, {kernel}") } else { kernel.to_string() };
+    println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {win:>5} {r:>12.2e}  ({what})", "split");
+    kern.push(serde_json::json!({"kernel": kernel, "n_head": nh, "n_head_kv": nkv, "hd": hd,
+        "pos0": pos0, "t": t, "cap": cap, "window": win, "rel_err_vs_one_block": r}));
+    Ok(r)
+}
+
 /// The kernel [`strata::backend::cuda::ops::Ops::attention`] runs for a split decode window of head size `hd`
 /// (`q8`: over a Q8_0 cache): the grouped tensor-core kernel where the module has it, else the per-head one.
 fn split_kernel(ops: &strata::backend::cuda::ops::Ops, hd: usize, q8: bool) -> &'static str {
@@ -991,12 +1011,7 @@ fn check_kernels(
         (8, 1, 256, 3000, 1, 4096, 512),
         (8, 2, 256, 300, 3, 512, 0),
     ] {
-        let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), (win, win > 0 || nh == 64), false, &mut seed)?;
-        worst = worst.max(r);
-        let kernel = split_kernel(&ops, hd, false);
-        println!("{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {win:>5} {r:>12.2e}  ({kernel})", "split");
-        kern.push(serde_json::json!({"kernel": kernel, "n_head": nh, "n_head_kv": nkv, "hd": hd,
-            "pos0": pos0, "t": t, "cap": cap, "window": win, "rel_err_vs_one_block": r}));
+        worst = worst.max(split_row(&ops, (nh, nkv, hd, pos0, t, cap, win), false, &mut seed, &mut kern)?);
     }
     // 1a'q. the Q8_0 KV cache (`--kv-type q8_0`): the one-block kernel over Q8_0 rows against the f16 kernel over
     // their dequantized values; the split kernels over Q8_0 rows against the one-block one (the grouped decode
@@ -1025,15 +1040,7 @@ fn check_kernels(
         (64, 4, 128, 5000, 2, 8192, 0),
         (64, 2, 64, 3000, 1, 4096, 0),
     ] {
-        let r = check_attention(&ops, (nh, nkv, hd), (pos0, t, cap), (win, win > 0 || nh == 64), true, &mut seed)?;
-        worst = worst.max(r);
-        let kernel = split_kernel(&ops, hd, true);
-        println!(
-            "{:<6} {nh:>6} {hd:>6} {pos0:>6} {t:>3} {cap:>6} {win:>5} {r:>12.2e}  (Q8_0 cache, {kernel})",
-            "split"
-        );
-        kern.push(serde_json::json!({"kernel": kernel, "n_head": nh, "n_head_kv": nkv, "hd": hd,
-            "pos0": pos0, "t": t, "cap": cap, "window": win, "rel_err_vs_one_block": r}));
+        worst = worst.max(split_row(&ops, (nh, nkv, hd, pos0, t, cap, win), true, &mut seed, &mut kern)?);
     }
     // 1a''. tiled prefill attention (tensor cores, online softmax) against the one-block kernel: odd row counts,
     // rows not a multiple of the 64-row tile, GQA 1:1 to 8:1, every head size it has

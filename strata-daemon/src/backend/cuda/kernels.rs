@@ -319,6 +319,12 @@ pub fn tensor_cores_ok(cc: (i32, i32)) -> bool {
 /// Head sizes with a tiled prefill attention kernel (`attention_tiled_<hd>` in strata.cu).
 pub const TILED_HEAD_SIZES: [usize; 4] = [64, 80, 96, 128];
 
+/// The kernel of `funcs` (one per entry of `sizes`) for head size `hd`: None where `sizes` lacks it or the slot
+/// is empty.
+fn by_head_size(sizes: &[usize], funcs: &[Option<Func>], hd: usize) -> Option<Func> {
+    sizes.iter().position(|&h| h == hd).and_then(|i| funcs[i])
+}
+
 /// Head sizes with a KV-head-grouped decode attention kernel (`attention_decode_<hd>` in strata.cu).
 pub const DECODE_HEAD_SIZES: [usize; 4] = [64, 80, 96, 128];
 
@@ -574,22 +580,12 @@ impl Kernels {
     /// The grouped decode attention kernel for head size `hd` (`q8`: over a Q8_0 KV cache), if there is one and it
     /// is on.
     pub fn attention_decode(&self, hd: usize, q8: bool) -> Option<Func> {
-        let i = DECODE_HEAD_SIZES.iter().position(|&h| h == hd)?;
-        if q8 {
-            self.attention_decode_q8[i]
-        } else {
-            self.attention_decode[i]
-        }
+        by_head_size(&DECODE_HEAD_SIZES, if q8 { &self.attention_decode_q8 } else { &self.attention_decode }, hd)
     }
     /// The tiled prefill attention kernel for head size `hd` (`q8`: over a Q8_0 KV cache), if there is one and it
     /// is on.
     pub fn attention_tiled(&self, hd: usize, q8: bool) -> Option<Func> {
-        let i = TILED_HEAD_SIZES.iter().position(|&h| h == hd)?;
-        if q8 {
-            self.attention_tiled_q8[i]
-        } else {
-            self.attention_tiled[i]
-        }
+        by_head_size(&TILED_HEAD_SIZES, if q8 { &self.attention_tiled_q8 } else { &self.attention_tiled }, hd)
     }
     /// The narrow one-token gate/up kernel for `ty`, if it has one (block formats) and it is on.
     pub fn gate_up_narrow(&self, ty: GgmlType) -> Option<Func> {

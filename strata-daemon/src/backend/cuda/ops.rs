@@ -1,7 +1,7 @@
 //! Typed launches of the kernels in `kernels/strata.cu` on one stream. Shapes are in elements, addresses are
 //! device addresses; each helper mirrors its kernel's parameter list.
 
-use super::driver::{Args, DevBuf, Stream};
+use super::driver::{Args, DevBuf, Func, Stream};
 use super::kernels::Kernels;
 use super::GpuError;
 use crate::quant::GgmlType;
@@ -783,6 +783,11 @@ impl Ops<'_> {
         if !(e.is_multiple_of(32) && ff.is_multiple_of(32)) {
             return None;
         }
+        // one launch of a tensor-core expert kernel: `rows` output rows per group in tiles of MQ_BM, every tile
+        let launch = |f: Func, rows: usize, ty: GgmlType, gated: bool, args: Args| {
+            let grid = (rows.div_ceil(MQ_BM) as u32, n_tiles as u32, 1);
+            f.launch(self.s, grid, 32 * WARPS, mq_smem(ty, gated, self.k.mmq_pipe), args)
+        };
         let run = || -> Result<(), GpuError> {
             let args = Args::new()
                 .ptr(groups)
@@ -796,13 +801,7 @@ impl Ops<'_> {
                 .ptr(glu.ids)
                 .ptr(glu.gub)
                 .i32(glu.act);
-            gu.launch(
-                self.s,
-                (ff.div_ceil(MQ_BM) as u32, n_tiles as u32, 1),
-                32 * WARPS,
-                mq_smem(gate_ty, true, self.k.mmq_pipe),
-                args,
-            )?;
+            launch(gu, ff, gate_ty, true, args)?;
             self.quantize(h, hq, n_pairs * ff / 32)?;
             let args = Args::new()
                 .ptr(groups)
@@ -815,13 +814,7 @@ impl Ops<'_> {
                 .i32(e as i32)
                 .ptr(hq)
                 .ptr(out);
-            dn.launch(
-                self.s,
-                (e.div_ceil(MQ_BM) as u32, n_tiles as u32, 1),
-                32 * WARPS,
-                mq_smem(down_ty, false, self.k.mmq_pipe),
-                args,
-            )
+            launch(dn, e, down_ty, false, args)
         };
         Some(run())
     }
