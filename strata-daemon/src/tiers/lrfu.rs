@@ -101,7 +101,7 @@ impl Lrfu {
     /// is the number of experts the layer's cache may hold (held + free for it).
     pub fn end_window(&mut self, cached: impl Fn(usize) -> Vec<usize>, size: impl Fn(usize) -> usize) {
         let ne = self.n_expert;
-        let mut order: Vec<usize> = Vec::with_capacity(ne);
+        let mut order: Vec<u64> = Vec::with_capacity(ne);
         self.merit.iter_mut().for_each(|m| *m *= MERIT_DECAY);
         for l in 0..self.n_layer {
             let r = l * ne..(l + 1) * ne;
@@ -130,13 +130,18 @@ impl Lrfu {
                 for (s, &w) in sc.iter_mut().zip(win) {
                     *s = *s * lambda + w as f32;
                 }
-                // keep the `cap` best of (held ∪ used now); ties: held first, then lower id
+                // keep the `cap` best of (held ∪ used now); ties: held first, then lower id. Only the set counts,
+                // so it is selected (linear time; the order is total, so the set is the one a sort would give),
+                // and not at all when every candidate fits (this runs per layer and decay at every decode token)
                 order.clear();
-                order.extend((0..ne).filter(|&e| sh[e] || win[e] > 0));
-                order.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]).then(sh[b].cmp(&sh[a])).then(a.cmp(&b)));
+                order.extend((0..ne).filter(|&e| sh[e] || win[e] > 0).map(|e| rank_key(sc[e], sh[e], e)));
+                if order.len() > cap {
+                    order.select_nth_unstable(cap);
+                    order.truncate(cap);
+                }
                 sh.iter_mut().for_each(|h| *h = false);
-                for &e in order.iter().take(cap) {
-                    sh[e] = true;
+                for &k in &order {
+                    sh[(k & KEY_ID) as usize] = true;
                 }
             }
         }
@@ -166,10 +171,15 @@ impl Lrfu {
             if cand.is_empty() {
                 continue;
             }
-            cand.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]).then(a.cmp(&b)));
-            let mut vict: Vec<(Option<usize>, f32)> = vec![(None, 0.0); free(l)];
+            // a layer's gains fall with the rank (best candidate against the emptiest place), so at most its
+            // first `n` pairs can be among the round's `max_swaps`: only the `n` best candidates and the `n`
+            // cheapest places are ranked (this runs at every decode token while the tier is active)
+            let nf = free(l);
+            let n = cand.len().min(nf + held.len()).min(max_swaps);
+            smallest_sorted(&mut cand, n, |&a, &b| sc[b].total_cmp(&sc[a]).then(a.cmp(&b)));
+            let mut vict: Vec<(Option<usize>, f32)> = vec![(None, 0.0); nf.min(n)];
             let mut held_sorted = held;
-            held_sorted.sort_by(|&a, &b| sc[a].total_cmp(&sc[b]).then(a.cmp(&b)));
+            smallest_sorted(&mut held_sorted, n - vict.len(), |&a, &b| sc[a].total_cmp(&sc[b]).then(a.cmp(&b)));
             vict.extend(held_sorted.into_iter().map(|e| (Some(e), sc[e])));
             for (rank, (&c, &(v, vs))) in cand.iter().zip(vict.iter()).enumerate() {
                 if sc[c] <= vs {
@@ -182,6 +192,30 @@ impl Lrfu {
         pairs.truncate(max_swaps);
         pairs.into_iter().map(|(s, _)| s).collect()
     }
+}
+
+/// The id bits of a [`rank_key`].
+const KEY_ID: u64 = (1 << 31) - 1;
+
+/// A key whose ascending order is a shadow's order of preference: score descending (as `f32::total_cmp` orders
+/// scores), then held before not held, then lower expert id (`e` < 2^31).
+fn rank_key(score: f32, held: bool, e: usize) -> u64 {
+    let b = score.to_bits();
+    // the bits reordered so that unsigned order is total_cmp's order
+    let up = if b >> 31 == 1 { !b } else { b | 1 << 31 };
+    (u64::from(!up) << 32) | (u64::from(!held) << 31) | (e as u64 & KEY_ID)
+}
+
+/// Leaves in `v` its `n` smallest elements under `cmp` (a total order), sorted: what sorting `v` and keeping its
+/// first `n` gives, in time linear in `v.len()` plus the sort of the `n`.
+fn smallest_sorted<T>(v: &mut Vec<T>, n: usize, mut cmp: impl FnMut(&T, &T) -> std::cmp::Ordering) {
+    if v.len() > n {
+        if n > 0 {
+            v.select_nth_unstable_by(n - 1, &mut cmp);
+        }
+        v.truncate(n);
+    }
+    v.sort_by(cmp);
 }
 
 #[cfg(test)]
@@ -233,5 +267,67 @@ mod tests {
         let s = p.plan(|_| vec![100], |_| 0, 8);
         assert_eq!(s.len(), 1);
         assert_eq!((s[0].outgoing, s[0].incoming), (Some(100), 0));
+    }
+
+    /// A small deterministic generator for the property tests below.
+    fn next(seed: &mut u64) -> u64 {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        *seed
+    }
+
+    #[test]
+    fn rank_keys_order_as_the_shadow_comparator() {
+        let scores = [0.0f32, -0.0, 1.0, 1.0, 0.5, -2.0, 3.25, f32::MIN_POSITIVE, 1e30, -1e-30, 0.5];
+        let items: Vec<(f32, bool, usize)> =
+            scores.iter().enumerate().flat_map(|(i, &s)| [(s, false, i), (s, true, 40 - i)]).collect();
+        for a in &items {
+            for b in &items {
+                let want = b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2));
+                assert_eq!(rank_key(a.0, a.1, a.2).cmp(&rank_key(b.0, b.1, b.2)), want, "{a:?} {b:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn smallest_sorted_is_the_sorted_prefix() {
+        let mut seed = 0x1234_5678_9abc_def1;
+        for len in [0usize, 1, 2, 7, 64, 129] {
+            for n in [0usize, 1, 3, 64, 200] {
+                // few distinct keys, so ties are broken by the second field
+                let v: Vec<(u64, usize)> = (0..len).map(|i| (next(&mut seed) % 5, i)).collect();
+                let mut want = v.clone();
+                want.sort();
+                want.truncate(n);
+                let mut got = v;
+                smallest_sorted(&mut got, n, |a, b| a.cmp(b));
+                assert_eq!(got, want, "len {len} n {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_round_of_k_swaps_is_the_first_k_of_a_larger_round() {
+        // many layers and experts, random routing and caches: the ranked shortcuts (selection instead of sorts,
+        // a layer's pairs cut at the round's size) give the prefix of the uncut plan
+        let (nl, ne) = (6usize, 40usize);
+        let mut seed = 0xfeed_beef_1234_5678;
+        let mut p = Lrfu::new(nl, ne);
+        let caches: Vec<Vec<usize>> =
+            (0..nl).map(|l| (0..ne).filter(|&e| (e * 7 + l) % 3 == 0).collect::<Vec<_>>()).collect();
+        for _ in 0..60 {
+            for l in 0..nl {
+                for _ in 0..4 {
+                    p.record(l, (next(&mut seed) % ne as u64) as usize, 1);
+                }
+            }
+            p.end_window(|l| caches[l].clone(), |l| caches[l].len() + l % 2);
+        }
+        let all = p.plan(|l| caches[l].clone(), |l| l % 2, usize::MAX);
+        assert!(all.len() > 8, "the case has swaps to rank ({})", all.len());
+        for k in [0usize, 1, 2, 5, 8] {
+            assert_eq!(p.plan(|l| caches[l].clone(), |l| l % 2, k), all[..k.min(all.len())], "k = {k}");
+        }
     }
 }
