@@ -1716,7 +1716,9 @@ __device__ __forceinline__ float rope_elem(const float* x, const float2* c, int 
     return (e & 1) ? o.y : o.x;
 }
 
-// rope_store for a Q8_0 KV cache (`--kv-type q8_0`): q as rope_store writes it; k (after RoPE) and v stored as ggml
+// rope_store for a Q8_0 KV cache (`--kv-type q8_0`): q after RoPE as the CPU's Q8_0 path takes it (not rounded to
+// f16: the one-block and split kernels quantize it per 32 values as the CPU does; the tensor-core kernels round it
+// to f16 as they load it, as they do rope_store's); k (after RoPE) and v stored as ggml
 // Q8_0 blocks of 32 values (KvRows<1>), quantized as quantize_block_warp quantizes activations — d = max|x| / 127
 // rounded to f16, codes round(x · 127 / max|x|) to nearest even: the CPU cache's encoding (kv.rs encode_q8_0), so the
 // cache holds the same bytes as the CPU's for the same k and v. One warp per block of 32 values; hd % 32 == 0.
@@ -1727,7 +1729,7 @@ extern "C" __global__ void rope_store_q8(const float* qkv, const float2* cs, int
     ROPE_ROW_LOCALS
     for (int j = j0; j < qd; j += js) {
         const int h = j / hd, e = j % hd;
-        q[(size_t)i * qd + j] = f16_round(rope_elem(src + (size_t)h * hd, c, e, n_rot, neox));
+        q[(size_t)i * qd + j] = rope_elem(src + (size_t)h * hd, c, e, n_rot, neox);
     }
     const int lane = threadIdx.x % 32, nb = kvd / 32;
     const size_t rb = (size_t)nb * 34;
@@ -1846,10 +1848,9 @@ __device__ __forceinline__ float att_score(const float* qs, const u16* kr, int h
 // outq != null (hd % 32 == 0): the output rows are also written as Q8 blocks (the input of the output product).
 // window > 0: each row attends to its last `window` positions only (sliding-window layers); sinks != null: head h's
 // softmax also counts exp(sinks[h]) in its denominator (gpt-oss's attention sinks, one logit per query head).
-// KVQ 1 (`attention_q8`): a Q8_0 cache (KvRows), the query quantized to Q8_0 for the scores with the CPU path's
-// rule (att_score_q8), V dequantized. Not the CPU's arithmetic: the query quantized here is the f16-rounded one
-// RoPE stored (the CPU quantizes the unrounded query) and the probabilities are rounded to f16 as for an f16
-// cache (the CPU's Q8_0 path keeps them in f32).
+// KVQ 1 (`attention_q8`): a Q8_0 cache (KvRows), the query (unrounded: rope_store_q8) quantized to Q8_0 for the
+// scores with the CPU path's rule (att_score_q8), the probabilities kept in f32 and V dequantized, as the CPU's
+// Q8_0 path does (its sums are taken in another order, so the results differ by rounding).
 template <int KVQ>
 __device__ void attention_body(const float* q, const void* kc, const void* vc, int n_head, int n_head_kv, int hd,
                                const int* pos, float scale, float* out, Q8* outq, int window, const float* sinks) {
@@ -1903,7 +1904,7 @@ __device__ void attention_body(const float* q, const void* kc, const void* vc, i
     for (int w = 0; w < nw; w++) sum += red[w];
     if (sinks) sum += expf(sinks[h] - mx);
     const float inv = 1.0f / sum;
-    for (int p = threadIdx.x; p < n; p += blockDim.x) sc[p] = f16_round(sc[p] * inv);
+    for (int p = threadIdx.x; p < n; p += blockDim.x) sc[p] = KVQ ? sc[p] * inv : f16_round(sc[p] * inv);
     __syncthreads();
     float* o = out + ((size_t)i * n_head + h) * hd;
     // d0 + warp's first lane < hd is the same for the whole warp, so quantize_block_warp sees full warps
@@ -2032,16 +2033,18 @@ extern "C" __global__ void attention_split_q8(const float* q, const u8* kcache, 
 
 // Merges the chunks of attention_split / attention_decode: out = Σ_z exp(m_z − M) · acc_z / Σ_z exp(m_z − M) · l_z
 // (M the largest m_z of the chunks inside the row, and the sink's logit; sinks != null adds exp(sinks[h] − M) to
-// the denominator), and its Q8 blocks when outq != null (hd % 32 == 0). The chunks' weights are computed once per
-// block (128 at a time, in shared memory); warp w sums chunks w, w + 4, … (lanes over the hd values), and the
-// four warps' sums are added in warp order. Grid: (n_head, t); block: 128 threads; hd <= 256.
+// the denominator), and its Q8 blocks when outq != null (hd % 32 == 0). Block (h, i, y) writes values
+// [32·y, 32·y + 32) of head h in row i: it computes the chunks' weights (128 at a time, in shared memory), warp w
+// sums chunks w, w + 4, … (a lane per value), and the four warps' sums are added in warp order (each value's sum
+// is the same whatever the slicing). Grid: (n_head, t, ⌈hd / 32⌉); block: 128 threads.
 extern "C" __global__ void __launch_bounds__(128) attention_combine(const float* part, int n_head, int hd, int nz,
                                                                     float* out, Q8* outq, const float* sinks) {
     pdl_entry();
     __shared__ float wz[128];
     __shared__ float red[32];
-    __shared__ float ws[4][256];
+    __shared__ float ws[4][32];
     const int h = blockIdx.x, i = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int d = blockIdx.z * 32 + lane;  // this lane's value
     const float* pr = part + ((size_t)i * n_head + h) * nz * (hd + 2);
     // a chunk past the row's positions wrote (m, l) = (−inf, 0) and nothing else; any other chunk counts (a NaN in
     // it reaches the output, as in the one-block kernel)
@@ -2062,41 +2065,33 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
     L = 0.f;
     for (int w = 0; w < 4; w++) L += red[w];
     if (sinks) L += expf(sinks[h] - M);
-    const float inv = 1.0f / L;
-    float acc[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++) acc[k] = 0.f;
+    float acc = 0.f;
     for (int z0 = 0; z0 < nz; z0 += 128) {
         __syncthreads();
         if (z0 + threadIdx.x < nz) {
             const float* c = pr + (size_t)(z0 + threadIdx.x) * (hd + 2);
-            wz[threadIdx.x] = ATT_LIVE(c) ? expf(c[0] - M) : 0.f;
+            wz[threadIdx.x] = ATT_LIVE(c) ? expf(c[0] - M) : -1.f;
         }
         __syncthreads();
         const int zn = min(128, nz - z0);
-#pragma unroll 2
-        for (int z = warp; z < zn; z += 4) {
-            const float w = wz[z];
-            if (w == 0.f) continue;  // outside the row (its values were never written), or too small to count
-            const float* c = pr + (size_t)(z0 + z) * (hd + 2) + 2;
-#pragma unroll
-            for (int k = 0; k < 8; k++)
-                if (lane + 32 * k < hd) acc[k] = fmaf(w, c[lane + 32 * k], acc[k]);
+        if (d < hd) {
+            const float* c = pr + (size_t)z0 * (hd + 2) + 2 + d;
+#pragma unroll 4
+            for (int z = warp; z < zn; z += 4) {
+                const float w = wz[z];
+                // w < 0: outside the row, its values never written (a live chunk's weight of 0 still multiplies
+                // its values, so a NaN among them reaches the output)
+                if (!(w < 0.f)) acc = fmaf(w, c[(size_t)z * (hd + 2)], acc);
+            }
         }
     }
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        if (lane + 32 * k < hd) ws[warp][lane + 32 * k] = acc[k];
+    ws[warp][lane] = acc;
     __syncthreads();
-    float* o = out + ((size_t)i * n_head + h) * hd;
-    for (int d0 = 0; d0 < hd; d0 += blockDim.x) {
-        const int d = d0 + threadIdx.x;
-        float v = 0.f;
-        if (d < hd) {
-            v = ((ws[0][d] + ws[1][d]) + ws[2][d] + ws[3][d]) * inv;
-            o[d] = v;
-        }
-        if (outq && d - lane < hd) quantize_block_warp(v, outq + ((size_t)i * n_head + h) * (hd / 32) + d / 32, lane);
+    if (warp == 0) {
+        const float v = d < hd ? (((ws[0][lane] + ws[1][lane]) + ws[2][lane]) + ws[3][lane]) * (1.0f / L) : 0.f;
+        if (d < hd) out[((size_t)i * n_head + h) * hd + d] = v;
+        // (outq only with hd % 32 == 0: whole warps)
+        if (outq) quantize_block_warp(v, outq + ((size_t)i * n_head + h) * (hd / 32) + d / 32, lane);
     }
 }
 
@@ -2532,7 +2527,8 @@ __device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc
         l1 += __shfl_xor_sync(0xffffffffu, l1, o);
     }
     __syncthreads();
-    // the warps' partials (a warp without positions has m = −inf, l = 0), merged per row
+    // the warps' partials (a warp without positions has m = −inf, l = 0 and is skipped; one whose scores were all
+    // NaN has m = −inf and l = NaN, which reaches the output as in the one-block kernel), merged per row
     float* wm = (float*)dsm;
     float* wl = wm + ATT_DWARPS * ATT_DG;
     float* wa = wl + ATT_DWARPS * ATT_DG;
@@ -2560,7 +2556,7 @@ __device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc
 #pragma unroll
             for (int w = 0; w < ATT_DWARPS; w++) {
                 const float mw = wm[w * ATT_DG + r];
-                if (mw != -INFINITY)
+                if (!(mw == -INFINITY && wl[w * ATT_DG + r] == 0.f))
                     v = fmaf(expf(mw - M), c == 1 ? wl[w * ATT_DG + r] : wa[(w * ATT_DG + r) * HD + c - 2], v);
             }
         }

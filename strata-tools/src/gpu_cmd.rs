@@ -38,6 +38,25 @@ pub struct CheckArgs {
 }
 
 #[derive(ClapArgs, Debug)]
+pub struct BuildKernelsArgs {
+    /// The GPU architecture, as NVRTC names it (`sm_80`, `sm_89`, `sm_90`, ...; `nvidia-smi
+    /// --query-gpu=compute_cap` prints 9.0 for sm_90).
+    #[arg(long)]
+    arch: String,
+    /// Build the module the daemon loads for this model (the base formats and the model's); without it, the
+    /// base formats only.
+    #[arg(long, conflicts_with = "all")]
+    model: Option<PathBuf>,
+    /// Every format (the module `gpu-check` loads).
+    #[arg(long)]
+    all: bool,
+    /// Without the pipelined tensor-core loop: the module of a card with less than ~100 KiB of opt-in shared
+    /// memory per block (sm_89 and older consumer cards), or of `STRATA_GPU_MMQ_PIPE=0`.
+    #[arg(long)]
+    no_mmq_pipe: bool,
+}
+
+#[derive(ClapArgs, Debug)]
 pub struct BenchArgs {
     /// Model (e.g. from `strata-tools synth-moe`).
     #[arg(long)]
@@ -404,6 +423,7 @@ fn check_attention(
     q8: bool,
     seed: &mut u64,
 ) -> Result<f64> {
+    anyhow::ensure!(cap >= pos0 + t, "split attention shape: size class {cap} below pos0 + t = {}", pos0 + t);
     let c = if q8 {
         AttentionCase::new_q8((nh, nkv, hd), (pos0, t), seed)?
     } else {
@@ -438,6 +458,66 @@ fn split_row(
     kern.push(serde_json::json!({"kernel": kernel, "n_head": nh, "n_head_kv": nkv, "hd": hd,
         "pos0": pos0, "t": t, "cap": cap, "window": win, "rel_err_vs_one_block": r}));
     Ok(r)
+}
+
+/// NaN propagation of the split decode attention against the one-block kernel, heads (32, 4, 128) at position
+/// 4,000 of size class 4,168 (`q8`: over Q8_0 caches): K of KV head 1 is NaN at positions 64..256 (whole tiles
+/// and chunks, so the grouped kernel's warps see nothing but NaN scores there) and V of KV head 2 at position
+/// 1,000. Returns whether both kernels give NaN in every value of the query heads of KV heads 1 and 2 and finite
+/// values elsewhere, and the relative error of the split kernel's finite heads.
+fn check_attention_nan(ops: &strata::backend::cuda::ops::Ops, q8: bool, seed: &mut u64) -> Result<(bool, f64)> {
+    let (nh, nkv, hd, pos0, cap) = (32usize, 4usize, 128usize, 4000usize, 4168usize);
+    let c = if q8 {
+        AttentionCase::new_q8((nh, nkv, hd), (pos0, 1), seed)?
+    } else {
+        AttentionCase::new((nh, nkv, hd), (pos0, 1), seed)?
+    };
+    // one head's row at position p, poisoned: f16 NaNs, or Q8_0 blocks whose scale is an f16 NaN
+    let nan_h = 0x7e00u16;
+    let poison = |buf: &strata::backend::cuda::driver::DevBuf, p: usize, kh: usize| -> Result<()> {
+        if q8 {
+            let blk: Vec<u8> = (0..hd / 32).flat_map(|_| nan_h.to_le_bytes().into_iter().chain([1u8; 32])).collect();
+            buf.write_sync(p * (nkv * hd / 32 * 34) + kh * blk.len(), &blk)?;
+        } else {
+            buf.write_sync(2 * (p * nkv * hd + kh * hd), &vec![nan_h; hd])?;
+        }
+        Ok(())
+    };
+    let (kb, vb) = match &c.kq {
+        Some((k, v)) if q8 => (k, v),
+        _ => (&c.k, &c.v),
+    };
+    for p in 64..256 {
+        poison(kb, p, 1)?;
+    }
+    poison(vb, 1000, 2)?;
+    for o in &c.out {
+        o.write_sync(0, &vec![0f32; c.len])?;
+    }
+    let part = strata::backend::cuda::driver::DevBuf::alloc(
+        strata::backend::cuda::ops::split_part_floats(1, nh, hd, cap) * 4,
+    )?;
+    let (q, kv, p) = (c.q.ptr, c.kv(q8), c.pos.ptr);
+    ops.attention(q, kv, nh, nkv, hd, p, pos0 + 1, 1, c.out[0].ptr, c.outq.ptr, None, (0, 0))?;
+    ops.attention(q, kv, nh, nkv, hd, p, cap, 1, c.out[1].ptr, c.outq.ptr, Some(part.ptr), (0, 0))?;
+    ops.s.sync()?;
+    let (mut a, mut b) = (vec![0f32; c.len], vec![0f32; c.len]);
+    c.out[0].read_sync(0, &mut a)?;
+    c.out[1].read_sync(0, &mut b)?;
+    let poisoned = |h: usize| matches!(h / (nh / nkv), 1 | 2);
+    let mut ok = true;
+    let (mut fa, mut fb) = (Vec::new(), Vec::new());
+    for h in 0..nh {
+        let (ra, rb) = (&a[h * hd..(h + 1) * hd], &b[h * hd..(h + 1) * hd]);
+        if poisoned(h) {
+            ok &= ra.iter().chain(rb).all(|x| x.is_nan());
+        } else {
+            ok &= ra.iter().chain(rb).all(|x| x.is_finite());
+            fa.extend_from_slice(ra);
+            fb.extend_from_slice(rb);
+        }
+    }
+    Ok((ok, rel_err(&fb, &fa)))
 }
 
 /// The kernel [`strata::backend::cuda::ops::Ops::attention`] runs for a split decode window of head size `hd`
@@ -797,6 +877,38 @@ pub fn check(a: CheckArgs) -> Result<()> {
     forward_checks(&a, &mut report)
 }
 
+/// `build-kernels`: compiles a kernel module with NVRTC into the kernel cache (`$STRATA_KERNEL_CACHE`, default
+/// `~/.cache/strata/kernels`) under the name the daemon looks for, so that its first start on a card of that
+/// architecture loads it instead of compiling (1-3 minutes). Needs NVRTC, not a GPU. Errors: the model cannot be
+/// read, a tensor format without CUDA kernels, NVRTC missing or failing.
+pub fn build_kernels(a: BuildKernelsArgs) -> Result<()> {
+    use strata::backend::cuda::kernels::{cubin, fmt_index, FormatSet};
+    let formats = if a.all {
+        FormatSet::all()
+    } else if let Some(path) = &a.model {
+        let file = Arc::new(GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?);
+        let m = Model::load(file)?;
+        FormatSet::of(m.weights.matrices().iter().map(|w| w.ty).filter(|&ty| fmt_index(ty).is_ok()))?
+    } else {
+        FormatSet::base()
+    };
+    let t = Instant::now();
+    let (img, cached) = cubin(&a.arch, formats, !a.no_mmq_pipe)?;
+    let how = if cached {
+        "already in the cache".to_string()
+    } else {
+        format!("compiled in {:.1} s", t.elapsed().as_secs_f64())
+    };
+    let which = match (a.all, &a.model) {
+        (true, _) => "all-format",
+        (false, Some(_)) => "the model's",
+        (false, None) => "base-format",
+    };
+    let dir = strata::backend::cuda::kernels::cache_dir();
+    println!("{which} kernels for {}: {} bytes, {how} ({})", a.arch, img.len(), dir.display());
+    Ok(())
+}
+
 /// The kernel checks of [`check`] (section 1) into `report`.
 fn check_kernels(
     dev: &strata::backend::cuda::driver::Device,
@@ -1004,7 +1116,7 @@ fn check_kernels(
         (64, 4, 128, 5000, 1, 8192, 0),
         (24, 2, 128, 3000, 2, 4096, 0),
         (34, 2, 128, 3000, 1, 4096, 0),
-        (64, 2, 64, 4095, 2, 4096, 0),
+        (64, 2, 64, 4094, 2, 4096, 0),
         (16, 16, 128, 700, 1, 1024, 0),
         // its head size 96; head size 256 keeps attention_split (a window across chunks)
         (12, 4, 96, 2047, 2, 2049, 0),
@@ -1012,6 +1124,19 @@ fn check_kernels(
         (8, 2, 256, 300, 3, 512, 0),
     ] {
         worst = worst.max(split_row(&ops, (nh, nkv, hd, pos0, t, cap, win), false, &mut seed, &mut kern)?);
+    }
+    // 1a'n. NaN in K or V reaches the same heads' outputs in the split kernels as in the one-block kernel
+    for q8 in [false, true] {
+        let (ok, r) = check_attention_nan(&ops, q8, &mut seed)?;
+        worst = worst.max(if ok { r } else { f64::INFINITY });
+        let kernel = split_kernel(&ops, 128, q8);
+        let verdict = if ok { "NaN heads agree" } else { "NaN heads DIFFER" };
+        println!(
+            "{:<6} {:>6} {:>6} {:>6} {:>3} {:>6} {:>5} {r:>12.2e}  ({kernel}: {verdict})",
+            "nan", 32, 128, 4000, 1, 4168, 0
+        );
+        kern.push(serde_json::json!({"kernel": kernel, "check": "nan_propagation", "n_head": 32, "n_head_kv": 4,
+            "hd": 128, "pos0": 4000, "t": 1, "cap": 4168, "nan_heads_agree": ok, "rel_err_finite_heads": r}));
     }
     // 1a'q. the Q8_0 KV cache (`--kv-type q8_0`): the one-block kernel over Q8_0 rows against the f16 kernel over
     // their dequantized values; the split kernels over Q8_0 rows against the one-block one (the grouped decode

@@ -39,6 +39,10 @@ enum Command {
     /// Benchmark decode and prompt speed over expert-cache sizes and adaptive-tier modes (needs a GPU).
     #[cfg(feature = "cuda")]
     BenchGpu(gpu_cmd::BenchArgs),
+    /// Compile the CUDA kernels for a GPU architecture into the kernel cache ahead of the daemon's first start
+    /// (needs NVRTC, not a GPU).
+    #[cfg(feature = "cuda")]
+    BuildKernels(gpu_cmd::BuildKernelsArgs),
 }
 
 /// Runs one command; an error ends it with one line on stderr (its causes joined by ": ", no backtrace even with
@@ -75,5 +79,7 @@ fn run() -> Result<()> {
         Command::GpuCheck(a) => gpu_cmd::check(a),
         #[cfg(feature = "cuda")]
         Command::BenchGpu(a) => gpu_cmd::bench(a),
+        #[cfg(feature = "cuda")]
+        Command::BuildKernels(a) => gpu_cmd::build_kernels(a),
     }
 }
