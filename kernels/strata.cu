@@ -1840,8 +1840,8 @@ __device__ __forceinline__ float att_score(const float* qs, const u16* kr, int h
 }
 
 // Causal grouped-query attention of t query rows over the KV cache (f16), position of row i = pos0 + i.
-// q: t * n_head * hd (already f16-rounded); out: t * n_head * hd. Probabilities are rounded to f16 before the
-// product with V (as llama.cpp over an F16 cache). Grid: (n_head, t); block: 128 threads; dynamic shared
+// q: t * n_head * hd (f16-rounded by rope_store for an f16 cache); out: t * n_head * hd. Over an f16 cache the
+// probabilities are rounded to f16 before the product with V (as llama.cpp over an F16 cache; KVQ 1: below). Grid: (n_head, t); block: 128 threads; dynamic shared
 // memory: at least (pos0 + t) floats for the scores + hd floats for q. `pos` points at pos0 (device scalar).
 // Scores: one position per thread (16-byte K reads when hd % 8 == 0 and the rows are 16-byte aligned), with the
 // CPU path's order of rounded products and sums (model/llama.rs), as is the product with V.
@@ -2101,7 +2101,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
 //
 // Block (x, h): query rows [x * FA_BQ, x * FA_BQ + FA_BQ) of head h (FA_WARPS warps of 16 rows), walking the KV
 // cache in tiles of FA_BK positions up to the block's last causal position; per tile, S = Q·Kᵀ on f16 MMA
-// (m16n8k16, f32 accumulation; q is already f16-rounded, the cache is f16), s = S * scale, positions past a row's
+// (m16n8k16, f32 accumulation; q rounded to f16 as it is packed, the cache f16), s = S * scale, positions past a row's
 // own masked, online softmax (running max m and sum l per row, in f32), then P·V with the probabilities exp(s − m)
 // rounded to f16 (f32 accumulation); out = acc / l at the end. The arithmetic differs from `attention` (which
 // rounds the normalised probabilities to f16 and sums in position order) by rounding only. Head size HD (a multiple
@@ -2354,7 +2354,7 @@ ATTENTION_TILED_Q8(128)
 // (from n − window on when window > 0). Tiles of ATT_DTILE positions of K and V (f16 rows, HD + 8 halves apart)
 // are copied into shared memory, two tiles in flight (cp.async; a Q8_0 cache: loaded and converted to f16 as
 // attention_tiled_q8 does, one tile at a time); each of the ATT_DWARPS warps takes 16 positions of a tile: S = Q·Kᵀ
-// (f16 MMA, f32 accumulation; the query rounded to f16, as RoPE wrote it), s = S · scale, its own running softmax
+// (f16 MMA, f32 accumulation; the query rounded to f16 as it is packed), s = S · scale, its own running softmax
 // per row (max m, sum l), then P·V with P = exp(s − m) rounded to f16. At the end the warps' partials are merged
 // and written in attention_combine's layout: (m, l, HD values) at part + ((i·n_head + h)·gridDim.z + z)·(HD + 2)
 // for each head h; a chunk outside the row writes (−inf, 0). The arithmetic differs from `attention`'s by rounding
@@ -2528,7 +2528,9 @@ __device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc
     }
     __syncthreads();
     // the warps' partials (a warp without positions has m = −inf, l = 0 and is skipped; one whose scores were all
-    // NaN has m = −inf and l = NaN, which reaches the output as in the one-block kernel), merged per row
+    // NaN has m = −inf and l = NaN, which reaches the output as in the one-block kernel; so does one whose live
+    // scores were all −inf, an infinite K value, where the one-block kernel gives those positions weight 0 when
+    // other positions are finite), merged per row
     float* wm = (float*)dsm;
     float* wl = wm + ATT_DWARPS * ATT_DG;
     float* wa = wl + ATT_DWARPS * ATT_DG;

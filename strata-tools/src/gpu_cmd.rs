@@ -460,13 +460,18 @@ fn split_row(
     Ok(r)
 }
 
-/// NaN propagation of the split decode attention against the one-block kernel, heads (32, 4, 128) at position
-/// 4,000 of size class 4,168 (`q8`: over Q8_0 caches): K of KV head 1 is NaN at positions 64..256 (whole tiles
-/// and chunks, so the grouped kernel's warps see nothing but NaN scores there) and V of KV head 2 at position
-/// 1,000. Returns whether both kernels give NaN in every value of the query heads of KV heads 1 and 2 and finite
-/// values elsewhere, and the relative error of the split kernel's finite heads.
-fn check_attention_nan(ops: &strata::backend::cuda::ops::Ops, q8: bool, seed: &mut u64) -> Result<(bool, f64)> {
-    let (nh, nkv, hd, pos0, cap) = (32usize, 4usize, 128usize, 4000usize, 4168usize);
+/// NaN propagation of the split decode attention (heads `(nh, nkv, hd)`, `nkv` ≥ 3) against the one-block kernel
+/// at position 4,000 of size class 4,168 (`q8`: over Q8_0 caches): K of KV head 1 is NaN at positions 64..256
+/// (whole tiles and chunks, so the grouped kernel's warps see nothing but NaN scores there) and V of KV head 2 at
+/// position 1,000. Returns whether both kernels give NaN in every value of the query heads of KV heads 1 and 2
+/// and finite values elsewhere, and the relative error of the split kernel's finite heads.
+fn check_attention_nan(
+    ops: &strata::backend::cuda::ops::Ops,
+    (nh, nkv, hd): (usize, usize, usize),
+    q8: bool,
+    seed: &mut u64,
+) -> Result<(bool, f64)> {
+    let (pos0, cap) = (4000usize, 4168usize);
     let c = if q8 {
         AttentionCase::new_q8((nh, nkv, hd), (pos0, 1), seed)?
     } else {
@@ -879,16 +884,21 @@ pub fn check(a: CheckArgs) -> Result<()> {
 
 /// `build-kernels`: compiles a kernel module with NVRTC into the kernel cache (`$STRATA_KERNEL_CACHE`, default
 /// `~/.cache/strata/kernels`) under the name the daemon looks for, so that its first start on a card of that
-/// architecture loads it instead of compiling (1-3 minutes). Needs NVRTC, not a GPU. Errors: the model cannot be
-/// read, a tensor format without CUDA kernels, NVRTC missing or failing.
+/// architecture loads it instead of compiling (1-3 minutes). Needs NVRTC, not a GPU. Errors: an architecture not
+/// named `sm_<digits>` (the daemon looks the file up by that name), the model cannot be read, NVRTC missing or
+/// failing.
 pub fn build_kernels(a: BuildKernelsArgs) -> Result<()> {
-    use strata::backend::cuda::kernels::{cubin, fmt_index, FormatSet};
+    use strata::backend::cuda::kernels::{cubin, FormatSet};
+    let digits = a.arch.strip_prefix("sm_").unwrap_or("");
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        bail!("--arch {}: expected sm_ and the compute capability's digits, e.g. sm_90", a.arch);
+    }
     let formats = if a.all {
         FormatSet::all()
     } else if let Some(path) = &a.model {
         let file = Arc::new(GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?);
         let m = Model::load(file)?;
-        FormatSet::of(m.weights.matrices().iter().map(|w| w.ty).filter(|&ty| fmt_index(ty).is_ok()))?
+        FormatSet::of_model(&m.weights)
     } else {
         FormatSet::base()
     };
@@ -1125,18 +1135,21 @@ fn check_kernels(
     ] {
         worst = worst.max(split_row(&ops, (nh, nkv, hd, pos0, t, cap, win), false, &mut seed, &mut kern)?);
     }
-    // 1a'n. NaN in K or V reaches the same heads' outputs in the split kernels as in the one-block kernel
-    for q8 in [false, true] {
-        let (ok, r) = check_attention_nan(&ops, q8, &mut seed)?;
+    // 1a'n. NaN in K or V reaches the same heads' outputs in the split kernels as in the one-block kernel (head
+    // size 128: the grouped kernel; 256: attention_split), then the merge
+    for (nh, nkv, hd, q8) in
+        [(32usize, 4usize, 128usize, false), (32, 4, 128, true), (12, 4, 256, false), (12, 4, 256, true)]
+    {
+        let (ok, r) = check_attention_nan(&ops, (nh, nkv, hd), q8, &mut seed)?;
         worst = worst.max(if ok { r } else { f64::INFINITY });
-        let kernel = split_kernel(&ops, 128, q8);
+        let kernel = split_kernel(&ops, hd, q8);
         let verdict = if ok { "NaN heads agree" } else { "NaN heads DIFFER" };
         println!(
-            "{:<6} {:>6} {:>6} {:>6} {:>3} {:>6} {:>5} {r:>12.2e}  ({kernel}: {verdict})",
-            "nan", 32, 128, 4000, 1, 4168, 0
+            "{:<6} {nh:>6} {hd:>6} {:>6} {:>3} {:>6} {:>5} {r:>12.2e}  ({kernel}: {verdict})",
+            "nan", 4000, 1, 4168, 0
         );
-        kern.push(serde_json::json!({"kernel": kernel, "check": "nan_propagation", "n_head": 32, "n_head_kv": 4,
-            "hd": 128, "pos0": 4000, "t": 1, "cap": 4168, "nan_heads_agree": ok, "rel_err_finite_heads": r}));
+        kern.push(serde_json::json!({"kernel": kernel, "check": "nan_propagation", "n_head": nh, "n_head_kv": nkv,
+            "hd": hd, "pos0": 4000, "t": 1, "cap": 4168, "nan_heads_agree": ok, "rel_err_finite_heads": r}));
     }
     // 1a'q. the Q8_0 KV cache (`--kv-type q8_0`): the one-block kernel over Q8_0 rows against the f16 kernel over
     // their dequantized values; the split kernels over Q8_0 rows against the one-block one (the grouped decode

@@ -200,6 +200,7 @@ const KEY_ID: u64 = (1 << 31) - 1;
 /// A key whose ascending order is a shadow's order of preference: score descending (as `f32::total_cmp` orders
 /// scores), then held before not held, then lower expert id (`e` < 2^31).
 fn rank_key(score: f32, held: bool, e: usize) -> u64 {
+    debug_assert!(e as u64 <= KEY_ID, "expert id {e} past the key's 31 bits");
     let b = score.to_bits();
     // the bits reordered so that unsigned order is total_cmp's order
     let up = if b >> 31 == 1 { !b } else { b | 1 << 31 };
@@ -277,6 +278,70 @@ mod tests {
         *seed
     }
 
+    /// [`Lrfu::end_window`] as written before it selected: each shadow's candidates fully sorted.
+    fn end_window_by_sort(p: &mut Lrfu, cached: impl Fn(usize) -> Vec<usize>, size: impl Fn(usize) -> usize) {
+        let ne = p.n_expert;
+        p.merit.iter_mut().for_each(|m| *m *= MERIT_DECAY);
+        for l in 0..p.n_layer {
+            let r = l * ne..(l + 1) * ne;
+            let cap = size(l).min(ne);
+            if p.cap[l].is_none() {
+                for sh in &mut p.shadow {
+                    for e in cached(l) {
+                        sh[l * ne + e] = true;
+                    }
+                }
+            }
+            p.cap[l] = Some(cap);
+            let win = &p.window[r.clone()];
+            if win.iter().all(|&w| w == 0) {
+                for (j, sc) in p.score.iter_mut().enumerate() {
+                    sc[r.clone()].iter_mut().for_each(|s| *s *= LRFU_DECAYS[j]);
+                }
+                continue;
+            }
+            for (j, &lambda) in LRFU_DECAYS.iter().enumerate() {
+                let sh = &mut p.shadow[j][r.clone()];
+                let sc = &mut p.score[j][r.clone()];
+                p.merit[j] += win.iter().zip(sh.iter()).filter(|(&w, &h)| w > 0 && h).count() as f32;
+                for (s, &w) in sc.iter_mut().zip(win) {
+                    *s = *s * lambda + w as f32;
+                }
+                let mut order: Vec<usize> = (0..ne).filter(|&e| sh[e] || win[e] > 0).collect();
+                order.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]).then(sh[b].cmp(&sh[a])).then(a.cmp(&b)));
+                sh.iter_mut().for_each(|h| *h = false);
+                for &e in order.iter().take(cap) {
+                    sh[e] = true;
+                }
+            }
+        }
+        p.window.iter_mut().for_each(|w| *w = 0);
+    }
+
+    #[test]
+    fn end_window_keeps_the_sets_a_full_sort_keeps() {
+        // layers of every cache size from none to all experts, skewed random routing with repeats (ties)
+        let (nl, ne) = (5usize, 24usize);
+        let mut seed = 0x0dd_ba11_cafe_f00d;
+        let (mut a, mut b) = (Lrfu::new(nl, ne), Lrfu::new(nl, ne));
+        let size = |l: usize| [0, 3, 12, 23, 24][l];
+        let cached = |l: usize| (0..size(l)).collect::<Vec<_>>();
+        for w in 0..300 {
+            for l in 0..nl {
+                for _ in 0..3 {
+                    let r = next(&mut seed);
+                    let e = ((r % ne as u64) * (r >> 40 & 1) + (r >> 20) % 4) as usize % ne;
+                    a.record(l, e, 1);
+                    b.record(l, e, 1);
+                }
+            }
+            a.end_window(cached, size);
+            end_window_by_sort(&mut b, cached, size);
+            assert_eq!((&a.shadow, &a.merit), (&b.shadow, &b.merit), "window {w}");
+            assert_eq!(a.score, b.score, "window {w}");
+        }
+    }
+
     #[test]
     fn rank_keys_order_as_the_shadow_comparator() {
         let scores = [0.0f32, -0.0, 1.0, 1.0, 0.5, -2.0, 3.25, f32::MIN_POSITIVE, 1e30, -1e-30, 0.5];
@@ -307,6 +372,38 @@ mod tests {
         }
     }
 
+    /// [`Lrfu::plan`] as written before its ranking shortcuts: every candidate and every place sorted, every pair
+    /// formed, then the round's best `max_swaps`.
+    fn plan_by_full_sorts(
+        p: &Lrfu,
+        cached: impl Fn(usize) -> Vec<usize>,
+        free: impl Fn(usize) -> usize,
+        max_swaps: usize,
+    ) -> Vec<Swap> {
+        let ne = p.n_expert;
+        let mut pairs: Vec<(Swap, usize)> = Vec::new();
+        let lead = p.leader();
+        for l in 0..p.n_layer {
+            let sc = &p.score[lead][l * ne..(l + 1) * ne];
+            let held = cached(l);
+            let mut cand: Vec<usize> = (0..ne).filter(|&e| !held.contains(&e) && sc[e] > 0.0).collect();
+            cand.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]).then(a.cmp(&b)));
+            let mut vict: Vec<(Option<usize>, f32)> = vec![(None, 0.0); free(l)];
+            let mut hs = held;
+            hs.sort_by(|&a, &b| sc[a].total_cmp(&sc[b]).then(a.cmp(&b)));
+            vict.extend(hs.into_iter().map(|e| (Some(e), sc[e])));
+            for (rank, (&c, &(v, vs))) in cand.iter().zip(vict.iter()).enumerate() {
+                if sc[c] <= vs {
+                    break;
+                }
+                pairs.push((Swap { layer: l, outgoing: v, incoming: c, gain: sc[c] - vs }, rank));
+            }
+        }
+        pairs.sort_by(|(a, ra), (b, rb)| b.gain.total_cmp(&a.gain).then(a.layer.cmp(&b.layer)).then(ra.cmp(rb)));
+        pairs.truncate(max_swaps);
+        pairs.into_iter().map(|(s, _)| s).collect()
+    }
+
     #[test]
     fn a_round_of_k_swaps_is_the_first_k_of_a_larger_round() {
         // many layers and experts, random routing and caches: the ranked shortcuts (selection instead of sorts,
@@ -326,8 +423,10 @@ mod tests {
         }
         let all = p.plan(|l| caches[l].clone(), |l| l % 2, usize::MAX);
         assert!(all.len() > 8, "the case has swaps to rank ({})", all.len());
-        for k in [0usize, 1, 2, 5, 8] {
-            assert_eq!(p.plan(|l| caches[l].clone(), |l| l % 2, k), all[..k.min(all.len())], "k = {k}");
+        for k in [0usize, 1, 2, 5, 8, usize::MAX] {
+            let got = p.plan(|l| caches[l].clone(), |l| l % 2, k);
+            assert_eq!(got, all[..k.min(all.len())], "k = {k}");
+            assert_eq!(got, plan_by_full_sorts(&p, |l| caches[l].clone(), |l| l % 2, k), "k = {k}");
         }
     }
 }

@@ -130,9 +130,12 @@ impl FormatSet {
     pub fn all() -> FormatSet {
         FormatSet(cuda_formats().iter().fold(0, |m, f| m | 1 << f.index))
     }
-    /// The base formats and those of `types`. Errors: a type without CUDA kernels.
-    pub fn of(types: impl IntoIterator<Item = GgmlType>) -> Result<FormatSet, GpuError> {
-        types.into_iter().try_fold(FormatSet::base(), |s, ty| Ok(FormatSet(s.0 | 1 << fmt_index(ty)?)))
+    /// The module a model's stage loads: the base formats and those of the model's matrices that have CUDA kernels
+    /// (a matrix of a format without them is refused where its weights are uploaded). The kernel cache's file
+    /// name depends on this set, so `strata-tools build-kernels --model` calls it too.
+    pub fn of_model(weights: &crate::arch::weights::Weights) -> FormatSet {
+        let types = weights.matrices().into_iter().map(|w| w.ty).filter(|&ty| fmt_index(ty).is_ok());
+        types.fold(FormatSet::base(), |s, ty| FormatSet(s.0 | fmt_index(ty).map_or(0, |i| 1 << i)))
     }
     /// Whether the module holds the kernels of format index `i`.
     pub fn has(self, i: usize) -> bool {

@@ -333,9 +333,7 @@ impl Stage {
     ) -> Result<Stage, GpuError> {
         dev.bind()?;
         // the kernels of the formats the model uses (a format without kernels is refused below, by tensor)
-        let formats = super::kernels::FormatSet::of(
-            model.weights.matrices().iter().map(|w| w.ty).filter(|&ty| super::kernels::fmt_index(ty).is_ok()),
-        )?;
+        let formats = super::kernels::FormatSet::of_model(model.weights);
         let mmq_pipe = super::kernels::mmq_pipe_on(dev.max_smem_optin);
         let (img, cached) = cubin(&dev.arch(), formats, mmq_pipe)?;
         let pdl = super::kernels::pdl_wanted(dev.cc);

@@ -603,7 +603,8 @@ impl Ops<'_> {
                 .ptr(out)
                 .ptr(if hd.is_multiple_of(32) { outq } else { 0 })
                 .ptr(sinks);
-            // a block per 32 values of a head: 4× the blocks of one per head, for the few rows of a decode step
+            // a block per 32 values of a head (⌈hd / 32⌉ × the blocks of one per head), for the few rows of a
+            // decode step
             let grid = (n_head as u32, t as u32, hd.div_ceil(32) as u32);
             self.k.attention_combine.launch(self.s, grid, 128, 0, args)?;
         } else if let Some(f) = self.k.attention_tiled(hd, kv.q8).filter(|_| tiled_applies(t, n_head_kv * hd)) {
