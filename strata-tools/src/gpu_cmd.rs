@@ -1,6 +1,7 @@
 //! `strata-tools gpu-check` (GPU kernels and forward pass against the CPU path) and `strata-tools
 //! bench-gpu` (decode and prompt tok/s over expert-cache sizes and adaptive-tier modes, with the link
-//! bandwidths and the DESIGN.md §10 bound). Both print a table and write JSON (`--json FILE`).
+//! bandwidths and the DESIGN.md §10 bound). Both print a table and write JSON (`--json FILE`). `strata-tools
+//! build-kernels` compiles a kernel module into the kernel cache without a GPU.
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -100,6 +100,17 @@ impl Lrfu {
     /// the experts the real cache holds (the shadows of a layer start as its copy the first time); `size(layer)`
     /// is the number of experts the layer's cache may hold (held + free for it).
     pub fn end_window(&mut self, cached: impl Fn(usize) -> Vec<usize>, size: impl Fn(usize) -> usize) {
+        self.end_window_with(cached, size, keep_best);
+    }
+
+    /// [`Lrfu::end_window`] with the step that leaves a layer's shadow holding its `cap` best experts given as
+    /// `keep(shadow, scores, window, cap, scratch)` (the tests pass a sorting one as the reference).
+    fn end_window_with(
+        &mut self,
+        cached: impl Fn(usize) -> Vec<usize>,
+        size: impl Fn(usize) -> usize,
+        keep: KeepStep,
+    ) {
         let ne = self.n_expert;
         let mut order: Vec<u64> = Vec::with_capacity(ne);
         self.merit.iter_mut().for_each(|m| *m *= MERIT_DECAY);
@@ -130,19 +141,7 @@ impl Lrfu {
                 for (s, &w) in sc.iter_mut().zip(win) {
                     *s = *s * lambda + w as f32;
                 }
-                // keep the `cap` best of (held ∪ used now); ties: held first, then lower id. Only the set counts,
-                // so it is selected (linear time; the order is total, so the set is the one a sort would give),
-                // and not at all when every candidate fits (this runs per layer and decay at every decode token)
-                order.clear();
-                order.extend((0..ne).filter(|&e| sh[e] || win[e] > 0).map(|e| rank_key(sc[e], sh[e], e)));
-                if order.len() > cap {
-                    order.select_nth_unstable(cap);
-                    order.truncate(cap);
-                }
-                sh.iter_mut().for_each(|h| *h = false);
-                for &k in &order {
-                    sh[(k & KEY_ID) as usize] = true;
-                }
+                keep(sh, sc, win, cap, &mut order);
             }
         }
         self.window.iter_mut().for_each(|w| *w = 0);
@@ -156,6 +155,18 @@ impl Lrfu {
         cached: impl Fn(usize) -> Vec<usize>,
         free: impl Fn(usize) -> usize,
         max_swaps: usize,
+    ) -> Vec<Swap> {
+        self.plan_ranked(cached, free, max_swaps, true)
+    }
+
+    /// [`Lrfu::plan`]; `cut`: rank only the pairs that can be among the round's `max_swaps` (off: every pair, the
+    /// tests' reference).
+    fn plan_ranked(
+        &self,
+        cached: impl Fn(usize) -> Vec<usize>,
+        free: impl Fn(usize) -> usize,
+        max_swaps: usize,
+        cut: bool,
     ) -> Vec<Swap> {
         let ne = self.n_expert;
         let mut pairs: Vec<(Swap, usize)> = Vec::new();
@@ -175,7 +186,7 @@ impl Lrfu {
             // first `n` pairs can be among the round's `max_swaps`: only the `n` best candidates and the `n`
             // cheapest places are ranked (this runs at every decode token while the tier is active)
             let nf = free(l);
-            let n = cand.len().min(nf + held.len()).min(max_swaps);
+            let n = cand.len().min(nf + held.len()).min(if cut { max_swaps } else { usize::MAX });
             smallest_sorted(&mut cand, n, |&a, &b| sc[b].total_cmp(&sc[a]).then(a.cmp(&b)));
             let mut vict: Vec<(Option<usize>, f32)> = vec![(None, 0.0); nf.min(n)];
             let mut held_sorted = held;
@@ -191,6 +202,26 @@ impl Lrfu {
         pairs.sort_by(|(a, ra), (b, rb)| b.gain.total_cmp(&a.gain).then(a.layer.cmp(&b.layer)).then(ra.cmp(rb)));
         pairs.truncate(max_swaps);
         pairs.into_iter().map(|(s, _)| s).collect()
+    }
+}
+
+/// A shadow's keep step ([`keep_best`]): (shadow, scores, window, cap, scratch).
+type KeepStep = fn(&mut [bool], &[f32], &[u32], usize, &mut Vec<u64>);
+
+/// Leaves `sh` (a layer's shadow: held or not, per expert) holding the `cap` best of (held ∪ used in the window
+/// `win`) by score `sc`; ties: held first, then lower id. Only the set counts, so it is selected (linear time; the
+/// order is total, so the set is the one a sort would give), and not at all when every candidate fits: this runs per
+/// layer and decay at every decode token. `order`: scratch.
+fn keep_best(sh: &mut [bool], sc: &[f32], win: &[u32], cap: usize, order: &mut Vec<u64>) {
+    order.clear();
+    order.extend((0..sh.len()).filter(|&e| sh[e] || win[e] > 0).map(|e| rank_key(sc[e], sh[e], e)));
+    if order.len() > cap {
+        order.select_nth_unstable(cap);
+        order.truncate(cap);
+    }
+    sh.iter_mut().for_each(|h| *h = false);
+    for &k in order.iter() {
+        sh[(k & KEY_ID) as usize] = true;
     }
 }
 
@@ -278,44 +309,14 @@ mod tests {
         *seed
     }
 
-    /// [`Lrfu::end_window`] as written before it selected: each shadow's candidates fully sorted.
-    fn end_window_by_sort(p: &mut Lrfu, cached: impl Fn(usize) -> Vec<usize>, size: impl Fn(usize) -> usize) {
-        let ne = p.n_expert;
-        p.merit.iter_mut().for_each(|m| *m *= MERIT_DECAY);
-        for l in 0..p.n_layer {
-            let r = l * ne..(l + 1) * ne;
-            let cap = size(l).min(ne);
-            if p.cap[l].is_none() {
-                for sh in &mut p.shadow {
-                    for e in cached(l) {
-                        sh[l * ne + e] = true;
-                    }
-                }
-            }
-            p.cap[l] = Some(cap);
-            let win = &p.window[r.clone()];
-            if win.iter().all(|&w| w == 0) {
-                for (j, sc) in p.score.iter_mut().enumerate() {
-                    sc[r.clone()].iter_mut().for_each(|s| *s *= LRFU_DECAYS[j]);
-                }
-                continue;
-            }
-            for (j, &lambda) in LRFU_DECAYS.iter().enumerate() {
-                let sh = &mut p.shadow[j][r.clone()];
-                let sc = &mut p.score[j][r.clone()];
-                p.merit[j] += win.iter().zip(sh.iter()).filter(|(&w, &h)| w > 0 && h).count() as f32;
-                for (s, &w) in sc.iter_mut().zip(win) {
-                    *s = *s * lambda + w as f32;
-                }
-                let mut order: Vec<usize> = (0..ne).filter(|&e| sh[e] || win[e] > 0).collect();
-                order.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]).then(sh[b].cmp(&sh[a])).then(a.cmp(&b)));
-                sh.iter_mut().for_each(|h| *h = false);
-                for &e in order.iter().take(cap) {
-                    sh[e] = true;
-                }
-            }
+    /// The shadow step as written before it selected: the candidates fully sorted, the first `cap` kept.
+    fn keep_by_sort(sh: &mut [bool], sc: &[f32], win: &[u32], cap: usize, _: &mut Vec<u64>) {
+        let mut order: Vec<usize> = (0..sh.len()).filter(|&e| sh[e] || win[e] > 0).collect();
+        order.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]).then(sh[b].cmp(&sh[a])).then(a.cmp(&b)));
+        sh.iter_mut().for_each(|h| *h = false);
+        for &e in order.iter().take(cap) {
+            sh[e] = true;
         }
-        p.window.iter_mut().for_each(|w| *w = 0);
     }
 
     #[test]
@@ -336,7 +337,7 @@ mod tests {
                 }
             }
             a.end_window(cached, size);
-            end_window_by_sort(&mut b, cached, size);
+            b.end_window_with(cached, size, keep_by_sort);
             assert_eq!((&a.shadow, &a.merit), (&b.shadow, &b.merit), "window {w}");
             assert_eq!(a.score, b.score, "window {w}");
         }
@@ -372,38 +373,6 @@ mod tests {
         }
     }
 
-    /// [`Lrfu::plan`] as written before its ranking shortcuts: every candidate and every place sorted, every pair
-    /// formed, then the round's best `max_swaps`.
-    fn plan_by_full_sorts(
-        p: &Lrfu,
-        cached: impl Fn(usize) -> Vec<usize>,
-        free: impl Fn(usize) -> usize,
-        max_swaps: usize,
-    ) -> Vec<Swap> {
-        let ne = p.n_expert;
-        let mut pairs: Vec<(Swap, usize)> = Vec::new();
-        let lead = p.leader();
-        for l in 0..p.n_layer {
-            let sc = &p.score[lead][l * ne..(l + 1) * ne];
-            let held = cached(l);
-            let mut cand: Vec<usize> = (0..ne).filter(|&e| !held.contains(&e) && sc[e] > 0.0).collect();
-            cand.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]).then(a.cmp(&b)));
-            let mut vict: Vec<(Option<usize>, f32)> = vec![(None, 0.0); free(l)];
-            let mut hs = held;
-            hs.sort_by(|&a, &b| sc[a].total_cmp(&sc[b]).then(a.cmp(&b)));
-            vict.extend(hs.into_iter().map(|e| (Some(e), sc[e])));
-            for (rank, (&c, &(v, vs))) in cand.iter().zip(vict.iter()).enumerate() {
-                if sc[c] <= vs {
-                    break;
-                }
-                pairs.push((Swap { layer: l, outgoing: v, incoming: c, gain: sc[c] - vs }, rank));
-            }
-        }
-        pairs.sort_by(|(a, ra), (b, rb)| b.gain.total_cmp(&a.gain).then(a.layer.cmp(&b.layer)).then(ra.cmp(rb)));
-        pairs.truncate(max_swaps);
-        pairs.into_iter().map(|(s, _)| s).collect()
-    }
-
     #[test]
     fn a_round_of_k_swaps_is_the_first_k_of_a_larger_round() {
         // many layers and experts, random routing and caches: the ranked shortcuts (selection instead of sorts,
@@ -426,7 +395,7 @@ mod tests {
         for k in [0usize, 1, 2, 5, 8, usize::MAX] {
             let got = p.plan(|l| caches[l].clone(), |l| l % 2, k);
             assert_eq!(got, all[..k.min(all.len())], "k = {k}");
-            assert_eq!(got, plan_by_full_sorts(&p, |l| caches[l].clone(), |l| l % 2, k), "k = {k}");
+            assert_eq!(got, p.plan_ranked(|l| caches[l].clone(), |l| l % 2, k, false), "k = {k}");
         }
     }
 }
