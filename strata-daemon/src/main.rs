@@ -39,6 +39,10 @@ const CPU_BATCH: usize = 256;
              trace-replay commands: strata-tools)"
 )]
 struct Args {
+    /// Read flags from this TOML file (keys are the flag names: `expert-cache = "auto"`, `ctx = 8192`); a flag on
+    /// the command line or its environment variable wins over the file (packaging/strata.toml).
+    #[arg(long, env = "STRATA_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
     /// GGUF model file [default: $STRATA_MODELS/SmolLM2-135M-Instruct.Q4_1.gguf, $STRATA_MODELS defaulting to ~/.cache/strata/models]
     #[arg(long)]
     model: Option<PathBuf>,
@@ -168,6 +172,29 @@ struct Args {
     adapt_async: u8,
 }
 
+/// The command line, with the flags of `--config FILE` (if given) beneath it.
+fn parse_args() -> Result<Args> {
+    use clap::{CommandFactory, FromArgMatches};
+    let cmd = Args::command();
+    let given = cmd.clone().get_matches();
+    let Some(path) = given.get_one::<PathBuf>("config") else {
+        return Ok(Args::from_arg_matches(&given)?);
+    };
+    let file = strata::service::config::read(path, &cmd, &given)?;
+    let mut argv: Vec<std::ffi::OsString> = vec![cmd.get_name().into()];
+    argv.extend(file.args.iter().cloned());
+    argv.extend(std::env::args_os().skip(1));
+    // what the file and the command line say together (e.g. two conflicting modes) is clap's to refuse
+    let args = Args::try_parse_from(argv).unwrap_or_else(|e| e.exit());
+    tracing::info!(
+        config = %path.display(),
+        settings = file.args.len(),
+        overridden = ?file.overridden,
+        "config file read"
+    );
+    Ok(args)
+}
+
 fn models_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("STRATA_MODELS") {
         return PathBuf::from(d);
@@ -176,13 +203,13 @@ fn models_dir() -> PathBuf {
     home.join(".cache/strata/models")
 }
 
-/// Runs the daemon; an error ends it with one line on stderr (its causes joined by ": ", no backtrace even with
+/// Runs the daemon; an error ends it with one line on stderr (its causes joined by ": ", each once; no backtrace even with
 /// `RUST_BACKTRACE` set) and exit status 1.
 fn main() -> std::process::ExitCode {
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("strata-daemon: {e:#}");
+            eprintln!("strata-daemon: {}", strata::service::errors::one_line(e.as_ref()));
             std::process::ExitCode::FAILURE
         }
     }
@@ -197,7 +224,7 @@ fn run() -> Result<()> {
         // A closed stderr (e.g. the reader of a pipe exited first) must not bring the daemon down.
         .log_internal_errors(false)
         .init();
-    let args = Args::parse();
+    let args = parse_args()?;
     let model_path = match &args.model {
         Some(p) => p.clone(),
         None => {

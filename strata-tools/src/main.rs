@@ -57,7 +57,7 @@ fn main() -> std::process::ExitCode {
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("strata-tools: {e:#}");
+            eprintln!("strata-tools: {}", strata::service::errors::one_line(e.as_ref()));
             std::process::ExitCode::FAILURE
         }
     }

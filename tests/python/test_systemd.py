@@ -1,7 +1,8 @@
 """The daemon under systemd's notify protocol, as the packaged unit runs it.
 
 The test owns a datagram socket and passes it as NOTIFY_SOCKET (with WATCHDOG_USEC) to the unit's own ExecStart line
-(packaging/strata.service, binary and paths mapped to this checkout): READY=1 arrives once the daemon answers,
+(packaging/strata.service, binary and paths mapped to this checkout; its config file is packaging/strata.toml with the
+model and socket paths mapped the same way): READY=1 arrives once the daemon answers,
 watchdog pings arrive while it serves, STOPPING=1 at SIGTERM, and it exits 0.
 """
 
@@ -13,13 +14,28 @@ import socket
 import subprocess
 import tempfile
 import time
+import tomllib
 
 from strata_paths import REPO, bin_dir, model_path
 
 UNIT = REPO / "packaging" / "strata.service"
+CONFIG = REPO / "packaging" / "strata.toml"
 
 
-def _exec_start(sock_path):
+def _config_copy(tmp, sock_path):
+    """packaging/strata.toml with its model and socket mapped to this checkout (the other lines as shipped)."""
+    text = CONFIG.read_text()
+    settings = tomllib.loads(text)
+    assert settings["model"].startswith("/var/lib/strata/models/"), settings
+    assert settings["socket"] == "/run/strata/strata.sock", settings
+    text = text.replace(settings["model"], str(model_path())).replace(settings["socket"], sock_path)
+    path = os.path.join(tmp, "strata.toml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def _exec_start(tmp, sock_path):
     line = next(l for l in UNIT.read_text().splitlines() if l.startswith("ExecStart="))
     argv = shlex.split(line[len("ExecStart="):])
     assert argv[0] == "/usr/local/bin/strata-daemon", argv
@@ -33,6 +49,9 @@ def _exec_start(sock_path):
         elif a == "--socket":
             out += [a, sock_path]
             next(it)
+        elif a == "--config":
+            assert next(it) == "/etc/strata/strata.toml"
+            out += [a, _config_copy(tmp, sock_path)]
         else:
             out.append(a)
     return out
@@ -61,7 +80,7 @@ def test_notify_protocol_with_the_units_exec_start():
     s.bind(ns)
     env = dict(os.environ, NOTIFY_SOCKET=ns, WATCHDOG_USEC="400000")
     # systemd names the watched process in WATCHDOG_PID: a shell that execs the daemon keeps its pid
-    argv = ["sh", "-c", 'export WATCHDOG_PID=$$; exec "$@"', "sh"] + _exec_start(os.path.join(tmp, "strata.sock"))
+    argv = ["sh", "-c", 'export WATCHDOG_PID=$$; exec "$@"', "sh"] + _exec_start(tmp, os.path.join(tmp, "strata.sock"))
     proc = subprocess.Popen(argv, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

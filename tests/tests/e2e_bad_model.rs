@@ -113,5 +113,6 @@ fn errors_stay_one_line_with_rust_backtrace() {
     let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("strata-daemon: ")).collect();
     assert_eq!(lines.len(), 1, "one error line: {e}");
     assert!(lines[0].contains(missing.file_name().unwrap().to_str().unwrap()), "names the file: {e}");
+    assert_eq!(lines[0].matches("os error 2").count(), 1, "the cause once: {e}");
     assert!(!e.contains("Stack backtrace") && !e.contains("Caused by"), "{e}");
 }

@@ -268,3 +268,37 @@ fn kv_type_q8_0_serves_and_an_unknown_type_is_refused() {
     let e = stderr(&o);
     assert!(e.contains("unknown KV cache type \"q4_0\" (f16 or q8_0)"), "{e}");
 }
+
+#[test]
+fn config_file_sets_flags_and_the_command_line_wins() {
+    // the file sets the context, the KV cache type and the thread count; the command line gives --threads 2
+    let cfg = temp_path(".toml");
+    std::fs::write(&cfg, "ctx = 320\nkv_type = \"q8_0\"\nthreads = 1\ngpu = \"off\"\n").unwrap();
+    let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
+    let o = d.ctl(&["--json", "stats"]);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("stats --json");
+    assert_eq!(v["model"]["n_ctx"], 320, "{v}");
+    assert_eq!(v["model"]["kv_type"], "q8_0", "{v}");
+    assert_eq!(v["model"]["threads"], 2, "--threads on the command line wins: {v}");
+    d.signal(Signal::SIGTERM);
+    let (_, log) = d.wait(Duration::from_secs(10));
+    assert!(log.contains("config file read") && log.contains("overridden=[\"threads\"]"), "{log}");
+    // a bad file is refused before the model loads, in one line naming the file and key
+    let sock = temp_path(".sock");
+    for (text, needle) in [
+        ("ctx = 320\nexpert-cach = 4\n", "unknown key \"expert-cach\""),
+        ("ctx = \"long\"\n", ": ctx: invalid value 'long' for '--ctx"),
+        ("ctx = 320\nctx = 321\n", "s.toml:2:"),
+    ] {
+        std::fs::write(&cfg, text).unwrap();
+        let o = run_daemon(&["--config", cfg.to_str().unwrap(), "--socket", sock.to_str().unwrap()]);
+        assert!(!o.status.success());
+        let e = stderr(&o);
+        let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("strata-daemon: ")).collect();
+        assert_eq!(lines.len(), 1, "{e}");
+        assert!(lines[0].contains(&format!("config file {}", cfg.display())), "{e}");
+        let needle = needle.replace("s.toml", cfg.file_name().unwrap().to_str().unwrap());
+        assert!(lines[0].contains(&needle), "expected {needle:?} in {e}");
+        assert!(!sock.exists());
+    }
+}

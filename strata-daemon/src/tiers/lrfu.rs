@@ -105,12 +105,7 @@ impl Lrfu {
 
     /// [`Lrfu::end_window`] with the step that leaves a layer's shadow holding its `cap` best experts given as
     /// `keep(shadow, scores, window, cap, scratch)` (the tests pass a sorting one as the reference).
-    fn end_window_with(
-        &mut self,
-        cached: impl Fn(usize) -> Vec<usize>,
-        size: impl Fn(usize) -> usize,
-        keep: KeepStep,
-    ) {
+    fn end_window_with(&mut self, cached: impl Fn(usize) -> Vec<usize>, size: impl Fn(usize) -> usize, keep: KeepStep) {
         let ne = self.n_expert;
         let mut order: Vec<u64> = Vec::with_capacity(ne);
         self.merit.iter_mut().for_each(|m| *m *= MERIT_DECAY);
