@@ -14,6 +14,7 @@ use strata::model::{Model, Tokenizer};
 use strata::service::{socket, StrataService};
 use strata::tiers::fileio::FileIo;
 use strata::tiers::knobs::{Knob, Knobs};
+use strata::tiers::plan::Memory;
 use strata::tiers::policy::{DEFAULT_ADAPT_DECAY, DEFAULT_ADAPT_EVERY, DEFAULT_ADAPT_SWAPS, DEFAULT_POLICY};
 use strata::tiers::profile::Profile;
 use strata::tiers::store::{ExpertStore, ResidentMode, StoreConfig};
@@ -170,6 +171,11 @@ struct Args {
     /// to run) or blocking (0).
     #[arg(long, default_value_t = 0, value_name = "0|1")]
     adapt_async: u8,
+    /// Print the placement plan and exit: from the model, the free VRAM, the available RAM and RLIMIT_MEMLOCK,
+    /// what goes where (dense weights, KV cache, VRAM slots, RAM copy, file tier) with the bytes of each and the
+    /// bytes a token is expected to move over each link. Nothing is loaded and no socket is opened.
+    #[arg(long)]
+    plan: bool,
 }
 
 /// The command line, with the flags of `--config FILE` (if given) beneath it.
@@ -266,10 +272,14 @@ fn run() -> Result<()> {
         None => None,
     };
     // Refuse a live or non-socket path before spending time on loading the model.
-    socket::preflight(&socket_path)?;
+    if !args.plan {
+        socket::preflight(&socket_path)?;
+    }
     let dump = match &args.dump_routing {
-        Some(p) => Some(RoutingDump::create(p).with_context(|| format!("--dump-routing {}", p.display()))?),
-        None => None,
+        Some(p) if !args.plan => {
+            Some(RoutingDump::create(p).with_context(|| format!("--dump-routing {}", p.display()))?)
+        }
+        _ => None,
     };
     let t0 = std::time::Instant::now();
     let file =
@@ -296,43 +306,6 @@ fn run() -> Result<()> {
     ] {
         knobs.set(name, &v).map_err(|e| anyhow::anyhow!("--{}: {e}", name.replace('_', "-")))?;
     }
-    if let Some(layout) = model.expert_layout() {
-        let geometry = model.geometry();
-        let profile = match &args.expert_profile {
-            Some(p) => match Profile::load(p, &geometry) {
-                Ok(pr) => {
-                    tracing::info!(profile = %p.display(), ranked = pr.ranked.len(), "expert profile loaded");
-                    Some(pr)
-                }
-                Err(e) => {
-                    tracing::warn!("{e}; default placement");
-                    None
-                }
-            },
-            None => None,
-        };
-        if args.resident_budget_gib.is_some_and(|g| !(g.is_finite() && g >= 0.0)) {
-            bail!("--resident-budget-gib must be >= 0");
-        }
-        let budget = args.resident_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64);
-        let mode = match (args.mmap_experts, args.resident_experts, budget) {
-            (true, _, _) => ResidentMode::Mmap,
-            (false, true, b) => ResidentMode::Disjoint(b),
-            (false, false, Some(b)) => ResidentMode::Budget(b),
-            (false, false, None) => ResidentMode::All,
-        };
-        let cfg = StoreConfig { mode, file_io: args.file_io, lock: !args.no_mlock, ..Default::default() };
-        let store =
-            ExpertStore::new(layout, file.clone(), &model_path, geometry, profile.as_ref(), &cfg, knobs.clone())
-                .context("building the expert store")?;
-        model.experts = Some(Arc::new(store));
-    } else if args.resident_budget_gib.is_some()
-        || args.mmap_experts
-        || args.resident_experts
-        || args.expert_profile.is_some()
-    {
-        tracing::info!("dense model: expert tier flags have no effect");
-    }
     let n_ctx = args.ctx.min(model.cfg.n_ctx_train.max(2));
     let gpu = strata::backend::GpuOptions {
         enabled: args.gpu == "auto",
@@ -345,9 +318,98 @@ fn run() -> Result<()> {
         n_ctx,
         max_chunk: args.batch.unwrap_or(GPU_BATCH),
     };
+    let is_moe = model.expert_layout().is_some();
+    let profile = match (&args.expert_profile, is_moe) {
+        (Some(p), true) => match Profile::load(p, &model.geometry()) {
+            Ok(pr) => {
+                tracing::info!(profile = %p.display(), ranked = pr.ranked.len(), "expert profile loaded");
+                Some(pr)
+            }
+            Err(e) => {
+                tracing::warn!("{e}; default placement");
+                None
+            }
+        },
+        _ => None,
+    };
+    if args.resident_budget_gib.is_some_and(|g| !(g.is_finite() && g >= 0.0)) {
+        bail!("--resident-budget-gib must be >= 0");
+    }
+    let budget = args.resident_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64);
+    let mode = match (args.mmap_experts, args.resident_experts, budget) {
+        (true, _, _) => ResidentMode::Mmap,
+        (false, true, b) => ResidentMode::Disjoint(b),
+        (false, false, Some(b)) => ResidentMode::Budget(b),
+        (false, false, None) => ResidentMode::All,
+    };
+    let store_cfg = StoreConfig { mode, file_io: args.file_io, lock: !args.no_mlock, ..Default::default() };
+    // the placement plan: printed by --plan, logged at every start and checked against the load below
+    let plan_opts = strata::model::placement::PlanOptions {
+        profile: profile.as_ref(),
+        mode,
+        headroom: store_cfg.headroom,
+        gpu: &gpu,
+        pcie_frac: args.pcie_frac,
+    };
+    let plan = model.placement_plan(&plan_opts, Memory::probe()).map_err(|e| anyhow::anyhow!("placement plan: {e}"))?;
+    let title = format!(
+        "placement plan for {} ({}, {} layers{}, --ctx {n_ctx}, --kv-type {}):",
+        model_path.display(),
+        model.cfg.arch,
+        model.cfg.n_layer,
+        if is_moe {
+            format!(", {} experts per layer, top-{}", model.cfg.n_expert, model.cfg.n_expert_used)
+        } else {
+            String::new()
+        },
+        model.kv_type().name()
+    );
+    if args.plan {
+        print!("{title}\n{plan}");
+        return Ok(());
+    }
+    tracing::info!("{title}");
+    for line in plan.to_string().lines() {
+        tracing::info!("  {line}");
+    }
+    if let Some(layout) = model.expert_layout() {
+        let store = ExpertStore::new(
+            layout,
+            file.clone(),
+            &model_path,
+            model.geometry(),
+            profile.as_ref(),
+            &store_cfg,
+            knobs.clone(),
+        )
+        .context("building the expert store")?;
+        model.experts = Some(Arc::new(store));
+    } else if args.resident_budget_gib.is_some()
+        || args.mmap_experts
+        || args.resident_experts
+        || args.expert_profile.is_some()
+    {
+        tracing::info!("dense model: expert tier flags have no effect");
+    }
     match model.attach_gpu(&gpu) {
         Ok(line) => tracing::info!("{line}"),
         Err(e) => bail!("{e} (start with --gpu off to run on the CPU)"),
+    }
+    if let Some(store) = &model.experts {
+        // what the load allocated beside what the plan said
+        let (layers, _) = store.residency();
+        let slots: u64 = layers.iter().map(|l| l.experts[0] as u64).sum();
+        let ram = store.arena_range().1 as u64;
+        let (plan_slots, plan_ram) = (plan.slots as u64, plan.ram_copy_bytes + plan.exchange_bytes);
+        if slots == plan_slots && ram == plan_ram {
+            tracing::info!("placement as planned: {slots} VRAM slots, RAM copy {}", strata::tiers::plan::size(ram));
+        } else {
+            tracing::info!(
+                "placement differs from the plan: {slots} VRAM slots (plan {plan_slots}), RAM copy {} (plan {})",
+                strata::tiers::plan::size(ram),
+                strata::tiers::plan::size(plan_ram)
+            );
+        }
     }
     let batch = args.batch.unwrap_or(if model.backend.name() == "cpu" { CPU_BATCH } else { GPU_BATCH });
     let model = Arc::new(model);

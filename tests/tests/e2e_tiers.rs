@@ -271,3 +271,42 @@ fn sigterm_ends_an_open_watch_stream() {
     }
     assert!(!watch.wait().unwrap().success());
 }
+
+/// The number before `label` on the plan's line that starts with `line` (e.g. "480 experts").
+fn plan_figure(plan: &str, line: &str, label: &str) -> u64 {
+    let l = plan.lines().find(|l| l.starts_with(line)).unwrap_or_else(|| panic!("no {line:?} line in {plan}"));
+    let at = l.find(label).unwrap_or_else(|| panic!("no {label:?} in {l}"));
+    l[..at].trim_end().rsplit(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn plan_matches_what_the_daemon_allocates() {
+    let model = fixture_path("split");
+    for extra in [&["--resident-budget-gib", SPLIT_HALF_GIB][..], &[][..], &["--mmap-experts"][..]] {
+        let mut args = vec!["--plan", "--gpu", "off", "--model", model.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let o = run_daemon(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let plan = stdout(&o);
+        assert!(plan.starts_with("placement plan for ") && plan.contains("16 experts per layer, top-"), "{plan}");
+        let (in_ram, in_file) =
+            (plan_figure(&plan, "RAM copy", " experts"), plan_figure(&plan, "file tier", " experts"));
+        assert_eq!(in_ram + in_file, 480, "{plan}");
+        // the daemon with the same flags places exactly that, and says so
+        let mut flags = vec!["--gpu", "off"];
+        flags.extend_from_slice(extra);
+        let d = Daemon::start_with(&model, &temp_path(".sock"), &flags);
+        let r = json(&d.ctl(&["--json", "residency"]));
+        let layers = r["layers"].as_array().unwrap();
+        let sum = |k: &str| layers.iter().map(|l| l[k].as_u64().unwrap()).sum::<u64>();
+        assert_eq!((sum("ram_experts"), sum("file_experts")), (in_ram, in_file), "{plan}");
+        d.signal(nix::sys::signal::Signal::SIGTERM);
+        let (_, log) = d.wait(Duration::from_secs(10));
+        assert!(log.contains("placement as planned: 0 VRAM slots"), "{log}");
+        assert!(log.contains("  per decode token at a full context (expected)"), "the plan block is logged: {log}");
+    }
+    // the plan opens no socket and loads nothing: it runs beside a live daemon on the same socket
+    let d = Daemon::start_with(&model, &temp_path(".sock"), &["--gpu", "off", "--mmap-experts"]);
+    let o = run_daemon(&["--plan", "--model", model.to_str().unwrap(), "--socket", d.socket.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -42,6 +42,14 @@ impl KvType {
     pub fn fits(self, head_dim: usize) -> bool {
         self == KvType::F16 || head_dim % 32 == 0
     }
+
+    /// Bytes of one position's row of `kv_dim` values (keys or values of one layer).
+    pub fn row_bytes(self, kv_dim: usize) -> usize {
+        match self {
+            KvType::F16 => 2 * kv_dim,
+            KvType::Q8_0 => GgmlType::Q8_0.row_bytes(kv_dim),
+        }
+    }
 }
 
 impl std::str::FromStr for KvType {

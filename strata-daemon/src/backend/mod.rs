@@ -339,13 +339,7 @@ pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backen
         let d = probe.device.clone();
         gpu_kv_type_ok(m.kv_type, m.cfg.head_dim)?;
         let (free, total) = d.mem_info().map_err(|e| e.to_string())?;
-        let cfg = cuda::GpuConfig {
-            cache: o.cache,
-            reserve: o.reserve_mib << 20,
-            reserve_later: o.reserve_later_mib.unwrap_or(o.reserve_mib) << 20,
-            max_chunk: o.max_chunk,
-            n_ctx: o.n_ctx,
-        };
+        let cfg = gpu_config(o);
         let (starts, devices) = cuda::pipeline::plan_stages(m, o, &probe, &cfg)?;
         let g = match cuda::GpuModel::load(m, &devices, &cfg, &starts) {
             Ok(g) => g,
@@ -387,6 +381,52 @@ pub fn select(m: &ModelRef<'_>, o: &GpuOptions) -> Result<(Option<Box<dyn Backen
     {
         let _ = m;
         Ok((None, "built without the `cuda` feature: running on the CPU".into()))
+    }
+}
+
+/// The CUDA backend's settings from the daemon's GPU options.
+#[cfg(feature = "cuda")]
+fn gpu_config(o: &GpuOptions) -> cuda::GpuConfig {
+    cuda::GpuConfig {
+        cache: o.cache,
+        reserve: o.reserve_mib << 20,
+        reserve_later: o.reserve_later_mib.unwrap_or(o.reserve_mib) << 20,
+        max_chunk: o.max_chunk,
+        n_ctx: o.n_ctx,
+    }
+}
+
+/// The GPU a one-stage load of `m` would use, as the placement plan sees it before the load
+/// ([`crate::tiers::plan::GpuView`]: free VRAM now, the load's estimate). `Ok(None)`: no GPU (off, or no driver,
+/// NVRTC or device) or a layer split (each stage's figures come at load). Errors: the driver failed.
+pub fn gpu_view(m: &ModelRef<'_>, o: &GpuOptions) -> Result<Option<crate::tiers::plan::GpuView>, String> {
+    if !o.enabled || o.layer_split.is_some() || o.split_devices.len() > 1 {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let Ok(probe) = cuda::probe(o.device) else { return Ok(None) };
+        let d = &probe.device;
+        let (free, total) = d.mem_info().map_err(|e| e.to_string())?;
+        let cfg = gpu_config(o);
+        let (dense, kv, scratch) = cuda::model::load_bytes(m, &cfg);
+        let staging_slots =
+            if m.cfg.n_expert > 0 { (m.cfg.n_expert_used * cuda::ops::MAX_NT).min(m.cfg.n_expert) } else { 0 };
+        Ok(Some(crate::tiers::plan::GpuView {
+            name: d.name.clone(),
+            free: free as u64,
+            total: total as u64,
+            dense,
+            kv,
+            scratch,
+            staging_slots,
+            reserve: cfg.reserve,
+        }))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = m;
+        Ok(None)
     }
 }
 

@@ -6,6 +6,7 @@ pub mod chat;
 pub mod forward;
 pub mod moe_copy;
 pub mod perplexity;
+pub mod placement;
 pub mod tokenizer;
 
 pub use crate::arch::config::{ModelConfig, ModelError};

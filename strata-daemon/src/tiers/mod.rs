@@ -8,6 +8,7 @@ pub mod fileio;
 pub mod knobs;
 pub mod layout;
 pub mod lrfu;
+pub mod plan;
 pub mod policy;
 pub mod profile;
 pub mod replay;

@@ -403,6 +403,10 @@ pub struct ExpertStore {
     pub knobs: Arc<Knobs>,
 }
 
+/// Exchange places of the resident mode's RAM copy with a VRAM cache: one round at the default `adapt_swaps`
+/// (REFERENCE.md §4 caps a round at 96); swaps beyond them wait for a later round.
+pub const EXCHANGE_PLACES: usize = 96;
+
 /// MemAvailable from /proc/meminfo in bytes, if readable.
 pub fn mem_available() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -429,9 +433,7 @@ impl ExpertStore {
         let total = layout.total_bytes();
         // placement order: profile rank, then expert-major across layers
         let ranks = profile.map(|p| p.ranks());
-        let mut order: Vec<usize> = (0..n_layer * ne).collect();
-        let key = |i: usize| (i % ne, i / ne);
-        order.sort_by_key(|&i| (ranks.as_ref().and_then(|r| r[i]).unwrap_or(u32::MAX), key(i)));
+        let order = placement_order_of(n_layer, ne, ranks.as_deref());
         let budget = match cfg.mode {
             ResidentMode::Mmap | ResidentMode::Disjoint(_) => 0,
             ResidentMode::All => total,
@@ -793,8 +795,7 @@ impl ExpertStore {
     pub fn placement_order(&self) -> Vec<(usize, usize)> {
         let st = self.state();
         let ne = self.layout.n_expert;
-        let mut order: Vec<usize> = (0..self.layout.n_layer() * ne).collect();
-        order.sort_by_key(|&i| (st.prior.as_ref().and_then(|r| r[i]).unwrap_or(u32::MAX), i % ne, i / ne));
+        let order = placement_order_of(self.layout.n_layer(), ne, st.prior.as_deref());
         order.into_iter().map(|i| (i / ne, i % ne)).collect()
     }
 
@@ -1195,28 +1196,29 @@ impl RamCopy {
         lock: bool,
     ) -> Result<RamCopy, StoreError> {
         let ne = layout.n_expert;
-        let mut place = vec![None; layout.n_layer() * ne];
-        let mut used = 0u64;
-        let mut chosen = Vec::new();
-        for &i in order {
-            let b = layout.layers[i / ne].blob_bytes() as u64;
-            if used + b > budget {
-                if stop_at_first {
-                    break; // clamped: the hottest that fit
-                }
-                continue;
-            }
-            place[i] = Some(used as usize);
-            chosen.push(i);
-            used += b;
-        }
+        let (place, used, chosen) = choose_places(layout, order, budget, stop_at_first);
         let max_blob = layout.layers.iter().map(|l| l.blob_bytes()).max().unwrap_or(0) as u64;
         let len = used + extra as u64 * max_blob;
         let mut arena =
             HostArena::new(len as usize, lock).map_err(|source| StoreError::Alloc { bytes: len, source })?;
         // fill the copy from the mapping (sequential, through the page cache)
         let bytes = file.bytes();
+        // a progress line every 5 s for a copy that takes that long (a large model read from a cold disk)
+        let t0 = std::time::Instant::now();
+        let mut said = t0;
+        let mut done = 0u64;
         for &i in &chosen {
+            if said.elapsed().as_secs() >= 5 {
+                said = std::time::Instant::now();
+                let rate = done as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+                tracing::info!(
+                    "reading experts into RAM: {:.2} of {:.2} GiB ({:.0}%, {:.0} MiB/s)",
+                    gib(done),
+                    gib(used),
+                    100.0 * done as f64 / used.max(1) as f64,
+                    rate / (1u64 << 20) as f64
+                );
+            }
             let (l, e) = (i / ne, i % ne);
             let off = place[i].expect("chosen");
             let ll = &layout.layers[l];
@@ -1231,6 +1233,7 @@ impl RamCopy {
                 dst[o..o + len].copy_from_slice(src);
                 o += len;
             }
+            done += o as u64;
         }
         Ok(RamCopy { place, arena, used, chosen: chosen.len() })
     }
@@ -1253,11 +1256,54 @@ fn clamp_to_total(budget: u64, total: u64) -> u64 {
     budget.min(total)
 }
 
+/// Placement order of `n_layer × n_expert` experts (`layer × n_expert + expert`), hottest first: by `ranks` (an
+/// expert profile's rank of each; unranked ones after), then expert-major across layers (expert 0 of every layer,
+/// then expert 1, ...). The VRAM cache and the RAM copy fill in this order.
+pub fn placement_order_of(n_layer: usize, n_expert: usize, ranks: Option<&[Option<u32>]>) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n_layer * n_expert).collect();
+    order.sort_by_key(|&i| (ranks.and_then(|r| r[i]).unwrap_or(u32::MAX), i % n_expert, i / n_expert));
+    order
+}
+
+/// The RAM copy's places: experts (`layer × n_expert + expert`) in `order` while they fit in `budget` bytes,
+/// stopping at the first that does not (`stop_at_first`) or skipping it. Returns each expert's byte offset in the
+/// copy (`None`: not placed), the bytes used and the experts placed in order. The placement plan
+/// ([`super::plan`]) sizes the copy with the same rule.
+pub fn choose_places(
+    layout: &ExpertLayout,
+    order: &[usize],
+    budget: u64,
+    stop_at_first: bool,
+) -> (Vec<Option<usize>>, u64, Vec<usize>) {
+    let ne = layout.n_expert;
+    let mut place = vec![None; layout.n_layer() * ne];
+    let mut used = 0u64;
+    let mut chosen = Vec::new();
+    for &i in order {
+        let b = layout.layers[i / ne].blob_bytes() as u64;
+        if used + b > budget {
+            if stop_at_first {
+                break; // clamped: the hottest that fit
+            }
+            continue;
+        }
+        place[i] = Some(used as usize);
+        chosen.push(i);
+        used += b;
+    }
+    (place, used, chosen)
+}
+
+/// `budget` bytes clamped to `available` memory minus `headroom` (unclamped when the available memory is unknown).
+pub fn fit_to_memory(budget: u64, available: Option<u64>, headroom: u64) -> u64 {
+    available.map_or(budget, |a| budget.min(a.saturating_sub(headroom)))
+}
+
 /// `budget` clamped to the available memory minus `headroom` bytes (said when it was more).
 fn clamp_to_memory(budget: u64, headroom: u64) -> u64 {
     match mem_available() {
-        Some(avail) if budget > avail.saturating_sub(headroom) => {
-            let c = avail.saturating_sub(headroom);
+        Some(avail) if budget > fit_to_memory(budget, Some(avail), headroom) => {
+            let c = fit_to_memory(budget, Some(avail), headroom);
             tracing::warn!(
                 "resident RAM copy of {:.2} GiB does not fit in available memory ({:.2} GiB) minus {:.2} GiB \
                  headroom: clamped to {:.2} GiB, the rest is read from the file",

@@ -92,39 +92,39 @@ pub(super) struct GMoeBias {
 }
 
 /// Device scratch for `max_t` tokens.
-pub(super) struct Bufs {
-    pub(super) x: DevBuf,
-    pub(super) xn: DevBuf,
-    pub(super) xq: DevBuf,
-    pub(super) qkv: DevBuf,
-    pub(super) q: DevBuf,
-    pub(super) attn: DevBuf,
-    pub(super) attnq: DevBuf,
-    pub(super) gu: DevBuf,
-    pub(super) h: DevBuf,
-    pub(super) hq: DevBuf,
-    pub(super) rl: DevBuf,
+pub(super) struct Bufs<B = DevBuf> {
+    pub(super) x: B,
+    pub(super) xn: B,
+    pub(super) xq: B,
+    pub(super) qkv: B,
+    pub(super) q: B,
+    pub(super) attn: B,
+    pub(super) attnq: B,
+    pub(super) gu: B,
+    pub(super) h: B,
+    pub(super) hq: B,
+    pub(super) rl: B,
     /// The split-K router product's partial outputs (`MF_SPLIT_MAX × t × n_expert` f32; see `Ops::mmf_split`).
-    pub(super) rpart: DevBuf,
-    pub(super) ids: DevBuf,
-    pub(super) w: DevBuf,
-    pub(super) flag: DevBuf,
-    pub(super) groups: DevBuf,
+    pub(super) rpart: B,
+    pub(super) ids: B,
+    pub(super) w: B,
+    pub(super) flag: B,
+    pub(super) groups: B,
     /// Scratch of `group_by_expert` (one i32 per routing entry).
-    pub(super) rank: DevBuf,
+    pub(super) rank: B,
     /// `group_by_expert`'s tiles for the tensor-core expert kernels (at most one per routing entry).
-    pub(super) tiles: DevBuf,
-    pub(super) y: DevBuf,
-    pub(super) cpu: DevBuf,
-    pub(super) cs: DevBuf,
+    pub(super) tiles: B,
+    pub(super) y: B,
+    pub(super) cpu: B,
+    pub(super) cs: B,
     /// A shared expert's output (`t × n_embd`).
-    pub(super) sh: DevBuf,
-    pub(super) logits: DevBuf,
+    pub(super) sh: B,
+    pub(super) logits: B,
     /// Routed experts of every layer of a window (`n_layer × t × k`), read once after the window.
-    pub(super) win_ids: DevBuf,
+    pub(super) win_ids: B,
     /// Split-K attention partials of a long context's decode rows (`None`: contexts of at most
     /// [`super::ops::ATT_SPLIT_MIN`] positions, or `STRATA_ATTN_SPLIT=0`).
-    pub(super) attn_part: Option<DevBuf>,
+    pub(super) attn_part: Option<B>,
 }
 
 /// Host scratch of the hybrid path.
@@ -295,9 +295,7 @@ fn check_arch(model: &ModelRef<'_>) -> Result<(), GpuError> {
 /// prompt's every row would pin hundreds of MiB for good).
 const PIN_OUT_MAX: usize = 16 << 20;
 
-/// Exchange places of the resident mode's RAM copy: one round at the default `adapt_swaps` (REFERENCE.md §4
-/// caps a round at 96); swaps beyond them wait for a later round.
-pub(super) const EXCHANGE_PLACES: usize = 96;
+pub(super) use crate::tiers::store::EXCHANGE_PLACES;
 
 /// `buf`, grown to at least `bytes` (a power of two) when smaller or absent. No copy may be in flight from or
 /// to the old buffer (callers grow after a stream sync). Errors: the driver refused the allocation.
@@ -317,6 +315,102 @@ fn grow_pinned(
 pub(super) enum StageIn<'a> {
     Tokens(&'a [u32]),
     Hidden(&'a [f32]),
+}
+
+/// The stage's scratch buffers for chunks of up to `cfg.max_chunk` tokens, each made by `alloc(bytes)`:
+/// [`DevBuf::alloc`] for the stage, or a counter for [`load_bytes`]. `last`: the stage computes the logits;
+/// `float_router`: some router is a float matrix (the split product's partials). Errors: `alloc`'s.
+pub(super) fn make_bufs<B>(
+    c: &crate::arch::config::ModelConfig,
+    cfg: &GpuConfig,
+    last: bool,
+    float_router: bool,
+    mut alloc: impl FnMut(usize) -> Result<B, GpuError>,
+) -> Result<Bufs<B>, GpuError> {
+    let t = cfg.max_chunk.max(1);
+    let kvd = c.n_head_kv * c.head_dim;
+    let e = c.n_embd;
+    let qd = c.n_head * c.head_dim;
+    let kk = c.n_expert_used.max(1);
+    let ffm = c.n_ff.max(kk * c.n_ff_exp).max(c.n_ff_shexp).max(1);
+    let ffd = c.n_ff.max(c.n_ff_shexp).max(1);
+    Ok(Bufs {
+        x: alloc(4 * t * e)?,
+        xn: alloc(4 * t * e)?,
+        xq: alloc(t * e / 32 * Q8_BYTES)?,
+        qkv: alloc(4 * t * (qd + 2 * kvd))?,
+        q: alloc(4 * t * qd)?,
+        attn: alloc(4 * t * qd)?,
+        attnq: alloc(t * qd / 32 * Q8_BYTES)?,
+        gu: alloc(4 * t * 2 * ffd)?,
+        h: alloc(4 * t * ffm)?,
+        hq: alloc(t * ffm / 32 * Q8_BYTES + Q8_BYTES)?,
+        rl: alloc(4 * t * c.n_expert.max(1))?,
+        // (only where a router is a float matrix: the split product's formats)
+        rpart: alloc(
+            4 * if float_router && t > super::ops::MAX_NT { super::ops::MF_SPLIT_MAX * t * c.n_expert } else { 1 },
+        )?,
+        ids: alloc(4 * t * kk)?,
+        w: alloc(4 * t * kk)?,
+        flag: alloc(4 * t * kk)?,
+        groups: alloc(t * kk * GROUP_BYTES)?,
+        rank: alloc(4 * t * kk)?,
+        tiles: alloc(t * kk * super::ops::TILE_BYTES)?,
+        y: alloc(4 * t * kk * e)?,
+        cpu: alloc(4 * t * e)?,
+        cs: alloc(4 * t * c.n_rot + 2)?,
+        sh: alloc(4 * if c.n_ff_shexp > 0 { t * e } else { 1 })?,
+        logits: alloc(4 * if last { t * c.n_vocab } else { 1 })?,
+        win_ids: alloc(4 * c.n_layer * t * kk)?,
+        attn_part: if cfg.n_ctx > super::ops::ATT_SPLIT_MIN
+            && super::ops::split_applies(cfg.n_ctx, 1, c.head_dim)
+            && std::env::var("STRATA_ATTN_SPLIT").map_or(true, |v| v != "0")
+        {
+            Some(alloc(4 * super::ops::split_part_floats(t, c.n_head, c.head_dim, cfg.n_ctx))?)
+        } else {
+            None
+        },
+    })
+}
+
+/// VRAM a one-stage load of `model` takes before its expert cache, as `(dense, kv, scratch)` bytes: the dense
+/// weights as [`Stage::load`] uploads them (attention, dense FFN or router, shared expert, norms and biases, the
+/// output head), the KV cache at `cfg.n_ctx` positions, and the scratch of [`make_bufs`]. It leaves out the kernel
+/// module and the driver's own rounding (the placement plan shows the estimate beside what the load then measures).
+pub fn load_bytes(model: &ModelRef<'_>, cfg: &GpuConfig) -> (u64, u64, u64) {
+    let c = model.cfg;
+    let f = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
+    let mut dense = 0usize;
+    for b in &model.weights.blocks {
+        dense += b.q.bytes() + b.k.bytes() + b.v.bytes() + b.o.bytes() + 4 * (b.attn_norm.len() + b.ffn_norm.len());
+        dense += f(&b.bias.q) + f(&b.bias.k) + f(&b.bias.v) + f(&b.bias.o) + f(&b.q_norm) + f(&b.k_norm);
+        dense += f(&b.attn_sinks);
+        dense += match &b.ffn {
+            Ffn::Dense { gate, up, down } => gate.bytes() + up.bytes() + down.bytes(),
+            Ffn::Moe(ex) => {
+                let sh = ex
+                    .shared
+                    .as_ref()
+                    .map_or(0, |sh| sh.gate.bytes() + sh.up.bytes() + sh.down.bytes() + 4 * sh.gate_inp.len());
+                let bias = match (&ex.router_bias, &ex.bias) {
+                    (Some(rb), Some(xb)) => 4 * (rb.len() + xb.gate.len() + xb.up.len() + xb.down.len()),
+                    _ => 0,
+                };
+                ex.router.bytes() + sh + bias
+            }
+        };
+    }
+    dense += model.weights.output.bytes() + 4 * model.weights.out_norm.len();
+    let kv_q8 = model.kv_type == crate::backend::KvType::Q8_0;
+    let kv = 2 * c.n_layer * super::ops::KvPtrs::bytes(kv_q8, cfg.n_ctx, c.n_head_kv * c.head_dim);
+    let float_router = super::kernels::mmf_split_wanted()
+        && model.weights.blocks.iter().any(|b| matches!(&b.ffn, Ffn::Moe(ex) if ex.router.ty.block_size() == 1));
+    let mut scratch = 0usize;
+    let _ = make_bufs(c, cfg, true, float_router, |n| {
+        scratch += n;
+        Ok(())
+    });
+    (dense as u64, kv as u64, scratch as u64)
 }
 
 impl Stage {
@@ -489,52 +583,8 @@ impl Stage {
             kc.push(DevBuf::alloc(super::ops::KvPtrs::bytes(kv_q8, cfg.n_ctx, kvd))?);
             vc.push(DevBuf::alloc(super::ops::KvPtrs::bytes(kv_q8, cfg.n_ctx, kvd))?);
         }
+        let b = make_bufs(c, cfg, last, float_router, DevBuf::alloc)?;
         let t = cfg.max_chunk.max(1);
-        let e = c.n_embd;
-        let qd = c.n_head * c.head_dim;
-        let kk = c.n_expert_used.max(1);
-        let ffm = c.n_ff.max(kk * c.n_ff_exp).max(c.n_ff_shexp).max(1);
-        let ffd = c.n_ff.max(c.n_ff_shexp).max(1);
-        let f4 = |n: usize| DevBuf::alloc(n * 4);
-        let b = Bufs {
-            x: f4(t * e)?,
-            xn: f4(t * e)?,
-            xq: DevBuf::alloc(t * e / 32 * Q8_BYTES)?,
-            qkv: f4(t * (qd + 2 * kvd))?,
-            q: f4(t * qd)?,
-            attn: f4(t * qd)?,
-            attnq: DevBuf::alloc(t * qd / 32 * Q8_BYTES)?,
-            gu: f4(t * 2 * ffd)?,
-            h: f4(t * ffm)?,
-            hq: DevBuf::alloc(t * ffm / 32 * Q8_BYTES + Q8_BYTES)?,
-            rl: f4(t * c.n_expert.max(1))?,
-            // (only where a router is a float matrix: the split product's formats)
-            rpart: f4(if float_router && t > super::ops::MAX_NT {
-                super::ops::MF_SPLIT_MAX * t * c.n_expert
-            } else {
-                1
-            })?,
-            ids: f4(t * kk)?,
-            w: f4(t * kk)?,
-            flag: f4(t * kk)?,
-            groups: DevBuf::alloc(t * kk * GROUP_BYTES)?,
-            rank: f4(t * kk)?,
-            tiles: DevBuf::alloc(t * kk * super::ops::TILE_BYTES)?,
-            y: f4(t * kk * e)?,
-            cpu: f4(t * e)?,
-            cs: f4(t * c.n_rot + 2)?,
-            sh: f4(if c.n_ff_shexp > 0 { t * e } else { 1 })?,
-            logits: f4(if last { t * c.n_vocab } else { 1 })?,
-            win_ids: f4(c.n_layer * t * kk)?,
-            attn_part: if cfg.n_ctx > super::ops::ATT_SPLIT_MIN
-                && super::ops::split_applies(cfg.n_ctx, 1, c.head_dim)
-                && std::env::var("STRATA_ATTN_SPLIT").map_or(true, |v| v != "0")
-            {
-                Some(f4(super::ops::split_part_floats(t, c.n_head, c.head_dim, cfg.n_ctx))?)
-            } else {
-                None
-            },
-        };
         let s = Stream::new()?;
         let n_moe_layers = layers.iter().filter(|g| matches!(g.ffn, GFfn::Moe { .. })).count();
         let gating = super::ops::gating_mode(c.spec.def).expect("checked by check_arch");
