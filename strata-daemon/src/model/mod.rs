@@ -7,6 +7,8 @@ pub mod forward;
 pub mod moe_copy;
 pub mod perplexity;
 pub mod tokenizer;
+pub mod tool_calls;
+pub mod tools;
 
 pub use crate::arch::config::{ModelConfig, ModelError};
 pub use crate::backend::kv::KvCache;
