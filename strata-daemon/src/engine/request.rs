@@ -252,6 +252,9 @@ fn plan_tools<'a>(
     tok: &Tokenizer,
 ) -> Result<(&'a [Tool], Option<ToolParse>, String), RequestError> {
     for (i, m) in raw.messages.iter().enumerate() {
+        if m.tool_calls.is_empty() && m.tool_call_id.is_none() && m.name.is_none() {
+            continue;
+        }
         let fields = (&m.tool_calls, &m.tool_call_id, &m.name);
         if let Some(t) = tok.control_text_in(&serde_json::to_string(&fields).unwrap_or_default()) {
             return Err(RequestError::field(
