@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 use libfuzzer_sys::fuzz_target;
 use strata::engine::request::{prepare, RawRequest};
 use strata::gguf::GgufFile;
+use strata::model::chat::Message;
 use strata::model::tokenizer::Tokenizer;
 
 fn tokenizer() -> &'static Tokenizer {
@@ -35,7 +36,7 @@ fn raw_of(data: &[u8]) -> Option<RawRequest> {
             a.iter()
                 .map(|m| {
                     let g = |k: &str| m.get(k).and_then(|x| x.as_str()).unwrap_or_default().to_string();
-                    (g("role"), g("content"))
+                    Message::new(g("role"), g("content"))
                 })
                 .collect()
         })
@@ -57,6 +58,7 @@ fn raw_of(data: &[u8]) -> Option<RawRequest> {
         repeat_last_n: u("repeat_last_n").map(|x| x.min(u32::MAX as u64) as u32),
         seed: u("seed"),
         stop,
+        ..Default::default()
     })
 }
 
@@ -72,7 +74,7 @@ fuzz_target!(|data: &[u8]| {
         // many
         if !raw.messages.is_empty() {
             let plain = RawRequest {
-                messages: raw.messages.iter().map(|(r, _)| (r.clone(), "x".to_string())).collect(),
+                messages: raw.messages.iter().map(|m| Message::new(m.role.clone(), "x")).collect(),
                 ..raw.clone()
             };
             if let Ok(q) = prepare(&plain, tok, n_ctx) {

@@ -150,10 +150,7 @@ fn gpt_oss_chat_template_renders_as_transformers_does() {
             .as_array()
             .unwrap()
             .iter()
-            .map(|m| Message {
-                role: m["role"].as_str().unwrap().into(),
-                content: m["content"].as_str().unwrap().into(),
-            })
+            .map(|m| Message::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
             .collect();
         let gen = c["add_generation_prompt"].as_bool().unwrap();
         let today = chrono_today();

@@ -5,6 +5,13 @@ chat with and without streaming (the deltas concatenate to the non-streamed text
 completions, models, stop strings, a cancelled stream (the next request starts at once), bad requests (4xx with
 OpenAI's error object, the daemon still serving), and /metrics parsed by prometheus_client.
 
+Tools: SmolLM2's own template has none (tools are refused with param `tools`); a second daemon runs the same model
+under a Qwen2.5-style template that offers tools (tests/data/chat/hermes-tools.jinja, written into a copy of the
+GGUF by gguf_template.py): the tools reach the prompt (prompt_tokens grows; `tool_choice: none` leaves it as without
+tools), a history with calls and results renders, bad shapes and an unknown `tool_choice` function are 400s naming
+the field, and a named `tool_choice` (the reply opens with the call) comes back as the same tool call or content,
+streamed or not.
+
 Setup and run: as tests/python/test_grpc_client.py (requirements.txt holds openai and prometheus_client).
 """
 
@@ -25,7 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 
 
-from strata_paths import bin_dir as _bin_dir, model_path as _model_path  # noqa: E402
+from strata_paths import REPO, bin_dir as _bin_dir, model_path as _model_path  # noqa: E402
+from gguf_template import with_chat_template  # noqa: E402
 
 
 def _free_port() -> int:
@@ -34,13 +42,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(*extra):
-    """A daemon with the HTTP API on a free loopback port (and `extra` flags); returns (process, base URL, log)."""
+def _start(*extra, model=None):
+    """A daemon with the HTTP API on a free loopback port (and `extra` flags; `model` for another GGUF than the
+    default); returns (process, base URL, log)."""
     port = _free_port()
     tmp = tempfile.mkdtemp(prefix="strata-http-")
     log = open(os.path.join(tmp, "daemon.log"), "w")
     proc = subprocess.Popen(
-        [str(_bin_dir() / "strata-daemon"), "--model", str(_model_path()), "--socket", os.path.join(tmp, "s.sock"),
+        [str(_bin_dir() / "strata-daemon"), "--model", str(model or _model_path()), "--socket", os.path.join(tmp, "s.sock"),
          "--threads", "2", "--ctx", "1024", "--http-listen", f"127.0.0.1:{port}", *extra],
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -56,17 +65,26 @@ def _start(*extra):
     raise AssertionError("the daemon did not start: " + open(log.name).read())
 
 
-@pytest.fixture(scope="module")
-def base_url():
-    proc, url, log = _start()
+def _serve(model=None):
+    """A fixture's daemon (`model`: as in _start): yields its base URL, then stops it and checks it exited cleanly."""
+    proc, url, log = _start(model=model)
     yield url
     proc.terminate()
     assert proc.wait(timeout=30) == 0, open(log).read()
 
 
+def _client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    yield from _serve()
+
+
 @pytest.fixture(scope="module")
 def client(base_url):
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return _client(base_url)
 
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -174,3 +192,101 @@ def test_the_api_key_guards_v1():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _error(base_url, body: dict):
+    status, reply = _post(base_url, json.dumps(body).encode())
+    assert status == 400 and reply["error"]["type"] == "invalid_request_error", (status, reply)
+    return reply["error"]
+
+
+def test_tools_need_a_template_that_offers_them(client, base_url):
+    err = _error(base_url, {"model": MODEL_ID, "messages": ASK, "tools": WEATHER, "max_tokens": 2})
+    assert err["param"] == "tools" and "does not support tools" in err["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=WEATHER, max_tokens=2)
+    # tool_choice none: the tools are not offered, so nothing is dropped silently
+    r = client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=WEATHER, tool_choice="none",
+                                       max_tokens=2, temperature=0)
+    assert r.choices[0].message.tool_calls is None
+
+
+@pytest.fixture(scope="module")
+def tools_url(tmp_path_factory):
+    gguf = tmp_path_factory.mktemp("tools") / (MODEL_ID + ".gguf")
+    template = (REPO / "tests" / "data" / "chat" / "hermes-tools.jinja").read_text()
+    with_chat_template(_model_path(), gguf, template)
+    yield from _serve(model=gguf)
+
+
+@pytest.fixture(scope="module")
+def tools_client(tools_url):
+    return _client(tools_url)
+
+
+def test_tools_reach_the_prompt(tools_client):
+    def prompt_tokens(**kw):
+        r = tools_client.chat.completions.create(model=MODEL_ID, max_tokens=1, temperature=0, **kw)
+        return r.usage.prompt_tokens
+
+    plain = prompt_tokens(messages=ASK)
+    offered = prompt_tokens(messages=ASK, tools=WEATHER)
+    assert offered > plain + 40, (plain, offered)
+    assert prompt_tokens(messages=ASK, tools=WEATHER, tool_choice="none") == plain
+    # a conversation with the assistant's call and the tool's result renders (both add to the prompt)
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                                "function": {"name": "get_weather",
+                                                                             "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21}'},
+    ]
+    assert prompt_tokens(messages=history, tools=WEATHER) > offered + 20
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(tools_client, tools_url):
+    base = {"model": MODEL_ID, "messages": ASK, "max_tokens": 2}
+    assert _error(tools_url, {**base, "tools": {"type": "function"}})["param"] == "tools"
+    assert _error(tools_url, {**base, "tools": [{"type": "function", "function": {"description": "x"}}]})[
+        "param"] == "tools"
+    named = {"type": "function", "function": {"name": "get_time"}}
+    err = _error(tools_url, {**base, "tools": WEATHER, "tool_choice": named})
+    assert err["param"] == "tool_choice" and "get_time" in err["message"]
+    assert _error(tools_url, {**base, "tools": WEATHER, "tool_choice": "sometimes"})["param"] == "tool_choice"
+    bad_args = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]
+    err = _error(tools_url, {**base, "messages": bad_args, "tools": WEATHER})
+    assert err["param"] == "messages" and "not valid JSON" in err["message"]
+    # still serving
+    r = tools_client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=WEATHER, max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_a_named_tool_choice_streams_as_it_answers(tools_client):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=MODEL_ID, messages=ASK, tools=WEATHER, tool_choice=choice, max_tokens=40, temperature=0)
+    whole = tools_client.chat.completions.create(**kw)
+    msg = whole.choices[0].message
+    if msg.tool_calls:
+        # the model closed the call: a parsed call of the named function
+        assert [c.function.name for c in msg.tool_calls] == ["get_weather"]
+        assert isinstance(json.loads(msg.tool_calls[0].function.arguments), dict)
+        assert whole.choices[0].finish_reason in ("tool_calls", "length")
+    else:
+        # it did not: the text, from the forced opening on, stays content
+        assert msg.content.startswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    chunks = list(tools_client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    content = "".join(d.content or "" for d in deltas)
+    assert content == (msg.content or "")
+    streamed = [t for d in deltas for t in (d.tool_calls or [])]
+    # the same calls (ids are per request)
+    assert all(t.id.startswith("call_") for t in streamed)
+    assert [(t.index, t.type, t.function.name, t.function.arguments) for t in streamed] == [
+        (i, c.type, c.function.name, c.function.arguments) for i, c in enumerate(msg.tool_calls or [])]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason

@@ -14,6 +14,7 @@ use tokio::sync::mpsc::{Receiver, UnboundedReceiver};
 use crate::engine::request::{prepare, RawRequest};
 use crate::engine::stats::rss_bytes;
 use crate::engine::{Counters, Engine, Event, GenerateParams, Totals};
+use crate::model::tool_calls::ToolParse;
 use crate::model::{Model, Tokenizer};
 use crate::tiers::arena::Lock;
 use crate::tiers::knobs::{Knob, Knobs};
@@ -26,6 +27,15 @@ pub enum ApiError {
     /// changed.
     #[error("{0}")]
     InvalidArgument(String),
+    /// As [`ApiError::InvalidArgument`], about one named request field (`param`: `tools`, `tool_choice`,
+    /// `messages`).
+    #[error("{message}")]
+    InvalidField {
+        /// The field.
+        param: &'static str,
+        /// What is wrong.
+        message: String,
+    },
     /// The request is fine but the daemon's state does not allow it (no experts in a dense model, no profile
     /// path configured, a profile that could not be written).
     #[error("{0}")]
@@ -160,6 +170,14 @@ pub struct CounterUpdate {
 #[derive(Debug)]
 pub struct Prepared(GenerateParams);
 
+impl Prepared {
+    /// How to find tool calls in the reply: `Some` when tools were offered to a template whose call format is
+    /// known (see [`crate::model::tool_calls`]).
+    pub fn tool_parse(&self) -> Option<&ToolParse> {
+        self.0.tool_parse.as_ref()
+    }
+}
+
 /// The control API over a running engine and its model.
 pub struct Control {
     engine: Arc<Engine>,
@@ -209,12 +227,16 @@ impl Control {
         &self.summary
     }
 
-    /// Validates and tokenizes a request (blocking: tokenization and the chat template run here). Errors:
-    /// [`ApiError::InvalidArgument`] for a request that fails validation (counted as rejected).
+    /// Validates and tokenizes a request (blocking: tokenization and the chat template, tools included, run
+    /// here). Errors: [`ApiError::InvalidField`] or [`ApiError::InvalidArgument`] for a request that fails
+    /// validation (counted as rejected).
     pub fn prepare(&self, raw: &RawRequest) -> Result<Prepared, ApiError> {
         prepare(raw, &self.tok, self.engine.cfg.n_ctx).map(Prepared).map_err(|e| {
             self.engine.stats.record_rejected();
-            ApiError::InvalidArgument(e.0)
+            match e.param {
+                Some(param) => ApiError::InvalidField { param, message: e.message },
+                None => ApiError::InvalidArgument(e.message),
+            }
         })
     }
 

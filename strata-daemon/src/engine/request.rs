@@ -2,7 +2,9 @@
 //! tokenization) before it is queued.
 
 use super::sampler::SamplingParams;
-use crate::model::chat::{self, Message};
+use crate::model::chat::{self, Chat, Message};
+use crate::model::tool_calls::{ToolFormat, ToolParse};
+use crate::model::tools::{Tool, ToolChoice};
 use crate::model::Tokenizer;
 
 /// Why generation ended.
@@ -35,16 +37,38 @@ impl FinishReason {
 
 /// A request that failed validation; the message says which field and why.
 #[derive(Debug, thiserror::Error, PartialEq)]
-#[error("{0}")]
-pub struct RequestError(pub String);
+#[error("{message}")]
+pub struct RequestError {
+    /// What is wrong.
+    pub message: String,
+    /// The request field at fault where one is named (`tools`, `tool_choice`, `messages`), as OpenAI's error
+    /// object's `param`.
+    pub param: Option<&'static str>,
+}
+
+impl RequestError {
+    /// An error about no field in particular.
+    pub fn new(message: impl Into<String>) -> Self {
+        RequestError { message: message.into(), param: None }
+    }
+
+    /// An error about field `param`.
+    pub fn field(param: &'static str, message: impl Into<String>) -> Self {
+        RequestError { message: message.into(), param: Some(param) }
+    }
+}
 
 /// Raw request fields as received (before validation).
 #[derive(Debug, Clone, Default)]
 pub struct RawRequest {
     /// Prompt text (used when `messages` is empty).
     pub prompt: String,
-    /// Chat messages (role, content).
-    pub messages: Vec<(String, String)>,
+    /// Chat messages (role `system`, `user`, `assistant` or `tool`, content, and the tool fields).
+    pub messages: Vec<Message>,
+    /// Tools offered to the model (rendered by the chat template).
+    pub tools: Vec<Tool>,
+    /// Whether and how the model may call them.
+    pub tool_choice: ToolChoice,
     /// Tokens to generate at most.
     pub max_tokens: u32,
     /// Temperature (0 = greedy).
@@ -76,6 +100,8 @@ pub struct GenerateParams {
     pub sampling: SamplingParams,
     /// Stop strings.
     pub stop: Vec<String>,
+    /// How to find tool calls in the reply (tools offered to a template whose format is known).
+    pub tool_parse: Option<ToolParse>,
 }
 
 /// Most bytes of prompt text (the prompt, or every message's role and content).
@@ -90,15 +116,21 @@ pub const MAX_STOP_BYTES: usize = 256;
 /// Validates `raw` and tokenizes its prompt (rendering chat messages with
 /// the model's template). `n_ctx` is the context length in tokens.
 ///
+/// Tools (`raw.tools`, unless `tool_choice` is none) are rendered by the template, which must read `tools`; a
+/// `tool_choice` of required or a named function is enforced by starting the reply with a call in the template's
+/// format ([`ToolFormat::forced_prefix`]) where the format is known.
+///
 /// Errors ([`RequestError`]): sizes over [`MAX_PROMPT_BYTES`], [`MAX_MESSAGES`], [`MAX_STOPS`] or
-/// [`MAX_STOP_BYTES`], empty prompt, unknown role, no chat template,
+/// [`MAX_STOP_BYTES`], empty prompt, unknown role, no chat template, tools for a template without tools (param
+/// `tools`), a `tool_choice` naming a function not offered or requiring tools when none are (param
+/// `tool_choice`), special-token text in tools or tool calls,
 /// `max_tokens` 0 or larger than the context, a prompt that leaves no room
 /// in the context, temperature < 0, top_p outside (0, 1], min_p outside
 /// [0, 1), repeat_penalty ≤ 0, non-finite numbers.
 pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<GenerateParams, RequestError> {
-    let err = |m: String| Err(RequestError(m));
+    let err = |m: String| Err(RequestError::new(m));
     // sizes bounded before any work (the front ends bound the bytes of a request too)
-    let text_bytes = raw.prompt.len() + raw.messages.iter().map(|(r, c)| r.len() + c.len()).sum::<usize>();
+    let text_bytes = raw.prompt.len() + raw.messages.iter().map(|m| m.role.len() + m.content.len()).sum::<usize>();
     if text_bytes > MAX_PROMPT_BYTES {
         return err(format!("prompt of {text_bytes} bytes is over the limit of {MAX_PROMPT_BYTES}"));
     }
@@ -129,29 +161,30 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
         return err(format!("repeat_penalty must be > 0 (got {rp})"));
     }
     let mut segments = None;
+    let mut tool_parse_out = None;
     let text = if raw.messages.is_empty() {
         if raw.prompt.is_empty() {
             return err("prompt is empty (give a prompt or chat messages)".into());
         }
         raw.prompt.clone()
     } else {
-        let mut msgs = Vec::with_capacity(raw.messages.len());
-        for (role, content) in &raw.messages {
-            if !matches!(role.as_str(), "system" | "user" | "assistant" | "tool") {
-                return err(format!("unknown chat role {role:?} (system, user, assistant, tool)"));
+        for m in &raw.messages {
+            if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
+                return err(format!("unknown chat role {:?} (system, user, assistant, tool)", m.role));
             }
-            msgs.push(Message { role: role.clone(), content: content.clone() });
         }
-        let tpl = tok.chat_template.as_deref().ok_or_else(|| RequestError(chat::ChatError::NoTemplate.to_string()))?;
+        let tpl =
+            tok.chat_template.as_deref().ok_or_else(|| RequestError::new(chat::ChatError::NoTemplate.to_string()))?;
+        let (tools, tool_parse, prefix) = plan_tools(raw, tpl, tok)?;
         let bos = tok.bos.map(|b| tok.token_str(b).to_string()).unwrap_or_default();
         let eos = tok.eos.map(|b| tok.token_str(b).to_string()).unwrap_or_default();
-        let (text, segs) =
-            chat::render_segments(tpl, &msgs, true, &bos, &eos).map_err(|e| RequestError(e.to_string()))?;
+        let c = Chat { messages: &raw.messages, tools, add_generation_prompt: true, bos_token: &bos, eos_token: &eos };
+        let (mut text, mut segs) = chat::render_segments(tpl, &c).map_err(|e| RequestError::new(e.to_string()))?;
         if segs.is_none() {
             // the contents cannot be told from the markup: refuse any content that holds a special token's text
             // (it would become that token); the rest tokenizes safely with the markup
-            for (i, (_, content)) in raw.messages.iter().enumerate() {
-                if let Some(t) = tok.control_text_in(content) {
+            for (i, m) in raw.messages.iter().enumerate() {
+                if let Some(t) = tok.control_text_in(&m.content) {
                     return err(format!(
                         "message {i} holds the special-token text {t:?}, and this chat template rewrites message \
                          contents, so it cannot be kept as plain text"
@@ -159,7 +192,14 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
                 }
             }
         }
+        // the start of a forced tool call is markup of the reply's opening
+        text.push_str(&prefix);
+        if let Some(s) = segs.as_mut() {
+            s.push(chat::Segment { text: prefix, markup: true });
+            s.retain(|s| !s.text.is_empty());
+        }
         segments = segs;
+        tool_parse_out = tool_parse;
         text
     };
     // A template that prints BOS itself must not get a second one.
@@ -176,9 +216,9 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
                 }
                 at += sg.text.len();
             }
-            tok.encode_chat(&text, add_bos, &plain).map_err(|e| RequestError(e.to_string()))?
+            tok.encode_chat(&text, add_bos, &plain).map_err(|e| RequestError::new(e.to_string()))?
         }
-        None => tok.encode(&text, true, add_bos).map_err(|e| RequestError(e.to_string()))?,
+        None => tok.encode(&text, true, add_bos).map_err(|e| RequestError::new(e.to_string()))?,
     };
     if prompt_ids.is_empty() {
         return err("prompt tokenizes to nothing".into());
@@ -199,5 +239,61 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
             seed: raw.seed.unwrap_or(SamplingParams::default().seed),
         },
         stop: raw.stop.clone(),
+        tool_parse: tool_parse_out,
     })
+}
+
+/// The tools a chat request offers the template, how to read its reply, and the reply's forced start: see
+/// [`prepare`] (its tool errors are this function's). Tools and tool calls are template markup, so any
+/// special-token text in them is refused.
+fn plan_tools<'a>(
+    raw: &'a RawRequest,
+    tpl: &str,
+    tok: &Tokenizer,
+) -> Result<(&'a [Tool], Option<ToolParse>, String), RequestError> {
+    for (i, m) in raw.messages.iter().enumerate() {
+        if m.tool_calls.is_empty() && m.tool_call_id.is_none() && m.name.is_none() {
+            continue;
+        }
+        let fields = (&m.tool_calls, &m.tool_call_id, &m.name);
+        if let Some(t) = tok.control_text_in(&serde_json::to_string(&fields).unwrap_or_default()) {
+            return Err(RequestError::field(
+                "messages",
+                format!("message {i}'s tool fields hold the special-token text {t:?}"),
+            ));
+        }
+    }
+    let choice = &raw.tool_choice;
+    if raw.tools.is_empty() {
+        return match choice {
+            ToolChoice::Required | ToolChoice::Function(_) => {
+                Err(RequestError::field("tool_choice", "tool_choice requires `tools`"))
+            }
+            _ => Ok((&[], None, String::new())),
+        };
+    }
+    if *choice == ToolChoice::None {
+        return Ok((&[], None, String::new()));
+    }
+    if !chat::takes_tools(tpl).map_err(|e| RequestError::new(e.to_string()))? {
+        return Err(RequestError::field("tools", "this model's chat template does not support tools"));
+    }
+    let names: Vec<String> = raw.tools.iter().map(|t| t.function.name.clone()).collect();
+    let forced = match choice {
+        ToolChoice::Function(f) if !names.contains(f) => {
+            return Err(RequestError::field("tool_choice", format!("function {f:?} is not among the `tools`")));
+        }
+        ToolChoice::Function(f) => Some(Some(f.as_str())),
+        ToolChoice::Required => Some(None),
+        _ => None,
+    };
+    if let Some(t) = tok.control_text_in(&serde_json::to_string(&raw.tools).unwrap_or_default()) {
+        return Err(RequestError::field("tools", format!("the tools hold the special-token text {t:?}")));
+    }
+    let Some(format) = ToolFormat::detect(tpl) else {
+        // offered, but the reply's calls are not parsed
+        return Ok((&raw.tools, None, String::new()));
+    };
+    let prefix = forced.map(|f| format.forced_prefix(f)).unwrap_or_default();
+    Ok((&raw.tools, Some(ToolParse { format, names, prefix: prefix.clone() }), prefix))
 }

@@ -8,6 +8,8 @@ pub mod moe_copy;
 pub mod perplexity;
 pub mod placement;
 pub mod tokenizer;
+pub mod tool_calls;
+pub mod tools;
 
 pub use crate::arch::config::{ModelConfig, ModelError};
 pub use crate::backend::kv::KvCache;

@@ -14,6 +14,7 @@ use tonic::{Request, Response, Status};
 use crate::api::{ApiError, Control, ModelSummary};
 use crate::engine::request::RawRequest;
 use crate::engine::{Counters, Event, FinishReason};
+use crate::model::chat::Message;
 use crate::tiers::knobs::Range;
 use crate::tiers::store::Tier;
 
@@ -33,6 +34,7 @@ impl StrataService {
 fn status(e: ApiError) -> Status {
     match e {
         ApiError::InvalidArgument(m) => Status::invalid_argument(m),
+        ApiError::InvalidField { param, message } => Status::invalid_argument(format!("{param}: {message}")),
         ApiError::FailedPrecondition(m) => Status::failed_precondition(m),
         ApiError::Unavailable(m) => Status::unavailable(m),
     }
@@ -113,7 +115,7 @@ fn raw_request(r: pb::GenerateRequest) -> RawRequest {
     let s = r.sampling.unwrap_or_default();
     RawRequest {
         prompt: r.prompt,
-        messages: r.messages.into_iter().map(|m| (m.role, m.content)).collect(),
+        messages: r.messages.into_iter().map(|m| Message::new(m.role, m.content)).collect(),
         max_tokens: r.max_tokens,
         temperature: s.temperature,
         top_k: s.top_k,
@@ -123,6 +125,7 @@ fn raw_request(r: pb::GenerateRequest) -> RawRequest {
         repeat_last_n: s.repeat_last_n,
         seed: s.seed,
         stop: r.stop,
+        ..Default::default()
     }
 }
 

@@ -23,6 +23,9 @@ use tokio_stream::StreamExt;
 use crate::api::{ApiError, Control};
 use crate::engine::request::RawRequest;
 use crate::engine::{Counters, Event, FinishReason};
+use crate::model::chat::Message;
+use crate::model::tool_calls::{ParsedCall, Piece, ToolCallParser, ToolParse};
+use crate::model::tools::{tool_calls_from_openai, tool_choice_from_openai, tools_from_openai, ToolShapeError};
 
 /// Largest request body accepted (bytes); larger ones get 413.
 pub const MAX_BODY: usize = 4 << 20;
@@ -74,6 +77,7 @@ fn bad(message: impl AsRef<str>, param: Option<&str>) -> Response {
 fn api_error(e: ApiError) -> Response {
     match e {
         ApiError::InvalidArgument(m) | ApiError::FailedPrecondition(m) => bad(m, None),
+        ApiError::InvalidField { param, message } => bad(message, Some(param)),
         ApiError::Unavailable(m) => error(StatusCode::SERVICE_UNAVAILABLE, "server_error", &m, None),
     }
 }
@@ -163,6 +167,14 @@ struct ChatMessage {
     role: String,
     #[serde(default)]
     content: Option<Content>,
+    /// An assistant message's calls (OpenAI's shape, read by [`tool_calls_from_openai`]).
+    #[serde(default)]
+    tool_calls: Option<Value>,
+    /// The call a `tool` message answers.
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -190,6 +202,16 @@ struct CompletionBody {
     stream: bool,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
+    /// Functions offered (chat; OpenAI's shape, read by [`tools_from_openai`]).
+    #[serde(default)]
+    tools: Option<Value>,
+    /// `"none"`, `"auto"`, `"required"` or a named function.
+    #[serde(default)]
+    tool_choice: Option<Value>,
+}
+
+fn shape(e: ToolShapeError) -> Response {
+    bad(e.to_string(), Some(e.param()))
 }
 
 /// Tokens generated when the request names no limit.
@@ -230,7 +252,17 @@ impl HttpState {
             if msgs.is_empty() {
                 return Err(bad("`messages` is empty", Some("messages")));
             }
-            for m in msgs {
+            if let Some(t) = &b.tools {
+                raw.tools = tools_from_openai(t).map_err(shape)?;
+            }
+            if let Some(c) = &b.tool_choice {
+                raw.tool_choice = tool_choice_from_openai(c).map_err(shape)?;
+            }
+            for (i, m) in msgs.into_iter().enumerate() {
+                let tool_calls = match &m.tool_calls {
+                    Some(v) if !v.is_null() => tool_calls_from_openai(i, v).map_err(shape)?,
+                    _ => Vec::new(),
+                };
                 let text = match m.content {
                     None => String::new(),
                     Some(Content::Text(t)) => t,
@@ -241,7 +273,13 @@ impl HttpState {
                         ps.into_iter().map(|p| p.text).collect()
                     }
                 };
-                raw.messages.push((m.role, text));
+                raw.messages.push(Message {
+                    role: m.role,
+                    content: text,
+                    tool_calls,
+                    tool_call_id: m.tool_call_id,
+                    name: m.name,
+                });
             }
         } else {
             let prompt = b.prompt.ok_or_else(|| bad("`prompt` is required", Some("prompt")))?.into_vec();
@@ -254,10 +292,95 @@ impl HttpState {
     }
 }
 
-fn finish_reason(f: FinishReason) -> &'static str {
+/// OpenAI's finish reason: `tool_calls` when the reply called a tool and ended on its own.
+fn finish_reason(f: FinishReason, called: bool) -> &'static str {
     match f {
         FinishReason::MaxTokens | FinishReason::Context => "length",
+        _ if called => "tool_calls",
         _ => "stop",
+    }
+}
+
+/// A call as OpenAI's response gives it (`index` in stream deltas only); ids are `call_<request>_<index>`.
+fn tool_call_json(c: &ParsedCall, request: u64, index: usize, delta: bool) -> Value {
+    let mut v = json!({"id": format!("call_{request}_{index}"), "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments}});
+    if delta {
+        v["index"] = json!(index);
+    }
+    v
+}
+
+/// A non-streamed chat reply's `message`, and whether it called a tool: with `parse`, the calls become
+/// `tool_calls` and the text outside them `content` (null when empty).
+fn chat_message(text: &str, parse: Option<&ToolParse>, request: u64) -> (Value, bool) {
+    let Some(p) = parse else { return (json!({"role": "assistant", "content": text}), false) };
+    let (content, calls) = crate::model::tool_calls::parse_reply(p, text);
+    let mut m = json!({"role": "assistant", "content": content});
+    if !calls.is_empty() {
+        m["tool_calls"] = calls.iter().enumerate().map(|(i, c)| tool_call_json(c, request, i, false)).collect();
+    }
+    (m, !calls.is_empty())
+}
+
+/// The `choices` of a streamed reply's chunks. Completions: the text. Chat: `content` deltas, and with a tool
+/// parser, calls as `tool_calls` deltas (a call whole in one delta: `index`, `id`, `type`, `function.name`,
+/// `function.arguments`).
+struct StreamChoices {
+    chat: bool,
+    parser: Option<ToolCallParser>,
+    request: u64,
+    calls: usize,
+}
+
+impl StreamChoices {
+    fn new(chat: bool, parse: Option<&ToolParse>, request: u64) -> Self {
+        StreamChoices { chat, parser: parse.map(ToolParse::parser), request, calls: 0 }
+    }
+
+    fn delta(d: Value, fin: Option<&str>) -> Value {
+        json!([{"index": 0, "delta": d, "finish_reason": fin}])
+    }
+
+    fn piece(text: &str, fin: Option<&str>) -> Value {
+        json!([{"index": 0, "text": text, "logprobs": Value::Null, "finish_reason": fin}])
+    }
+
+    /// The chunks' choices for more text of the reply (`end`: the reply is over; none for empty text).
+    fn text(&mut self, text: &str, end: bool) -> Vec<Value> {
+        let Some(p) = self.parser.as_mut() else {
+            return match (text.is_empty(), self.chat) {
+                (true, _) => vec![],
+                (false, true) => vec![Self::delta(json!({"content": text}), None)],
+                (false, false) => vec![Self::piece(text, None)],
+            };
+        };
+        let mut pieces = p.push(text);
+        if end {
+            pieces.extend(p.finish());
+        }
+        let mut out = Vec::with_capacity(pieces.len());
+        for piece in pieces {
+            let d = match piece {
+                Piece::Content(c) => json!({"content": c}),
+                Piece::Call(c) => {
+                    self.calls += 1;
+                    json!({"tool_calls": [tool_call_json(&c, self.request, self.calls - 1, true)]})
+                }
+            };
+            out.push(Self::delta(d, None));
+        }
+        out
+    }
+
+    /// The last chunk's choices: the finish reason (`tool_calls` when a call was given out).
+    fn last(&self, f: FinishReason) -> Value {
+        let fin = Some(finish_reason(f, self.calls > 0));
+        if self.chat {
+            Self::delta(json!({}), fin)
+        } else {
+            Self::piece("", fin)
+        }
     }
 }
 
@@ -292,33 +415,43 @@ async fn complete(st: Arc<HttpState>, headers: HeaderMap, req: Request, chat: bo
         Ok(p) => p,
         Err(e) => return api_error(e),
     };
+    let parse = prepared.tool_parse().cloned();
     let rx = st.api.submit(prepared);
     let n = st.ids.fetch_add(1, Ordering::Relaxed);
     let id = if chat { format!("chatcmpl-{n}") } else { format!("cmpl-{n}") };
     let created = now();
+    let reply = Reply { id, n, created, chat, parse };
     if stream {
-        sse(st, rx, id, created, chat, include_usage)
+        sse(st, rx, reply, include_usage)
     } else {
-        whole(st, rx, id, created, chat).await
+        whole(st, rx, reply).await
     }
 }
 
-/// Collects a request's events into one response.
-async fn whole(
-    st: Arc<HttpState>,
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+/// What a response says about its request.
+struct Reply {
+    /// `chatcmpl-<n>` or `cmpl-<n>`.
     id: String,
+    /// The request's number.
+    n: u64,
     created: u64,
     chat: bool,
-) -> Response {
+    /// How to find tool calls in the reply.
+    parse: Option<ToolParse>,
+}
+
+/// Collects a request's events into one response.
+async fn whole(st: Arc<HttpState>, mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>, reply: Reply) -> Response {
+    let Reply { id, n, created, chat, parse } = reply;
     loop {
         match rx.recv().await {
             Some(Event::Token { .. }) => {}
             Some(Event::Done { counters, text, .. }) => {
-                let fin = finish_reason(counters.finish);
                 let choice = if chat {
-                    json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin})
+                    let (message, called) = chat_message(&text, parse.as_ref(), n);
+                    json!({"index": 0, "message": message, "finish_reason": finish_reason(counters.finish, called)})
                 } else {
+                    let fin = finish_reason(counters.finish, false);
                     json!({"index": 0, "text": text, "logprobs": Value::Null, "finish_reason": fin})
                 };
                 let object = if chat { "chat.completion" } else { "text_completion" };
@@ -332,16 +465,17 @@ async fn whole(
     }
 }
 
-/// Streams a request's events as server-sent events: a role chunk (chat), one chunk per text piece, a final chunk
-/// with the finish reason, the usage chunk (`stream_options.include_usage`: `choices` empty), then `[DONE]`.
+/// Streams a request's events as server-sent events: a role chunk (chat), one chunk per text piece (chat: per
+/// [`ChatDeltas`] delta), a final chunk with the finish reason, the usage chunk (`stream_options.include_usage`:
+/// `choices` empty), then `[DONE]`.
 fn sse(
     st: Arc<HttpState>,
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
-    id: String,
-    created: u64,
-    chat: bool,
+    reply: Reply,
     include_usage: bool,
 ) -> Response {
+    let Reply { id, n, created, chat, parse } = reply;
+    let mut choices = StreamChoices::new(chat, parse.as_ref(), n);
     let object = if chat { "chat.completion.chunk" } else { "text_completion" };
     let model = st.model_id.clone();
     let chunk = move |choices: Value, usage: Option<Value>| {
@@ -350,14 +484,6 @@ fn sse(
             v["usage"] = u;
         }
         Bytes::from(format!("data: {v}\n\n"))
-    };
-    let piece = move |text: &str, fin: Option<&str>| {
-        if chat {
-            json!([{"index": 0, "delta": if fin.is_some() { json!({}) } else { json!({"content": text}) },
-                    "finish_reason": fin}])
-        } else {
-            json!([{"index": 0, "text": text, "logprobs": Value::Null, "finish_reason": fin}])
-        }
     };
     let first = chat.then(|| {
         chunk(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": Value::Null}]), None)
@@ -369,15 +495,16 @@ fn sse(
             return None;
         }
         Some(match ev {
-            Event::Token { text, .. } if text.is_empty() => Bytes::new(),
-            Event::Token { text, .. } => chunk(piece(&text, None), None),
+            Event::Token { text, .. } => {
+                Bytes::from(choices.text(&text, false).into_iter().flat_map(|c| chunk(c, None)).collect::<Vec<u8>>())
+            }
             Event::Done { counters, tail, .. } => {
                 done = true;
                 let mut out = Vec::new();
-                if !tail.is_empty() {
-                    out.extend_from_slice(&chunk(piece(&tail, None), None));
+                for c in choices.text(&tail, true) {
+                    out.extend_from_slice(&chunk(c, None));
                 }
-                out.extend_from_slice(&chunk(piece("", Some(finish_reason(counters.finish))), None));
+                out.extend_from_slice(&chunk(choices.last(counters.finish), None));
                 if include_usage {
                     out.extend_from_slice(&chunk(json!([]), Some(usage(&counters))));
                 }
@@ -461,4 +588,69 @@ async fn metrics(State(st): State<Arc<HttpState>>) -> Response {
     let mut r = out.into_response();
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tool_calls::ToolFormat;
+
+    fn hermes() -> ToolParse {
+        ToolParse { format: ToolFormat::Hermes, names: vec!["get_weather".into()], prefix: String::new() }
+    }
+
+    const REPLY: &str = "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>";
+
+    #[test]
+    fn a_whole_reply_gives_tool_calls_and_content() {
+        let (m, called) = chat_message(REPLY, Some(&hermes()), 7);
+        assert!(called);
+        assert_eq!(m["content"], "Checking.");
+        assert_eq!(
+            m["tool_calls"],
+            json!([
+                {"id": "call_7_0", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+                {"id": "call_7_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Rome\"}"}},
+            ])
+        );
+        assert_eq!(finish_reason(FinishReason::Eos, called), "tool_calls");
+        assert_eq!(finish_reason(FinishReason::MaxTokens, called), "length");
+        // only calls: content is null; no parser: the text as it is
+        let only = &REPLY["Checking.\n".len()..];
+        assert_eq!(chat_message(only, Some(&hermes()), 7).0["content"], Value::Null);
+        assert_eq!(chat_message(REPLY, None, 7), (json!({"role": "assistant", "content": REPLY}), false));
+    }
+
+    #[test]
+    fn streamed_chunks_carry_calls_as_openai_deltas() {
+        // the reply arrives in token-sized pieces that split the tags and the JSON
+        let mut s = StreamChoices::new(true, Some(&hermes()), 3);
+        let mut chunks = Vec::new();
+        let bytes: Vec<usize> = (0..=REPLY.len()).step_by(4).chain([REPLY.len()]).collect();
+        for w in bytes.windows(2) {
+            chunks.extend(s.text(&REPLY[w[0]..w[1]], false));
+        }
+        chunks.extend(s.text("", true));
+        chunks.push(s.last(FinishReason::Eos));
+        let deltas: Vec<&Value> = chunks.iter().map(|c| &c[0]["delta"]).collect();
+        let content: String = deltas.iter().filter_map(|d| d["content"].as_str()).collect();
+        assert_eq!(content, "Checking.");
+        let calls: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).collect();
+        assert_eq!(calls.len(), 2);
+        assert_eq!(
+            calls[1],
+            &json!([{"index": 1, "id": "call_3_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\":\"Rome\"}"}}])
+        );
+        assert_eq!(chunks.last().unwrap()[0]["finish_reason"], "tool_calls");
+        assert!(chunks[..chunks.len() - 1].iter().all(|c| c[0]["finish_reason"].is_null()));
+        // without tools: content deltas as the text comes, finish `stop`
+        let mut plain = StreamChoices::new(true, None, 3);
+        assert_eq!(
+            plain.text("<tool_call>", false),
+            [json!([{"index": 0, "delta": {"content": "<tool_call>"}, "finish_reason": null}])]
+        );
+        assert!(plain.text("", false).is_empty());
+        assert_eq!(plain.last(FinishReason::Eos)[0]["finish_reason"], "stop");
+    }
 }
