@@ -82,9 +82,10 @@ enum Cmd {
         /// Only this layer.
         #[arg(long)]
         layer: Option<u32>,
-        /// Show the N experts with the highest usage.
-        #[arg(long, default_value_t = 10)]
-        top: u32,
+        /// Show the N experts with the highest usage and the N layers holding the most bytes outside VRAM
+        /// [default: 10 experts, every layer].
+        #[arg(long, value_name = "N")]
+        top: Option<u32>,
     },
     /// Expert profile commands.
     Profile {
@@ -169,8 +170,8 @@ async fn connect(path: PathBuf) -> Result<StrataClient<Channel>, String> {
 fn finish_name(f: i32) -> &'static str {
     match pb::FinishReason::try_from(f).unwrap_or(pb::FinishReason::Unspecified) {
         pb::FinishReason::Eos => "eos",
-        pb::FinishReason::StopString => "stop",
-        pb::FinishReason::MaxTokens => "length",
+        pb::FinishReason::StopString => "stop_string",
+        pb::FinishReason::MaxTokens => "max_tokens",
         pb::FinishReason::Context => "context",
         pb::FinishReason::Cancelled => "cancelled",
         pb::FinishReason::Unspecified => "unspecified",
@@ -209,6 +210,7 @@ fn counters_json(c: &pb::RequestCounters) -> serde_json::Value {
         "blob_reads_per_token": c.blob_reads_per_token,
         "file_bytes_read": c.file_bytes_read,
         "prefill_file_blob_reads": c.prefill_file_blob_reads,
+        "prefill_file_bytes_read": c.prefill_file_bytes_read,
         "ram_promotions": c.ram_promotions,
         "promotion_bytes": c.promotion_bytes,
         "promotions_per_token": c.promotions_per_token,
@@ -218,18 +220,31 @@ fn counters_json(c: &pb::RequestCounters) -> serde_json::Value {
 }
 
 fn tiers_line(c: &pb::RequestCounters) -> String {
+    let mib = |b: u64| b as f64 / 1048576.0;
     format!(
-        "experts: {} lookups, {} VRAM hits ({:.1}%), {} RAM reads, {} file blob reads ({:.2} per token, {:.1} MiB), {} RAM promotions ({:.2} per token)",
+        "experts: {} lookups, {} VRAM hits ({:.1}%), {} RAM reads, {} file blob reads in decode ({:.2} per token, {:.1} MiB), {} in prefill ({:.1} MiB), {} RAM promotions ({:.2} per token)",
         c.expert_lookups,
         c.vram_hits,
         c.hit_rate * 100.0,
         c.ram_reads,
         c.file_blob_reads,
         c.blob_reads_per_token,
-        c.file_bytes_read as f64 / 1048576.0,
+        mib(c.file_bytes_read.saturating_sub(c.prefill_file_bytes_read)),
+        c.prefill_file_blob_reads,
+        mib(c.prefill_file_bytes_read),
         c.ram_promotions,
         c.promotions_per_token
     )
+}
+
+/// `1 token`, `n tokens` (`what` in the singular).
+fn count(n: impl Into<u64>, what: &str) -> String {
+    let n = n.into();
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
+    }
 }
 
 fn counters_line(c: &pb::RequestCounters) -> String {
@@ -246,9 +261,9 @@ fn counters_line(c: &pb::RequestCounters) -> String {
         format!("(0 reused) in {:.1} ms ({:.1} tok/s)", c.prompt_ms, c.prompt_tok_s)
     };
     format!(
-        "prompt {} tokens {prompt}, generated {} tokens in {:.1} ms ({:.1} tok/s), finish: {}",
-        c.prompt_tokens,
-        c.generated_tokens,
+        "prompt {} {prompt}, generated {} in {:.1} ms ({:.1} tok/s), finish: {}",
+        count(c.prompt_tokens, "token"),
+        count(c.generated_tokens, "token"),
         c.decode_ms,
         c.decode_tok_s,
         finish_name(c.finish_reason)
@@ -368,7 +383,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                             "prompt_ms": t.prompt_ms, "decode_ms": t.decode_ms, "cancelled": t.cancelled,
                             "rejected": t.rejected, "windows": t.windows, "expert_lookups": t.expert_lookups,
                             "vram_hits": t.vram_hits, "ram_reads": t.ram_reads, "file_blob_reads": t.file_blob_reads,
-                            "file_bytes_read": t.file_bytes_read, "prefill_file_blob_reads": t.prefill_file_blob_reads,
+                            "file_bytes_read": t.file_bytes_read, "prefill_file_blob_reads": t.prefill_file_blob_reads, "prefill_file_bytes_read": t.prefill_file_bytes_read,
                             "ram_promotions": t.ram_promotions, "promotion_bytes": t.promotion_bytes,
                             "promotions_refused": t.promotions_refused,
                         },
@@ -406,28 +421,30 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                     t.requests, t.cancelled, t.rejected
                 );
                 println!(
-                    "prompt       {} tokens in {:.1} ms ({:.1} tok/s)",
-                    t.prompt_tokens,
+                    "prompt       {} in {:.1} ms ({:.1} tok/s)",
+                    count(t.prompt_tokens, "token"),
                     t.prompt_ms,
                     rate(t.prompt_tokens, t.prompt_ms)
                 );
                 println!(
-                    "decode       {} tokens in {:.1} ms ({:.1} tok/s), {} windows",
-                    t.generated_tokens,
+                    "decode       {} in {:.1} ms ({:.1} tok/s), {}",
+                    count(t.generated_tokens, "token"),
                     t.decode_ms,
                     rate(t.generated_tokens, t.decode_ms),
-                    t.windows
+                    count(t.windows, "window")
                 );
                 if m.n_expert > 0 {
                     let per = |a: u64| if t.generated_tokens > 0 { a as f64 / t.generated_tokens as f64 } else { 0.0 };
+                    let decode_mib = t.file_bytes_read.saturating_sub(t.prefill_file_bytes_read) as f64 / 1048576.0;
                     println!(
-                        "experts      {} lookups, {} VRAM hits, {} RAM reads, {} file blob reads ({:.2} per token), {:.1} MiB read",
+                        "experts      {} lookups, {} VRAM hits, {} RAM reads, {} file blob reads ({:.2} per token, {:.1} MiB)",
                         t.expert_lookups, t.vram_hits, t.ram_reads, t.file_blob_reads, per(t.file_blob_reads),
-                        t.file_bytes_read as f64 / 1048576.0
+                        decode_mib
                     );
                     println!(
-                        "             {} prefill blob reads, {} RAM promotions ({:.1} MiB, {} refused)",
+                        "             prefill: {} file blob reads ({:.1} MiB); {} RAM promotions ({:.1} MiB, {} refused)",
                         t.prefill_file_blob_reads,
+                        t.prefill_file_bytes_read as f64 / 1048576.0,
                         t.ram_promotions,
                         t.promotion_bytes as f64 / 1048576.0,
                         t.promotions_refused
@@ -447,10 +464,10 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
             if cli.json {
                 println!(
                     "{}",
-                    json!({"name": r.name, "old_value": r.old_value, "new_value": r.new_value, "active": r.active})
+                    json!({"name": r.name, "old_value": r.old_value, "new_value": r.new_value, "active": r.active, "inactive_reason": r.inactive_reason})
                 );
             } else {
-                let note = if r.active { "" } else { " (inactive: this build or model has no such tier)" };
+                let note = if r.active { String::new() } else { format!(" (inactive: {})", r.inactive_reason) };
                 // a knob of named choices shows names (its range, from the knob list)
                 let knobs = client.get_knobs(pb::GetKnobsRequest {}).await.map_err(status_err)?.into_inner().knobs;
                 let range = knobs.iter().find(|k| k.name == r.name).map_or("", |k| k.range.as_str());
@@ -470,12 +487,12 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
             if cli.json {
                 let v: Vec<_> = list
                     .iter()
-                    .map(|k| json!({"name": k.name, "value": k.value, "default": k.default_value, "range": k.range, "active": k.active, "doc": k.doc}))
+                    .map(|k| json!({"name": k.name, "value": k.value, "default": k.default_value, "range": k.range, "active": k.active, "inactive_reason": k.inactive_reason, "doc": k.doc}))
                     .collect();
                 println!("{}", serde_json::to_string_pretty(&v).unwrap());
             } else {
                 for k in list {
-                    let act = if k.active { "" } else { "  (inactive)" };
+                    let act = if k.active { String::new() } else { format!("  (inactive: {})", k.inactive_reason) };
                     println!(
                         "{:<26} {:>8}   {:<16} {}{act}",
                         k.name,
@@ -488,7 +505,12 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
             Ok(())
         }
         Cmd::Residency { layer, top } => {
-            let r = client.get_residency(pb::ResidencyRequest { layer, top }).await.map_err(status_err)?.into_inner();
+            let r = client
+                .get_residency(pb::ResidencyRequest { layer, top: top.unwrap_or(10) })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            let top = top.unwrap_or(0);
             let tier = |t: i32| match pb::Tier::try_from(t).unwrap_or(pb::Tier::Unspecified) {
                 pb::Tier::Vram => "vram",
                 pb::Tier::Ram => "ram",
@@ -522,7 +544,14 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 }
             }
             println!("layer {}  vram    ram   file   vram MiB    ram MiB   file MiB", if split { "stage" } else { "" });
-            for l in &r.layers {
+            // --top N: the N layers holding the most bytes outside VRAM (file first), in layer order
+            let mut shown: Vec<&pb::LayerResidency> = r.layers.iter().collect();
+            if top > 0 && shown.len() > top as usize {
+                shown.sort_by_key(|l| std::cmp::Reverse((l.file_bytes, l.ram_bytes)));
+                shown.truncate(top as usize);
+                shown.sort_by_key(|l| l.layer);
+            }
+            for l in &shown {
                 let stage = if split { format!("{:>5} ", l.stage) } else { String::new() };
                 println!(
                     "{:>5} {stage}{:>6} {:>6} {:>6} {:>10.1} {:>10.1} {:>10.1}",
@@ -535,6 +564,23 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                     mib(l.file_bytes)
                 );
             }
+            let sum = |f: fn(&pb::LayerResidency) -> u64| r.layers.iter().map(f).sum::<u64>();
+            println!(
+                "{:>5} {}{:>6} {:>6} {:>6} {:>10.1} {:>10.1} {:>10.1}{}",
+                "all",
+                if split { "      " } else { "" },
+                sum(|l| l.vram_experts as u64),
+                sum(|l| l.ram_experts as u64),
+                sum(|l| l.file_experts as u64),
+                mib(sum(|l| l.vram_bytes)),
+                mib(sum(|l| l.ram_bytes)),
+                mib(sum(|l| l.file_bytes)),
+                if shown.len() < r.layers.len() {
+                    format!("  ({} of {} layers shown: most bytes outside VRAM)", shown.len(), r.layers.len())
+                } else {
+                    String::new()
+                }
+            );
             if !r.experts.is_empty() {
                 println!("\nhottest experts\nlayer expert  tier     usage       heat");
                 for e in &r.experts {

@@ -392,7 +392,12 @@ fn run() -> Result<()> {
         tracing::info!("dense model: expert tier flags have no effect");
     }
     match model.attach_gpu(&gpu) {
-        Ok(line) => tracing::info!("{line}"),
+        Ok(line) => {
+            tracing::info!("{line}");
+            if !strata::tiers::knobs::GPU_TIER.load(std::sync::atomic::Ordering::SeqCst) {
+                let _ = strata::tiers::knobs::GPU_STATUS.set(line);
+            }
+        }
         Err(e) => bail!("{e} (start with --gpu off to run on the CPU)"),
     }
     if let Some(store) = &model.experts {

@@ -310,3 +310,45 @@ fn plan_matches_what_the_daemon_allocates() {
     let o = run_daemon(&["--plan", "--model", model.to_str().unwrap(), "--socket", d.socket.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+#[test]
+fn counters_split_file_reads_knobs_say_why_and_top_limits_layers() {
+    let d = Daemon::start_with(
+        &fixture_path("split"),
+        &temp_path(".sock"),
+        &["--gpu", "off", "--resident-budget-gib", SPLIT_HALF_GIB],
+    );
+    let o = d.ctl(&["generate", "--max-tokens", "1", "The capital of France is"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line = stderr(&o);
+    assert!(line.contains("generated 1 token in ") && line.contains("finish: max_tokens"), "{line}");
+    // one generated token: no decode window, so every file read of this request was the prefill's
+    let v = json(&d.ctl(&["--json", "stats"]));
+    let t = &v["totals"];
+    let (all, prefill) = (t["file_bytes_read"].as_u64().unwrap(), t["prefill_file_bytes_read"].as_u64().unwrap());
+    assert!(prefill > 0 && prefill == all, "{t}");
+    assert_eq!(prefill, t["prefill_file_blob_reads"].as_u64().unwrap() * 127_872, "{t}");
+    let s = stdout(&d.ctl(&["stats"]));
+    assert!(s.contains("decode       1 token in ") && s.contains(", 0 windows"), "{s}");
+    assert!(s.contains(&format!("prefill: {} file blob reads (", t["prefill_file_blob_reads"])), "{s}");
+    // a GPU knob on a CPU daemon says why it does not act
+    let o = d.ctl(&["set", "adapt-swaps", "5"]);
+    assert!(
+        stdout(&o).contains("(inactive: no VRAM expert cache (GPU off (--gpu off): running on the CPU))"),
+        "{}",
+        stdout(&o)
+    );
+    let k = json(&d.ctl(&["--json", "get", "vram_reserve_mib"]));
+    assert!(k[0]["inactive_reason"].as_str().unwrap().contains("read once"), "{k}");
+    // --top N: N layer rows (most bytes outside VRAM) and the totals row
+    let r = stdout(&d.ctl(&["residency", "--top", "3"]));
+    let rows: Vec<&str> =
+        r.lines().skip_while(|l| !l.starts_with("layer")).skip(1).take_while(|l| !l.is_empty()).collect();
+    assert_eq!(rows.len(), 4, "{r}");
+    assert!(rows[3].trim_start().starts_with("all") && rows[3].contains("(3 of 30 layers shown"), "{r}");
+    let r = stdout(&d.ctl(&["residency"]));
+    assert!(
+        r.lines().filter(|l| l.trim_start().chars().next().is_some_and(|c| c.is_ascii_digit())).count() >= 30,
+        "{r}"
+    );
+}

@@ -118,6 +118,8 @@ pub struct KnobInfo {
     pub value: f64,
     /// Whether it acts on this model and build (its tier exists).
     pub active: bool,
+    /// Why not, when inactive ([`Knobs::inactive_reason`]).
+    pub inactive_reason: Option<String>,
 }
 
 /// A knob change.
@@ -131,6 +133,8 @@ pub struct KnobChange {
     pub new: f64,
     /// Whether it acts on this model and build.
     pub active: bool,
+    /// Why not, when inactive.
+    pub inactive_reason: Option<String>,
 }
 
 /// Where the experts are, per layer and per expert.
@@ -272,7 +276,12 @@ impl Control {
         self.knobs
             .all()
             .into_iter()
-            .map(|(knob, value)| KnobInfo { knob, value, active: Knobs::is_active(knob, self.store.is_some()) })
+            .map(|(knob, value)| KnobInfo {
+                knob,
+                value,
+                active: Knobs::is_active(knob, self.store.is_some()),
+                inactive_reason: Knobs::inactive_reason(knob, self.store.is_some()),
+            })
             .collect()
     }
 
@@ -281,8 +290,9 @@ impl Control {
     pub fn set_knob(&self, name: &str, value: &str) -> Result<KnobChange, ApiError> {
         let (knob, old, new) = self.knobs.set(name, value).map_err(|e| ApiError::InvalidArgument(e.to_string()))?;
         let active = Knobs::is_active(knob, self.store.is_some());
+        let inactive_reason = Knobs::inactive_reason(knob, self.store.is_some());
         tracing::info!(knob = knob.name(), old, new, active, "knob set; takes effect at the next window");
-        Ok(KnobChange { knob, old, new, active })
+        Ok(KnobChange { knob, old, new, active, inactive_reason })
     }
 
     /// Where the experts are: every layer (or `layer` only) and its experts; `top` > 0 keeps the `top` most used

@@ -81,6 +81,7 @@ pub fn counters_pb(c: &Counters) -> pb::RequestCounters {
         blob_reads_per_token: c.blob_reads_per_token(),
         file_bytes_read: c.tiers.file_bytes_read,
         prefill_file_blob_reads: c.tiers.prefill_file_blob_reads,
+        prefill_file_bytes_read: c.tiers.prefill_file_bytes_read,
         ram_promotions: c.tiers.promotions,
         promotion_bytes: c.tiers.promotion_bytes,
         promotions_per_token: c.promotions_per_token(),
@@ -183,6 +184,7 @@ impl Strata for StrataService {
                 file_blob_reads: tt.file_blob_reads,
                 file_bytes_read: tt.file_bytes_read,
                 prefill_file_blob_reads: tt.prefill_file_blob_reads,
+                prefill_file_bytes_read: tt.prefill_file_bytes_read,
                 ram_promotions: tt.promotions,
                 promotion_bytes: tt.promotion_bytes,
                 promotions_refused: tt.promotions_refused,
@@ -209,6 +211,7 @@ impl Strata for StrataService {
                     range: range_text(spec.range),
                     active: k.active,
                     doc: spec.doc.to_string(),
+                    inactive_reason: k.inactive_reason.unwrap_or_default(),
                 }
             })
             .collect();
@@ -223,6 +226,7 @@ impl Strata for StrataService {
             old_value: c.old,
             new_value: c.new,
             active: c.active,
+            inactive_reason: c.inactive_reason.unwrap_or_default(),
         }))
     }
 

@@ -233,6 +233,10 @@ pub const GPU_ACTIVE: &[Knob] = &[
 /// the H200 for the Qwen3-30B-A3B geometry (docs/BENCHMARKS.md, stop 20).
 pub const DEFAULT_PCIE_PREFILL: usize = 16;
 
+/// Why the daemon runs without a VRAM expert cache, when it does (the backend's one line, e.g. "no CUDA driver
+/// (libcuda.so.1 not found): running on the CPU"); set once at start.
+pub static GPU_STATUS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 /// Set once a VRAM expert cache is attached (makes [`GPU_ACTIVE`] knobs active).
 pub static GPU_TIER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -341,6 +345,29 @@ impl Knobs {
     /// Whether knob `k` acts in this build (its tier exists; the expert knobs also need an MoE model).
     pub fn is_active(k: Knob, has_experts: bool) -> bool {
         (ACTIVE.contains(&k) && (has_experts || k == Knob::ExpertProfileSaveEvery)) || gpu_active(k)
+    }
+
+    /// Why knob `k` does not act in this daemon (`None` when [`Knobs::is_active`]): a dense model, no VRAM expert
+    /// cache (and why: the backend's line, [`GPU_STATUS`]), a knob read only at start, or one this engine
+    /// accepts without implementing.
+    pub fn inactive_reason(k: Knob, has_experts: bool) -> Option<String> {
+        if Self::is_active(k, has_experts) {
+            return None;
+        }
+        Some(match k {
+            Knob::VramReserveMib | Knob::VramReserveLaterMib => {
+                "read once, when the VRAM expert cache is sized at start (use the flag)".into()
+            }
+            Knob::RouteTailSkip => {
+                "accepted for the reference engine's clients; this engine does not skip experts".into()
+            }
+            _ if !has_experts => "the model is dense (no experts)".into(),
+            _ if !cfg!(feature = "cuda") => "this build has no GPU backend (built without the `cuda` feature)".into(),
+            _ => match GPU_STATUS.get() {
+                Some(why) => format!("no VRAM expert cache ({why})"),
+                None => "no VRAM expert cache".into(),
+            },
+        })
     }
 
     /// Every knob with its value, in display order.

@@ -139,6 +139,8 @@ pub struct TierCounters {
     pub prefill_file_blob_reads: AtomicU64,
     /// Bytes read from the file for computations (decode and prefill; promotions not included).
     pub file_bytes_read: AtomicU64,
+    /// Of those, the bytes read for prefill computations.
+    pub prefill_file_bytes_read: AtomicU64,
     /// RAM promotions (RAM adapt moves).
     pub promotions: AtomicU64,
     /// Bytes read from the file by promotions.
@@ -180,6 +182,8 @@ pub struct TierTotals {
     pub prefill_file_blob_reads: u64,
     /// Bytes read from the file for computations.
     pub file_bytes_read: u64,
+    /// Of those, bytes read for prefill computations.
+    pub prefill_file_bytes_read: u64,
     /// RAM promotions.
     pub promotions: u64,
     /// Bytes read by promotions.
@@ -215,6 +219,7 @@ impl TierTotals {
             file_blob_reads: self.file_blob_reads.saturating_sub(earlier.file_blob_reads),
             prefill_file_blob_reads: self.prefill_file_blob_reads.saturating_sub(earlier.prefill_file_blob_reads),
             file_bytes_read: self.file_bytes_read.saturating_sub(earlier.file_bytes_read),
+            prefill_file_bytes_read: self.prefill_file_bytes_read.saturating_sub(earlier.prefill_file_bytes_read),
             promotions: self.promotions.saturating_sub(earlier.promotions),
             promotion_bytes: self.promotion_bytes.saturating_sub(earlier.promotion_bytes),
             promotions_refused: self.promotions_refused.saturating_sub(earlier.promotions_refused),
@@ -242,6 +247,7 @@ impl TierCounters {
             file_blob_reads: g(&self.file_blob_reads),
             prefill_file_blob_reads: g(&self.prefill_file_blob_reads),
             file_bytes_read: g(&self.file_bytes_read),
+            prefill_file_bytes_read: g(&self.prefill_file_bytes_read),
             promotions: g(&self.promotions),
             promotion_bytes: g(&self.promotion_bytes),
             promotions_refused: g(&self.promotions_refused),
@@ -560,6 +566,7 @@ impl ExpertStore {
             c.file_blob_reads.fetch_add(file, Ordering::Relaxed);
         } else {
             c.prefill_file_blob_reads.fetch_add(file, Ordering::Relaxed);
+            c.prefill_file_bytes_read.fetch_add(file * blob, Ordering::Relaxed);
         }
         c.file_bytes_read.fetch_add(file * blob, Ordering::Relaxed);
         out
