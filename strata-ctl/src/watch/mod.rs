@@ -53,9 +53,11 @@ pub async fn run(client: &mut StrataClient<Channel>, mode: Mode, count: u32) -> 
 }
 
 /// The error `watch` ends with when the counter stream fails: [`STOPPED`] (code 2) for `UNAVAILABLE` (the daemon
-/// shuts down or went away), else the status (code 1).
+/// shuts down) or a broken connection (the daemon was killed: `UNKNOWN` from the transport, a status with a
+/// source error, which a status sent by the daemon never has), else the status (code 1).
 fn stream_err(s: tonic::Status) -> (u8, String) {
-    if s.code() == tonic::Code::Unavailable {
+    let broken = s.code() == tonic::Code::Unknown && std::error::Error::source(&s).is_some();
+    if s.code() == tonic::Code::Unavailable || broken {
         stopped()
     } else {
         status_err(s)
