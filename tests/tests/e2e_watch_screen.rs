@@ -1,7 +1,8 @@
 //! `strata-ctl watch` as a person sees it: the full-screen view in a detached tmux session (a private tmux server on
 //! its own socket, `-S`), read back with `capture-pane` — a finished request's counters without VRAM columns on a CPU daemon, `q`
-//! quitting, and the daemon's SIGTERM ending the view with one line on the restored screen and exit code 2.
+//! quitting, `--count`, and the daemon's SIGTERM ending the view with one line on the restored screen and exit code 2.
 
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -96,6 +97,7 @@ fn watch_screen_in_tmux() {
     );
     let tmux = Tmux::start("screen", &watch);
     tmux.window("quit", &watch);
+    tmux.window("count", &watch.replace(" watch;", " watch --count 1;"));
     let screen = tmux.wait_for("screen", "the view", |s| s.contains("strata-daemon") && s.contains("recent requests"));
     assert!(screen.contains("waiting for a request") && screen.contains("backend cpu"), "{screen}");
     assert!(tmux.alternate("screen"), "the view runs on the alternate screen");
@@ -107,6 +109,8 @@ fn watch_screen_in_tmux() {
     assert!(quit.contains("strata-ctl exited 0") && !quit.contains("recent requests"), "{quit}");
     assert!(!tmux.alternate("quit"));
 
+    // (the view shows once its counter stream is open)
+    tmux.wait_for("count", "the view", |s| s.contains("recent requests"));
     // a request: the view shows its tokens when it finishes, and no VRAM column on a CPU daemon
     let o = d.ctl(&["--json", "generate", "--max-tokens", "24", "Once upon a time"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -120,6 +124,9 @@ fn watch_screen_in_tmux() {
     assert!(screen.contains("last request") && screen.contains("since start"), "{screen}");
     assert!(screen.contains("RAM reads") && screen.contains("blobs/tok"), "{screen}");
     assert!(!screen.contains("VRAM"), "no VRAM columns on a CPU daemon:\n{screen}");
+    // --count 1: the view ends after that request
+    let count = tmux.wait_for("count", "strata-ctl's exit", |s| s.contains("strata-ctl exited"));
+    assert!(count.contains("strata-ctl exited 0") && !tmux.alternate("count"), "{count}");
 
     // the daemon stops: the view ends with one line on the restored screen, exit code 2
     d.signal(nix::sys::signal::Signal::SIGTERM);
@@ -129,4 +136,32 @@ fn watch_screen_in_tmux() {
     assert!(end.contains("strata-ctl: the daemon stopped\nstrata-ctl exited 2"), "{end}");
     assert!(!end.contains("recent requests"), "the view is gone:\n{end}");
     assert!(!tmux.alternate("screen"), "back on the normal screen");
+}
+
+/// Not on a terminal (here a pipe) `watch` prints today's lines; the daemon stopping ends it the same way.
+#[test]
+fn plain_watch_ends_when_the_daemon_stops() {
+    let d = Daemon::start_with(&fixture_path("split"), &temp_path(".sock"), &["--gpu", "off"]);
+    let mut watch = Command::new(bin("strata-ctl"))
+        .arg("--socket")
+        .arg(&d.socket)
+        .arg("watch")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // the header line comes once the stream is open
+    let mut lines = BufReader::new(watch.stdout.take().unwrap()).lines().map(|l| l.unwrap());
+    assert_eq!(lines.next().unwrap(), " request   state   tokens     tok/s   VRAM hit   blobs/tok  promoted");
+    let o = d.ctl(&["generate", "--max-tokens", "8", "Once upon a time"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let done = lines.find(|l| !l.contains("running")).unwrap();
+    let words: Vec<&str> = done.split_whitespace().collect();
+    assert_eq!(words[1..3], ["done", "8"], "{done}");
+    d.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(d.wait(Duration::from_secs(10)).0.success());
+    assert_eq!(lines.count(), 0);
+    let o = watch.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "strata-ctl: the daemon stopped\n");
 }
