@@ -35,7 +35,7 @@ impl ViewState {
     /// The state at start: the stats, with their last request as the current and only finished one.
     pub fn new(stats: pb::StatsReply) -> Self {
         let mut s = ViewState { stats, ..Default::default() };
-        if let Some(c) = s.stats.last_request.clone() {
+        if let Some(c) = s.stats.last_request {
             s.apply(pb::CounterUpdate { running: false, counters: Some(c) });
         }
         s
@@ -45,7 +45,7 @@ impl ViewState {
     pub fn apply(&mut self, u: pb::CounterUpdate) -> bool {
         let finished = !u.running;
         if let (true, Some(c)) = (finished, &u.counters) {
-            self.history.push_front(c.clone());
+            self.history.push_front(*c);
             self.history.truncate(HISTORY);
         }
         self.current = Some(u);
@@ -277,7 +277,7 @@ fn draw_tiers(f: &mut Frame, area: Rect, s: &ViewState) {
         let label = if running { "this request" } else { "last request" };
         rows.push(TierFigures::of_request(c).cells(label, gpu));
     }
-    rows.push(TierFigures::of_totals(&s.stats.totals.clone().unwrap_or_default()).cells("since start", gpu));
+    rows.push(TierFigures::of_totals(&s.stats.totals.unwrap_or_default()).cells("since start", gpu));
     f.render_widget(table(&TierFigures::header(gpu), rows, titled(&title)), area);
 }
 
