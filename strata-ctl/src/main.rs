@@ -2,7 +2,7 @@
 //! (`strata.v1.Strata` over a Unix socket).
 //!
 //! Exit codes: 0 success, 1 the daemon refused or failed the request,
-//! 2 the daemon cannot be reached.
+//! 2 the daemon cannot be reached (or stopped during `watch`) or the command line is invalid.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -16,6 +16,8 @@ use strata_proto::v1 as pb;
 use strata_proto::v1::strata_client::StrataClient;
 use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
+
+mod watch;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -92,13 +94,17 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ProfileCmd,
     },
-    /// Live table of the running request's counters (tok/s, blob reads per token, promotions, hit rate; a long
-    /// prompt's prefill as `prefill` with prompt tokens done / total) and each finished request's; runs until
-    /// interrupted (`--count N` stops after N finished requests).
+    /// Live view of the running request's counters (tok/s, blob reads per token, promotions, hit rate; a long
+    /// prompt's prefill as `prefill` with prompt tokens done / total) and each finished request's: a screen
+    /// refreshed in place on a terminal (q, Esc or Ctrl-C quits), else one line per update. Runs until interrupted
+    /// (`--count N` stops after N finished requests); the daemon stopping ends it with exit code 2.
     Watch {
         /// Stop after this many finished requests (0 = never).
         #[arg(long, default_value_t = 0)]
         count: u32,
+        /// One line per update even on a terminal (as when stdout is a pipe or a file).
+        #[arg(long)]
+        plain: bool,
     },
 }
 
@@ -602,52 +608,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
             }
             Ok(())
         }
-        Cmd::Watch { count } => {
-            let mut stream = client.watch_counters(pb::WatchRequest {}).await.map_err(status_err)?.into_inner();
-            if !cli.json {
-                println!(
-                    "{:>8} {:>7} {:>8} {:>9} {:>10} {:>11} {:>9}",
-                    "request", "state", "tokens", "tok/s", "VRAM hit", "blobs/tok", "promoted"
-                );
-            }
-            let mut finished = 0u32;
-            while let Some(u) = stream.message().await.map_err(status_err)? {
-                let Some(c) = u.counters else { continue };
-                if cli.json {
-                    println!("{}", json!({"running": u.running, "counters": counters_json(&c)}));
-                } else if u.running && c.prompt_done < c.prompt_tokens {
-                    // a long prompt's prefill: prompt tokens done of all, and their rate so far
-                    let done = c.prompt_done.saturating_sub(c.prompt_reused) as f64;
-                    let rate = if c.prompt_ms > 0.0 { done * 1000.0 / c.prompt_ms } else { 0.0 };
-                    println!(
-                        "{:>8} {:>7} {:>8} {:>9.1}",
-                        c.request_id,
-                        "prefill",
-                        format!("{}/{}", c.prompt_done, c.prompt_tokens),
-                        rate
-                    );
-                } else {
-                    println!(
-                        "{:>8} {:>7} {:>8} {:>9.1} {:>9.1}% {:>11.2} {:>9}",
-                        c.request_id,
-                        if u.running { "running" } else { "done" },
-                        c.generated_tokens,
-                        c.decode_tok_s,
-                        c.hit_rate * 100.0,
-                        c.blob_reads_per_token,
-                        c.ram_promotions
-                    );
-                }
-                let _ = std::io::stdout().flush();
-                if !u.running {
-                    finished += 1;
-                    if count > 0 && finished >= count {
-                        break;
-                    }
-                }
-            }
-            Ok(())
-        }
+        Cmd::Watch { count, plain } => watch::run(&mut client, watch::Mode::choose(cli.json, plain), count).await,
     }
 }
 
