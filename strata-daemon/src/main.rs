@@ -190,8 +190,11 @@ fn parse_args() -> Result<Args> {
     let mut argv: Vec<std::ffi::OsString> = vec![cmd.get_name().into()];
     argv.extend(file.args.iter().cloned());
     argv.extend(std::env::args_os().skip(1));
-    // what the file and the command line say together (e.g. two conflicting modes) is clap's to refuse
-    let args = Args::try_parse_from(argv).unwrap_or_else(|e| e.exit());
+    // what the file's keys say together (e.g. two conflicting modes) is refused in one line naming the file
+    let args = Args::try_parse_from(argv).map_err(|e| {
+        let first = e.to_string().lines().next().unwrap_or("").trim_start_matches("error: ").to_string();
+        anyhow::anyhow!("config file {}: {first}", path.display())
+    })?;
     tracing::info!(
         config = %path.display(),
         settings = file.args.len(),
@@ -348,6 +351,7 @@ fn run() -> Result<()> {
         profile: profile.as_ref(),
         mode,
         headroom: store_cfg.headroom,
+        lock: store_cfg.lock,
         gpu: &gpu,
         pcie_frac: args.pcie_frac,
     };

@@ -405,6 +405,10 @@ pub fn gpu_view(m: &ModelRef<'_>, o: &GpuOptions) -> Result<Option<crate::tiers:
     }
     #[cfg(feature = "cuda")]
     {
+        // a model the GPU would refuse is planned on the CPU, as the load then runs it
+        if gpu_kv_type_ok(m.kv_type, m.cfg.head_dim).is_err() {
+            return Ok(None);
+        }
         let Ok(probe) = cuda::probe(o.device) else { return Ok(None) };
         let d = &probe.device;
         let (free, total) = d.mem_info().map_err(|e| e.to_string())?;

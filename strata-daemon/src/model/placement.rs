@@ -17,6 +17,8 @@ pub struct PlanOptions<'a> {
     pub mode: ResidentMode,
     /// Memory the RAM copy leaves free (bytes).
     pub headroom: u64,
+    /// Whether the RAM copy is to be locked (`false`: `--no-mlock`).
+    pub lock: bool,
     /// GPU use, the context and the prefill chunk.
     pub gpu: &'a GpuOptions,
     /// `--pcie-frac`.
@@ -65,6 +67,7 @@ impl Model {
             n_ctx: o.gpu.n_ctx,
             mode: o.mode,
             headroom: o.headroom,
+            lock: o.lock,
             cache: if gpu.is_some() { o.gpu.cache } else { CacheSize::Slots(0) },
             gpu,
             pcie_frac: o.pcie_frac,

@@ -105,7 +105,11 @@ pub fn from_str(text: &str, path: &Path, cmd: &Command, given: &ArgMatches) -> R
             return Err(ConfigError::Duplicate { path: path.into(), a: (*a).to_string(), b: key.clone() });
         }
         seen.push((key, id));
-        if matches!(given.value_source(id), Some(ValueSource::CommandLine | ValueSource::EnvVariable)) {
+        // the command line (or the environment) wins: over the same flag, and over a flag it conflicts with
+        // (`--resident-experts` given, `mmap-experts = true` in the file)
+        let set =
+            |id: &str| matches!(given.value_source(id), Some(ValueSource::CommandLine | ValueSource::EnvVariable));
+        if set(id) || cmd.get_arg_conflicts_with(arg).iter().any(|c| set(c.get_id().as_str())) {
             out.overridden.push(key.clone());
             continue;
         }
@@ -231,6 +235,15 @@ mod tests {
         let s = e("ctx = 1\nexpert-cache = \n");
         assert!(s.starts_with("config file s.toml:2:"), "{s}");
         assert!(!s.contains('\n'), "{s}");
+    }
+
+    #[test]
+    fn a_command_line_flag_wins_over_a_file_key_it_conflicts_with() {
+        let c = cmd().mut_arg("mmap_experts", |a| a.conflicts_with("expert_cache"));
+        let given = c.clone().try_get_matches_from(["d", "--expert-cache", "4"]).unwrap();
+        let f = from_str("mmap-experts = true\nctx = 9\n", Path::new("s.toml"), &c, &given).unwrap();
+        assert_eq!(f.overridden, ["mmap-experts"]);
+        assert_eq!(f.args, [OsString::from("--ctx=9")]);
     }
 
     #[test]

@@ -1,14 +1,14 @@
 //! Errors as the binaries print them: one line.
 
 /// `err` and its causes (`source()` chain) joined by ": " on one line, leaving out a cause whose text the line
-/// already holds (an error that prints its source, as `cannot open F: No such file` does, would otherwise show the
+/// already ends with (an error that prints its source, as `cannot open F: No such file` does, would otherwise show the
 /// cause twice). Line breaks inside a message become spaces.
 pub fn one_line(err: &(dyn std::error::Error + 'static)) -> String {
     let mut line = err.to_string().replace('\n', " ");
     let mut cause = err.source();
     while let Some(c) = cause {
         let text = c.to_string().replace('\n', " ");
-        if !text.is_empty() && !line.contains(&text) {
+        if !text.is_empty() && !line.ends_with(&text) {
             line.push_str(": ");
             line.push_str(&text);
         }

@@ -358,7 +358,7 @@ pub(super) fn make_bufs<B>(
         tiles: alloc(t * kk * super::ops::TILE_BYTES)?,
         y: alloc(4 * t * kk * e)?,
         cpu: alloc(4 * t * e)?,
-        cs: alloc(4 * t * c.n_rot + 2)?,
+        cs: alloc(4 * (t * c.n_rot + 2))?,
         sh: alloc(4 * if c.n_ff_shexp > 0 { t * e } else { 1 })?,
         logits: alloc(4 * if last { t * c.n_vocab } else { 1 })?,
         win_ids: alloc(4 * c.n_layer * t * kk)?,
