@@ -9,7 +9,8 @@ Tools: SmolLM2's own template has none (tools are refused with param `tools`); a
 under a Qwen2.5-style template that offers tools (tests/data/chat/hermes-tools.jinja, written into a copy of the
 GGUF by gguf_template.py): the tools reach the prompt (prompt_tokens grows; `tool_choice: none` leaves it as without
 tools), a history with calls and results renders, bad shapes and an unknown `tool_choice` function are 400s naming
-the field, and a named `tool_choice` (the reply opens with the call) comes back as the same tool call or content,
+the field, tools or call arguments that the template would print as over 4 MiB of prompt are 400s (in a body under
+the 4 MiB body limit), and a named `tool_choice` (the reply opens with the call) comes back as the same tool call or content,
 streamed or not.
 
 Setup and run: as tests/python/test_grpc_client.py (requirements.txt holds openai and prometheus_client).
@@ -262,6 +263,34 @@ def test_bad_tool_requests_are_400s_naming_the_field(tools_client, tools_url):
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]
     err = _error(tools_url, {**base, "messages": bad_args, "tools": WEATHER})
     assert err["param"] == "messages" and "not valid JSON" in err["message"]
+    # still serving
+    r = tools_client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=WEATHER, max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_huge_tools_are_over_the_prompt_limit(tools_client, tools_url):
+    # 1.5 M enum values: 3 MB of compact JSON, under the 4 MiB body limit, but 4.5 MB of prompt as the template
+    # prints the tools (tojson: ", " between items), over the 4 MiB prompt limit although the messages are small
+    enum = {"type": "integer", "enum": [0] * 1_500_000}
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": enum}}}}]
+    body = {"model": MODEL_ID, "messages": ASK, "tools": tools, "max_tokens": 2}
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    assert len(raw) < 4 << 20
+    status, reply = _post(tools_url, raw)
+    assert status == 400 and reply["error"]["type"] == "invalid_request_error", (status, reply)
+    msg = reply["error"]["message"]
+    assert msg.startswith("prompt of ") and "of them the tools) is over the limit of 4194304" in msg, msg
+    # an earlier call's arguments count the same way (a JSON string in the body, printed by tojson in the prompt)
+    args = json.dumps({"n": [0] * 1_500_000}, separators=(",", ":"))
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]}]
+    raw = json.dumps({**body, "tools": WEATHER, "messages": history}, separators=(",", ":")).encode()
+    assert len(raw) < 4 << 20
+    status, reply = _post(tools_url, raw)
+    assert status == 400 and reply["error"]["type"] == "invalid_request_error", (status, reply)
+    msg = reply["error"]["message"]
+    assert msg.startswith("prompt of ") and msg.endswith("of them the tools) is over the limit of 4194304"), msg
     # still serving
     r = tools_client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=WEATHER, max_tokens=2)
     assert r.usage.completion_tokens >= 1

@@ -104,7 +104,8 @@ pub struct GenerateParams {
     pub tool_parse: Option<ToolParse>,
 }
 
-/// Most bytes of prompt text (the prompt, or every message's role and content).
+/// Most bytes of prompt text: the prompt, or every text the chat template is given (each message's role, content,
+/// tool calls, `tool_call_id` and name, and the tools), counted by [`prompt_bytes`].
 pub const MAX_PROMPT_BYTES: usize = 4 << 20;
 /// Most chat messages.
 pub const MAX_MESSAGES: usize = 4096;
@@ -130,9 +131,10 @@ pub const MAX_STOP_BYTES: usize = 256;
 pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<GenerateParams, RequestError> {
     let err = |m: String| Err(RequestError::new(m));
     // sizes bounded before any work (the front ends bound the bytes of a request too)
-    let text_bytes = raw.prompt.len() + raw.messages.iter().map(|m| m.role.len() + m.content.len()).sum::<usize>();
+    let (text_bytes, tool_bytes) = prompt_bytes(raw);
     if text_bytes > MAX_PROMPT_BYTES {
-        return err(format!("prompt of {text_bytes} bytes is over the limit of {MAX_PROMPT_BYTES}"));
+        let tools = if tool_bytes > 0 { format!(" ({tool_bytes} of them the tools)") } else { String::new() };
+        return err(format!("prompt of {text_bytes} bytes{tools} is over the limit of {MAX_PROMPT_BYTES}"));
     }
     if raw.messages.len() > MAX_MESSAGES {
         return err(format!("{} messages are over the limit of {MAX_MESSAGES}", raw.messages.len()));
@@ -241,6 +243,21 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
         stop: raw.stop.clone(),
         tool_parse: tool_parse_out,
     })
+}
+
+/// The bytes of text in `raw` that reach the prompt, the quantity [`MAX_PROMPT_BYTES`] bounds, and the tools' part
+/// of them: the prompt, each message's role, content, `tool_call_id` and name, and its tool calls and the tools
+/// (unless `tool_choice` is none, which leaves them out) as JSON the way the template's `tojson` prints them
+/// ([`chat::tojson_len`]; ids, names and arguments included).
+pub fn prompt_bytes(raw: &RawRequest) -> (usize, usize) {
+    let message = |m: &Message| {
+        let calls = if m.tool_calls.is_empty() { 0 } else { chat::tojson_len(&m.tool_calls) };
+        let opt = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+        m.role.len() + m.content.len() + calls + opt(&m.tool_call_id) + opt(&m.name)
+    };
+    let offered = !raw.tools.is_empty() && raw.tool_choice != ToolChoice::None;
+    let tools = if offered { chat::tojson_len(&raw.tools) } else { 0 };
+    (raw.prompt.len() + raw.messages.iter().map(message).sum::<usize>() + tools, tools)
 }
 
 /// The tools a chat request offers the template, how to read its reply, and the reply's forced start: see

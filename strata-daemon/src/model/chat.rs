@@ -120,6 +120,28 @@ fn tojson(v: Value, indent: Option<usize>, kwargs: Kwargs) -> Result<String, Err
     String::from_utf8(out).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))
 }
 
+/// The bytes of `v` as the `tojson` filter prints it without indent (Python's `json.dumps` layout), counted
+/// without building the text: what a template that prints `v` whole puts in the prompt. 0 for a value that does not
+/// serialize.
+pub fn tojson_len<T: Serialize + ?Sized>(v: &T) -> usize {
+    /// Counts what is written to it.
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut n = Count(0);
+    match v.serialize(&mut serde_json::Serializer::with_formatter(&mut n, PyJson)) {
+        Ok(()) => n.0,
+        Err(_) => 0,
+    }
+}
+
 /// Whether `template` reads the `tools` variable (it can offer tools to the model). Errors: a template that
 /// does not parse.
 pub fn takes_tools(template: &str) -> Result<bool, ChatError> {
@@ -292,6 +314,15 @@ mod tests {
         // the contents (the user's and the tool's) are still told from the markup
         let content: Vec<String> = segs.expect("split").into_iter().filter(|s| !s.markup).map(|s| s.text).collect();
         assert_eq!(content, ["Weather in Paris?", "{\"temp\": 21}"]);
+    }
+
+    #[test]
+    fn tojson_len_is_the_length_the_template_prints() {
+        let msgs = [Message::new("user", "x")];
+        let out = render_chat("{{ tools | tojson }}", &chat(&msgs, &weather())).unwrap();
+        assert_eq!(tojson_len(&weather()), out.len());
+        let v = json!({"a": ["é", 1, null], "b": {"c": "\"q\""}});
+        assert_eq!(tojson_len(&v), r#"{"a": ["é", 1, null], "b": {"c": "\"q\""}}"#.len());
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //!   `{"name": ..., "parameters": {...}}`.
 //!
 //! A call is taken only when its JSON parses, names one of the offered functions and has object arguments;
-//! anything else stays content, as the model wrote it.
+//! anything else stays content, as the model wrote it. A Hermes call ends at the first `</tool_call>` outside the
+//! JSON's strings, so an argument whose text holds the marker (`{"code": "print('</tool_call>')"}`) does not cut
+//! the call short; a call whose JSON never closes its string runs to the end of the reply.
 
 use serde_json::Value;
 
@@ -71,6 +73,7 @@ impl ToolParse {
             names: self.names.clone(),
             buf: self.prefix.clone(),
             state: State::Start,
+            scan: CloseScan::default(),
             ws: String::new(),
             after_call: false,
             calls: 0,
@@ -116,11 +119,58 @@ pub struct ToolCallParser {
     names: Vec<String>,
     buf: String,
     state: State,
+    /// Where the open Hermes call's closing marker is looked for (in `buf`, which starts with the call's text).
+    scan: CloseScan,
     /// Whitespace held at the end of the content given out so far.
     ws: String,
     /// No content since the last call.
     after_call: bool,
     calls: usize,
+}
+
+/// Finds a Hermes call's closing marker outside the JSON's strings: reads the call's text (what follows
+/// `<tool_call>`) once, in order, keeping whether it is inside a string and after a backslash there, so that text
+/// arriving in pieces is not read again.
+#[derive(Debug, Default, Clone, Copy)]
+struct CloseScan {
+    /// Bytes of the call's text read.
+    at: usize,
+    /// Inside a JSON string.
+    in_string: bool,
+    /// Inside a string, right after a backslash (the next byte is escaped).
+    escaped: bool,
+}
+
+impl CloseScan {
+    /// Where [`CLOSE`] begins in `text` (the call's text so far; it only grows between calls) outside every
+    /// string; `None` while it has not arrived. A marker's beginning at the end of `text` is read again with more.
+    fn find(&mut self, text: &str) -> Option<usize> {
+        let bytes = text.as_bytes();
+        while let Some(&b) = bytes.get(self.at) {
+            if self.in_string {
+                if self.escaped {
+                    self.escaped = false;
+                } else if b == b'\\' {
+                    self.escaped = true;
+                } else if b == b'"' {
+                    self.in_string = false;
+                }
+            } else if b == b'"' {
+                self.in_string = true;
+            } else if b == b'<' {
+                // `<` is ASCII, so `at` is a character boundary
+                let rest = &text[self.at..];
+                if rest.starts_with(CLOSE) {
+                    return Some(self.at);
+                }
+                if CLOSE.starts_with(rest) {
+                    return None;
+                }
+            }
+            self.at += 1;
+        }
+        None
+    }
 }
 
 /// The length of the longest end of `s` that begins `tag` (text to hold: the tag may be arriving).
@@ -166,6 +216,7 @@ impl ToolCallParser {
                     let before: String = self.buf.drain(..at + OPEN.len()).collect();
                     self.content(out, &before[..at]);
                     self.state = State::Call;
+                    self.scan = CloseScan::default();
                     continue;
                 }
                 let keep = if end { 0 } else { partial_tag(&self.buf, OPEN) };
@@ -173,7 +224,7 @@ impl ToolCallParser {
                 self.content(out, &text);
                 return;
             }
-            let (body, closed) = match self.buf.find(CLOSE) {
+            let (body, closed) = match self.scan.find(&self.buf) {
                 Some(at) => (self.buf[..at].to_string(), Some(at + CLOSE.len())),
                 None if end => (self.buf.clone(), None),
                 None => return,
@@ -318,26 +369,30 @@ mod tests {
         assert_eq!(parse_reply(&hermes(""), " Hi <tool\n"), (Some(" Hi <tool\n".into()), vec![]));
     }
 
+    /// `text` pushed `step` characters at a time, then finished: the pieces, joined as [`parse_reply`] joins them.
+    fn streamed(p: &ToolParse, text: &str, step: usize) -> (Option<String>, Vec<ParsedCall>) {
+        let cuts: Vec<usize> = (0..=text.len()).filter(|&i| text.is_char_boundary(i)).collect();
+        let mut s = p.parser();
+        let mut pieces = Vec::new();
+        for w in cuts.chunks(step).map(|c| c[0]).chain([text.len()]).collect::<Vec<_>>().windows(2) {
+            let got = s.push(&text[w[0]..w[1]]);
+            // no tag text ever leaks into content while it is arriving
+            assert!(got.iter().all(|g| !matches!(g, Piece::Content(c) if c.contains('<'))), "{got:?}");
+            pieces.extend(got);
+        }
+        pieces.extend(s.finish());
+        let content: String =
+            pieces.iter().filter_map(|x| if let Piece::Content(c) = x { Some(c.as_str()) } else { None }).collect();
+        let calls = pieces.into_iter().filter_map(|x| if let Piece::Call(c) = x { Some(c) } else { None }).collect();
+        ((!content.is_empty()).then_some(content), calls)
+    }
+
     #[test]
     fn streaming_split_anywhere_gives_the_same_pieces() {
         let text = "Sure. <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}</tool_call>";
         let whole = parse_reply(&hermes(""), text);
-        let cuts: Vec<usize> = (0..=text.len()).filter(|&i| text.is_char_boundary(i)).collect();
         for step in [1, 2, 3, 5, 7, 11] {
-            let mut p = hermes("").parser();
-            let mut pieces = Vec::new();
-            for w in cuts.chunks(step).map(|c| c[0]).chain([text.len()]).collect::<Vec<_>>().windows(2) {
-                let got = p.push(&text[w[0]..w[1]]);
-                // no tag text ever leaks into content while it is arriving
-                assert!(got.iter().all(|g| !matches!(g, Piece::Content(c) if c.contains('<'))), "{got:?}");
-                pieces.extend(got);
-            }
-            pieces.extend(p.finish());
-            let content: String =
-                pieces.iter().filter_map(|x| if let Piece::Content(c) = x { Some(c.as_str()) } else { None }).collect();
-            let calls: Vec<_> =
-                pieces.into_iter().filter_map(|x| if let Piece::Call(c) = x { Some(c) } else { None }).collect();
-            assert_eq!((Some(content), calls), whole, "step {step}");
+            assert_eq!(streamed(&hermes(""), text, step), whole, "step {step}");
         }
         // the content before the first call is given out before the call closes
         let mut p = hermes("").parser();
@@ -345,6 +400,51 @@ mod tests {
         assert_eq!(p.push("_call>{\"name\": \"add\""), []);
         assert_eq!(p.push(", \"arguments\": {}}</tool_call>"), [Piece::Call(call("add", "{}"))]);
         assert_eq!(p.finish(), []);
+    }
+
+    #[test]
+    fn the_closing_marker_inside_a_json_string_does_not_close_the_call() {
+        // the marker in an argument, after an escaped quote, and a string ending in an escaped backslash
+        let text = concat!(
+            "Running it.\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"code\": \"print('</tool_call>')\"}}\n",
+            "</tool_call>\n<tool_call> \n {\"name\": \"add\", \"arguments\": {\"s\": \"a \\\"</tool_call>\\\" b\", ",
+            "\"t\": \"c:\\\\\"}}</tool_call> done"
+        );
+        let want = (
+            Some("Running it.done".to_string()),
+            vec![
+                call("add", r#"{"code":"print('</tool_call>')"}"#),
+                call("add", r#"{"s":"a \"</tool_call>\" b","t":"c:\\"}"#),
+            ],
+        );
+        assert_eq!(parse_reply(&hermes(""), text), want);
+        for step in [1, 2, 3, 4, 5, 7, 13] {
+            assert_eq!(streamed(&hermes(""), text, step), want, "step {step}");
+        }
+        // split inside an escape and inside the marker, in a string and after it: the call waits for the real one
+        let mut p = hermes("").parser();
+        assert_eq!(p.push("<tool_call>{\"name\": \"add\", \"arguments\": {\"s\": \"a \\"), []);
+        assert_eq!(p.push("\"</tool_"), []);
+        assert_eq!(p.push("call>\\\" b\"}}</tool"), []);
+        assert_eq!(p.push("_call>"), [Piece::Call(call("add", r#"{"s":"a \"</tool_call>\" b"}"#))]);
+        assert_eq!(p.finish(), []);
+        // a forced opening is read the same way
+        let forced = hermes(&ToolFormat::Hermes.forced_prefix(Some("add")));
+        let t = "{\"x\": \"</tool_call>\"}}\n</tool_call>";
+        assert_eq!(parse_reply(&forced, t), (None, vec![call("add", r#"{"x":"</tool_call>"}"#)]));
+    }
+
+    #[test]
+    fn a_call_whose_string_never_closes_stays_content() {
+        let text = "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"s\": \"</tool_call> and on";
+        assert_eq!(parse_reply(&hermes(""), text), (Some(text.to_string()), vec![]));
+        for step in [1, 3, 8] {
+            assert_eq!(streamed(&hermes(""), text, step), (Some(text.to_string()), vec![]), "step {step}");
+        }
+        // nothing of it is given out before the reply ends
+        let mut p = hermes("").parser();
+        assert_eq!(p.push(text), []);
+        assert_eq!(p.finish(), [Piece::Content(text.to_string())]);
     }
 
     #[test]
