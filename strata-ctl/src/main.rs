@@ -221,17 +221,39 @@ fn counters_json(c: &pb::RequestCounters) -> serde_json::Value {
         "promotion_bytes": c.promotion_bytes,
         "promotions_per_token": c.promotions_per_token,
         "rss_bytes": c.rss_bytes,
+        "swaps": c.swaps,
+        "pcie_entries": c.pcie_entries,
+        "prefetched": c.prefetched,
+        "prefetch_hits": c.prefetch_hits,
+        "prefetch_wasted_bytes": c.prefetch_wasted_bytes,
         "finish_reason": finish_name(c.finish_reason),
     })
 }
 
+/// The GPU tiers' counters beside VRAM hits and swaps, as text: decode routing entries computed after a PCIe upload,
+/// and the next-layer prefetch's uploads, the ones used and the bytes not used (all 0 on a CPU daemon, or while
+/// neither `--pcie-frac` nor `--prefetch` acts).
+fn gpu_clause(pcie_entries: u64, prefetched: u64, prefetch_hits: u64, prefetch_wasted_bytes: u64) -> String {
+    format!(
+        "{pcie_entries} PCIe entries, {prefetched} prefetched ({prefetch_hits} used, {:.1} MiB unused)",
+        prefetch_wasted_bytes as f64 / 1048576.0
+    )
+}
+
 fn tiers_line(c: &pb::RequestCounters) -> String {
     let mib = |b: u64| b as f64 / 1048576.0;
+    // a request knows no backend: the GPU clause when it has something to say
+    let gpu = if c.pcie_entries > 0 || c.prefetched > 0 {
+        format!("; GPU: {}", gpu_clause(c.pcie_entries, c.prefetched, c.prefetch_hits, c.prefetch_wasted_bytes))
+    } else {
+        String::new()
+    };
     format!(
-        "experts: {} lookups, {} VRAM hits ({:.1}%), {} RAM reads, {} file blob reads in decode ({:.2} per token, {:.1} MiB), {} in prefill ({:.1} MiB), {} RAM promotions ({:.2} per token)",
+        "experts: {} lookups, {} VRAM hits ({:.1}%), {} swaps into VRAM, {} RAM reads, {} file blob reads in decode ({:.2} per token, {:.1} MiB), {} in prefill ({:.1} MiB), {} RAM promotions ({:.2} per token){gpu}",
         c.expert_lookups,
         c.vram_hits,
         c.hit_rate * 100.0,
+        c.swaps,
         c.ram_reads,
         c.file_blob_reads,
         c.blob_reads_per_token,
@@ -391,7 +413,9 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                             "vram_hits": t.vram_hits, "ram_reads": t.ram_reads, "file_blob_reads": t.file_blob_reads,
                             "file_bytes_read": t.file_bytes_read, "prefill_file_blob_reads": t.prefill_file_blob_reads, "prefill_file_bytes_read": t.prefill_file_bytes_read,
                             "ram_promotions": t.ram_promotions, "promotion_bytes": t.promotion_bytes,
-                            "promotions_refused": t.promotions_refused,
+                            "promotions_refused": t.promotions_refused, "swaps": t.swaps,
+                            "pcie_entries": t.pcie_entries, "prefetched": t.prefetched,
+                            "prefetch_hits": t.prefetch_hits, "prefetch_wasted_bytes": t.prefetch_wasted_bytes,
                         },
                         "last_request": s.last_request.as_ref().map(counters_json),
                     }))
@@ -443,8 +467,8 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                     let per = |a: u64| if t.generated_tokens > 0 { a as f64 / t.generated_tokens as f64 } else { 0.0 };
                     let decode_mib = t.file_bytes_read.saturating_sub(t.prefill_file_bytes_read) as f64 / 1048576.0;
                     println!(
-                        "experts      {} lookups, {} VRAM hits, {} RAM reads, {} file blob reads ({:.2} per token, {:.1} MiB)",
-                        t.expert_lookups, t.vram_hits, t.ram_reads, t.file_blob_reads, per(t.file_blob_reads),
+                        "experts      {} lookups, {} VRAM hits, {} swaps into VRAM, {} RAM reads, {} file blob reads ({:.2} per token, {:.1} MiB)",
+                        t.expert_lookups, t.vram_hits, t.swaps, t.ram_reads, t.file_blob_reads, per(t.file_blob_reads),
                         decode_mib
                     );
                     println!(
@@ -455,6 +479,12 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                         t.promotion_bytes as f64 / 1048576.0,
                         t.promotions_refused
                     );
+                    if m.backend == "cuda" || t.pcie_entries > 0 || t.prefetched > 0 {
+                        println!(
+                            "             GPU: {}",
+                            gpu_clause(t.pcie_entries, t.prefetched, t.prefetch_hits, t.prefetch_wasted_bytes)
+                        );
+                    }
                 }
                 if let Some(c) = &s.last_request {
                     println!("last request #{}: {}", c.request_id, counters_line(c));

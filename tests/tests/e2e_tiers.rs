@@ -328,9 +328,17 @@ fn counters_split_file_reads_knobs_say_why_and_top_limits_layers() {
     let (all, prefill) = (t["file_bytes_read"].as_u64().unwrap(), t["prefill_file_bytes_read"].as_u64().unwrap());
     assert!(prefill > 0 && prefill == all, "{t}");
     assert_eq!(prefill, t["prefill_file_blob_reads"].as_u64().unwrap() * 127_872, "{t}");
+    // the GPU tiers' counters (/metrics' strata_swaps_total, ...) reach the client too: 0 on a CPU daemon, since
+    // start and per request
+    for k in ["swaps", "pcie_entries", "prefetched", "prefetch_hits", "prefetch_wasted_bytes"] {
+        assert_eq!(t[k].as_u64(), Some(0), "totals.{k}: {t}");
+        assert_eq!(v["last_request"][k].as_u64(), Some(0), "last_request.{k}: {v}");
+    }
+    assert!(line.contains(" VRAM hits (0.0%), 0 swaps into VRAM, ") && !line.contains("GPU:"), "{line}");
     let s = stdout(&d.ctl(&["stats"]));
     assert!(s.contains("decode       1 token in ") && s.contains(", 0 windows"), "{s}");
     assert!(s.contains(&format!("prefill: {} file blob reads (", t["prefill_file_blob_reads"])), "{s}");
+    assert!(s.contains(" 0 VRAM hits, 0 swaps into VRAM, ") && !s.contains("GPU:"), "{s}");
     // a GPU knob on a CPU daemon says why it does not act
     let o = d.ctl(&["set", "adapt-swaps", "5"]);
     assert!(

@@ -123,7 +123,10 @@ fn watch_screen_in_tmux() {
     assert!(row.contains("max_tokens") && row.contains(&format!(" {tokens} ")), "{row}");
     assert!(screen.contains("last request") && screen.contains("since start"), "{screen}");
     assert!(screen.contains("RAM reads") && screen.contains("blobs/tok"), "{screen}");
-    assert!(!screen.contains("VRAM"), "no VRAM columns on a CPU daemon:\n{screen}");
+    // file reads split into decode and prefill, as strata-ctl stats shows them
+    assert!(screen.contains("decode blobs") && screen.contains("decode MiB"), "{screen}");
+    assert!(screen.contains("prefill blobs") && screen.contains("prefill MiB"), "{screen}");
+    assert!(!screen.contains("VRAM") && !screen.contains("swaps"), "no VRAM columns on a CPU daemon:\n{screen}");
     // --count 1: the view ends after that request
     let count = tmux.wait_for("count", "strata-ctl's exit", |s| s.contains("strata-ctl exited"));
     assert!(count.contains("strata-ctl exited 0") && !tmux.alternate("count"), "{count}");
@@ -152,12 +155,13 @@ fn plain_watch_ends_when_the_daemon_stops() {
         .unwrap();
     // the header line comes once the stream is open
     let mut lines = BufReader::new(watch.stdout.take().unwrap()).lines().map(|l| l.unwrap());
-    assert_eq!(lines.next().unwrap(), " request   state   tokens     tok/s   VRAM hit   blobs/tok  promoted");
+    assert_eq!(lines.next().unwrap(), " request   state   tokens     tok/s   VRAM hit  swaps   blobs/tok  promoted");
     let o = d.ctl(&["generate", "--max-tokens", "8", "Once upon a time"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let done = lines.find(|l| !l.contains("running")).unwrap();
     let words: Vec<&str> = done.split_whitespace().collect();
     assert_eq!(words[1..3], ["done", "8"], "{done}");
+    assert_eq!(words[5], "0", "no swaps on a CPU daemon: {done}");
     d.signal(nix::sys::signal::Signal::SIGTERM);
     assert!(d.wait(Duration::from_secs(10)).0.success());
     assert_eq!(lines.count(), 0);

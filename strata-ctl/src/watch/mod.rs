@@ -84,14 +84,45 @@ pub fn prompt_rate(running: bool, c: &pb::RequestCounters) -> f64 {
     }
 }
 
+/// The header of `--plain`'s table.
+fn plain_header() -> String {
+    format!(
+        "{:>8} {:>7} {:>8} {:>9} {:>10} {:>6} {:>11} {:>9}",
+        "request", "state", "tokens", "tok/s", "VRAM hit", "swaps", "blobs/tok", "promoted"
+    )
+}
+
+/// One line of `--plain`'s table: a long prompt's prefill shows prompt tokens done of all and their rate so far; a
+/// decoding or finished request its tokens, rate, VRAM hit rate and swaps, blob reads per token and promotions.
+fn plain_line(running: bool, c: &pb::RequestCounters) -> String {
+    if running && c.prompt_done < c.prompt_tokens {
+        format!(
+            "{:>8} {:>7} {:>8} {:>9.1}",
+            c.request_id,
+            "prefill",
+            format!("{}/{}", c.prompt_done, c.prompt_tokens),
+            prompt_rate(true, c)
+        )
+    } else {
+        format!(
+            "{:>8} {:>7} {:>8} {:>9.1} {:>9.1}% {:>6} {:>11.2} {:>9}",
+            c.request_id,
+            if running { "running" } else { "done" },
+            c.generated_tokens,
+            c.decode_tok_s,
+            c.hit_rate * 100.0,
+            c.swaps,
+            c.blob_reads_per_token,
+            c.ram_promotions
+        )
+    }
+}
+
 /// One line per update (a table, or JSON objects).
 async fn lines(client: &mut StrataClient<Channel>, json: bool, count: u32) -> Result<(), (u8, String)> {
     let mut stream = client.watch_counters(pb::WatchRequest {}).await.map_err(status_err)?.into_inner();
     if !json {
-        println!(
-            "{:>8} {:>7} {:>8} {:>9} {:>10} {:>11} {:>9}",
-            "request", "state", "tokens", "tok/s", "VRAM hit", "blobs/tok", "promoted"
-        );
+        println!("{}", plain_header());
     }
     let mut finished = 0u32;
     loop {
@@ -103,26 +134,8 @@ async fn lines(client: &mut StrataClient<Channel>, json: bool, count: u32) -> Re
         let Some(c) = &u.counters else { continue };
         if json {
             println!("{}", json!({"running": u.running, "counters": counters_json(c)}));
-        } else if u.running && c.prompt_done < c.prompt_tokens {
-            // a long prompt's prefill: prompt tokens done of all, and their rate so far
-            println!(
-                "{:>8} {:>7} {:>8} {:>9.1}",
-                c.request_id,
-                "prefill",
-                format!("{}/{}", c.prompt_done, c.prompt_tokens),
-                prompt_rate(true, c)
-            );
         } else {
-            println!(
-                "{:>8} {:>7} {:>8} {:>9.1} {:>9.1}% {:>11.2} {:>9}",
-                c.request_id,
-                if u.running { "running" } else { "done" },
-                c.generated_tokens,
-                c.decode_tok_s,
-                c.hit_rate * 100.0,
-                c.blob_reads_per_token,
-                c.ram_promotions
-            );
+            println!("{}", plain_line(u.running, c));
         }
         let _ = std::io::stdout().flush();
         if !u.running {
@@ -131,5 +144,36 @@ async fn lines(client: &mut StrataClient<Channel>, json: bool, count: u32) -> Re
                 return Ok(());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_lines_show_swaps_beside_the_vram_hit_rate() {
+        let header = plain_header();
+        assert_eq!(header, " request   state   tokens     tok/s   VRAM hit  swaps   blobs/tok  promoted");
+        let c = pb::RequestCounters {
+            request_id: 5,
+            prompt_tokens: 20,
+            prompt_done: 20,
+            generated_tokens: 42,
+            decode_tok_s: 31.5,
+            hit_rate: 0.9,
+            swaps: 37,
+            blob_reads_per_token: 0.25,
+            ram_promotions: 3,
+            ..Default::default()
+        };
+        let line = plain_line(false, &c);
+        assert_eq!(line, "       5    done       42      31.5      90.0%     37        0.25         3");
+        // each figure ends where its header does
+        for (h, v) in [("VRAM hit", "90.0%"), ("swaps", "37"), ("blobs/tok", "0.25"), ("promoted", "3")] {
+            assert_eq!(header.find(h).unwrap() + h.len(), line.rfind(v).unwrap() + v.len(), "{h}");
+        }
+        let prefill = pb::RequestCounters { prompt_done: 10, prompt_ms: 100.0, ..c };
+        assert_eq!(plain_line(true, &prefill), "       5 prefill    10/20     100.0");
     }
 }

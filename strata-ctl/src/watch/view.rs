@@ -66,7 +66,7 @@ pub fn draw(f: &mut Frame, s: &ViewState) {
     let [header, request, tiers, history, keys] = Layout::vertical([
         Constraint::Length(4),
         Constraint::Length(5),
-        Constraint::Length(5),
+        Constraint::Length(tiers_height(s)),
         Constraint::Min(4),
         Constraint::Length(1),
     ])
@@ -168,15 +168,24 @@ fn draw_request(f: &mut Frame, area: Rect, s: &ViewState) {
     );
 }
 
-/// The expert-tier figures of a request or of the totals, as table cells.
+/// The expert-tier figures of a request or of the totals, as table cells: file reads split into decode and prefill
+/// (as `strata-ctl stats` does), and the VRAM tier's figures apart.
 struct TierFigures {
     lookups: u64,
     vram_hits: u64,
+    swaps: u64,
+    pcie_entries: u64,
+    prefetched: u64,
+    prefetch_hits: u64,
+    prefetch_wasted_bytes: u64,
     ram_reads: u64,
     file_blob_reads: u64,
     tokens: u64,
+    /// Bytes read from the file by decode and prefill.
     file_bytes: u64,
     prefill_blob_reads: u64,
+    /// Of `file_bytes`, the prefill's.
+    prefill_bytes: u64,
     promotions: u64,
     promotion_bytes: u64,
 }
@@ -186,11 +195,17 @@ impl TierFigures {
         TierFigures {
             lookups: c.expert_lookups,
             vram_hits: c.vram_hits,
+            swaps: c.swaps,
+            pcie_entries: c.pcie_entries,
+            prefetched: c.prefetched,
+            prefetch_hits: c.prefetch_hits,
+            prefetch_wasted_bytes: c.prefetch_wasted_bytes,
             ram_reads: c.ram_reads,
             file_blob_reads: c.file_blob_reads,
             tokens: c.generated_tokens as u64,
             file_bytes: c.file_bytes_read,
             prefill_blob_reads: c.prefill_file_blob_reads,
+            prefill_bytes: c.prefill_file_bytes_read,
             promotions: c.ram_promotions,
             promotion_bytes: c.promotion_bytes,
         }
@@ -200,54 +215,91 @@ impl TierFigures {
         TierFigures {
             lookups: t.expert_lookups,
             vram_hits: t.vram_hits,
+            swaps: t.swaps,
+            pcie_entries: t.pcie_entries,
+            prefetched: t.prefetched,
+            prefetch_hits: t.prefetch_hits,
+            prefetch_wasted_bytes: t.prefetch_wasted_bytes,
             ram_reads: t.ram_reads,
             file_blob_reads: t.file_blob_reads,
             tokens: t.generated_tokens,
             file_bytes: t.file_bytes_read,
             prefill_blob_reads: t.prefill_file_blob_reads,
+            prefill_bytes: t.prefill_file_bytes_read,
             promotions: t.ram_promotions,
             promotion_bytes: t.promotion_bytes,
         }
     }
 
-    /// Header cells; the VRAM ones only with `gpu`.
-    fn header(gpu: bool) -> Vec<&'static str> {
-        let mut h = vec!["", "lookups"];
-        if gpu {
-            h.extend(["VRAM hit", "VRAM hits"]);
-        }
-        h.extend(["RAM reads", "file blobs", "blobs/tok", "file MiB", "prefill blobs", "promoted", "promo MiB"]);
-        h
-    }
+    /// Header cells of the lookups, RAM and file figures (a CPU daemon has these only).
+    const HEADER: [&'static str; 10] = [
+        "",
+        "lookups",
+        "RAM reads",
+        "decode blobs",
+        "blobs/tok",
+        "decode MiB",
+        "prefill blobs",
+        "prefill MiB",
+        "promoted",
+        "promo MiB",
+    ];
 
-    fn cells(&self, label: &str, gpu: bool) -> Vec<String> {
-        let per = |n: u64, d: u64| if d > 0 { n as f64 / d as f64 } else { 0.0 };
-        let mut r = vec![label.to_string(), self.lookups.to_string()];
-        if gpu {
-            r.push(format!("{:.1}%", per(self.vram_hits, self.lookups) * 100.0));
-            r.push(self.vram_hits.to_string());
-        }
-        r.extend([
+    /// Header cells of the VRAM tier's figures (shown only when the daemon has one).
+    const VRAM_HEADER: [&'static str; 8] =
+        ["", "VRAM hit", "VRAM hits", "swaps", "PCIe entries", "prefetched", "prefetch used", "unused MiB"];
+
+    fn cells(&self, label: &str) -> Vec<String> {
+        vec![
+            label.to_string(),
+            self.lookups.to_string(),
             self.ram_reads.to_string(),
             self.file_blob_reads.to_string(),
             format!("{:.2}", per(self.file_blob_reads, self.tokens)),
-            format!("{:.1}", self.file_bytes as f64 / MIB),
+            mib(self.file_bytes.saturating_sub(self.prefill_bytes)),
             self.prefill_blob_reads.to_string(),
+            mib(self.prefill_bytes),
             self.promotions.to_string(),
-            format!("{:.1}", self.promotion_bytes as f64 / MIB),
-        ]);
-        r
+            mib(self.promotion_bytes),
+        ]
+    }
+
+    fn vram_cells(&self, label: &str) -> Vec<String> {
+        vec![
+            label.to_string(),
+            format!("{:.1}%", per(self.vram_hits, self.lookups) * 100.0),
+            self.vram_hits.to_string(),
+            self.swaps.to_string(),
+            self.pcie_entries.to_string(),
+            self.prefetched.to_string(),
+            self.prefetch_hits.to_string(),
+            mib(self.prefetch_wasted_bytes),
+        ]
     }
 }
 
-/// A table whose columns are as wide as their header or widest cell; the first column left, the others right.
-fn table<'a>(header: &[&'a str], rows: Vec<Vec<String>>, block: Block<'a>) -> Table<'a> {
-    let widths: Vec<Constraint> = (0..header.len())
-        .map(|i| {
-            let w = rows.iter().map(|r| r[i].len()).chain([header[i].len()]).max().unwrap_or(0);
-            Constraint::Length(w as u16)
-        })
+/// `n / d`, 0 when `d` is 0.
+fn per(n: u64, d: u64) -> f64 {
+    if d > 0 {
+        n as f64 / d as f64
+    } else {
+        0.0
+    }
+}
+
+/// Bytes as MiB with one decimal.
+fn mib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / MIB)
+}
+
+/// A table whose columns are as wide as their header or widest cell, two spaces apart (one where two would not fit
+/// in `width`); the first column left, the others right.
+fn table<'a>(header: &[&'a str], rows: Vec<Vec<String>>, width: u16) -> Table<'a> {
+    let widths: Vec<u16> = (0..header.len())
+        .map(|i| rows.iter().map(|r| r[i].len()).chain([header[i].len()]).max().unwrap_or(0) as u16)
         .collect();
+    let gaps = widths.len().saturating_sub(1) as u16;
+    let spacing = if widths.iter().sum::<u16>() + 2 * gaps <= width { 2 } else { 1 };
     let align = |i: usize, t: String| {
         let l = Line::from(t);
         if i == 0 {
@@ -259,7 +311,17 @@ fn table<'a>(header: &[&'a str], rows: Vec<Vec<String>>, block: Block<'a>) -> Ta
     let head = Row::new(header.iter().enumerate().map(|(i, h)| align(i, h.to_string())))
         .style(Style::new().add_modifier(Modifier::BOLD));
     let body = rows.into_iter().map(|r| Row::new(r.into_iter().enumerate().map(|(i, t)| align(i, t))));
-    Table::new(body, widths).header(head).column_spacing(2).block(block)
+    Table::new(body, widths.into_iter().map(Constraint::Length)).header(head).column_spacing(spacing)
+}
+
+/// Rows the expert-tier box takes: a table of the current request and the totals, and with a VRAM tier a second.
+fn tiers_height(s: &ViewState) -> u16 {
+    let has_experts = s.stats.model.as_ref().is_some_and(|m| m.n_expert > 0);
+    if has_experts && s.gpu() {
+        8
+    } else {
+        5
+    }
 }
 
 fn draw_tiers(f: &mut Frame, area: Rect, s: &ViewState) {
@@ -275,13 +337,25 @@ fn draw_tiers(f: &mut Frame, area: Rect, s: &ViewState) {
         f.render_widget(Paragraph::new("dense model: no expert tiers").block(titled(&title)), area);
         return;
     }
-    let mut rows = Vec::new();
+    let mut figures = Vec::new();
     if let Some((running, c)) = s.current.as_ref().and_then(|u| u.counters.as_ref().map(|c| (u.running, c))) {
-        let label = if running { "this request" } else { "last request" };
-        rows.push(TierFigures::of_request(c).cells(label, gpu));
+        figures.push((if running { "this request" } else { "last request" }, TierFigures::of_request(c)));
     }
-    rows.push(TierFigures::of_totals(&s.stats.totals.unwrap_or_default()).cells("since start", gpu));
-    f.render_widget(table(&TierFigures::header(gpu), rows, titled(&title)), area);
+    figures.push(("since start", TierFigures::of_totals(&s.stats.totals.unwrap_or_default())));
+    let block = titled(&title);
+    let inner = block.inner(area);
+    f.render_widget(block, area);
+    let rows = figures.iter().map(|(label, t)| t.cells(label)).collect();
+    let main = table(&TierFigures::HEADER, rows, inner.width);
+    if gpu {
+        // the VRAM tier's figures in a second table under the first (tiers_height made room)
+        let [top, bottom] = Layout::vertical([Constraint::Length(3); 2]).areas(inner);
+        f.render_widget(main, top);
+        let rows = figures.iter().map(|(label, t)| t.vram_cells(label)).collect();
+        f.render_widget(table(&TierFigures::VRAM_HEADER, rows, inner.width), bottom);
+    } else {
+        f.render_widget(main, inner);
+    }
 }
 
 fn draw_history(f: &mut Frame, area: Rect, s: &ViewState) {
@@ -290,7 +364,8 @@ fn draw_history(f: &mut Frame, area: Rect, s: &ViewState) {
     if gpu {
         header.push("VRAM hit");
     }
-    header.extend(["RAM reads", "blobs/tok", "file MiB", "promoted"]);
+    // decode only, as blobs/tok: the prefill's reads are in the expert tiers above
+    header.extend(["RAM reads", "blobs/tok", "decode MiB", "promoted"]);
     let rows = s
         .history
         .iter()
@@ -310,13 +385,15 @@ fn draw_history(f: &mut Frame, area: Rect, s: &ViewState) {
             r.extend([
                 c.ram_reads.to_string(),
                 format!("{:.2}", c.blob_reads_per_token),
-                format!("{:.1}", c.file_bytes_read as f64 / MIB),
+                mib(c.file_bytes_read.saturating_sub(c.prefill_file_bytes_read)),
                 c.ram_promotions.to_string(),
             ]);
             r
         })
         .collect();
-    f.render_widget(table(&header, rows, titled("recent requests")), area);
+    let block = titled("recent requests");
+    let width = block.inner(area).width;
+    f.render_widget(table(&header, rows, width).block(block), area);
 }
 
 #[cfg(test)]
@@ -356,13 +433,36 @@ mod tests {
             vram_hits: if gpu { 900 } else { 0 },
             hit_rate: if gpu { 0.9 } else { 0.0 },
             ram_reads: if gpu { 100 } else { 1000 },
+            file_blob_reads: 84,
+            blob_reads_per_token: 2.0,
+            // 6 MiB read by decode windows, 2 MiB by the prefill
+            file_bytes_read: 8 << 20,
+            prefill_file_blob_reads: 16,
+            prefill_file_bytes_read: 2 << 20,
+            swaps: if gpu { 37 } else { 0 },
+            pcie_entries: if gpu { 11 } else { 0 },
+            prefetched: if gpu { 24 } else { 0 },
+            prefetch_hits: if gpu { 18 } else { 0 },
+            prefetch_wasted_bytes: if gpu { 3 << 19 } else { 0 },
             finish_reason: pb::FinishReason::MaxTokens as i32,
+            ..Default::default()
+        };
+        let totals = pb::Totals {
+            generated_tokens: 100,
+            expert_lookups: 5000,
+            vram_hits: if gpu { 4000 } else { 0 },
+            file_blob_reads: 300,
+            file_bytes_read: 40 << 20,
+            prefill_file_blob_reads: 64,
+            prefill_file_bytes_read: 8 << 20,
+            swaps: if gpu { 250 } else { 0 },
             ..Default::default()
         };
         let stats = pb::StatsReply {
             model: Some(model),
             uptime_s: 3725.0,
             version: "0.1.0".into(),
+            totals: Some(totals),
             last_request: Some(done),
             ..Default::default()
         };
@@ -389,6 +489,69 @@ mod tests {
                 "{s}"
             );
             assert!(s.contains("RAM reads") && s.contains("since start"), "{s}");
+        }
+    }
+
+    /// The cell of column `header` in the row that starts with `label`, from the first table having both (the
+    /// header's line, then its rows): numbers are right-aligned, so the cell ends where its header does.
+    fn cell(screen: &str, header: &str, label: &str) -> String {
+        let lines: Vec<Vec<char>> = screen.lines().map(|l| l.chars().collect()).collect();
+        let find = |l: &[char], t: &str| {
+            let t: Vec<char> = t.chars().collect();
+            l.windows(t.len()).position(|w| w == t.as_slice())
+        };
+        for (i, head) in lines.iter().enumerate() {
+            let Some(x) = find(head, header) else { continue };
+            let end = x + header.chars().count();
+            for row in lines.iter().skip(i + 1).take(2) {
+                if find(row, label) == Some(1) {
+                    let text: String = row[..end].iter().collect();
+                    return text.rsplit(' ').next().unwrap().to_string();
+                }
+            }
+        }
+        panic!("no column {header:?} with a row {label:?}:\n{screen}");
+    }
+
+    #[test]
+    fn file_reads_split_into_decode_and_prefill() {
+        for backend in ["cpu", "cuda"] {
+            let text = screen(&state(backend));
+            // the last request: 84 decode blob reads (6 MiB), 16 in prefill (2 MiB)
+            assert_eq!(cell(&text, "decode blobs", "last request"), "84");
+            assert_eq!(cell(&text, "blobs/tok", "last request"), "2.00");
+            assert_eq!(cell(&text, "decode MiB", "last request"), "6.0");
+            assert_eq!(cell(&text, "prefill blobs", "last request"), "16");
+            assert_eq!(cell(&text, "prefill MiB", "last request"), "2.0");
+            // since start: 300 decode blob reads for 100 tokens, 32 MiB; 64 in prefill, 8 MiB
+            assert_eq!(cell(&text, "decode blobs", "since start"), "300");
+            assert_eq!(cell(&text, "blobs/tok", "since start"), "3.00");
+            assert_eq!(cell(&text, "decode MiB", "since start"), "32.0");
+            assert_eq!(cell(&text, "prefill MiB", "since start"), "8.0");
+            // the history reads as blobs/tok does: decode only
+            assert_eq!(cell(&text, "decode MiB", "#3"), "6.0");
+            assert!(!text.contains("file MiB") && !text.contains("file blobs"), "{text}");
+        }
+    }
+
+    #[test]
+    fn swaps_are_with_the_vram_columns() {
+        let gpu = screen(&state("cuda"));
+        assert_eq!(cell(&gpu, "VRAM hit", "last request"), "90.0%");
+        assert_eq!(cell(&gpu, "VRAM hits", "last request"), "900");
+        assert_eq!(cell(&gpu, "swaps", "last request"), "37");
+        assert_eq!(cell(&gpu, "PCIe entries", "last request"), "11");
+        assert_eq!(cell(&gpu, "prefetched", "last request"), "24");
+        assert_eq!(cell(&gpu, "prefetch used", "last request"), "18");
+        assert_eq!(cell(&gpu, "unused MiB", "last request"), "1.5");
+        assert_eq!(cell(&gpu, "VRAM hit", "since start"), "80.0%");
+        assert_eq!(cell(&gpu, "swaps", "since start"), "250");
+        // every column fits at 120 columns, the history's VRAM hit rate included
+        assert_eq!(cell(&gpu, "VRAM hit", "#3"), "90.0%");
+        assert_eq!(cell(&gpu, "promoted", "#3"), "0");
+        let cpu = screen(&state("cpu"));
+        for h in ["swaps", "PCIe", "prefetch"] {
+            assert!(!cpu.contains(h), "no {h} column on a CPU daemon:\n{cpu}");
         }
     }
 

@@ -13,10 +13,10 @@ use tonic::{Request, Response, Status};
 
 use crate::api::{ApiError, Control, ModelSummary};
 use crate::engine::request::RawRequest;
-use crate::engine::{Counters, Event, FinishReason};
+use crate::engine::{Counters, Event, FinishReason, Totals};
 use crate::model::chat::Message;
 use crate::tiers::knobs::Range;
-use crate::tiers::store::Tier;
+use crate::tiers::store::{Tier, TierTotals};
 
 /// The gRPC service over the control API.
 pub struct StrataService {
@@ -86,6 +86,41 @@ pub fn counters_pb(c: &Counters) -> pb::RequestCounters {
         promotion_bytes: c.tiers.promotion_bytes,
         promotions_per_token: c.promotions_per_token(),
         rss_bytes: c.rss_bytes,
+        swaps: c.tiers.swaps,
+        pcie_entries: c.tiers.pcie_entries,
+        prefetched: c.tiers.prefetched,
+        prefetch_hits: c.tiers.prefetch_hits,
+        prefetch_wasted_bytes: c.tiers.prefetch_wasted_bytes,
+    }
+}
+
+/// Converts the totals since start (requests, and the expert tiers as `/metrics` exports them) to their protobuf
+/// form.
+pub fn totals_pb(t: &Totals, tt: &TierTotals) -> pb::Totals {
+    pb::Totals {
+        requests: t.requests,
+        prompt_tokens: t.prompt_tokens,
+        generated_tokens: t.generated_tokens,
+        prompt_ms: t.prompt_ms,
+        decode_ms: t.decode_ms,
+        cancelled: t.cancelled,
+        rejected: t.rejected,
+        windows: t.windows,
+        expert_lookups: t.expert_lookups,
+        vram_hits: tt.vram_hits,
+        ram_reads: tt.ram_reads,
+        file_blob_reads: tt.file_blob_reads,
+        file_bytes_read: tt.file_bytes_read,
+        prefill_file_blob_reads: tt.prefill_file_blob_reads,
+        prefill_file_bytes_read: tt.prefill_file_bytes_read,
+        ram_promotions: tt.promotions,
+        promotion_bytes: tt.promotion_bytes,
+        promotions_refused: tt.promotions_refused,
+        swaps: tt.swaps,
+        pcie_entries: tt.pcie_entries,
+        prefetched: tt.prefetched,
+        prefetch_hits: tt.prefetch_hits,
+        prefetch_wasted_bytes: tt.prefetch_wasted_bytes,
     }
 }
 
@@ -165,30 +200,10 @@ impl Strata for StrataService {
 
     async fn get_stats(&self, _req: Request<pb::StatsRequest>) -> Result<Response<pb::StatsReply>, Status> {
         let s = self.api.stats();
-        let (t, tt) = (&s.totals, &s.tiers);
         Ok(Response::new(pb::StatsReply {
             model: Some(summary_pb(&s.model)),
             uptime_s: s.uptime_s,
-            totals: Some(pb::Totals {
-                requests: t.requests,
-                prompt_tokens: t.prompt_tokens,
-                generated_tokens: t.generated_tokens,
-                prompt_ms: t.prompt_ms,
-                decode_ms: t.decode_ms,
-                cancelled: t.cancelled,
-                rejected: t.rejected,
-                windows: t.windows,
-                expert_lookups: t.expert_lookups,
-                vram_hits: tt.vram_hits,
-                ram_reads: tt.ram_reads,
-                file_blob_reads: tt.file_blob_reads,
-                file_bytes_read: tt.file_bytes_read,
-                prefill_file_blob_reads: tt.prefill_file_blob_reads,
-                prefill_file_bytes_read: tt.prefill_file_bytes_read,
-                ram_promotions: tt.promotions,
-                promotion_bytes: tt.promotion_bytes,
-                promotions_refused: tt.promotions_refused,
-            }),
+            totals: Some(totals_pb(&s.totals, &s.tiers)),
             last_request: s.last_request.as_ref().map(counters_pb),
             queued: s.queued,
             busy: s.busy,
@@ -290,5 +305,79 @@ impl Strata for StrataService {
                 .map_err(status)
         });
         Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tier totals whose every field differs (1, 2, 3, ... in declaration order), so a field mapped from the
+    /// wrong source shows.
+    fn distinct_tiers() -> TierTotals {
+        TierTotals {
+            windows: 1,
+            lookups: 2,
+            vram_hits: 3,
+            ram_reads: 4,
+            file_blob_reads: 5,
+            prefill_file_blob_reads: 6,
+            file_bytes_read: 7,
+            prefill_file_bytes_read: 8,
+            promotions: 9,
+            promotion_bytes: 10,
+            promotions_refused: 11,
+            swaps: 12,
+            swap_bytes: 13,
+            pcie_entries: 14,
+            prefetched: 15,
+            prefetch_hits: 16,
+            prefetch_wasted_bytes: 17,
+            predicted_routed: 18,
+            predicted_named: 19,
+        }
+    }
+
+    /// The GPU tier counters of a message, in one order: swaps, PCIe entries, prefetched, prefetch hits, bytes.
+    fn gpu_of_request(c: &pb::RequestCounters) -> [u64; 5] {
+        [c.swaps, c.pcie_entries, c.prefetched, c.prefetch_hits, c.prefetch_wasted_bytes]
+    }
+
+    #[test]
+    fn request_counters_carry_the_gpu_tier_counters() {
+        let c = Counters {
+            request_id: 7,
+            prompt_tokens: 20,
+            prompt_reused: 0,
+            prompt_done: 20,
+            generated_tokens: 4,
+            queue_ms: 0.0,
+            prompt_ms: 10.0,
+            decode_ms: 20.0,
+            windows: 3,
+            expert_lookups: 2,
+            tiers: distinct_tiers(),
+            rss_bytes: 1 << 20,
+            finish: FinishReason::MaxTokens,
+        };
+        let p = counters_pb(&c);
+        assert_eq!(gpu_of_request(&p), [12, 14, 15, 16, 17]);
+        assert_eq!((p.vram_hits, p.file_bytes_read, p.prefill_file_bytes_read), (3, 7, 8));
+        // nothing on the GPU: zeros, as a CPU daemon reports them
+        let p = counters_pb(&Counters { tiers: TierTotals::default(), ..c });
+        assert_eq!(gpu_of_request(&p), [0; 5]);
+    }
+
+    #[test]
+    fn totals_carry_every_tier_counter_of_the_metrics() {
+        let t = Totals { requests: 2, generated_tokens: 8, windows: 6, expert_lookups: 2, ..Default::default() };
+        let p = totals_pb(&t, &distinct_tiers());
+        // the names /metrics exports them under: strata_swaps_total, strata_pcie_entries_total, ...
+        let gpu = [p.swaps, p.pcie_entries, p.prefetched, p.prefetch_hits, p.prefetch_wasted_bytes];
+        assert_eq!(gpu, [12, 14, 15, 16, 17]);
+        assert_eq!((p.vram_hits, p.ram_reads, p.file_blob_reads), (3, 4, 5));
+        assert_eq!((p.file_bytes_read, p.prefill_file_blob_reads, p.prefill_file_bytes_read), (7, 6, 8));
+        assert_eq!((p.ram_promotions, p.promotion_bytes, p.promotions_refused), (9, 10, 11));
+        assert_eq!((p.requests, p.generated_tokens, p.windows, p.expert_lookups), (2, 8, 6, 2));
     }
 }
