@@ -33,14 +33,19 @@ fn quits(k: &KeyEvent) -> bool {
         }
 }
 
+/// Longest wait for one refresh call.
+const REFRESH_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// Refreshes the stats and the experts in VRAM; a failure keeps the old figures (the counter stream tells
 /// whether the daemon stopped).
+/// Each call waits at most [`REFRESH_WAIT`], so a stalled daemon cannot keep the keys from being read.
 async fn refresh(client: &mut StrataClient<Channel>, s: &mut ViewState) {
-    if let Ok(r) = client.get_stats(pb::StatsRequest {}).await {
+    if let Ok(Ok(r)) = tokio::time::timeout(REFRESH_WAIT, client.get_stats(pb::StatsRequest {})).await {
         s.stats = r.into_inner();
     }
     if s.gpu() && s.stats.model.as_ref().is_some_and(|m| m.n_expert > 0) {
-        if let Ok(r) = client.get_residency(pb::ResidencyRequest { layer: None, top: 1 }).await {
+        let call = client.get_residency(pb::ResidencyRequest { layer: None, top: 1 });
+        if let Ok(Ok(r)) = tokio::time::timeout(REFRESH_WAIT, call).await {
             let layers = r.into_inner().layers;
             s.vram =
                 Some((layers.iter().map(|l| l.vram_experts as u64).sum(), layers.iter().map(|l| l.vram_bytes).sum()));

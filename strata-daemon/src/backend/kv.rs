@@ -50,6 +50,16 @@ impl KvType {
             KvType::Q8_0 => GgmlType::Q8_0.row_bytes(kv_dim),
         }
     }
+
+    /// Bytes of a KV cache of `n_layer` layers × `n_ctx` positions of keys and values (`kv_dim` each).
+    pub fn cache_bytes(self, n_layer: usize, n_ctx: usize, kv_dim: usize) -> usize {
+        kv_bytes(n_layer, n_ctx, self.row_bytes(kv_dim))
+    }
+}
+
+/// Bytes of keys and values of `n_layer` layers × `n_ctx` positions in rows of `row` bytes.
+fn kv_bytes(n_layer: usize, n_ctx: usize, row: usize) -> usize {
+    2 * n_layer * n_ctx * row
 }
 
 impl std::str::FromStr for KvType {
@@ -137,7 +147,7 @@ impl KvCache {
             Some(Rows::Q8_0(_)) => GgmlType::Q8_0.row_bytes(self.kv_dim),
             _ => 2 * self.kv_dim,
         };
-        2 * self.k.len() * self.n_ctx * row
+        kv_bytes(self.k.len(), self.n_ctx, row)
     }
 
     /// Forgets every position.

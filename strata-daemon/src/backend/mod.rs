@@ -397,9 +397,15 @@ fn gpu_config(o: &GpuOptions) -> cuda::GpuConfig {
 }
 
 /// The GPU a one-stage load of `m` would use, as the placement plan sees it before the load
-/// ([`crate::tiers::plan::GpuView`]: free VRAM now, the load's estimate). `Ok(None)`: no GPU (off, or no driver,
-/// NVRTC or device) or a layer split (each stage's figures come at load). Errors: the driver failed.
-pub fn gpu_view(m: &ModelRef<'_>, o: &GpuOptions) -> Result<Option<crate::tiers::plan::GpuView>, String> {
+/// ([`crate::tiers::plan::GpuView`]: free VRAM now, the load's allocations, and what a trial of them measured on
+/// the card, `layout`'s expert cache included; see [`cuda::pipeline::trial_load`]). `Ok(None)`: no GPU (off, or no
+/// driver, NVRTC or device) or a layer split (each stage's figures come at load). Errors: the driver failed while
+/// asked for its free memory (a failed trial is not an error: the view then holds the estimate and the reason).
+pub fn gpu_view(
+    m: &ModelRef<'_>,
+    o: &GpuOptions,
+    layout: Option<&crate::tiers::layout::ExpertLayout>,
+) -> Result<Option<crate::tiers::plan::GpuView>, String> {
     if !o.enabled || o.layer_split.is_some() || o.split_devices.len() > 1 {
         return Ok(None);
     }
@@ -410,12 +416,22 @@ pub fn gpu_view(m: &ModelRef<'_>, o: &GpuOptions) -> Result<Option<crate::tiers:
             return Ok(None);
         }
         let Ok(probe) = cuda::probe(o.device) else { return Ok(None) };
-        let d = &probe.device;
+        let d = std::sync::Arc::new(probe.device);
         let (free, total) = d.mem_info().map_err(|e| e.to_string())?;
         let cfg = gpu_config(o);
         let (dense, kv, scratch) = cuda::model::load_bytes(m, &cfg);
-        let staging_slots =
-            if m.cfg.n_expert > 0 { (m.cfg.n_expert_used * cuda::ops::MAX_NT).min(m.cfg.n_expert) } else { 0 };
+        let (measured, trial_error) = match cuda::pipeline::trial_load(m, &d, &cfg, layout) {
+            Ok(t) => (
+                Some(crate::tiers::plan::Measured {
+                    free_after_load: t.free_after_load,
+                    module: t.module,
+                    slots: t.slots,
+                    free_after: t.free_after,
+                }),
+                None,
+            ),
+            Err(e) => (None, Some(e.to_string())),
+        };
         Ok(Some(crate::tiers::plan::GpuView {
             name: d.name.clone(),
             free: free as u64,
@@ -423,13 +439,19 @@ pub fn gpu_view(m: &ModelRef<'_>, o: &GpuOptions) -> Result<Option<crate::tiers:
             dense,
             kv,
             scratch,
-            staging_slots,
+            staging_slots: if m.cfg.n_expert > 0 {
+                cuda::pipeline::staging_slots(m.cfg.n_expert_used, m.cfg.n_expert)
+            } else {
+                0
+            },
             reserve: cfg.reserve,
+            measured,
+            trial_error,
         }))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = m;
+        let _ = (m, layout);
         Ok(None)
     }
 }

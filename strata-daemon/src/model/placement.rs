@@ -54,8 +54,8 @@ impl Model {
         let embd: u64 = self.file.tensors.iter().filter(|t| t.name == "token_embd.weight").map(|t| t.size_bytes).sum();
         let dense_read_bytes = if tied { dense_bytes } else { dense_bytes - embd };
         let c = &self.cfg;
-        let kv_bytes = (2 * c.n_layer * o.gpu.n_ctx * self.kv_type().row_bytes(c.n_head_kv * c.head_dim)) as u64;
-        let gpu = crate::backend::gpu_view(&self.model_ref(), o.gpu)?;
+        let kv_bytes = self.kv_type().cache_bytes(c.n_layer, o.gpu.n_ctx, c.n_head_kv * c.head_dim) as u64;
+        let gpu = crate::backend::gpu_view(&self.model_ref(), o.gpu, layout.as_ref())?;
         Ok(plan(&PlanInput {
             layout: layout.as_ref(),
             top_k: c.n_expert_used,

@@ -301,9 +301,25 @@ fn finish_reason(f: FinishReason, called: bool) -> &'static str {
     }
 }
 
-/// A call as OpenAI's response gives it (`index` in stream deltas only); ids are `call_<request>_<index>`.
+/// Distinguishes this daemon's call ids from an earlier run's (request numbers restart with the daemon): the
+/// start time in seconds, base 36.
+fn call_id_prefix() -> &'static str {
+    static P: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    P.get_or_init(|| {
+        let mut n = now();
+        let mut s = Vec::new();
+        while n > 0 {
+            s.push(char::from_digit((n % 36) as u32, 36).unwrap_or('0'));
+            n /= 36;
+        }
+        s.iter().rev().collect()
+    })
+}
+
+/// A call as OpenAI's response gives it (`index` in stream deltas only); ids are
+/// `call_<daemon start>_<request>_<index>`, unique across restarts of the daemon.
 fn tool_call_json(c: &ParsedCall, request: u64, index: usize, delta: bool) -> Value {
-    let mut v = json!({"id": format!("call_{request}_{index}"), "type": "function",
+    let mut v = json!({"id": format!("call_{}_{request}_{index}", call_id_prefix()), "type": "function",
                        "function": {"name": c.name, "arguments": c.arguments}});
     if delta {
         v["index"] = json!(index);
@@ -609,8 +625,8 @@ mod tests {
         assert_eq!(
             m["tool_calls"],
             json!([
-                {"id": "call_7_0", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
-                {"id": "call_7_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Rome\"}"}},
+                {"id": format!("call_{}_7_0", call_id_prefix()), "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+                {"id": format!("call_{}_7_1", call_id_prefix()), "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Rome\"}"}},
             ])
         );
         assert_eq!(finish_reason(FinishReason::Eos, called), "tool_calls");
@@ -639,7 +655,7 @@ mod tests {
         assert_eq!(calls.len(), 2);
         assert_eq!(
             calls[1],
-            &json!([{"index": 1, "id": "call_3_1", "type": "function",
+            &json!([{"index": 1, "id": format!("call_{}_3_1", call_id_prefix()), "type": "function",
                      "function": {"name": "get_weather", "arguments": "{\"city\":\"Rome\"}"}}])
         );
         assert_eq!(chunks.last().unwrap()[0]["finish_reason"], "tool_calls");

@@ -3,9 +3,10 @@
 //! expert slots, the resident RAM copy, the file tier — with the bytes of each and the bytes one token is
 //! expected to move over each link. Pure arithmetic over [`PlanInput`], with the same rules the load then applies
 //! ([`super::vram::auto_slots`], [`super::store::choose_places`], [`super::store::fit_to_memory`]), so it is
-//! tested without a GPU. Its RAM copy is the one the daemon allocates; its VRAM slots are too when every expert
-//! fits or `--expert-cache N` is given, and an estimate when free VRAM limits the cache (the scratch estimate
-//! leaves out the kernel module and the driver's reservations: 73 slots of 5,917 too many on the H200, stop 30).
+//! tested without a GPU. Its RAM copy is the one the daemon allocates. With a GPU, the backend first makes the
+//! load's allocations on the card (the kernel module, dense weights, KV cache, scratch and expert cache, nothing
+//! uploaded) and frees them ([`Measured`]), so the VRAM slots are the load's, the driver's rounding and the
+//! module's VRAM included; without that trial (it failed) they are an estimate from the sizes asked.
 
 use std::fmt;
 
@@ -54,6 +55,32 @@ pub struct GpuView {
     pub staging_slots: usize,
     /// VRAM kept free by `--expert-cache auto` (`--vram-reserve-mib`).
     pub reserve: u64,
+    /// What a trial of the load's allocations measured on the card (`None`: no trial; see `trial_error`).
+    pub measured: Option<Measured>,
+    /// Why the trial failed (the driver's error, e.g. out of memory), when it did.
+    pub trial_error: Option<String>,
+}
+
+/// What a trial of a one-stage load's allocations measured on the card (bytes; each freed after).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Measured {
+    /// Free VRAM with the kernel module, dense weights, KV cache and scratch allocated.
+    pub free_after_load: u64,
+    /// Whether the kernel module was loaded (`false`: not compiled yet, so its VRAM is not counted).
+    pub module: bool,
+    /// Expert slots the cache took, by the load's rule.
+    pub slots: usize,
+    /// Free VRAM with the expert cache allocated too.
+    pub free_after: u64,
+}
+
+impl GpuView {
+    /// VRAM the load takes beyond the sizes it asks for (the kernel module, the driver's rounding), when
+    /// measured.
+    pub fn overhead(&self) -> Option<u64> {
+        let m = self.measured?;
+        Some(self.free.saturating_sub(m.free_after_load).saturating_sub(self.dense + self.kv + self.scratch))
+    }
 }
 
 /// What the plan is computed from.
@@ -202,6 +229,25 @@ pub fn plan(p: &PlanInput<'_>) -> Plan {
             room = room.saturating_sub(slots as u64 * sb);
         }
         free_after = Some(room);
+        match (&g.measured, &g.trial_error) {
+            (Some(m), _) => {
+                if entries > 0 {
+                    slots = m.slots;
+                }
+                free_after = Some(m.free_after);
+                if !m.module {
+                    notes.push(
+                        "the GPU kernels are not compiled yet (the load compiles them): their VRAM is not in the \
+                         figures"
+                            .into(),
+                    );
+                }
+            }
+            (None, Some(e)) => notes.push(format!(
+                "the trial allocation on the GPU failed ({e}): VRAM figures are estimates from the sizes asked"
+            )),
+            (None, None) => {}
+        }
     }
     let in_vram: Vec<bool> = {
         let mut v = vec![false; entries];
@@ -337,8 +383,16 @@ impl fmt::Display for Plan {
         };
         writeln!(f, "dense weights  {w}  {:>10}  ({how})", size(self.dense_bytes))?;
         writeln!(f, "KV cache       {w}  {:>10}  ({} positions)", size(self.kv_bytes), self.n_ctx)?;
-        if self.gpu.is_some() {
-            writeln!(f, "GPU buffers    VRAM  {:>10}  (scratch estimate)", size(self.scratch_bytes))?;
+        if let Some(g) = &self.gpu {
+            match g.overhead() {
+                Some(o) => writeln!(
+                    f,
+                    "GPU buffers    VRAM  {:>10}  (scratch; + {} kernels and driver rounding, measured)",
+                    size(self.scratch_bytes),
+                    size(o)
+                )?,
+                None => writeln!(f, "GPU buffers    VRAM  {:>10}  (scratch)", size(self.scratch_bytes))?,
+            }
         }
         let total: usize = self.experts.iter().sum();
         if total > 0 {
@@ -476,6 +530,8 @@ mod tests {
             scratch: 60 << 20,
             staging_slots: 8,
             reserve: 700 << 20,
+            measured: None,
+            trial_error: Some("out of memory".into()),
         };
         i.gpu = Some(g.clone());
         i.mode = ResidentMode::Disjoint(None);
@@ -504,6 +560,37 @@ mod tests {
             q.to_string().contains("60.0 MiB  (20 slots of 3.0 MiB, 62.5% of 32 experts; + 8 staging slots)"),
             "{q}"
         );
+        assert!(q.notes.iter().any(|n| n.contains("trial allocation on the GPU failed (out of memory)")), "{q}");
+        assert!(q.to_string().contains("60.0 MiB  (scratch)\n"), "{q}");
+    }
+
+    #[test]
+    fn a_measured_trial_sets_the_slots_and_the_ram_copy_follows() {
+        let l = layout(4, 8, 3 << 20);
+        let mut i = input(&l);
+        // the trial found 30 MiB more taken than asked (module, rounding) and took 18 slots
+        let m = Measured { free_after_load: (1024 - 330) << 20, module: true, slots: 18, free_after: 630 << 20 };
+        i.gpu = Some(GpuView {
+            name: "Test".into(),
+            free: 1 << 30,
+            total: 2 << 30,
+            dense: 200 << 20,
+            kv: 40 << 20,
+            scratch: 60 << 20,
+            staging_slots: 8,
+            reserve: 640 << 20,
+            measured: Some(m),
+            trial_error: None,
+        });
+        i.mode = ResidentMode::Disjoint(None);
+        let p = plan(&i);
+        assert_eq!((p.slots, p.vram_free_after), (18, Some(630 << 20)));
+        assert_eq!((p.ram_copy_experts, p.experts), (14, [18, 14, 0]));
+        assert!(p.notes.is_empty(), "{:?}", p.notes);
+        assert!(p.to_string().contains("(scratch; + 30.0 MiB kernels and driver rounding, measured)"), "{p}");
+        // without the module in the disk cache, a note says its VRAM is left out
+        i.gpu.as_mut().unwrap().measured = Some(Measured { module: false, ..m });
+        assert!(plan(&i).notes.iter().any(|n| n.contains("not compiled yet")));
     }
 
     #[test]

@@ -103,6 +103,15 @@ impl Drop for Device {
     }
 }
 
+/// Bytes of every [`DevBuf`] of this process not yet freed (the sizes asked, before the driver's rounding).
+static LIVE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Bytes of device memory this process holds in [`DevBuf`]s now (the sizes asked): a load checks with it that
+/// the placement plan's trial allocated what the load does.
+pub fn live_bytes() -> u64 {
+    LIVE_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A device allocation of `bytes` bytes (freed on drop).
 pub struct DevBuf {
     /// Device address.
@@ -122,6 +131,7 @@ impl DevBuf {
         let mut ptr = 0;
         // SAFETY: valid out-pointer; size > 0.
         unsafe { check("cuMemAlloc", sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)))? };
+        LIVE_BYTES.fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(DevBuf { ptr, bytes })
     }
 
@@ -169,6 +179,7 @@ impl Drop for DevBuf {
         unsafe {
             sys::cuMemFree_v2(self.ptr);
         }
+        LIVE_BYTES.fetch_sub(self.bytes as u64, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -162,8 +162,41 @@ impl FormatSet {
 
 /// The CUBIN for `arch` holding the kernels of `formats`, from the disk cache or compiled (and then cached; a
 /// cache that cannot be written is only a warning); `mmq_pipe`: with the pipelined tensor-core loop (see
-/// [`mmq_pipe_on`]). Returns the image and whether it came from the cache.
+/// [`mmq_pipe_on`]). Returns the image and whether it came from the cache. Errors: NVRTC's.
 pub fn cubin(arch: &str, formats: FormatSet, mmq_pipe: bool) -> Result<(Vec<u8>, bool), GpuError> {
+    let (key, img) = cache_lookup(arch, formats, mmq_pipe)?;
+    if let Some(img) = img {
+        return Ok((img, true));
+    }
+    let t = std::time::Instant::now();
+    let img = compile(&key.src, arch, &key.defines, &key.headers)?;
+    tracing::info!("kernels compiled by NVRTC for {arch} in {:.2} s", t.elapsed().as_secs_f64());
+    let tmp = key.path.with_extension("tmp");
+    let write = std::fs::create_dir_all(cache_dir())
+        .and_then(|_| std::fs::write(&tmp, &img))
+        .and_then(|_| std::fs::rename(&tmp, &key.path));
+    if let Err(e) = write {
+        tracing::warn!("kernel cache {} not written: {e}", key.path.display());
+    }
+    Ok((img, false))
+}
+
+/// The CUBIN [`cubin`] would return, when the disk cache holds it (`None`: it would be compiled). Errors: the
+/// kernel source cannot be read.
+pub fn cached_cubin(arch: &str, formats: FormatSet, mmq_pipe: bool) -> Result<Option<Vec<u8>>, GpuError> {
+    Ok(cache_lookup(arch, formats, mmq_pipe)?.1)
+}
+
+/// What a module is compiled from, and where the disk cache keeps it.
+struct CacheKey {
+    src: std::borrow::Cow<'static, str>,
+    defines: Vec<String>,
+    headers: Vec<(String, String)>,
+    path: std::path::PathBuf,
+}
+
+/// The cache entry of (`arch`, `formats`, `mmq_pipe`) and its image when the cache holds a valid one.
+fn cache_lookup(arch: &str, formats: FormatSet, mmq_pipe: bool) -> Result<(CacheKey, Option<Vec<u8>>), GpuError> {
     let src = source()?;
     let mut defines = formats.defines();
     if !mmq_pipe {
@@ -178,22 +211,8 @@ pub fn cubin(arch: &str, formats: FormatSet, mmq_pipe: bool) -> Result<(Vec<u8>,
     }
     let key = fnv1a(&parts);
     let path = cache_dir().join(format!("{key:016x}-{arch}.cubin"));
-    if let Ok(b) = std::fs::read(&path) {
-        if b.len() > 4 && &b[..4] == b"\x7fELF" {
-            return Ok((b, true));
-        }
-    }
-    let t = std::time::Instant::now();
-    let img = compile(&src, arch, &defines, &headers)?;
-    tracing::info!("kernels compiled by NVRTC for {arch} in {:.2} s", t.elapsed().as_secs_f64());
-    let tmp = path.with_extension("tmp");
-    let write = std::fs::create_dir_all(cache_dir())
-        .and_then(|_| std::fs::write(&tmp, &img))
-        .and_then(|_| std::fs::rename(&tmp, &path));
-    if let Err(e) = write {
-        tracing::warn!("kernel cache {} not written: {e}", path.display());
-    }
-    Ok((img, false))
+    let img = std::fs::read(&path).ok().filter(|b| b.len() > 4 && &b[..4] == b"\x7fELF");
+    Ok((CacheKey { src, defines, headers, path }, img))
 }
 
 /// Every kernel of the module.

@@ -373,44 +373,122 @@ pub(super) fn make_bufs<B>(
     })
 }
 
-/// VRAM a one-stage load of `model` takes before its expert cache, as `(dense, kv, scratch)` bytes: the dense
-/// weights as [`Stage::load`] uploads them (attention, dense FFN or router, shared expert, norms and biases, the
-/// output head), the KV cache at `cfg.n_ctx` positions, and the scratch of [`make_bufs`]. It leaves out the kernel
-/// module and the driver's own rounding (the placement plan shows the estimate beside what the load then measures).
-pub fn load_bytes(model: &ModelRef<'_>, cfg: &GpuConfig) -> (u64, u64, u64) {
-    let c = model.cfg;
-    let f = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
-    let mut dense = 0usize;
-    for b in &model.weights.blocks {
-        dense += b.q.bytes() + b.k.bytes() + b.v.bytes() + b.o.bytes() + 4 * (b.attn_norm.len() + b.ffn_norm.len());
-        dense += f(&b.bias.q) + f(&b.bias.k) + f(&b.bias.v) + f(&b.bias.o) + f(&b.q_norm) + f(&b.k_norm);
-        dense += f(&b.attn_sinks);
-        dense += match &b.ffn {
-            Ffn::Dense { gate, up, down } => gate.bytes() + up.bytes() + down.bytes(),
-            Ffn::Moe(ex) => {
-                let sh = ex
-                    .shared
-                    .as_ref()
-                    .map_or(0, |sh| sh.gate.bytes() + sh.up.bytes() + sh.down.bytes() + 4 * sh.gate_inp.len());
-                let bias = match (&ex.router_bias, &ex.bias) {
-                    (Some(rb), Some(xb)) => 4 * (rb.len() + xb.gate.len() + xb.up.len() + xb.down.len()),
-                    _ => 0,
-                };
-                ex.router.bytes() + sh + bias
-            }
-        };
+/// The device allocations [`Stage::load`] makes for `layers` of `model` (with the output head when `last`), in
+/// bytes as asked of the driver, by kind. The placement plan's trial allocates these
+/// ([`super::pipeline::trial_load`]) and the load checks against them that the two agree.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StageSizes {
+    /// Dense weights as uploaded: attention, dense FFN or router, shared expert, norms and biases, the output
+    /// head.
+    pub dense: Vec<usize>,
+    /// The KV cache at `cfg.n_ctx` positions (keys and values of each layer).
+    pub kv: Vec<usize>,
+    /// The scratch buffers of [`make_bufs`].
+    pub scratch: Vec<usize>,
+}
+
+impl StageSizes {
+    /// Every allocation's size.
+    pub fn all(&self) -> impl Iterator<Item = usize> + '_ {
+        self.dense.iter().chain(&self.kv).chain(&self.scratch).copied()
     }
-    dense += model.weights.output.bytes() + 4 * model.weights.out_norm.len();
+}
+
+/// The allocations of [`Stage::load`] for `layers` (see [`StageSizes`]).
+pub fn stage_sizes(model: &ModelRef<'_>, cfg: &GpuConfig, layers: std::ops::Range<usize>, last: bool) -> StageSizes {
+    let c = model.cfg;
+    let f = |v: &[f32]| 4 * v.len();
+    let (qd0, kvd0) = (c.n_head * c.head_dim, c.n_head_kv * c.head_dim);
+    let mut d = Vec::new();
+    let blocks = &model.weights.blocks[layers];
+    for b in blocks {
+        if b.bias.q.is_some() || b.bias.k.is_some() || b.bias.v.is_some() {
+            d.push(4 * (qd0 + 2 * kvd0));
+        }
+        if let (Some(q), Some(k)) = (&b.q_norm, &b.k_norm) {
+            if c.spec.def.qk_norm != crate::arch::QkNorm::None {
+                d.extend([f(q), f(k)]);
+            }
+        }
+        match &b.ffn {
+            Ffn::Dense { gate, up, down } => d.extend([gate.bytes(), up.bytes(), down.bytes()]),
+            Ffn::Moe(ex) => {
+                if let Some(sh) = &ex.shared {
+                    d.extend([f(&sh.gate_inp), sh.gate.bytes(), sh.up.bytes(), sh.down.bytes()]);
+                }
+                if let (Some(rb), Some(xb)) = (&ex.router_bias, &ex.bias) {
+                    d.extend([f(rb), 4 * c.n_expert * 2 * c.n_ff_exp, f(&xb.down)]);
+                }
+                d.push(ex.router.bytes());
+            }
+        }
+        d.extend([f(&b.attn_norm), b.q.bytes(), b.k.bytes(), b.v.bytes(), b.o.bytes(), f(&b.ffn_norm)]);
+        d.extend(b.bias.o.as_deref().map(f));
+        d.extend(b.attn_sinks.as_deref().map(f));
+    }
+    if last {
+        d.extend([model.weights.output.bytes(), f(&model.weights.out_norm)]);
+    }
     let kv_q8 = model.kv_type == crate::backend::KvType::Q8_0;
-    let kv = 2 * c.n_layer * super::ops::KvPtrs::bytes(kv_q8, cfg.n_ctx, c.n_head_kv * c.head_dim);
+    let row = super::ops::KvPtrs::bytes(kv_q8, cfg.n_ctx, kvd0);
+    let kv = vec![row; 2 * blocks.len()];
     let float_router = super::kernels::mmf_split_wanted()
-        && model.weights.blocks.iter().any(|b| matches!(&b.ffn, Ffn::Moe(ex) if ex.router.ty.block_size() == 1));
-    let mut scratch = 0usize;
-    let _ = make_bufs(c, cfg, true, float_router, |n| {
-        scratch += n;
+        && blocks.iter().any(|b| matches!(&b.ffn, Ffn::Moe(ex) if ex.router.ty.block_size() == 1));
+    let mut scratch = Vec::new();
+    let _ = make_bufs(c, cfg, last, float_router, |n| {
+        scratch.push(n);
         Ok(())
     });
-    (dense as u64, kv as u64, scratch as u64)
+    StageSizes { dense: d, kv, scratch }
+}
+
+/// VRAM a one-stage load of `model` takes before its expert cache, as `(dense, kv, scratch)` bytes asked of the
+/// driver ([`stage_sizes`] over every layer; without the kernel module and the driver's rounding, which the
+/// placement plan's trial measures).
+pub fn load_bytes(model: &ModelRef<'_>, cfg: &GpuConfig) -> (u64, u64, u64) {
+    let s = stage_sizes(model, cfg, 0..model.cfg.n_layer, true);
+    let sum = |v: &[usize]| v.iter().sum::<usize>() as u64;
+    (sum(&s.dense), sum(&s.kv), sum(&s.scratch))
+}
+
+/// Loads the module of `model`'s kernels for `dev` from image `img` (the switches as [`Stage::load`] sets them).
+/// Errors: the driver refused the image or a kernel is missing from it.
+pub(super) fn load_kernels(model: &ModelRef<'_>, dev: &Device, img: &[u8]) -> Result<Kernels, GpuError> {
+    let formats = super::kernels::FormatSet::of_model(model.weights);
+    Kernels::load(
+        img,
+        formats,
+        super::kernels::mmq_pipe_on(dev.max_smem_optin),
+        dev.max_smem_optin,
+        super::kernels::pdl_wanted(dev.cc),
+        super::kernels::cluster_norm_wanted(dev.cc),
+        super::kernels::narrow_wanted(),
+        super::kernels::tensor_cores_ok(dev.cc),
+    )
+}
+
+/// Allocates an expert cache on `dev` (empty): `n` slots and `n_staging` staging slots of `sb` bytes for blobs
+/// of `blob[l]` bytes (layer l), a table of `entries` experts. With `reserve` (an `auto` cache), slots are given
+/// back while less than the reserve stays free on the card (at most 6 rounds). Errors: the driver's.
+pub(super) fn alloc_cache_on(
+    dev: &Arc<Device>,
+    (n, n_staging, sb, blob, entries): (usize, usize, usize, Arc<Vec<usize>>, usize),
+    reserve: Option<u64>,
+) -> Result<SlotCache, GpuError> {
+    dev.bind()?;
+    let mut n = n;
+    let mut rounds = 0;
+    loop {
+        let cache = SlotCache::new(dev.clone(), n, n_staging, sb, blob.clone(), entries, false)?;
+        let (free_after, _) = dev.mem_info()?;
+        let give = reserve.map_or(0, |r| shrink_slots(free_after as u64, r, sb as u64));
+        if give == 0 || n == 0 || rounds == 6 {
+            return Ok(cache);
+        }
+        drop(cache);
+        n = n.saturating_sub(give);
+        rounds += 1;
+    }
 }
 
 impl Stage {
@@ -426,21 +504,13 @@ impl Stage {
         last: bool,
     ) -> Result<Stage, GpuError> {
         dev.bind()?;
+        let live0 = super::driver::live_bytes();
+        let sizes = stage_sizes(model, cfg, layers.clone(), last);
         // the kernels of the formats the model uses (a format without kernels is refused below, by tensor)
         let formats = super::kernels::FormatSet::of_model(model.weights);
-        let mmq_pipe = super::kernels::mmq_pipe_on(dev.max_smem_optin);
-        let (img, cached) = cubin(&dev.arch(), formats, mmq_pipe)?;
+        let (img, cached) = cubin(&dev.arch(), formats, super::kernels::mmq_pipe_on(dev.max_smem_optin))?;
         let pdl = super::kernels::pdl_wanted(dev.cc);
-        let k = Kernels::load(
-            &img,
-            formats,
-            mmq_pipe,
-            dev.max_smem_optin,
-            pdl,
-            super::kernels::cluster_norm_wanted(dev.cc),
-            super::kernels::narrow_wanted(),
-            super::kernels::tensor_cores_ok(dev.cc),
-        )?;
+        let k = load_kernels(model, &dev, &img)?;
         tracing::info!(
             "kernels for {} {} ({} bytes){}",
             dev.arch(),
@@ -586,6 +656,11 @@ impl Stage {
         let b = make_bufs(c, cfg, last, float_router, DevBuf::alloc)?;
         let t = cfg.max_chunk.max(1);
         let s = Stream::new()?;
+        // the plan's trial allocates `sizes`: a load that allocates otherwise would make the plan wrong
+        let (asked, planned) = (super::driver::live_bytes() - live0, sizes.all().sum::<usize>() as u64);
+        if asked != planned {
+            tracing::warn!("the GPU load allocated {asked} bytes where the placement plan counts {planned}");
+        }
         let n_moe_layers = layers.iter().filter(|g| matches!(g.ffn, GFfn::Moe { .. })).count();
         let gating = super::ops::gating_mode(c.spec.def).expect("checked by check_arch");
         let act = (c.spec.def.act == crate::arch::FfnAct::SwigluOai) as i32;
@@ -633,28 +708,13 @@ impl Stage {
         self.head.is_some()
     }
 
-    /// Allocates the stage's VRAM expert cache (empty): `n` slots and `n_staging` staging slots of `sb` bytes
-    /// for blobs of `blob[l]` bytes (layer l), a table of `entries` experts. With `reserve` (an `auto` cache), slots are
-    /// given back while less than the reserve stays free on the card (at most 6 rounds). Errors: the driver's.
+    /// Allocates the stage's VRAM expert cache (empty) on its card: see [`alloc_cache_on`].
     pub(super) fn alloc_cache(
         &self,
-        (n, n_staging, sb, blob, entries): (usize, usize, usize, Arc<Vec<usize>>, usize),
+        geometry: (usize, usize, usize, Arc<Vec<usize>>, usize),
         reserve: Option<u64>,
     ) -> Result<SlotCache, GpuError> {
-        self.dev.bind()?;
-        let mut n = n;
-        let mut rounds = 0;
-        loop {
-            let cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob.clone(), entries, false)?;
-            let (free_after, _) = self.dev.mem_info()?;
-            let give = reserve.map_or(0, |r| shrink_slots(free_after as u64, r, sb as u64));
-            if give == 0 || n == 0 || rounds == 6 {
-                return Ok(cache);
-            }
-            drop(cache);
-            n = n.saturating_sub(give);
-            rounds += 1;
-        }
+        alloc_cache_on(&self.dev, geometry, reserve)
     }
 
     /// Registers the store's RAM copy with the driver (page-locked: copies from and into it run at full link

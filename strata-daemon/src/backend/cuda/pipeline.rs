@@ -16,6 +16,7 @@ use super::ops::MAX_NT;
 use super::GpuConfig;
 use super::GpuError;
 use crate::backend::{Backend, BackendError, Body, KvCache, Logits, ModelRef, Scratch};
+use crate::tiers::layout::ExpertLayout;
 use crate::tiers::split::{share_slots, stage_ranges};
 use crate::tiers::store::ExpertStore;
 use crate::tiers::vram::{auto_slots, slot_bytes, CacheSize};
@@ -51,6 +52,99 @@ impl Drop for GpuModel {
 
 fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
+}
+
+/// Staging slots of an expert cache for top-`k` routing over `n_expert` experts: one blob per routing of the
+/// largest chunk that uploads its misses ([`MAX_NT`] tokens), at most one per expert.
+pub fn staging_slots(k: usize, n_expert: usize) -> usize {
+    (k * MAX_NT).min(n_expert)
+}
+
+/// One stage's claim on its card's expert slots.
+#[derive(Debug, Clone, Copy)]
+struct CardStage {
+    /// Experts of the stage's layers.
+    experts: usize,
+    /// Slots asked (`--expert-cache N`, shared among the stages by their experts).
+    asked: usize,
+    /// VRAM an `auto` cache keeps free (bytes).
+    reserve: u64,
+}
+
+/// The slots of each stage sharing one card with `room` bytes free (after the staging slots), slots of `sb`
+/// bytes. `auto`: each stage takes its experts' share of `room` less its reserve; `N`: the asked slots, cut to
+/// what fits with 64 MiB to spare — then the second value is that fit (for the warning).
+fn card_slots(cache: CacheSize, room: u64, sb: u64, on: &[CardStage]) -> (Vec<usize>, Option<usize>) {
+    let weight: usize = on.iter().map(|s| s.experts).sum();
+    match cache {
+        CacheSize::Auto => {
+            let share = |s: &CardStage| {
+                (room.saturating_sub(s.reserve) as u128 * s.experts as u128 / weight.max(1) as u128) as u64
+            };
+            (on.iter().map(|s| auto_slots(share(s), 0, sb, s.experts)).collect(), None)
+        }
+        CacheSize::Slots(_) => {
+            let fit = (room.saturating_sub(64 << 20) / sb.max(1)) as usize;
+            let asked: Vec<usize> = on.iter().map(|s| s.asked).collect();
+            let sum: usize = asked.iter().sum();
+            (share_slots(fit.min(sum), &asked), (sum > fit).then_some(fit))
+        }
+    }
+}
+
+/// What the placement plan's trial of a one-stage load found ([`trial_load`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Trial {
+    /// Free VRAM once the kernels, dense weights, KV cache and scratch are allocated (bytes).
+    pub free_after_load: u64,
+    /// Whether the kernel module was loaded for the trial (`false`: not in the disk cache yet, so its VRAM is
+    /// not counted).
+    pub module: bool,
+    /// Expert slots the cache took.
+    pub slots: usize,
+    /// Free VRAM with the cache allocated too (bytes).
+    pub free_after: u64,
+}
+
+/// Allocates on `dev` what a one-stage load of `model` allocates — the kernel module when the disk cache holds
+/// it, the buffers of [`super::model::stage_sizes`] (nothing uploaded), then the expert cache of `layout`'s
+/// experts by the load's rule — notes the free VRAM, and frees it all. The driver's rounding and the module's
+/// VRAM are so measured rather than estimated. Errors: the driver's, out of VRAM included.
+pub fn trial_load(
+    model: &ModelRef<'_>,
+    dev: &Arc<Device>,
+    cfg: &GpuConfig,
+    layout: Option<&ExpertLayout>,
+) -> Result<Trial, GpuError> {
+    dev.bind()?;
+    let formats = super::kernels::FormatSet::of_model(model.weights);
+    let img = super::kernels::cached_cubin(&dev.arch(), formats, super::kernels::mmq_pipe_on(dev.max_smem_optin))?;
+    let kernels = img.as_deref().map(|img| super::model::load_kernels(model, dev, img)).transpose()?;
+    let sizes = super::model::stage_sizes(model, cfg, 0..model.cfg.n_layer, true);
+    let bufs = sizes.all().map(super::driver::DevBuf::alloc).collect::<Result<Vec<_>, _>>()?;
+    let stream = super::driver::Stream::new()?;
+    let (free, _) = dev.mem_info()?;
+    let free = free as u64;
+    let mut t = Trial { free_after_load: free, module: kernels.is_some(), slots: 0, free_after: free };
+    if let Some(lay) = layout.filter(|l| l.n_expert > 0) {
+        let blob = Arc::new(lay.layers.iter().map(|l| l.blob_bytes()).collect::<Vec<_>>());
+        let sb = slot_bytes(blob.iter().copied().max().unwrap_or(0));
+        let entries = lay.n_layer() * lay.n_expert;
+        let n_staging = staging_slots(model.cfg.n_expert_used, lay.n_expert);
+        let room = free.saturating_sub((n_staging * sb) as u64);
+        let asked = match cfg.cache {
+            CacheSize::Slots(k) => k.min(entries),
+            CacheSize::Auto => entries,
+        };
+        let stage = CardStage { experts: entries, asked, reserve: cfg.reserve };
+        let want = card_slots(cfg.cache, room, sb as u64, &[stage]).0[0];
+        let reserve = (cfg.cache == CacheSize::Auto).then_some(cfg.reserve);
+        let cache = super::model::alloc_cache_on(dev, (want, n_staging, sb, blob, entries), reserve)?;
+        t.slots = cache.n_slots;
+        t.free_after = dev.mem_info()?.0 as u64;
+    }
+    drop((stream, bufs, kernels));
+    Ok(t)
 }
 
 impl GpuModel {
@@ -92,7 +186,7 @@ impl GpuModel {
         let sb = slot_bytes(blob.iter().copied().max().unwrap_or(0));
         let ne = lay.n_expert;
         let entries = lay.n_layer() * ne;
-        let n_staging = (model.cfg.n_expert_used * MAX_NT).min(ne);
+        let n_staging = staging_slots(model.cfg.n_expert_used, ne);
         let staging_bytes = (n_staging * sb) as u64;
         let n = self.stages.len();
         let experts: Vec<usize> = self.stages.iter().map(|s| s.layer_range().len() * ne).collect();
@@ -119,27 +213,18 @@ impl GpuModel {
             let on: Vec<usize> = (0..n).filter(|&j| ordinals[j] == ord).collect();
             let (free, _) = self.stages[i].device().mem_info()?;
             let room = (free as u64).saturating_sub(staging_bytes * on.len() as u64);
-            let weight: usize = on.iter().map(|&j| experts[j]).sum();
-            match cfg.cache {
-                CacheSize::Auto => {
-                    for &j in &on {
-                        let share = (room.saturating_sub(reserve_of(j)) as u128 * experts[j] as u128
-                            / weight.max(1) as u128) as u64;
-                        want[j] = auto_slots(share, 0, sb as u64, experts[j]);
-                    }
-                }
-                CacheSize::Slots(k) => {
-                    let fit = (room.saturating_sub(64 << 20) / sb as u64) as usize;
-                    let asked_here: Vec<usize> = on.iter().map(|&j| asked[j]).collect();
-                    let sum: usize = asked_here.iter().sum();
-                    if sum > fit {
-                        let what = if n == 1 { k.to_string() } else { format!("{sum} (this card's share)") };
-                        tracing::warn!("--expert-cache {what}: only {fit} slots fit in free VRAM; using {fit}");
-                    }
-                    for (&j, v) in on.iter().zip(share_slots(fit.min(sum), &asked_here)) {
-                        want[j] = v;
-                    }
-                }
+            let here: Vec<CardStage> = on
+                .iter()
+                .map(|&j| CardStage { experts: experts[j], asked: asked[j], reserve: reserve_of(j) })
+                .collect();
+            let (got, short) = card_slots(cfg.cache, room, sb as u64, &here);
+            if let (Some(fit), CacheSize::Slots(k)) = (short, cfg.cache) {
+                let sum: usize = here.iter().map(|h| h.asked).sum();
+                let what = if n == 1 { k.to_string() } else { format!("{sum} (this card's share)") };
+                tracing::warn!("--expert-cache {what}: only {fit} slots fit in free VRAM; using {fit}");
+            }
+            for (&j, v) in on.iter().zip(got) {
+                want[j] = v;
             }
         }
         let mut caches = Vec::with_capacity(n);
