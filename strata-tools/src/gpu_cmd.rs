@@ -1747,6 +1747,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let td = Instant::now();
         let mut first_s = 0.0;
         let mut shift_seed = 0x5EED_u64;
+        // FNV-1a over the decoded token ids: arms whose arithmetic is the same must print the same digest
+        let mut digest = 0xcbf2_9ce4_8422_2325_u64;
         for i in 0..a.gen {
             // greedy, as the daemon's sampler picks at temperature 0 (or, with --shift, a random token now and
             // then)
@@ -1755,6 +1757,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             } else {
                 strata::engine::sampler::argmax(&logits)
             };
+            digest = (digest ^ next as u64).wrapping_mul(0x100_0000_01b3);
             s.decode = true;
             logits = m.forward(&[next], &mut kv, Logits::Last, &mut s);
             s.decode = false;
@@ -1822,7 +1825,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             // the first decode token of a context size class captures its graph (once per class in a daemon's
             // life); llama-bench times after a warm-up run
             println!(
-                "{:<34} decode after the first token {:.2} tok/s (first token {:.1} ms)",
+                "{:<34} decode after the first token {:.2} tok/s (first token {:.1} ms); tokens {digest:016x}",
                 "",
                 (a.gen - 1) as f64 / (decode_s - first_s),
                 first_s * 1e3

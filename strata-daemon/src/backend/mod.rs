@@ -42,14 +42,20 @@ pub enum Logits {
     Last,
     /// For every token of the chunk.
     All,
+    /// For none: a prompt chunk before the last, whose K/V rows are all that count. The pass returns no
+    /// logits, and a backend may return before the chunk's work is done (the CUDA backend does, every expert in
+    /// VRAM); the next pass that returns logits completes it first, and a fault in it surfaces there.
+    None,
 }
 
 impl Logits {
-    /// The rows of a chunk of `t` tokens (`t` ≥ 1) whose logits are returned: `(first row, rows)`.
-    pub fn rows(self, t: usize) -> (usize, usize) {
+    /// The rows of a chunk of `t` tokens (`t` ≥ 1) whose logits are returned: `(first row, rows)`; `None` for
+    /// [`Logits::None`].
+    pub fn rows(self, t: usize) -> Option<(usize, usize)> {
         match self {
-            Logits::Last => (t - 1, 1),
-            Logits::All => (0, t),
+            Logits::Last => Some((t - 1, 1)),
+            Logits::All => Some((0, t)),
+            Logits::None => None,
         }
     }
 }

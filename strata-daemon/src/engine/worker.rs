@@ -329,7 +329,9 @@ impl Worker {
         let mut last_live: Option<Instant> = None;
         while pos < ids.len() {
             let end = (pos + self.batch).min(ids.len());
-            logits = match self.model.try_forward(&ids[pos..end], &mut self.kv, Logits::Last, &mut self.scratch) {
+            // only the prompt's last chunk needs logits (the others may return before their work is done)
+            let which = if end < ids.len() { Logits::None } else { Logits::Last };
+            logits = match self.model.try_forward(&ids[pos..end], &mut self.kv, which, &mut self.scratch) {
                 Ok(l) => l,
                 Err(e) => return self.fail(job, e),
             };

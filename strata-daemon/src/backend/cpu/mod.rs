@@ -72,7 +72,7 @@ impl Backend for CpuBackend {
         }
         let rows = which.rows(t);
         let mut pass = CpuPass { m, kv, s, t, pos0, logits: Vec::new() };
-        body(&mut pass, Some(rows))?;
+        body(&mut pass, rows)?;
         let logits = std::mem::take(&mut pass.logits);
         kv.len = pos0 + t;
         Ok(logits)

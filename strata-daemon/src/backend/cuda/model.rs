@@ -156,6 +156,9 @@ pub(super) struct Host {
     pin_out: Option<super::driver::PinnedBuf>,
     /// Page-locked staging of a pass's inputs: embeddings | RoPE table (`cs`). Grown on demand.
     pin_in: Option<super::driver::PinnedBuf>,
+    /// Recorded after a prompt pass's input copies: the next pass waits on it before it rewrites or moves
+    /// `pin_in` (a prompt chunk without outputs returns before its work is done; see [`Stage::chunk`]).
+    inputs_read: Option<super::driver::Event>,
     /// A pass enqueued work and has not reached its final wait (it failed on the way): the next pass waits for
     /// the stream before it rewrites or moves any staging a copy may still read.
     pass_open: bool,
@@ -166,6 +169,9 @@ pub(super) struct Host {
     x: Vec<f32>,
     /// Where the pass's hybrid layers spent their host time (`STRATA_GPU_TIMING` only).
     prof: HybridProf,
+    /// A prompt pass's timed events, one after each backend call's launches, named by the call
+    /// (`STRATA_GPU_TIMING=ops` only; see [`op_times`]).
+    pub(super) marks: Vec<(&'static str, super::driver::Event)>,
     /// Experts uploaded ahead for the next hybrid layer (live knob `prefetch`): (layer, expert, staging slot).
     /// Cleared at every pass's start.
     prefetched: Vec<(usize, usize, u32)>,
@@ -173,6 +179,29 @@ pub(super) struct Host {
     predicted: Vec<(usize, usize)>,
     /// Routers of the prediction by layer, made on first use ([`predict_next`]).
     router_f32: std::collections::HashMap<usize, Vec<u8>>,
+}
+
+/// The GPU time between consecutive `marks` (each recorded after the named call's launches, the first at the
+/// pass's start), summed by name in the order the names first appear: `"qkv 3.210 ms, attention 1.100 ms, ..."`.
+/// Errors: the driver's, when an event is not complete or not timed.
+fn op_times(marks: &[(&'static str, super::driver::Event)]) -> Result<String, GpuError> {
+    let mut sums: Vec<(&'static str, f64, usize)> = Vec::new();
+    for w in marks.windows(2) {
+        let ms = w[1].1.since_ms(&w[0].1)? as f64;
+        match sums.iter_mut().find(|(n, ..)| *n == w[1].0) {
+            Some(e) => {
+                e.1 += ms;
+                e.2 += 1;
+            }
+            None => sums.push((w[1].0, ms, 1)),
+        }
+    }
+    let total: f64 = sums.iter().map(|e| e.1).sum();
+    let mut out = format!("{total:.3} ms in all");
+    for (n, ms, k) in sums {
+        out.push_str(&format!(", {n} {ms:.3} ms ({k}×)"));
+    }
+    Ok(out)
 }
 
 /// Host time of a pass's hybrid MoE layers, in seconds, summed over the layers (`STRATA_GPU_TIMING`).
@@ -196,7 +225,6 @@ struct HybridProf {
 /// range of layers (every layer without a layer split; see [`super::pipeline::GpuModel`]), the output head when
 /// it holds the last layer.
 pub struct Stage {
-    dev: Arc<Device>,
     pub(super) k: Kernels,
     pub(super) s: Stream,
     /// The stage's layers (`layers[i]` is layer `l0 + i`).
@@ -233,6 +261,12 @@ pub struct Stage {
     graphs_off: std::sync::atomic::AtomicBool,
     /// `STRATA_GPU_TIMING` was set at load: log host and GPU time per pass.
     timing: bool,
+    /// `STRATA_GPU_TIMING=ops` at load: a prompt pass (several tokens, plain launches) also logs the GPU time of
+    /// each kind of backend call, summed over its layers.
+    pub(super) op_timing: bool,
+    /// `STRATA_GPU_CHUNK_SYNC=1` at load: every prompt chunk waits for its kernels before the next is prepared
+    /// (as before chunks overlapped; for A/B measurements).
+    sync_chunks: bool,
     /// All-VRAM passes of several tokens group each expert's tokens on the device (`group_by_expert`), so an
     /// expert's weights are read once per [`super::ops::MAX_NT`] tokens instead of once per token; off with
     /// `STRATA_GPU_GROUP=0` at load (one group per routing entry, as decode windows; for A/B measurements).
@@ -243,6 +277,10 @@ pub struct Stage {
     gating: i32,
     /// The experts' gated unit (`Glu::act`: 1 = gpt-oss's clamped SwiGLU).
     act: i32,
+    /// The card (its primary context). Declared last, so dropped last: every buffer, stream, event and module
+    /// above is freed while the context lives (a stage may hold the last reference; freeing into a released
+    /// context crashed the daemon at exit).
+    dev: Arc<Device>,
 }
 
 impl Drop for Stage {
@@ -686,6 +724,8 @@ impl Stage {
             layer_graphs: Mutex::new(std::collections::HashMap::new()),
             graphs_off: std::sync::atomic::AtomicBool::new(std::env::var("STRATA_GPU_GRAPHS").is_ok_and(|v| v == "0")),
             timing: std::env::var_os("STRATA_GPU_TIMING").is_some(),
+            op_timing: std::env::var("STRATA_GPU_TIMING").is_ok_and(|v| v == "ops"),
+            sync_chunks: std::env::var("STRATA_GPU_CHUNK_SYNC").is_ok_and(|v| v == "1"),
             group_prefill: std::env::var("STRATA_GPU_GROUP").map_or(true, |v| v != "0"),
             n_moe_layers,
             gating,
@@ -800,7 +840,10 @@ impl Stage {
     }
 
     /// One chunk of `input` at `pos0` through the stage's layers. Returns the logits rows `which` asks for (the
-    /// last stage) or the hidden state `x` for the next stage (`t × n_embd`).
+    /// last stage) or the hidden state `x` for the next stage (`t × n_embd`). A prompt chunk of the last stage
+    /// that returns nothing (`which` `None`, every expert in VRAM) returns once its kernels are enqueued: the next
+    /// chunk's host work overlaps them, and the host runs at most about two chunks ahead (each chunk first waits
+    /// for the previous one's input copies, which follow the kernels before them on the stream).
     pub(super) fn chunk(
         &self,
         m: &ModelRef<'_>,
@@ -817,6 +860,7 @@ impl Stage {
         };
         let e = c.n_embd;
         let b = &self.b;
+        let t_entry = std::time::Instant::now();
         self.dev.bind()?;
         let last = self.is_last();
         let which = which.filter(|_| last);
@@ -849,16 +893,26 @@ impl Stage {
         host.cs.clear();
         host.cs.extend([f32::from_bits(pos0 as u32), 0.0]);
         host.cs.extend(host.rope.iter().flat_map(|&(cv, sv)| [cv, sv]));
-        // both through page-locked staging, stream-ordered before the pass's kernels (no wait here)
+        // both through page-locked staging, stream-ordered before the pass's kernels (no wait here); the previous
+        // pass's copies out of it are done first (it may have returned before its work was)
+        if let Some(e) = &host.inputs_read {
+            e.sync()?;
+        }
         let cs_off = (host.x.len() * 4).next_multiple_of(16);
         let inp = grow_pinned(&mut host.pin_in, cs_off + host.cs.len() * 4)?;
         inp.write(0, &host.x);
         inp.write(cs_off, &host.cs);
         // SAFETY: the staging holds both (grown above); it is rewritten only by the next pass, after this pass's
-        // final wait.
+        // final wait or (a pass that returned early) after `inputs_read`, recorded behind these copies.
         unsafe {
             self.s.htod_raw(b.x.ptr, inp.ptr(), host.x.len() * 4)?;
             self.s.htod_raw(b.cs.ptr, inp.ptr().add(cs_off), host.cs.len() * 4)?;
+        }
+        if t > 1 {
+            if host.inputs_read.is_none() {
+                host.inputs_read = Some(super::driver::Event::new()?);
+            }
+            host.inputs_read.as_ref().expect("just set").record(&self.s)?;
         }
         let timing = self.timing;
         let t_start = std::time::Instant::now();
@@ -874,7 +928,13 @@ impl Stage {
         let any_moe = self.layers.iter().any(|g| matches!(g.ffn, GFfn::Moe { .. }));
         host.deferred.clear();
         host.prof = HybridProf::default();
-        let rows = which.map(|w| w.rows(t));
+        host.marks.clear();
+        if self.op_timing && t > 1 {
+            let e = super::driver::Event::timed()?;
+            e.record(&self.s)?;
+            host.marks.push(("start", e));
+        }
+        let rows = which.and_then(|w| w.rows(t));
         // a decode token with no host round trip inside: replay a CUDA graph (one launch instead of ~15 per
         // layer), captured once per attention size class (a stage before the last hands x on instead of logits)
         let graph = s.decode
@@ -909,6 +969,7 @@ impl Stage {
                 if segments { (pos0 + t).next_power_of_two().max(256).min(self.n_ctx.max(pos0 + t)) } else { pos0 + t };
             body(&mut GpuPass::new(self, m, s, host, (t, pos0, cap), fast, segments), rows)?;
         }
+        let enqueued = t_start.elapsed().as_secs_f64() * 1000.0;
         // the outputs into page-locked staging, one wait: the window's expert ids (all-VRAM decode keeps the
         // routing on the device; the store counts it from here) and the logits rows
         // (many rows of logits — a perplexity pass — go straight into the pageable result instead, so the
@@ -919,6 +980,13 @@ impl Stage {
         // the logits rows, or (a stage before the last) x for the next stage
         let (logits_n, out_src) =
             if last { (rows.map_or(0, |(_, r)| r * c.n_vocab), b.logits.ptr) } else { (t * e, b.x.ptr) };
+        if logits_n == 0 && ids_n == 0 && fast && t > 1 && ev0.is_none() && !self.sync_chunks {
+            // a prompt chunk before the last, every expert in VRAM: nothing to read back, so no wait — the next
+            // chunk's host work (embeddings, RoPE table) overlaps this one's kernels, and the last chunk's wait
+            // (its logits) covers them all; a fault surfaces there
+            host.pass_open = false;
+            return Ok(Vec::new());
+        }
         let staged = logits_n * 4 <= PIN_OUT_MAX;
         let mut logits = vec![0f32; logits_n];
         let out = grow_pinned(&mut host.pin_out, ids_bytes + if staged { logits_n * 4 } else { 0 })?;
@@ -948,15 +1016,16 @@ impl Stage {
             out.read(ids_bytes, &mut logits);
         }
         if let Some(e0) = &ev0 {
-            let enqueued = t_start.elapsed().as_secs_f64() * 1000.0;
             let e1 = super::driver::Event::timed()?;
             e1.record(&self.s)?;
             e1.sync()?;
             let p = host.prof;
             tracing::info!(
-                "GPU timing: {t} tokens at {pos0}: layers enqueued in {enqueued:.3} ms (host), {:.3} ms on the GPU, \
+                "GPU timing: {t} tokens at {pos0}: inputs in {:.3} ms, layers enqueued in {enqueued:.3} ms (host), \
+                 {:.3} ms on the GPU, \
                  {:.3} ms wall; {} hybrid layers: {:.3} ms waiting for routing, {:.3} ms planning, {:.3} ms CPU \
                  experts ({}) with {:.3} ms of GPU calls beside them",
+                (t_start - t_entry).as_secs_f64() * 1000.0,
                 e1.since_ms(e0)?,
                 t_start.elapsed().as_secs_f64() * 1000.0,
                 p.layers,
@@ -966,6 +1035,10 @@ impl Stage {
                 p.cpu_experts,
                 p.issue * 1000.0
             );
+        }
+        if host.marks.len() > 1 {
+            tracing::info!("GPU time by call: {t} tokens at {pos0}: {}", op_times(&host.marks)?);
+            host.marks.clear();
         }
         Ok(logits)
     }

@@ -75,40 +75,28 @@ impl<'p, 'm> GpuPass<'p, 'm> {
     fn launch(&self) -> Launch<'_> {
         Launch { k: &self.g.k, s: &self.g.s }
     }
-}
 
-impl Ops for GpuPass<'_, '_> {
-    fn segment(
-        &mut self,
-        layer: usize,
-        ops: &mut dyn FnMut(&mut dyn Ops) -> Result<(), BackendError>,
-    ) -> Result<(), BackendError> {
-        if !(self.segments && matches!(self.g.layer(layer).ffn, GFfn::Moe { .. })) {
-            return ops(self);
+    /// Records a timed event after `call`'s launches when the pass times its calls (`STRATA_GPU_TIMING=ops`: the
+    /// pass's first mark is recorded at its start; a decode token, whose launches may be captured, has none).
+    fn mark(&mut self, call: &'static str) -> Result<(), GpuError> {
+        if !self.host.marks.is_empty() {
+            let e = super::driver::Event::timed()?;
+            e.record(&self.g.s)?;
+            self.host.marks.push((call, e));
         }
-        let g = self.g;
-        let (kk, e) = (self.m.cfg.n_expert_used, self.m.cfg.n_embd);
-        // sized before recording: the graph names its address
-        self.staging = g.routing_staging(self.host, kk, e)?;
-        let pend = self.pend;
-        self.in_segment = true;
-        self.routed = false;
-        let mut ran = false;
-        let r = g.replay_segment((layer, self.cap), || {
-            // a recording that failed is enqueued again with plain launches: the same combine each time
-            self.pend = pend;
-            ran = true;
-            ops(self).map_err(GpuError::from)
-        });
-        self.in_segment = false;
-        self.pend = None; // done by the segment's first norm, recorded or replayed
-                          // the routing's copy to the host is in the segment (route() enqueued it when recorded; a replay has it)
-        debug_assert!(!ran || r.is_err() || self.routed, "an MoE block's segment contains its route()");
-        self.routed = true;
-        Ok(r?)
+        Ok(())
     }
 
-    fn norm(&mut self, which: Norm) -> Result<(), BackendError> {
+    /// `r`, then a mark after `call` (see [`Self::mark`]).
+    fn marked(&mut self, call: &'static str, r: Result<(), BackendError>) -> Result<(), BackendError> {
+        r?;
+        Ok(self.mark(call)?)
+    }
+}
+
+/// The launches of each backend call (the [`Ops`] impl below marks the end of each when timing calls).
+impl GpuPass<'_, '_> {
+    fn enqueue_norm(&mut self, which: Norm) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let (b, e) = (&g.b, c.n_embd);
         let w = match which {
@@ -119,7 +107,7 @@ impl Ops for GpuPass<'_, '_> {
         Ok(self.launch().rms_norm_q8(b.x.ptr, w, c.rms_eps, e, t, b.xn.ptr, b.xq.ptr, pend)?)
     }
 
-    fn qkv(&mut self, l: usize) -> Result<(), BackendError> {
+    fn enqueue_qkv(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let (b, gl) = (&g.b, &g.layer(l));
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
@@ -134,7 +122,7 @@ impl Ops for GpuPass<'_, '_> {
         Ok(())
     }
 
-    fn rope_store(&mut self, l: usize) -> Result<(), BackendError> {
+    fn enqueue_rope_store(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let b = &g.b;
         let kv = KvPtrs { k: g.kc[l - g.l0].ptr, v: g.vc[l - g.l0].ptr, q8: g.kv_q8 };
@@ -143,7 +131,7 @@ impl Ops for GpuPass<'_, '_> {
         Ok(self.launch().rope_store(b.qkv.ptr, b.cs.at(8), nh, nkv, hd, c.n_rot, b.cs.ptr, t, b.q.ptr, kv, neox)?)
     }
 
-    fn attention(&mut self, l: usize) -> Result<(), BackendError> {
+    fn enqueue_attention(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t, cap) = (self.g, self.m.cfg, self.t, self.cap);
         let b = &g.b;
         let kv = KvPtrs { k: g.kc[l - g.l0].ptr, v: g.vc[l - g.l0].ptr, q8: g.kv_q8 };
@@ -154,7 +142,7 @@ impl Ops for GpuPass<'_, '_> {
         Ok(self.launch().attention(b.q.ptr, kv, nh, nkv, hd, b.cs.ptr, cap, t, b.attn.ptr, b.attnq.ptr, part, ws)?)
     }
 
-    fn attn_output(&mut self, l: usize) -> Result<(), BackendError> {
+    fn enqueue_attn_output(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
         let b = &g.b;
         let k = self.launch();
@@ -165,7 +153,7 @@ impl Ops for GpuPass<'_, '_> {
         Ok(())
     }
 
-    fn ffn(&mut self, l: usize) -> Result<(), BackendError> {
+    fn enqueue_ffn(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
         let b = &g.b;
         let GFfn::Dense { gate, up, down } = &g.layer(l).ffn else { unreachable!("ffn() on an MoE block") };
@@ -177,7 +165,7 @@ impl Ops for GpuPass<'_, '_> {
         Ok(k.mmv(&[down], b.hq.ptr, b.h.ptr, t, b.x.ptr, e, true)?)
     }
 
-    fn route(&mut self, l: usize) -> Result<(), BackendError> {
+    fn enqueue_route(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let b = &g.b;
         let GFfn::Moe { router, bias, .. } = &g.layer(l).ffn else { unreachable!("route() on a dense block") };
@@ -218,12 +206,12 @@ impl Ops for GpuPass<'_, '_> {
         Ok(())
     }
 
-    fn shared_expert(&mut self, l: usize) -> Result<(), BackendError> {
+    fn enqueue_shared_expert(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
         Ok(g.shared_expert(&self.launch(), &g.layer(l), t, e)?)
     }
 
-    fn experts(&mut self, l: usize) -> Result<(), BackendError> {
+    fn enqueue_experts(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, c, t) = (self.g, self.m.cfg, self.t);
         let b = &g.b;
         let GFfn::Moe { gate_ty, down_ty, down_off, ref bias, .. } = g.layer(l).ffn else {
@@ -275,10 +263,97 @@ impl Ops for GpuPass<'_, '_> {
         Ok(())
     }
 
-    fn output(&mut self, row0: usize, rows: usize) -> Result<(), BackendError> {
+    fn enqueue_output(&mut self, row0: usize, rows: usize) -> Result<(), BackendError> {
         let (g, c) = (self.g, self.m.cfg);
         let pend = self.pend.take();
         Ok(g.enqueue_output(c, (row0, rows), pend)?)
+    }
+
+    fn enqueue_hand_off(&mut self) -> Result<(), BackendError> {
+        let pend = self.pend.take();
+        Ok(self.g.enqueue_hand_off(self.m.cfg, self.t, pend)?)
+    }
+}
+
+impl Ops for GpuPass<'_, '_> {
+    fn segment(
+        &mut self,
+        layer: usize,
+        ops: &mut dyn FnMut(&mut dyn Ops) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        if !(self.segments && matches!(self.g.layer(layer).ffn, GFfn::Moe { .. })) {
+            return ops(self);
+        }
+        let g = self.g;
+        let (kk, e) = (self.m.cfg.n_expert_used, self.m.cfg.n_embd);
+        // sized before recording: the graph names its address
+        self.staging = g.routing_staging(self.host, kk, e)?;
+        let pend = self.pend;
+        self.in_segment = true;
+        self.routed = false;
+        let mut ran = false;
+        let r = g.replay_segment((layer, self.cap), || {
+            // a recording that failed is enqueued again with plain launches: the same combine each time
+            self.pend = pend;
+            ran = true;
+            ops(self).map_err(GpuError::from)
+        });
+        self.in_segment = false;
+        self.pend = None; // done by the segment's first norm, recorded or replayed
+                          // the routing's copy to the host is in the segment (route() enqueued it when recorded; a replay has it)
+        debug_assert!(!ran || r.is_err() || self.routed, "an MoE block's segment contains its route()");
+        self.routed = true;
+        Ok(r?)
+    }
+
+    fn norm(&mut self, which: Norm) -> Result<(), BackendError> {
+        let r = self.enqueue_norm(which);
+        self.marked("norm", r)
+    }
+
+    fn qkv(&mut self, l: usize) -> Result<(), BackendError> {
+        let r = self.enqueue_qkv(l);
+        self.marked("qkv", r)
+    }
+
+    fn rope_store(&mut self, l: usize) -> Result<(), BackendError> {
+        let r = self.enqueue_rope_store(l);
+        self.marked("rope_store", r)
+    }
+
+    fn attention(&mut self, l: usize) -> Result<(), BackendError> {
+        let r = self.enqueue_attention(l);
+        self.marked("attention", r)
+    }
+
+    fn attn_output(&mut self, l: usize) -> Result<(), BackendError> {
+        let r = self.enqueue_attn_output(l);
+        self.marked("attn_output", r)
+    }
+
+    fn ffn(&mut self, l: usize) -> Result<(), BackendError> {
+        let r = self.enqueue_ffn(l);
+        self.marked("ffn", r)
+    }
+
+    fn route(&mut self, l: usize) -> Result<(), BackendError> {
+        let r = self.enqueue_route(l);
+        self.marked("route", r)
+    }
+
+    fn shared_expert(&mut self, l: usize) -> Result<(), BackendError> {
+        let r = self.enqueue_shared_expert(l);
+        self.marked("shared_expert", r)
+    }
+
+    fn experts(&mut self, l: usize) -> Result<(), BackendError> {
+        let r = self.enqueue_experts(l);
+        self.marked("experts", r)
+    }
+
+    fn output(&mut self, row0: usize, rows: usize) -> Result<(), BackendError> {
+        let r = self.enqueue_output(row0, rows);
+        self.marked("output", r)
     }
 
     fn layers(&self, _n_layer: usize) -> std::ops::Range<usize> {
@@ -286,7 +361,7 @@ impl Ops for GpuPass<'_, '_> {
     }
 
     fn hand_off(&mut self) -> Result<(), BackendError> {
-        let pend = self.pend.take();
-        Ok(self.g.enqueue_hand_off(self.m.cfg, self.t, pend)?)
+        let r = self.enqueue_hand_off();
+        self.marked("hand_off", r)
     }
 }

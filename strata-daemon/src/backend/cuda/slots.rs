@@ -125,7 +125,6 @@ pub struct SlotCache {
     pub layer_blob: Arc<Vec<usize>>,
     /// Device residency table: `layer × n_expert + expert` → slot or −1.
     pub table: DevBuf,
-    dev: Arc<Device>,
     copy: Arc<Stream>,
     bounce: Arc<Mutex<PinnedBuf>>,
     /// Blobs the bounce buffer holds.
@@ -139,6 +138,9 @@ pub struct SlotCache {
     table_stale: std::sync::atomic::AtomicBool,
     /// Asynchronous rounds on (`adapt_async`), and whether they can apply.
     pub async_ok: bool,
+    /// The card. Declared last, so dropped last: the slots, streams and staging above are freed while its
+    /// context lives.
+    dev: Arc<Device>,
 }
 
 impl SlotCache {
