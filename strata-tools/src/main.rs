@@ -5,6 +5,7 @@
 use anyhow::Result;
 use clap::Parser;
 
+mod bench_attention_cmd;
 mod bench_experts_cmd;
 #[cfg(feature = "cuda")]
 mod gpu_cmd;
@@ -33,6 +34,9 @@ enum Command {
     /// CPU expert throughput: one token through a half-cached layer's experts, from random blobs of a preset's
     /// geometry in RAM (µs per layer, GB/s, share of the host RAM read rate); no model or GPU needed.
     BenchExperts(bench_experts_cmd::BenchExpertsArgs),
+    /// CPU decode attention: one query row over an f16 KV cache of --ctx positions, layer after layer (µs per
+    /// layer, K/V read GB/s beside the host RAM read rate); no model needed.
+    BenchAttention(bench_attention_cmd::BenchAttentionArgs),
     /// Check the GPU kernels and forward pass against the CPU path (needs a GPU).
     #[cfg(feature = "cuda")]
     GpuCheck(gpu_cmd::CheckArgs),
@@ -75,6 +79,7 @@ fn run() -> Result<()> {
         Command::Perplexity(p) => perplexity_cmd::run(p),
         Command::SynthMoe(a) => synth_cmd::run(a),
         Command::BenchExperts(a) => bench_experts_cmd::run(a),
+        Command::BenchAttention(a) => bench_attention_cmd::run(a),
         #[cfg(feature = "cuda")]
         Command::GpuCheck(a) => gpu_cmd::check(a),
         #[cfg(feature = "cuda")]

@@ -56,6 +56,7 @@ impl Width {
 /// `sp.hd <= MAX_HD`; every row of the span lies inside `k` and `v`;
 /// `o.len() == qv.len()`, a multiple of `sp.hd`.
 #[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,f16c")]
 pub(super) unsafe fn heads_f16(
     w: Width,
     qv: &[f32],
@@ -87,6 +88,7 @@ pub(super) unsafe fn heads_f16(
 /// # Safety
 /// The CPU must run `w`; `sp.hd % 8 == 0`, `sp.hd <= MAX_HD`; `js` inside `0..len`, its rows inside `k`; `sc`
 /// valid for writes of those elements and no one else touching them meanwhile.
+#[target_feature(enable = "avx2,f16c")]
 pub(super) unsafe fn scores_f16(
     w: Width,
     qv: &[f32],
@@ -122,6 +124,7 @@ pub(super) unsafe fn scores_f16(
 /// # Safety
 /// The CPU must run `w`; `cols` inside `0..hd`, its bounds multiples of 8; the span's rows inside `v`; `o` valid
 /// for writes of those columns of every head and no one else touching them meanwhile.
+#[target_feature(enable = "avx2,f16c")]
 pub(super) unsafe fn values_f16(w: Width, sc: &[f32], v: &[u16], sp: Span, cols: std::ops::Range<usize>, o: *mut f32) {
     let (hd, len, nc) = (sp.hd, sp.n - sp.first, cols.len());
     let per = sc.len() / len.max(1);
@@ -139,6 +142,25 @@ pub(super) unsafe fn values_f16(w: Width, sc: &[f32], v: &[u16], sp: Span, cols:
             // SAFETY: AVX2 + F16C (contract); the row lies inside v, the tile holds nb <= TILE / nc rows.
             unsafe { widen(&v[row.start + cols.start..row.start + cols.end], &mut vt.0[p * nc..(p + 1) * nc]) };
         }
+        if w == Width::Avx512 && nc == 32 {
+            // up to four heads at a time, two registers each: eight independent sums in flight instead of one
+            let mut g0 = 0;
+            while g0 < per {
+                let at = (g0, j0, nb, len, hd, cols.start);
+                // SAFETY: AVX-512 F (w); heads g0 .. g0 + G of `per`, their weights sc[g·len + j0 ..][..nb]; the
+                // tile holds nb rows of 32; o as this function's contract.
+                unsafe {
+                    match per - g0 {
+                        1 => acc_heads_zmm::<1>(sc, &vt.0[..nb * 32], at, o),
+                        2 => acc_heads_zmm::<2>(sc, &vt.0[..nb * 32], at, o),
+                        3 => acc_heads_zmm::<3>(sc, &vt.0[..nb * 32], at, o),
+                        _ => acc_heads_zmm::<4>(sc, &vt.0[..nb * 32], at, o),
+                    }
+                }
+                g0 += 4;
+            }
+            continue;
+        }
         for g in 0..per {
             let wts = &sc[g * len + j0..g * len + j0 + nb];
             // SAFETY: head g's columns, owned by this call (contract).
@@ -149,11 +171,52 @@ pub(super) unsafe fn values_f16(w: Width, sc: &[f32], v: &[u16], sp: Span, cols:
     }
 }
 
+/// [`accumulate`] of 32 columns for heads `g0 .. g0 + G` at once (`at` = (g0, j0, nb, len, hd, col0)): head g's
+/// output columns `col0 .. col0 + 32` (at `o + g·hd + col0`) += `Σ_p sc[g·len + j0 + p] · tile[p·32 ..]`, positions
+/// in order — each value's sum as [`acc_zmm`] adds it, with 2·G independent registers in flight.
+///
+/// # Safety
+/// AVX-512 F; `tile.len() == nb · 32`; `sc` holds `(g0 + G)·len` weights and `j0 + nb <= len`; `o + g·hd + col0`
+/// valid for reads and writes of 32 values for each of the G heads.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn acc_heads_zmm<const G: usize>(
+    sc: &[f32],
+    tile: &[f32],
+    (g0, j0, nb, len, hd, col0): (usize, usize, usize, usize, usize, usize),
+    o: *mut f32,
+) {
+    assert!(tile.len() == nb * 32 && (g0 + G) * len <= sc.len() && j0 + nb <= len, "attention tile shapes");
+    // SAFETY: head g's 32 output values (contract).
+    let out = |g: usize| unsafe { o.add((g0 + g) * hd + col0) };
+    // SAFETY: as above.
+    let mut acc: [[__m512; 2]; G] =
+        std::array::from_fn(|g| unsafe { [_mm512_loadu_ps(out(g)), _mm512_loadu_ps(out(g).add(16))] });
+    for p in 0..nb {
+        // SAFETY: row p of the tile: p·32 + 32 <= tile.len() (asserted).
+        let (t0, t1) =
+            unsafe { (_mm512_loadu_ps(tile.as_ptr().add(p * 32)), _mm512_loadu_ps(tile.as_ptr().add(p * 32 + 16))) };
+        for (g, a) in acc.iter_mut().enumerate() {
+            let wv = _mm512_set1_ps(sc[(g0 + g) * len + j0 + p]);
+            a[0] = _mm512_add_ps(a[0], _mm512_mul_ps(wv, t0));
+            a[1] = _mm512_add_ps(a[1], _mm512_mul_ps(wv, t1));
+        }
+    }
+    for (g, a) in acc.iter().enumerate() {
+        // SAFETY: as the loads above.
+        unsafe {
+            _mm512_storeu_ps(out(g), a[0]);
+            _mm512_storeu_ps(out(g).add(16), a[1]);
+        }
+    }
+}
+
 /// Converts the K rows of span positions `j0 .. j0 + nb` into `kt` (`[chunk][position][8]`; positions past `nb`
 /// zero).
 ///
 /// # Safety
 /// AVX2 + F16C; the rows lie inside `k`; `sp.hd <= MAX_HD`, a multiple of 8.
+#[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn k_tile(k: &[u16], sp: Span, j0: usize, nb: usize, kt: &mut KTile) {
     let c8 = sp.hd / 8;
@@ -197,6 +260,7 @@ fn prefetch_ahead(rows: &[u16], sp: Span, p: usize, cols: std::ops::Range<usize>
 ///
 /// # Safety
 /// AVX2 + F16C.
+#[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn widen(src: &[u16], dst: &mut [f32]) {
     assert!(src.len() == dst.len() && src.len() % 8 == 0, "f16 row length");
@@ -294,6 +358,7 @@ unsafe fn scores8_avx512(q: &[f32], kt: &KTile, scale: f32) -> [f32; 8] {
 ///
 /// # Safety
 /// The CPU runs `w`; `tile.len() == wts.len() · hd`, `hd % 8 == 0`.
+#[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn accumulate(w: Width, wts: &[f32], tile: &[f32], out: &mut [f32]) {
     let hd = out.len();
