@@ -43,7 +43,8 @@ impl Default for SamplingParams {
 pub struct Sampler {
     p: SamplingParams,
     rng: StdRng,
-    cand: Vec<(u32, f32)>,
+    /// The candidates' [`rank_key`]s (reused between tokens).
+    cand: Vec<u64>,
 }
 
 impl Sampler {
@@ -72,7 +73,7 @@ impl Sampler {
             return argmax(logits);
         }
         self.cand.clear();
-        self.cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)));
+        self.cand.extend(logits.iter().enumerate().map(|(i, &l)| rank_key(i as u32, l / p.temperature)));
         let n = self.cand.len();
         if p.top_k > 0 && p.top_k < n {
             // the k best in order, then the few that are left as below
@@ -85,41 +86,55 @@ impl Sampler {
     }
 }
 
-/// Sampling order: the higher scaled logit first, ties by the lower id.
-fn by_rank(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
-    b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0))
+/// The sampling-order key of token `id` with scaled logit `z`: ascending keys are the sampling order (the higher
+/// `z` first, ties by the lower id). The high half is `z`'s bits made to sort as the value (descending), the low
+/// half the id, so orderings are integer comparisons.
+fn rank_key(id: u32, z: f32) -> u64 {
+    let b = z.to_bits();
+    let ascending = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
+    (((!ascending) as u64) << 32) | id as u64
 }
 
-/// Puts `c[done..want]` in sampling order ([`by_rank`]), given `c[..done]` in order and no element after it
-/// ranked before `c[done - 1]`: a selection of the next `want - done`, then a sort of those only. Returns the
-/// new ordered length, `min(want, c.len())`.
-fn order_prefix(c: &mut [(u32, f32)], done: usize, want: usize) -> usize {
+/// The scaled logit of a [`rank_key`].
+fn key_z(k: u64) -> f32 {
+    let ascending = !((k >> 32) as u32);
+    f32::from_bits(if ascending >> 31 == 1 { ascending & 0x7fff_ffff } else { !ascending })
+}
+
+/// Puts `c[done..want]` in sampling order, given `c[..done]` in order and no key after it ranked before
+/// `c[done - 1]`: a selection of the next `want - done`, then a sort of those only. Returns the new ordered
+/// length, `min(want, c.len())`.
+fn order_prefix(c: &mut [u64], done: usize, want: usize) -> usize {
     let want = want.min(c.len());
     if want > done {
         if want < c.len() {
-            c[done..].select_nth_unstable_by(want - done - 1, by_rank);
+            c[done..].select_nth_unstable(want - done - 1);
         }
-        c[done..want].sort_unstable_by(by_rank);
+        c[done..want].sort_unstable();
     }
     want
 }
 
-/// The weighted draw over candidates `c` (id, logit / temperature): softmax, top-p (the shortest prefix in
-/// sampling order whose probabilities reach `top_p`), min-p (those at least `min_p` × the best's probability),
-/// then a draw `u() · total` walked down the kept ones in order. The same as sorting every candidate first — the
-/// probabilities are computed alike (f32 `exp(z − max)`, their sum in f64, each divided by it) — but only the
-/// prefix the cuts and the walk reach is put in order (a vocabulary of 151,936 took 14 ms per token to sort on a
-/// 2-core VM). The sums' order differs for the unordered tail (the f64 sum of all, and the f32 total when
-/// nothing is cut): a seeded draw can pick another token than a full sort would only when it falls within a
-/// few f32 rounding steps of a boundary.
-fn draw(c: &mut [(u32, f32)], top_p: f32, min_p: f32, mut u: impl FnMut() -> f32) -> u32 {
+/// The weighted draw over the candidates' [`rank_key`]s `c`: softmax, top-p (the shortest prefix in sampling
+/// order whose probabilities reach `top_p`), min-p (those at least `min_p` × the best's probability), then a
+/// draw `u() · total` walked down the kept ones in order; returns the token id. The same as sorting every
+/// candidate first — the probabilities are computed alike (f32 `exp(z − max)`, their sum in f64, each divided by
+/// it) — but only the prefix the cuts and the walk reach is put in order (a vocabulary of 151,936 took 14 ms per
+/// token to sort on a 2-core VM), and a walk past [`WALK_ORDERED`] candidates halves the rest by their mass
+/// instead of ordering it. Where the walk stays in the ordered prefix (a peaked distribution, the usual case) the
+/// token is the full sort's but for the order of the tail's sums (the f64 sum of all, the f32 total when nothing
+/// is cut): another token only when the draw falls within a few f32 rounding steps of a boundary. Past it (a flat
+/// distribution) the full sort's own f32 walk drifts with its ~10^5 roundings: the two can pick different tokens
+/// of near-equal probability, both where the draw falls (the exact mass before the token within 1e-4 of it,
+/// tested).
+fn draw(c: &mut [u64], top_p: f32, min_p: f32, mut u: impl FnMut() -> f32) -> u32 {
     let n = c.len();
-    let mx = c.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.1));
-    let sum: f64 = c.iter().map(|x| (x.1 - mx).exp() as f64).sum();
-    let prob = |z: f32| ((z - mx).exp() as f64 / sum) as f32;
+    let mx = c.iter().min().map_or(0.0, |&k| key_z(k));
+    let sum: f64 = c.iter().map(|&k| (key_z(k) - mx).exp() as f64).sum();
+    let prob = |k: u64| ((key_z(k) - mx).exp() as f64 / sum) as f32;
     // c[..done] is in sampling order; `at(i)` extends it (eight times as far each time) to reach i
     let mut done = 0;
-    let at = |c: &mut [(u32, f32)], done: &mut usize, i: usize| -> (u32, f32) {
+    let at = |c: &mut [u64], done: &mut usize, i: usize| -> u64 {
         if i >= *done {
             *done = order_prefix(c, *done, (i + 1).max(8 * *done).max(64));
         }
@@ -129,7 +144,7 @@ fn draw(c: &mut [(u32, f32)], top_p: f32, min_p: f32, mut u: impl FnMut() -> f32
     if top_p < 1.0 {
         let mut cum = 0f32;
         for i in 0..n {
-            cum += prob(at(c, &mut done, i).1);
+            cum += prob(at(c, &mut done, i));
             if cum >= top_p {
                 keep = i + 1;
                 break;
@@ -137,30 +152,61 @@ fn draw(c: &mut [(u32, f32)], top_p: f32, min_p: f32, mut u: impl FnMut() -> f32
         }
     }
     if min_p > 0.0 {
-        let thr = prob(at(c, &mut done, 0).1) * min_p;
+        let thr = prob(at(c, &mut done, 0)) * min_p;
         let mut i = 0;
-        while i < keep && prob(at(c, &mut done, i).1) >= thr {
+        while i < keep && prob(at(c, &mut done, i)) >= thr {
             i += 1;
         }
         keep = i.max(1);
     }
     // the total over the kept ones: in order where they are ordered, the rest in any order
     let total: f32 = if keep <= done {
-        c[..keep].iter().map(|x| prob(x.1)).sum()
+        c[..keep].iter().map(|&k| prob(k)).sum()
     } else {
-        let head: f32 = c[..done].iter().map(|x| prob(x.1)).sum();
-        c[done..keep].iter().fold(head, |t, x| t + prob(x.1))
+        let head: f32 = c[..done].iter().map(|&k| prob(k)).sum();
+        c[done..keep].iter().fold(head, |t, &k| t + prob(k))
     };
     let mut r = u() * total;
-    for i in 0..keep {
-        let (id, z) = at(c, &mut done, i);
-        r -= prob(z);
+    // the walk: down the ordered prefix, grown as far as WALK_ORDERED; a draw that goes further (a flat
+    // distribution) finds its token by halving instead: the upper half's mass either covers the rest of the draw
+    // (go into it) or is taken off (go into the lower half)
+    let mut i = 0;
+    while i < keep && (i < done || done < WALK_ORDERED) {
+        let k = at(c, &mut done, i);
+        r -= prob(k);
         if r <= 0.0 {
-            return id;
+            return k as u32;
+        }
+        i += 1;
+    }
+    if i == keep {
+        return at(c, &mut done, keep - 1) as u32;
+    }
+    // c[lo..hi] holds the token the draw ends on, ranked after c[..lo], unordered
+    let (mut lo, mut hi) = (i, keep);
+    while hi - lo > 64 {
+        let m = (hi - lo) / 2;
+        c[lo..hi].select_nth_unstable(m);
+        let mass: f32 = c[lo..=lo + m].iter().map(|&k| prob(k)).sum();
+        if r - mass <= 0.0 {
+            hi = lo + m + 1;
+        } else {
+            r -= mass;
+            lo += m + 1;
         }
     }
-    at(c, &mut done, keep - 1).0
+    c[lo..hi].sort_unstable();
+    for &k in &c[lo..hi] {
+        r -= prob(k);
+        if r <= 0.0 {
+            return k as u32;
+        }
+    }
+    c[hi - 1] as u32
 }
+
+/// How far the draw's walk puts the candidates in order before it halves instead (see [`draw`]).
+const WALK_ORDERED: usize = 512;
 
 /// Index of the largest value (first one on ties; NaNs are skipped; 0 for an empty slice or all NaN). Two
 /// passes over 16-wide chunks (the maximum, then the first chunk that holds it) that the compiler vectorizes:
@@ -258,6 +304,11 @@ mod tests {
         }
     }
 
+    /// Sampling order by its definition: the higher scaled logit first, ties by the lower id.
+    fn by_rank(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+        b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0))
+    }
+
     /// The draw by its definition: every candidate sorted first (the sampler's code before the partial order).
     fn draw_sorted(c: &mut Vec<(u32, f32)>, top_p: f32, min_p: f32, u: f32) -> u32 {
         c.sort_unstable_by(by_rank);
@@ -295,6 +346,20 @@ mod tests {
     }
 
     #[test]
+    fn rank_keys_sort_as_the_logits_and_give_them_back() {
+        let zs = [-1e30f32, -3.5, -1.0, -1e-30, -0.0, 0.0, 1e-30, 0.25, 1.0, 7.0, 1e30, f32::INFINITY];
+        for (i, &z) in zs.iter().enumerate() {
+            assert_eq!(key_z(rank_key(i as u32, z)).to_bits(), z.to_bits(), "{z}");
+        }
+        let mut keys: Vec<u64> = zs.iter().enumerate().map(|(i, &z)| rank_key(i as u32, z)).collect();
+        keys.sort_unstable();
+        // the highest logit first; equal logits (none here but the two zeros' values) by id
+        let order: Vec<u32> = keys.iter().map(|&k| k as u32).collect();
+        assert_eq!(order, vec![11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0]);
+        assert!(rank_key(3, 1.0) < rank_key(4, 1.0) && rank_key(9, 2.0) < rank_key(1, 1.0));
+    }
+
+    #[test]
     fn the_partial_order_draws_what_a_full_sort_draws() {
         // logits of real shapes: a few strong tokens over a long tail, ties included, vocabularies from tiny to
         // Qwen3's; every cut and draws spread over [0, 1)
@@ -323,14 +388,37 @@ mod tests {
                 for _ in 0..12 {
                     let u = rnd();
                     let mut c: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t)).collect();
-                    let want = draw_sorted(&mut c.clone(), top_p, min_p, u);
-                    assert_eq!(draw(&mut c, top_p, min_p, || u), want, "n {n}, T {t}, top_p {top_p}, min_p {min_p}");
+                    let mut keys: Vec<u64> = c.iter().map(|&(i, z)| rank_key(i, z)).collect();
+                    let want = draw_sorted(&mut c, top_p, min_p, u);
+                    assert_eq!(draw(&mut keys, top_p, min_p, || u), want, "n {n}, T {t}, top_p {top_p}, min_p {min_p}");
                     drawn.insert(want);
                 }
             }
         }
+        // a flat distribution over Qwen3's vocabulary: the walk goes past the ordered prefix and halves. There
+        // the full sort's own f32 walk drifts (each of ~10^5 subtractions rounds at the draw's scale), so the check
+        // is the token's place: the exact (f64) mass ranked before it is within 1e-4 of the draw
+        let flat: Vec<f32> = (0..151_936).map(|_| rnd() * 0.05).collect();
+        let mut order: Vec<(u32, f32)> = flat.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        order.sort_unstable_by(by_rank);
+        let mx = order[0].1;
+        let w: Vec<f64> = order.iter().map(|x| (x.1 - mx).exp() as f64).collect();
+        let sum: f64 = w.iter().sum();
+        let mut before = vec![0f64; flat.len()];
+        let mut cum = 0f64;
+        for (x, wx) in order.iter().zip(&w) {
+            before[x.0 as usize] = cum / sum;
+            cum += wx;
+        }
+        for _ in 0..24 {
+            let u = rnd();
+            let mut keys: Vec<u64> = flat.iter().enumerate().map(|(i, &l)| rank_key(i as u32, l)).collect();
+            let got = draw(&mut keys, 1.0, 0.0, || u);
+            assert!((before[got as usize] - u as f64).abs() < 1e-4, "flat, u {u}: token at {}", before[got as usize]);
+            drawn.insert(got);
+        }
         // the draws did not all land on one token
-        assert!(drawn.len() > 20, "{} tokens drawn", drawn.len());
+        assert!(drawn.len() > 40, "{} tokens drawn", drawn.len());
     }
 
     #[test]
