@@ -130,8 +130,15 @@ fn order_prefix(c: &mut [u64], done: usize, want: usize) -> usize {
 fn draw(c: &mut [u64], top_p: f32, min_p: f32, mut u: impl FnMut() -> f32) -> u32 {
     let n = c.len();
     let mx = c.iter().min().map_or(0.0, |&k| key_z(k));
-    let sum: f64 = c.iter().map(|&k| (key_z(k) - mx).exp() as f64).sum();
-    let prob = |k: u64| ((key_z(k) - mx).exp() as f64 / sum) as f32;
+    // each key now carries its weight exp(z − max) instead of z: the same order (exp is monotonic; weights that
+    // round equal keep the lower id first, as equal logits do), and no exp per look-up
+    let mut sum = 0f64;
+    for k in c.iter_mut() {
+        let w = (key_z(*k) - mx).exp();
+        sum += w as f64;
+        *k = rank_key(*k as u32, w);
+    }
+    let prob = |k: u64| (key_z(k) as f64 / sum) as f32;
     // c[..done] is in sampling order; `at(i)` extends it (eight times as far each time) to reach i
     let mut done = 0;
     let at = |c: &mut [u64], done: &mut usize, i: usize| -> u64 {
