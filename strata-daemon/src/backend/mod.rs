@@ -44,7 +44,8 @@ pub enum Logits {
     All,
     /// For none: a prompt chunk before the last, whose K/V rows are all that count. The pass returns no
     /// logits, and a backend may return before the chunk's work is done (the CUDA backend does, every expert in
-    /// VRAM); the next pass that returns logits completes it first, and a fault in it surfaces there.
+    /// VRAM); later passes run after it, and a fault in it surfaces at the next one that waits — the prompt's
+    /// last chunk, or the next request's first pass when the prompt was cancelled in between.
     None,
 }
 

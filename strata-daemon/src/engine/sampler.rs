@@ -72,6 +72,13 @@ impl Sampler {
         if p.temperature <= 0.0 {
             return argmax(logits);
         }
+        let best = argmax(logits);
+        if !(logits.get(best as usize).copied().unwrap_or(0.0) / p.temperature).is_finite() {
+            // a temperature so small that the best logit over it overflows: its limit, the greedy pick (the draw
+            // is still taken, as for every sample)
+            let _ = self.rng.random::<f32>();
+            return best;
+        }
         self.cand.clear();
         self.cand.extend(logits.iter().enumerate().map(|(i, &l)| rank_key(i as u32, l / p.temperature)));
         let n = self.cand.len();
@@ -189,7 +196,9 @@ fn draw(c: &mut [u64], top_p: f32, min_p: f32, mut u: impl FnMut() -> f32) -> u3
     if i == keep {
         return at(c, &mut done, keep - 1) as u32;
     }
-    // c[lo..hi] holds the token the draw ends on, ranked after c[..lo], unordered
+    // c[lo..hi] holds the token the draw ends on, ranked after c[..lo], unordered (the cuts, when they cut, left
+    // every kept candidate in order, so only an uncut list gets here)
+    debug_assert!(keep == n && i == done);
     let (mut lo, mut hi) = (i, keep);
     while hi - lo > 64 {
         let m = (hi - lo) / 2;
@@ -360,7 +369,7 @@ mod tests {
         }
         let mut keys: Vec<u64> = zs.iter().enumerate().map(|(i, &z)| rank_key(i as u32, z)).collect();
         keys.sort_unstable();
-        // the highest logit first; equal logits (none here but the two zeros' values) by id
+        // the highest logit first (+0 before -0: the bits' order; equal logits by id)
         let order: Vec<u32> = keys.iter().map(|&k| k as u32).collect();
         assert_eq!(order, vec![11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0]);
         assert!(rank_key(3, 1.0) < rank_key(4, 1.0) && rank_key(9, 2.0) < rank_key(1, 1.0));
@@ -426,6 +435,17 @@ mod tests {
         }
         // the draws did not all land on one token
         assert!(drawn.len() > 40, "{} tokens drawn", drawn.len());
+    }
+
+    #[test]
+    fn a_temperature_that_overflows_the_logits_picks_greedily() {
+        // 1e-38: the scaled logits stay finite (3e38); 1e-40: the best ones overflow to infinity
+        for t in [1e-38, 1e-40] {
+            let mut s = Sampler::new(params(t));
+            for _ in 0..5 {
+                assert_eq!(s.sample(&mut [1.0, 3.0, 2.0, -1.0], &[]), 1, "temperature {t}");
+            }
+        }
     }
 
     #[test]

@@ -54,6 +54,8 @@ fn now() -> u64 {
 
 /// The routes.
 pub fn router(state: Arc<HttpState>) -> Router {
+    // the tool call ids' prefix is the time the front end starts, not of its first call
+    let _ = call_id_prefix();
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -302,7 +304,7 @@ fn finish_reason(f: FinishReason, called: bool) -> &'static str {
 }
 
 /// Distinguishes this daemon's call ids from an earlier run's (request numbers restart with the daemon): the
-/// start time in seconds, base 36.
+/// time the HTTP front end started ([`router`]), in seconds, base 36.
 fn call_id_prefix() -> &'static str {
     static P: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     P.get_or_init(|| {

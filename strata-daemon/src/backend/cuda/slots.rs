@@ -355,7 +355,10 @@ impl SlotCache {
                 round.move_evicted(&st);
                 round.moved();
             }
+            // the copy stream and the event go before the device: this thread may hold its last reference
+            drop((c, ready));
             let _ = tx.send((round, r));
+            drop(dev);
         });
         match spawned {
             Ok(_) => {
@@ -531,7 +534,10 @@ impl SlotCache {
                         Ok(())
                     })
                 })();
+                // the stream and staging go before the device: this thread may hold its last reference
+                drop((copy, bounce));
                 let _ = tx.send(Report::Finished(r));
+                drop(dev);
             })
             .map_err(|e| GpuError::Unsupported(format!("adaptive helper thread: {e}")))?;
         *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some(InFlight {
