@@ -404,6 +404,14 @@ fn run() -> Result<()> {
         }
         Err(e) => bail!("{e} (start with --gpu off to run on the CPU)"),
     }
+    // the weights read at run time leave the file mapping: a model file truncated under the daemon then fails
+    // the requests that read experts from it instead of killing the daemon
+    match model.detach_from_file() {
+        Ok(n) => tracing::info!("{} of weights copied out of the file mapping", strata::tiers::plan::size(n as u64)),
+        Err(e) => {
+            tracing::warn!("weights stay mapped from the file ({e}): truncating it under the daemon would crash it")
+        }
+    }
     if let Some(store) = &model.experts {
         // what the load allocated beside what the plan said
         let (layers, _) = store.residency();

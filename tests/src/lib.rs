@@ -89,6 +89,12 @@ impl Daemon {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn strata-daemon");
+        Self::ready(child, socket)
+    }
+
+    /// Waits (≤ 60 s) until the daemon `child` accepts connections on `socket`; panics when it exits first, with
+    /// its stderr when that was piped.
+    pub fn ready(child: Child, socket: &Path) -> Daemon {
         let mut d = Daemon { child, socket: socket.to_path_buf() };
         let t0 = Instant::now();
         loop {
@@ -97,7 +103,9 @@ impl Daemon {
             }
             if let Ok(Some(st)) = d.child.try_wait() {
                 let mut err = String::new();
-                d.child.stderr.take().unwrap().read_to_string(&mut err).ok();
+                if let Some(mut e) = d.child.stderr.take() {
+                    e.read_to_string(&mut err).ok();
+                }
                 panic!("daemon exited early ({st}): {err}");
             }
             assert!(t0.elapsed() < Duration::from_secs(60), "daemon did not open {}", socket.display());
@@ -196,4 +204,14 @@ pub fn conversations() -> (String, Vec<Vec<String>>) {
         .map(|c| c["turns"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect())
         .collect();
     (sys, chats)
+}
+
+/// A greedy (temperature 0) generate request of `max_tokens` on `prompt`.
+pub fn greedy(prompt: &str, max_tokens: u32) -> strata_proto::v1::GenerateRequest {
+    strata_proto::v1::GenerateRequest {
+        prompt: prompt.into(),
+        max_tokens,
+        sampling: Some(strata_proto::v1::SamplingParams::default()),
+        ..Default::default()
+    }
 }

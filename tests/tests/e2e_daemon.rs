@@ -11,15 +11,6 @@ use strata_tests::*;
 /// A prompt the model continues for hundreds of tokens (it keeps counting).
 const LONG: &str = "Counting: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,";
 
-fn greedy(prompt: &str, max_tokens: u32) -> pb::GenerateRequest {
-    pb::GenerateRequest {
-        prompt: prompt.into(),
-        max_tokens,
-        sampling: Some(pb::SamplingParams::default()),
-        ..Default::default()
-    }
-}
-
 #[test]
 fn ctl_generate_stats_and_bad_requests() {
     let d = Daemon::start(&[]);

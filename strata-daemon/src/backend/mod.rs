@@ -74,6 +74,18 @@ pub enum BackendError {
         /// The tensor (GGUF name) whose output held them.
         tensor: &'static str,
     },
+    /// An expert's blob could not be read from the model file (the file tier: truncated or replaced under the
+    /// daemon, an I/O error): the request fails, the store is unchanged and the daemon keeps serving (a later
+    /// request reads the blob again).
+    #[error("reading expert {expert} of layer {layer} from the model file failed: {reason}")]
+    BlobRead {
+        /// The layer.
+        layer: usize,
+        /// The expert's id in the layer.
+        expert: usize,
+        /// The read's error.
+        reason: String,
+    },
     /// The CUDA backend failed (driver, NVRTC, VRAM, a setting it cannot run).
     #[cfg(feature = "cuda")]
     #[error(transparent)]
@@ -190,6 +202,12 @@ pub type Body<'b> = dyn FnMut(&mut dyn Ops, Option<(usize, usize)>) -> Result<()
 pub trait Backend: Send + Sync {
     /// A short name for logs (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
+    /// Whether passes read the dense weights from the host's file mapping (the CPU does; a GPU backend holds
+    /// them in VRAM and reads only token embedding rows on the host). [`crate::model::Model::detach_from_file`]
+    /// moves what is read there out of the mapping.
+    fn reads_dense_on_host(&self) -> bool {
+        true
+    }
     /// A new KV cache for `n_ctx` positions (on the host, or only its length when the backend keeps K/V on a
     /// device).
     fn new_kv(&self, m: &ModelRef<'_>, n_ctx: usize) -> KvCache;

@@ -514,6 +514,72 @@ impl GgufFile {
         self.tensor(name).ok_or_else(|| GgufError::MissingTensor(name.to_string()))
     }
 
+    /// Moves the byte ranges `ranges` (offsets into [`GgufFile::bytes`], widened to whole pages) of the file
+    /// mapping into the process's own anonymous memory, at the same addresses and with the same bytes, so that a
+    /// file truncated or rewritten under the running process no longer reaches them (a read of a truncated
+    /// mapped page is a SIGBUS). Memory: the detached pages stop being shared with the page cache (they count
+    /// in the process's RSS and cannot be evicted). A model held in memory ([`GgufFile::from_bytes`]) has
+    /// nothing to detach. Returns the bytes detached. Errors: an anonymous mapping or the move failed (the ranges
+    /// not yet moved stay mapped from the file).
+    pub fn detach(&self, ranges: &[std::ops::Range<usize>]) -> std::io::Result<usize> {
+        if matches!(self.map, Mapping::Owned(_)) {
+            return Ok(0);
+        }
+        let bytes = self.bytes();
+        let pg = split::page() as usize;
+        // the mapping covers whole pages: the last one's bytes past the end of the file read as zeros
+        let end = bytes.len().div_ceil(pg) * pg;
+        let mut pages: Vec<(usize, usize)> = ranges
+            .iter()
+            .filter(|r| r.start < r.end)
+            .map(|r| (r.start / pg * pg, (r.end.div_ceil(pg) * pg).min(end)))
+            .collect();
+        pages.sort_unstable();
+        let mut merged: Vec<(usize, usize)> = Vec::with_capacity(pages.len());
+        for (a, b) in pages {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        let base = bytes.as_ptr() as *mut nix::libc::c_void;
+        let mut done = 0;
+        for (a, b) in merged {
+            let n = b - a;
+            // SAFETY: `base + a .. base + b` lies inside this value's mapping (ranges clamped to its whole pages);
+            // the anonymous mapping is new and private. The move (`mremap` with MREMAP_FIXED) replaces the file's
+            // pages by pages holding the same bytes in one step, so a concurrent reader of `bytes()` sees the same
+            // values before and after; the destination stays part of the mapping that `Drop` unmaps.
+            unsafe {
+                let at = base.cast::<u8>().add(a).cast::<nix::libc::c_void>();
+                let anon = nix::libc::mmap(
+                    std::ptr::null_mut(),
+                    n,
+                    nix::libc::PROT_READ | nix::libc::PROT_WRITE,
+                    nix::libc::MAP_PRIVATE | nix::libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                if anon == nix::libc::MAP_FAILED {
+                    return Err(std::io::Error::last_os_error());
+                }
+                std::ptr::copy_nonoverlapping(at.cast::<u8>(), anon.cast::<u8>(), n);
+                let moved = if nix::libc::mprotect(anon, n, nix::libc::PROT_READ) == 0 {
+                    nix::libc::mremap(anon, n, n, nix::libc::MREMAP_MAYMOVE | nix::libc::MREMAP_FIXED, at)
+                } else {
+                    nix::libc::MAP_FAILED
+                };
+                if moved == nix::libc::MAP_FAILED {
+                    let e = std::io::Error::last_os_error();
+                    nix::libc::munmap(anon, n);
+                    return Err(e);
+                }
+            }
+            done += n;
+        }
+        Ok(done)
+    }
+
     /// A tensor's bytes (bounds were checked at open).
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
         &self.bytes()[t.file_offset as usize..(t.file_offset + t.size_bytes) as usize]

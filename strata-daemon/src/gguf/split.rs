@@ -50,7 +50,8 @@ unsafe impl Send for Joined {}
 // SAFETY: as above.
 unsafe impl Sync for Joined {}
 
-fn page() -> u64 {
+/// The system's page size in bytes (4096 when it cannot be read).
+pub(crate) fn page() -> u64 {
     // SAFETY: sysconf has no memory-safety preconditions.
     let p = unsafe { nix::libc::sysconf(nix::libc::_SC_PAGESIZE) };
     if p > 0 {

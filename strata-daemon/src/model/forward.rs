@@ -163,6 +163,25 @@ impl Model {
         Ok(line)
     }
 
+    /// Moves the tensors that passes read from the file mapping into the process's own memory
+    /// ([`GgufFile::detach`]), so that a model file truncated or rewritten under a running daemon fails the
+    /// requests that read experts from it ([`BackendError::BlobRead`]) instead of faulting (SIGBUS) in a dense
+    /// weight: every tensor but the routed experts (`*_exps.*`) on the CPU backend, only the token embeddings on
+    /// a GPU backend. Experts are read from the RAM copy or with `pread` (the file tier), except with
+    /// `--mmap-experts`, whose experts stay in the mapping (a truncation there faults, as for any mmap reader). Call it after
+    /// [`Model::attach_gpu`]. Returns the bytes moved. Errors: the move failed (the rest stays mapped).
+    pub fn detach_from_file(&self) -> std::io::Result<usize> {
+        let all = self.backend.reads_dense_on_host();
+        let ranges: Vec<std::ops::Range<usize>> = self
+            .file
+            .tensors
+            .iter()
+            .filter(|t| if all { !t.name.contains("_exps.") } else { t.name == "token_embd.weight" })
+            .map(|t| t.file_offset as usize..(t.file_offset + t.size_bytes) as usize)
+            .collect();
+        self.file.detach(&ranges)
+    }
+
     /// A new KV cache for `n_ctx` positions.
     pub fn new_kv(&self, n_ctx: usize) -> KvCache {
         self.backend.new_kv(&self.model_ref(), n_ctx)

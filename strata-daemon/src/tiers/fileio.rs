@@ -106,7 +106,13 @@ impl BlobReader {
                 Err(e) => return Err(e),
             }
         }
-        p.buffered.read_exact_at(out, offset)
+        p.buffered.read_exact_at(out, offset).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => std::io::Error::new(
+                e.kind(),
+                format!("the file ends before byte {} (truncated?)", offset + out.len() as u64),
+            ),
+            _ => e,
+        })
     }
 }
 

@@ -146,9 +146,11 @@ impl Trace {
                 continue;
             }
             let l = ev.layer as usize;
-            let out_of_range = |ids: &[u32]| ids.iter().any(|&e| e >= 1 << 16);
-            if l >= 4096 || out_of_range(&ev.experts) || ev.predicted.as_deref().is_some_and(out_of_range) {
-                return Err(bad("layer or expert id out of range".into()));
+            if l >= 4096 {
+                return Err(bad(format!("layer {l} is out of range (at most 4095)")));
+            }
+            if let Some(e) = ev.experts.iter().chain(ev.predicted.iter().flatten()).find(|&&e| e >= 1 << 16) {
+                return Err(bad(format!("expert id {e} is out of range (at most 65535)")));
             }
             n_layer = n_layer.max(l + 1);
             n_expert = n_expert.max(ev.experts.iter().map(|&e| e as usize + 1).max().unwrap_or(0));

@@ -6,7 +6,7 @@
 
 use std::cell::RefCell;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 
 use super::arena::{HostArena, Lock};
@@ -623,11 +623,17 @@ impl ExpertStore {
 
     /// Reads the blobs of `experts` (file-tier experts of `layer`) together, spread over `pool`'s threads, into
     /// `out` (resized to `experts.len()` blobs back to back; blob j at `j × blob_bytes`). Returns, per expert,
-    /// whether its read succeeded.
-    pub fn read_blobs(&self, layer: usize, experts: &[usize], out: &mut Vec<u8>, pool: &WorkerPool) -> Vec<bool> {
+    /// its read's error, or `None` when it succeeded.
+    pub fn read_blobs(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        out: &mut Vec<u8>,
+        pool: &WorkerPool,
+    ) -> Vec<Option<std::io::Error>> {
         let blob = self.layout.layers[layer].blob_bytes();
         out.resize(experts.len() * blob, 0);
-        let ok: Vec<AtomicBool> = experts.iter().map(|_| AtomicBool::new(false)).collect();
+        let errs: Vec<Mutex<Option<std::io::Error>>> = experts.iter().map(|_| Mutex::new(None)).collect();
         let base = SyncBytes(out.as_mut_ptr());
         let base = &base;
         pool.run(experts.len(), |j| {
@@ -635,12 +641,12 @@ impl ExpertStore {
             // experts.len() × blob bytes and outlives `pool.run`; no two tasks share a range.
             let dst = unsafe { std::slice::from_raw_parts_mut(base.0.add(j * blob), blob) };
             let r = SCRATCH.with(|sc| self.read_blob_into(layer, experts[j], dst, &mut sc.borrow_mut()));
-            match r {
-                Ok(()) => ok[j].store(true, Ordering::Relaxed),
-                Err(e) => tracing::warn!("blob read of expert ({layer}, {}) failed: {e}", experts[j]),
+            if let Err(e) = r {
+                tracing::warn!("blob read of expert ({layer}, {}) failed: {e}", experts[j]);
+                *errs[j].lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
             }
         });
-        ok.into_iter().map(|b| b.into_inner()).collect()
+        errs.into_iter().map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner())).collect()
     }
 
     fn read_blob_into(&self, layer: usize, e: usize, out: &mut [u8], scratch: &mut AlignedBuf) -> std::io::Result<()> {

@@ -3,7 +3,7 @@
 
 use super::{experts_batch, Act, ExpertJob, GluAct, GluJob, GluUnit, MatRef};
 use crate::arch::weights::ExpertWeights;
-use crate::backend::{ModelRef, Scratch};
+use crate::backend::{BackendError, ModelRef, Scratch};
 use crate::tiers::arena::HostArena;
 use crate::tiers::store::Source;
 
@@ -18,17 +18,21 @@ use crate::tiers::store::Source;
 /// compute): work of the caller's that should not delay the CPU experts, such as a hybrid layer's GPU copies and
 /// launches. It gets the RAM copy when this function holds its read lock (the lock is not re-entrant), `None` when it
 /// does not.
+///
+/// Errors: [`BackendError::BlobRead`] when a file-tier blob could not be read (the file truncated or replaced
+/// under the daemon, an I/O error). The other experts are still computed and `side` still runs, so the caller's
+/// state stays as after a good pass; the pass's output is then to be discarded.
 #[allow(clippy::too_many_arguments)]
 pub fn experts(
     m: &ModelRef<'_>,
     layer: usize,
     ex: &ExpertWeights,
     by_expert: &[Vec<(usize, f32)>],
-    mut src: Vec<Source>,
+    src: Vec<Source>,
     from: Option<&[usize]>,
     s: &mut Scratch,
     side: impl FnOnce(Option<&HostArena>),
-) {
+) -> Result<(), BackendError> {
     // a split expert's first rows computed elsewhere would need its biases there too: no caller splits biased experts
     debug_assert!(ex.bias.is_none() || from.is_none_or(|f| f.iter().all(|&x| x == 0)), "biased experts split");
     let mut side = Some(side);
@@ -40,6 +44,9 @@ pub fn experts(
     let gb = ff * gate_all.row_bytes();
     let db = e * down_all.row_bytes();
     let mut blob_at = vec![0usize; ne];
+    // experts whose blob read failed (left out), and the first one's error
+    let mut unread = vec![false; ne];
+    let mut failed: Option<(usize, String)> = None;
     let arena = m.experts.as_ref().map(|st| {
         // this layer's file-tier blobs, read together over the worker pool before any expert is computed
         let files: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty() && src[x] == Source::File).collect();
@@ -49,11 +56,13 @@ pub fn experts(
             }
         }
         let blob = 2 * gb + db;
-        let ok = st.read_blobs(layer, &files, &mut s.blobs, &m.pool);
-        for (j, (&x, ok)) in files.iter().zip(ok).enumerate() {
+        let errs = st.read_blobs(layer, &files, &mut s.blobs, &m.pool);
+        for (j, (&x, err)) in files.iter().zip(errs).enumerate() {
             blob_at[x] = j * blob;
-            if !ok {
-                src[x] = Source::Mapped; // the mapping still has the bytes
+            // not computed from the mapping instead: a file that fails a read would fault there (SIGBUS)
+            if let Some(e) = err {
+                unread[x] = true;
+                failed.get_or_insert((x, e.to_string()));
             }
         }
         st.arena()
@@ -68,7 +77,7 @@ pub fn experts(
     // and down outputs) stays under BATCH_FLOATS values: each batch is one pool fork-join for gate, up,
     // SwiGLU and down (not three per expert)
     const BATCH_FLOATS: usize = 1 << 22;
-    let list: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty()).collect();
+    let list: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty() && !unread[x]).collect();
     let f0 = |x: usize| from.map_or(0, |f| f[x]);
     let (grb, drb) = (gate_all.row_bytes(), down_all.row_bytes());
     let mut i = 0;
@@ -191,4 +200,8 @@ pub fn experts(
     s.moe_acc = acc;
     s.subs = subs;
     s.hs = hs;
+    match failed {
+        Some((expert, reason)) => Err(BackendError::BlobRead { layer, expert, reason }),
+        None => Ok(()),
+    }
 }

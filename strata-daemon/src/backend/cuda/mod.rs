@@ -24,7 +24,9 @@ impl From<crate::backend::BackendError> for GpuError {
     fn from(e: crate::backend::BackendError) -> Self {
         match e {
             crate::backend::BackendError::Gpu(g) => g,
-            e @ crate::backend::BackendError::NonFinite { .. } => GpuError::Unsupported(e.to_string()),
+            e @ (crate::backend::BackendError::NonFinite { .. } | crate::backend::BackendError::BlobRead { .. }) => {
+                GpuError::Unsupported(e.to_string())
+            }
         }
     }
 }

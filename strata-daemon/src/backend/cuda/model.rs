@@ -1510,18 +1510,21 @@ impl Stage {
             })());
         };
         let any_cpu = by_expert.iter().any(|v| !v.is_empty());
-        if any_cpu {
+        // a failed file-tier read fails the pass once the GPU's share is issued (its side work ran)
+        let cpu_done = if any_cpu {
             s.xn.resize(t, e);
             s.xn.f.copy_from_slice(&host.xn);
             s.xn.quantize();
-            cpu_experts(m, l, ex, &by_expert, src, Some(&from), s, issue);
+            cpu_experts(m, l, ex, &by_expert, src, Some(&from), s, issue)
         } else {
             issue(None);
-        }
+            Ok(())
+        };
         host.router_f32 = router_f32;
         host.prefetched = pf_new;
         host.predicted = pf_named;
         let issue_s = issued.expect("the CPU experts run their side work exactly once")?;
+        cpu_done?;
         if let (true, Some(ev)) = (measure && any_cpu, &host.split_done) {
             let gpu_done = ev.done()?;
             // a token's worth of votes: one per MoE layer

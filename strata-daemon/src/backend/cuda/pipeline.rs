@@ -371,6 +371,10 @@ impl Backend for GpuModel {
         "cuda"
     }
 
+    fn reads_dense_on_host(&self) -> bool {
+        false
+    }
+
     fn new_kv(&self, m: &ModelRef<'_>, n_ctx: usize) -> KvCache {
         // K/V live in VRAM; the host cache only tracks the length
         KvCache::new(0, n_ctx, m.cfg.n_head_kv * m.cfg.head_dim)
