@@ -215,3 +215,38 @@ pub fn greedy(prompt: &str, max_tokens: u32) -> strata_proto::v1::GenerateReques
         ..Default::default()
     }
 }
+
+/// Runs the fixed chats of [`conversations`] over `client` (the first `turns` user turns, each with the
+/// conversation so far and the model's greedy answers) and returns the answers and each request's counters.
+/// Panics when a request fails.
+pub async fn replay_chats(
+    client: &mut StrataClient<Channel>,
+    turns: usize,
+    max_tokens: u32,
+) -> (Vec<String>, Vec<strata_proto::v1::RequestCounters>) {
+    use strata_proto::v1 as pb;
+    let (system, chats) = conversations();
+    let (mut answers, mut counters) = (Vec::new(), Vec::new());
+    'outer: for chat in chats {
+        let mut history = vec![pb::ChatMessage { role: "system".into(), content: system.clone() }];
+        for user in chat {
+            if answers.len() == turns {
+                break 'outer;
+            }
+            history.push(pb::ChatMessage { role: "user".into(), content: user });
+            let req = pb::GenerateRequest { messages: history.clone(), max_tokens, ..Default::default() };
+            let mut s = client.generate(req).await.expect("a chat request failed").into_inner();
+            let mut text = None;
+            while let Some(ev) = s.message().await.expect("a chat stream failed") {
+                if let Some(pb::generate_event::Event::Done(done)) = ev.event {
+                    counters.push(done.counters.unwrap_or_default());
+                    text = Some(done.text);
+                }
+            }
+            let text = text.expect("a stream without its Done event");
+            history.push(pb::ChatMessage { role: "assistant".into(), content: text.clone() });
+            answers.push(text);
+        }
+    }
+    (answers, counters)
+}

@@ -141,33 +141,9 @@ fn knobs_watch_residency_and_profile_through_strata_ctl() {
     std::fs::remove_file(&p).unwrap();
 }
 
-/// Runs the fixed chats (the first `turns` user turns, each with the conversation so far and the model's
-/// greedy answers) and returns (answers, summed counters).
+/// [`replay_chats`] on a fresh client of `d`.
 async fn replay(d: &Daemon, turns: usize, max_tokens: u32) -> (Vec<String>, Vec<pb::RequestCounters>) {
-    let (system, chats) = conversations();
-    let mut client = d.client().await;
-    let (mut answers, mut counters) = (Vec::new(), Vec::new());
-    'outer: for chat in chats {
-        let mut history = vec![pb::ChatMessage { role: "system".into(), content: system.clone() }];
-        for user in chat {
-            if answers.len() == turns {
-                break 'outer;
-            }
-            history.push(pb::ChatMessage { role: "user".into(), content: user });
-            let req = pb::GenerateRequest { messages: history.clone(), max_tokens, ..Default::default() };
-            let mut s = client.generate(req).await.unwrap().into_inner();
-            let mut text = String::new();
-            while let Some(ev) = s.message().await.unwrap() {
-                if let Some(pb::generate_event::Event::Done(done)) = ev.event {
-                    text = done.text;
-                    counters.push(done.counters.unwrap());
-                }
-            }
-            history.push(pb::ChatMessage { role: "assistant".into(), content: text.clone() });
-            answers.push(text);
-        }
-    }
-    (answers, counters)
+    replay_chats(&mut d.client().await, turns, max_tokens).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
