@@ -242,3 +242,46 @@ fn fuzz_findings_are_errors() {
     }
     assert!(n >= 4, "{n} findings");
 }
+
+/// `detach` moves tensor ranges out of the file mapping with the same bytes: after the file is cut to nothing, the
+/// detached ranges still read as before (a mapped page past the end would raise SIGBUS). A range past the end is an
+/// error that moves nothing, and a model held in memory has nothing to detach.
+#[test]
+fn detached_ranges_keep_their_bytes_when_the_file_is_truncated() {
+    // tensors of several pages each, with pseudo-random bytes
+    let mut w = GgufWriter::default();
+    w.set("general.architecture", Value::String("llama".into()));
+    let mut x = 0x2545_f491u32;
+    let mut noise = |n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                x as u8
+            })
+            .collect()
+    };
+    for (name, rows) in [("a", 300), ("b", 7), ("c", 520)] {
+        w.add_tensor(name, vec![32, rows], GgmlType::Q8_0, noise(GgmlType::Q8_0.row_bytes(32) * rows as usize));
+    }
+    let p = write_tmp(&w.to_bytes());
+    let f = GgufFile::open(&p).unwrap();
+    let range = |n: &str| {
+        let t = f.tensors.iter().find(|t| t.name == n).unwrap();
+        t.file_offset as usize..(t.file_offset + t.size_bytes) as usize
+    };
+    let (a, c) = (range("a"), range("c"));
+    let (want_a, want_c) = (f.bytes()[a.clone()].to_vec(), f.bytes()[c.clone()].to_vec());
+    let len = f.bytes().len();
+    assert!(f.detach(&[0..len + 1]).is_err(), "a range past the end");
+    let moved = f.detach(&[a.clone(), c.clone()]).unwrap();
+    assert!(moved >= a.len() + c.len() && moved % 4096 == 0, "{moved} bytes moved");
+    std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(0).unwrap();
+    assert_eq!(&f.bytes()[a], &want_a[..]);
+    assert_eq!(&f.bytes()[c], &want_c[..]);
+    drop(f);
+    std::fs::remove_file(&p).unwrap();
+    let m = GgufFile::from_bytes(&p, w.to_bytes()).unwrap();
+    assert_eq!(m.detach(&[0..16]).unwrap(), 0);
+}

@@ -250,3 +250,9 @@ pub async fn replay_chats(
     }
     (answers, counters)
 }
+
+/// A loopback TCP port that was free a moment ago (for `--http-listen 127.0.0.1:PORT`).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    l.local_addr().expect("local address").port()
+}

@@ -676,7 +676,7 @@ fn cases() -> Vec<Case> {
             "message without a role",
             Chat,
             HttpRequest("POST", "/v1/chat/completions", chat_body(serde_json::json!([{"content": "Hi"}]), serde_json::json!({})), 400),
-            "malformed JSON body: missing field `role`",
+            "malformed JSON body: messages[0]: missing field `role`",
         ),
         case(
             "special-token text in a tool call",
@@ -823,7 +823,7 @@ fn cases() -> Vec<Case> {
             "negative max_tokens",
             Http,
             HttpRequest("POST", "/v1/completions", body(serde_json::json!({"model": id, "prompt": PROMPT, "max_tokens": -1})), 400),
-            "malformed JSON body: invalid value: integer `-1`, expected u32",
+            "malformed JSON body: max_tokens: invalid value: integer `-1`, expected u32",
         ),
         case(
             "max_tokens 0 over HTTP",
@@ -1123,12 +1123,6 @@ fn refused_at_start_or_replay() {
     stop("good split start", d);
     assert!(!sock.exists(), "the daemon must remove its socket {} when it stops", sock.display());
     std::fs::remove_dir_all(&work).unwrap_or_else(|e| panic!("{}: {e}", work.display()));
-}
-
-/// A free loopback TCP port (bound, then released for the daemon).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
-    l.local_addr().expect("local address").port()
 }
 
 /// One HTTP/1.1 exchange (`Connection: close`) with the daemon on `port`: the status and the body. A body the

@@ -518,11 +518,6 @@ impl CpuTimes {
     }
 }
 
-/// A free loopback port (bound, then released for the daemon).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// The daemon's statistics.
 async fn stats(c: &mut StrataClient<Channel>) -> pb::StatsReply {
     c.get_stats(pb::StatsRequest {}).await.expect("GetStats").into_inner()

@@ -1,5 +1,5 @@
 //! Soak (issue 21, docs/RELIABILITY.md "Soak"): the fixed multi-turn conversations replayed back to back against
-//! one daemon on the real-weights MoE fixture, with about a third of the routed experts in RAM, the rest read
+//! one daemon on the real-weights MoE fixture, with 251 of its 360 routed experts in RAM, the rest read
 //! from the file, and RAM adapt moving experts between them, for `STRATA_SOAK_MINUTES` (default 1: the CI run;
 //! `tools/soak` runs 60). Checked: every cycle gives the first cycle's answers byte for byte (greedy: the same
 //! input must give the same text however the tiers moved), the daemon's RSS (sampled every minute, every 10 s
@@ -9,7 +9,7 @@
 //!
 //! Environment: `STRATA_SOAK_MINUTES`; `STRATA_SOAK_MODEL` (default the `smollm2-moe-shared` fixture) and
 //! `STRATA_SOAK_ARGS` (the daemon's tier flags, whitespace-separated; default `--resident-budget-gib 0.03
-//! --ram-adapt 8`) to soak another model or configuration, e.g. a GPU's adaptive tier; `STRATA_SOAK_TURNS`
+//! --ram-adapt 8 --gpu off`) to soak another model or configuration, e.g. a GPU's adaptive tier; `STRATA_SOAK_TURNS`
 //! (user turns per cycle, default all), `STRATA_SOAK_TOKENS` (tokens per answer, default 32) and
 //! `STRATA_SOAK_THREADS` (the daemon's `--threads`, default 2).
 
@@ -47,7 +47,7 @@ fn soak_replays_conversations_with_stable_answers_and_memory() {
     let max_tokens: u32 = env_or("STRATA_SOAK_TOKENS", 32);
     let model = std::env::var_os("STRATA_SOAK_MODEL").map(PathBuf::from).unwrap_or_else(|| fixture_path("shared"));
     let args: Vec<String> = std::env::var("STRATA_SOAK_ARGS")
-        .unwrap_or_else(|_| "--resident-budget-gib 0.03 --ram-adapt 8".into())
+        .unwrap_or_else(|_| "--resident-budget-gib 0.03 --ram-adapt 8 --gpu off".into())
         .split_whitespace()
         .map(String::from)
         .collect();
@@ -91,7 +91,8 @@ fn soak_replays_conversations_with_stable_answers_and_memory() {
     let (mut first, mut cycles, mut tokens) = (None, 0u64, 0u64);
     rt.block_on(async {
         let mut c = d.client().await;
-        while t0.elapsed() < run || cycles == 0 {
+        // at least two cycles, so that answers are compared however slow the host
+        while t0.elapsed() < run || cycles < 2 {
             let (answers, counters) = replay_chats(&mut c, turns, max_tokens).await;
             cycles += 1;
             tokens += counters.iter().map(|k| k.generated_tokens as u64).sum::<u64>();
@@ -151,7 +152,6 @@ fn soak_replays_conversations_with_stable_answers_and_memory() {
         end as f64 / 1048576.0,
         log.lines().count()
     );
-    assert!(cycles >= 2, "one cycle only: the answers were never compared (raise STRATA_SOAK_MINUTES)");
     assert!(drift < 0.01, "RSS drifted {:.2}% after the warm-up: {samples:?}", drift * 100.0);
     std::fs::remove_file(&log_path).ok();
 }

@@ -519,13 +519,20 @@ impl GgufFile {
     /// file truncated or rewritten under the running process no longer reaches them (a read of a truncated
     /// mapped page is a SIGBUS). Memory: the detached pages stop being shared with the page cache (they count
     /// in the process's RSS and cannot be evicted). A model held in memory ([`GgufFile::from_bytes`]) has
-    /// nothing to detach. Returns the bytes detached. Errors: an anonymous mapping or the move failed (the ranges
-    /// not yet moved stay mapped from the file).
+    /// nothing to detach. Returns the bytes detached. Errors: a range past the end of [`GgufFile::bytes`]
+    /// (nothing is moved), or an anonymous mapping or a move failed (the ranges not yet moved stay mapped from the
+    /// file). Aborts the process when a failed move left its pages unmapped and they cannot be mapped again.
     pub fn detach(&self, ranges: &[std::ops::Range<usize>]) -> std::io::Result<usize> {
         if matches!(self.map, Mapping::Owned(_)) {
             return Ok(0);
         }
         let bytes = self.bytes();
+        if let Some(r) = ranges.iter().find(|r| r.end > bytes.len()) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("range {r:?} ends past the mapping's {} bytes", bytes.len()),
+            ));
+        }
         let pg = split::page() as usize;
         // the mapping covers whole pages: the last one's bytes past the end of the file read as zeros
         let end = bytes.len().div_ceil(pg) * pg;
@@ -549,7 +556,9 @@ impl GgufFile {
             // SAFETY: `base + a .. base + b` lies inside this value's mapping (ranges clamped to its whole pages);
             // the anonymous mapping is new and private. The move (`mremap` with MREMAP_FIXED) replaces the file's
             // pages by pages holding the same bytes in one step, so a concurrent reader of `bytes()` sees the same
-            // values before and after; the destination stays part of the mapping that `Drop` unmaps.
+            // values before and after (page faults wait on the address space's lock); the destination stays part
+            // of the mapping that `Drop` unmaps. A failed move is repaired by mapping the same bytes there again
+            // (MAP_FIXED over this value's own range) before any caller can read them.
             unsafe {
                 let at = base.cast::<u8>().add(a).cast::<nix::libc::c_void>();
                 let anon = nix::libc::mmap(
@@ -571,6 +580,24 @@ impl GgufFile {
                 };
                 if moved == nix::libc::MAP_FAILED {
                     let e = std::io::Error::last_os_error();
+                    // a failed MREMAP_FIXED may already have unmapped the destination: map it again with the
+                    // copy's bytes (still in `anon`), else no later read of these bytes could be served
+                    let again = nix::libc::mmap(
+                        at,
+                        n,
+                        nix::libc::PROT_READ | nix::libc::PROT_WRITE,
+                        nix::libc::MAP_PRIVATE | nix::libc::MAP_ANONYMOUS | nix::libc::MAP_FIXED,
+                        -1,
+                        0,
+                    );
+                    if again != at {
+                        eprintln!(
+                            "strata: a failed move ({e}) left model bytes unmapped and they could not be mapped again"
+                        );
+                        std::process::abort();
+                    }
+                    std::ptr::copy_nonoverlapping(anon.cast::<u8>(), at.cast::<u8>(), n);
+                    nix::libc::mprotect(at, n, nix::libc::PROT_READ);
                     nix::libc::munmap(anon, n);
                     return Err(e);
                 }

@@ -166,8 +166,9 @@ impl Model {
     /// Moves the tensors that passes read from the file mapping into the process's own memory
     /// ([`GgufFile::detach`]), so that a model file truncated or rewritten under a running daemon fails the
     /// requests that read experts from it ([`BackendError::BlobRead`]) instead of faulting (SIGBUS) in a dense
-    /// weight: every tensor but the routed experts (`*_exps.*`) on the CPU backend, only the token embeddings on
-    /// a GPU backend. Experts are read from the RAM copy or with `pread` (the file tier), except with
+    /// weight: every tensor but the routed experts (`*_exps.*`) on the CPU backend, the token embeddings and the
+    /// routers (read by the next-layer prefetch) on a GPU backend. Nothing moves when the bytes would not fit in
+    /// the memory available now (less 1 GiB): a dense model larger than RAM keeps running from the page cache. Experts are read from the RAM copy or with `pread` (the file tier), except with
     /// `--mmap-experts`, whose experts stay in the mapping (a truncation there faults, as for any mmap reader). Call it after
     /// [`Model::attach_gpu`]. Returns the bytes moved. Errors: the move failed (the rest stays mapped).
     pub fn detach_from_file(&self) -> std::io::Result<usize> {
@@ -176,9 +177,25 @@ impl Model {
             .file
             .tensors
             .iter()
-            .filter(|t| if all { !t.name.contains("_exps.") } else { t.name == "token_embd.weight" })
+            .filter(|t| {
+                if all {
+                    !t.name.contains("_exps.")
+                } else {
+                    // the GPU passes read embedding rows, and the prefetch's router copy, on the host
+                    t.name == "token_embd.weight" || t.name.contains(".ffn_gate_inp.")
+                }
+            })
             .map(|t| t.file_offset as usize..(t.file_offset + t.size_bytes) as usize)
             .collect();
+        let want: u64 = ranges.iter().map(|r| r.len() as u64).sum();
+        let avail = crate::tiers::plan::Memory::probe().ram_available;
+        if avail.is_some_and(|a| want.saturating_add(1 << 30) > a) {
+            return Err(std::io::Error::other(format!(
+                "{} of weights would not fit in the {} of memory available",
+                crate::tiers::plan::size(want),
+                crate::tiers::plan::size(avail.unwrap_or(0))
+            )));
+        }
         self.file.detach(&ranges)
     }
 

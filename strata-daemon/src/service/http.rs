@@ -128,7 +128,18 @@ async fn body_json<T: for<'de> Deserialize<'de>>(req: Request) -> Result<T, Resp
             bad(format!("reading the request body: {e}"), None)
         }
     })?;
-    serde_json::from_slice(&bytes).map_err(|e| bad(format!("malformed JSON body: {e}"), None))
+    // a field of the wrong shape is named by its path (`messages[2].role`), also as the error's `param`
+    let mut de = serde_json::Deserializer::from_slice(&bytes);
+    let v = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        // a syntax error has no field to name (its path is `?`), nor a shape error of the whole body (`.`)
+        let path = e.path().to_string();
+        match path.as_str() {
+            "." | "?" => bad(format!("malformed JSON body: {}", e.into_inner()), None),
+            _ => bad(format!("malformed JSON body: {path}: {}", e.into_inner()), Some(&path)),
+        }
+    })?;
+    de.end().map_err(|e| bad(format!("malformed JSON body: {e}"), None))?;
+    Ok(v)
 }
 
 /// A string or a list of strings (`stop`, `prompt`).

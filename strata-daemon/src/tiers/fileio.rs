@@ -97,7 +97,7 @@ impl BlobReader {
                     out.copy_from_slice(&buf[s..s + out.len()]);
                     return Ok(());
                 }
-                Ok(_) => return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof)),
+                Ok(_) => return Err(past_end(offset + out.len() as u64)),
                 Err(e) if e.raw_os_error() == Some(nix::libc::EINVAL) => {
                     if !self.direct_failed.swap(true, Ordering::Relaxed) {
                         tracing::warn!("O_DIRECT read refused ({e}); blob reads are buffered from now on");
@@ -107,13 +107,15 @@ impl BlobReader {
             }
         }
         p.buffered.read_exact_at(out, offset).map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => std::io::Error::new(
-                e.kind(),
-                format!("the file ends before byte {} (truncated?)", offset + out.len() as u64),
-            ),
+            std::io::ErrorKind::UnexpectedEof => past_end(offset + out.len() as u64),
             _ => e,
         })
     }
+}
+
+/// The error of a read that the end of the file cut short (`end`: the byte the read needed to reach).
+fn past_end(end: u64) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("the file ends before byte {end} (truncated?)"))
 }
 
 /// Opens `path` buffered and, for `--file-io direct`, with `O_DIRECT` (a refusal is not an error: reads are

@@ -331,7 +331,10 @@ impl Ops for CpuPass<'_, '_> {
         let Ffn::Moe(ex) = &m.weights.blocks[l].ffn else { unreachable!("experts() on a dense block") };
         let by_expert = dispatch::by_expert(&self.s.routing, m.cfg.n_expert);
         let src = dispatch::plan_sources(m.experts.map(|st| &**st), l, &by_expert, self.s.decode);
-        experts::experts(m, l, ex, &by_expert, src, None, self.s, |_| {})?;
+        if let Err(e) = experts::experts(m, l, ex, &by_expert, src, None, self.s, |_| {}) {
+            self.s.sh_gate.clear(); // the shared expert's gates of this failed layer
+            return Err(e);
+        }
         let s = &mut *self.s;
         // the shared expert's gated output (when this layer computed one), after the routed experts' sum
         for (i, g) in s.sh_gate.drain(..).enumerate() {
