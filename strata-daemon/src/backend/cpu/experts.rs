@@ -44,8 +44,8 @@ pub fn experts(
     let gb = ff * gate_all.row_bytes();
     let db = e * down_all.row_bytes();
     let mut blob_at = vec![0usize; ne];
-    // experts whose blob read failed (left out), and the first one's error
-    let mut unread = vec![false; ne];
+    // experts whose blob read failed (left out; no allocation unless one did), and the first one's error
+    let mut unread: Vec<usize> = Vec::new();
     let mut failed: Option<(usize, String)> = None;
     let arena = m.experts.as_ref().map(|st| {
         // this layer's file-tier blobs, read together over the worker pool before any expert is computed
@@ -61,7 +61,7 @@ pub fn experts(
             blob_at[x] = j * blob;
             // not computed from the mapping instead: a file that fails a read would fault there (SIGBUS)
             if let Some(e) = err {
-                unread[x] = true;
+                unread.push(x);
                 failed.get_or_insert((x, e.to_string()));
             }
         }
@@ -77,7 +77,7 @@ pub fn experts(
     // and down outputs) stays under BATCH_FLOATS values: each batch is one pool fork-join for gate, up,
     // SwiGLU and down (not three per expert)
     const BATCH_FLOATS: usize = 1 << 22;
-    let list: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty() && !unread[x]).collect();
+    let list: Vec<usize> = (0..ne).filter(|&x| !by_expert[x].is_empty() && !unread.contains(&x)).collect();
     let f0 = |x: usize| from.map_or(0, |f| f[x]);
     let (grb, drb) = (gate_all.row_bytes(), down_all.row_bytes());
     let mut i = 0;
