@@ -89,6 +89,10 @@ enum Cmd {
         #[arg(long, value_name = "N")]
         top: Option<u32>,
     },
+    /// Check that every tier copy of the experts equals the model file's bytes (every RAM place and VRAM slot;
+    /// in the resident mode, that no expert is in both). Runs on the daemon between requests and reads every
+    /// copy once. Exit code 1 and one line per fault when a copy differs.
+    Verify,
     /// Expert profile commands.
     Profile {
         #[command(subcommand)]
@@ -637,6 +641,39 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 println!("saved {} ranked experts to {}", r.ranked, r.path);
             }
             Ok(())
+        }
+        Cmd::Verify => {
+            let r = client.verify_tiers(pb::VerifyTiersRequest {}).await.map_err(status_err)?.into_inner();
+            if cli.json {
+                println!(
+                    "{}",
+                    json!({"ram_experts": r.ram_experts, "vram_slots_per_stage": r.vram_slots_per_stage,
+                        "faults": r.faults, "elapsed_ms": r.elapsed_ms})
+                );
+            } else {
+                let slots = match r.vram_slots_per_stage.len() {
+                    0 => String::new(),
+                    1 => format!(", {} VRAM slots", r.vram_slots_per_stage[0]),
+                    _ => {
+                        let per: Vec<String> = r.vram_slots_per_stage.iter().map(|n| n.to_string()).collect();
+                        format!(", VRAM slots per stage {}", per.join(" / "))
+                    }
+                };
+                for f in &r.faults {
+                    println!("fault: {f}");
+                }
+                println!(
+                    "checked {} RAM places{slots} against the file in {:.0} ms: {}",
+                    r.ram_experts,
+                    r.elapsed_ms,
+                    if r.faults.is_empty() { "all equal".to_string() } else { format!("{} faults", r.faults.len()) }
+                );
+            }
+            if r.faults.is_empty() {
+                Ok(())
+            } else {
+                Err((1, format!("{} tier faults", r.faults.len())))
+            }
         }
         Cmd::Watch { count, plain } => watch::run(&mut client, watch::Mode::choose(cli.json, plain), count).await,
     }

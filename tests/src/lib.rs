@@ -4,7 +4,9 @@
 //! Environment: `STRATA_BIN_DIR` (default: the `target/<profile>` folder of
 //! this build), `STRATA_MODEL` (default
 //! `$STRATA_MODELS/SmolLM2-135M-Instruct.Q4_1.gguf`, `STRATA_MODELS`
-//! defaulting to `~/.cache/strata/models`; fetch it with `tools/fetch-model`).
+//! defaulting to `~/.cache/strata/models`; fetch it with `tools/fetch-model`),
+//! `STRATA_TEST_START_S` (seconds a daemon may take to open its socket, default
+//! 60; a first start on a GPU compiles the kernels).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -108,7 +110,8 @@ impl Daemon {
                 }
                 panic!("daemon exited early ({st}): {err}");
             }
-            assert!(t0.elapsed() < Duration::from_secs(60), "daemon did not open {}", socket.display());
+            let limit = std::env::var("STRATA_TEST_START_S").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
+            assert!(t0.elapsed() < Duration::from_secs(limit), "daemon did not open {} in {limit} s", socket.display());
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -194,7 +197,12 @@ pub fn fixture_path(kind: &str) -> PathBuf {
 
 /// The fixed multi-turn chats of tools/data/conversations.json: (system message, chats of user turns).
 pub fn conversations() -> (String, Vec<Vec<String>>) {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tools/data/conversations.json");
+    // the source tree this was built in, else the working directory's (a test binary copied to another machine
+    // and run from a checkout there)
+    let mut p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tools/data/conversations.json");
+    if !p.exists() {
+        p = PathBuf::from("tools/data/conversations.json");
+    }
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).expect("conversations.json")).unwrap();
     let sys = v["system"].as_str().unwrap().to_string();
     let chats = v["conversations"]

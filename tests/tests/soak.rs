@@ -4,14 +4,16 @@
 //! `tools/soak` runs 60). Checked: every cycle gives the first cycle's answers byte for byte (greedy: the same
 //! input must give the same text however the tiers moved), the daemon's RSS (sampled every minute, every 10 s
 //! in runs under 10 minutes) drifts under 1% after the warm-up (the first cycle, and at least the first fifth of
-//! the run), and its log holds no
-//! error line and no panic.
+//! the run), its VRAM (on a GPU, as `nvidia-smi` reports the process's) does not grow after the warm-up, its log
+//! holds no error line and no panic, and at the end every tier copy equals the file's bytes (`VerifyTiers`).
 //!
 //! Environment: `STRATA_SOAK_MINUTES`; `STRATA_SOAK_MODEL` (default the `smollm2-moe-shared` fixture) and
 //! `STRATA_SOAK_ARGS` (the daemon's tier flags, whitespace-separated; default `--resident-budget-gib 0.03
 //! --ram-adapt 8 --gpu off`) to soak another model or configuration, e.g. a GPU's adaptive tier; `STRATA_SOAK_TURNS`
 //! (user turns per cycle, default all), `STRATA_SOAK_TOKENS` (tokens per answer, default 32) and
-//! `STRATA_SOAK_THREADS` (the daemon's `--threads`, default 2).
+//! `STRATA_SOAK_THREADS` (the daemon's `--threads`, default 2); `STRATA_SOAK_EXACT=0` counts changed answers
+//! instead of failing on the first (a GPU's adaptive tier moves an expert between the GPU's and the CPU's
+//! arithmetic, whose roundings differ, so a near-tie between two tokens may fall the other way).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -26,6 +28,18 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         Ok(v) => v.parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a valid value")),
         Err(_) => default,
     }
+}
+
+/// The process's VRAM in MiB as `nvidia-smi` lists it, or `None` (no nvidia-smi, or the process not listed).
+fn vram_mib(pid: u32) -> Option<u64> {
+    let o = Command::new("nvidia-smi")
+        .args(["--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"])
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&o.stdout).lines().find_map(|l| {
+        let (p, m) = l.split_once(',')?;
+        (p.trim().parse::<u32>().ok()? == pid).then(|| m.trim().parse().ok()).flatten()
+    })
 }
 
 /// The daemon's resident set (VmRSS of /proc/PID/status), bytes.
@@ -45,6 +59,7 @@ fn soak_replays_conversations_with_stable_answers_and_memory() {
     let minutes: f64 = env_or("STRATA_SOAK_MINUTES", 1.0);
     let turns: usize = env_or("STRATA_SOAK_TURNS", usize::MAX);
     let max_tokens: u32 = env_or("STRATA_SOAK_TOKENS", 32);
+    let exact = env_or("STRATA_SOAK_EXACT", 1u8) != 0;
     let model = std::env::var_os("STRATA_SOAK_MODEL").map(PathBuf::from).unwrap_or_else(|| fixture_path("shared"));
     let args: Vec<String> = std::env::var("STRATA_SOAK_ARGS")
         .unwrap_or_else(|_| "--resident-budget-gib 0.03 --ram-adapt 8 --gpu off".into())
@@ -88,7 +103,9 @@ fn soak_replays_conversations_with_stable_answers_and_memory() {
     let t0 = Instant::now();
     // (seconds since the start, RSS bytes)
     let mut samples: Vec<(f64, u64)> = vec![(0.0, rss(pid))];
-    let (mut first, mut cycles, mut tokens) = (None, 0u64, 0u64);
+    // (seconds since the start, VRAM MiB) where nvidia-smi lists the daemon
+    let mut vram: Vec<(f64, u64)> = Vec::new();
+    let (mut first, mut cycles, mut tokens, mut changed, mut compared) = (None, 0u64, 0u64, 0u64, 0u64);
     rt.block_on(async {
         let mut c = d.client().await;
         // at least two cycles, so that answers are compared however slow the host
@@ -103,8 +120,13 @@ fn soak_replays_conversations_with_stable_answers_and_memory() {
                 }
                 Some(f) => {
                     for (i, (a, b)) in f.iter().zip(&answers).enumerate() {
-                        assert_eq!(a, b, "cycle {cycles}, turn {i}: the answer changed");
+                        if exact {
+                            assert_eq!(a, b, "cycle {cycles}, turn {i}: the answer changed");
+                        }
+                        compared += 1;
+                        changed += (a != b) as u64;
                     }
+                    assert!(answers.iter().any(|a| !a.trim().is_empty()), "cycle {cycles}: every answer empty");
                 }
             }
             // a sample after the first cycle (the warm-up ends no earlier), then every `every`
@@ -113,21 +135,41 @@ fn soak_replays_conversations_with_stable_answers_and_memory() {
                 let tot = s.totals.unwrap_or_default();
                 let r = rss(pid);
                 samples.push((t0.elapsed().as_secs_f64(), r));
+                let v = vram_mib(pid);
+                if let Some(v) = v {
+                    vram.push((t0.elapsed().as_secs_f64(), v));
+                }
                 println!(
-                    "{:7.1} s: RSS {:8.1} MiB, {cycles} cycles, {} requests, {tokens} tokens, {} promotions, {} blob reads, \
-                     {} swaps",
+                    "{:7.1} s: RSS {:8.1} MiB{}, {cycles} cycles, {} requests, {tokens} tokens, {} promotions, {} blob \
+                     reads, {} swaps, {}/{} VRAM hits{}",
                     t0.elapsed().as_secs_f64(),
                     r as f64 / 1048576.0,
+                    v.map(|v| format!(", VRAM {v} MiB")).unwrap_or_default(),
                     tot.requests,
                     tot.ram_promotions,
                     tot.file_blob_reads,
-                    tot.swaps
+                    tot.swaps,
+                    tot.vram_hits,
+                    tot.expert_lookups,
+                    if exact { String::new() } else { format!(", {changed} of {compared} answers changed") }
                 );
             }
         }
     });
     let elapsed = t0.elapsed().as_secs_f64();
     samples.push((elapsed, rss(pid)));
+    // after the last RSS sample: the check reads every mapped expert page, which then counts in the RSS
+    let check = rt.block_on(async {
+        let mut c = d.client().await;
+        c.verify_tiers(pb::VerifyTiersRequest {}).await.expect("VerifyTiers").into_inner()
+    });
+    println!(
+        "soak: tier check at the end: {} RAM places, VRAM slots per stage {:?}, {} faults",
+        check.ram_experts,
+        check.vram_slots_per_stage,
+        check.faults.len()
+    );
+    assert!(check.faults.is_empty(), "tier faults after the soak: {:?}", check.faults);
     d.signal(Signal::SIGTERM);
     let (st, _) = d.wait(Duration::from_secs(30));
     let log = std::fs::read_to_string(&log_path).unwrap();
@@ -153,5 +195,13 @@ fn soak_replays_conversations_with_stable_answers_and_memory() {
         log.lines().count()
     );
     assert!(drift < 0.01, "RSS drifted {:.2}% after the warm-up: {samples:?}", drift * 100.0);
+    if let Some(vbase) = vram.iter().find(|s| s.0 >= base.0).or(vram.first()) {
+        let vtop = vram.iter().filter(|s| s.0 >= vbase.0).map(|s| s.1).max().unwrap_or(vbase.1);
+        println!("soak: VRAM {} MiB after the warm-up, at most {vtop} after it", vbase.1);
+        assert!(vtop <= vbase.1, "VRAM grew after the warm-up: {vram:?}");
+    }
+    if !exact {
+        println!("soak: {changed} of {compared} answers differed from the first cycle's");
+    }
     std::fs::remove_file(&log_path).ok();
 }

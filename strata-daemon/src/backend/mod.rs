@@ -235,6 +235,14 @@ pub trait Backend: Send + Sync {
         let _ = store;
         Ok(())
     }
+    /// Compares every tier copy of the experts with the model file's bytes: every RAM place (and, where the backend
+    /// has one, every VRAM slot) holds exactly the expert the residency table says, no two experts share a place,
+    /// and in the resident mode no expert is in both. Waits for an asynchronous adaptive round in flight first.
+    /// Returns one line per fault (empty = consistent). Reads every copy: seconds on a large model, for checks
+    /// between requests, never during one. Errors: a device error while reading the slots back.
+    fn verify_tiers(&self, store: &Arc<ExpertStore>) -> Result<Vec<String>, BackendError> {
+        Ok(store.verify_ram_copy())
+    }
     /// The backend as [`std::any::Any`], for tools that reach a backend's own API (benchmarks rebuilding the
     /// VRAM cache).
     fn as_any(&self) -> &dyn std::any::Any;

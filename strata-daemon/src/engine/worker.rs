@@ -67,9 +67,20 @@ pub struct Job {
     pub enqueued: Instant,
 }
 
+/// The result of a tier check ([`Engine::verify_tiers`]): `None` for a dense model, else one line per fault.
+pub type TierCheckResult = Result<Option<Vec<String>>, String>;
+
+/// What the engine thread takes from its queue, in order.
+enum Msg {
+    /// A request to run.
+    Generate(Job),
+    /// A tier check between requests, answered on the sender.
+    VerifyTiers(tokio::sync::oneshot::Sender<TierCheckResult>),
+}
+
 /// Handle to the engine thread.
 pub struct Engine {
-    tx: Mutex<Option<Sender<Job>>>,
+    tx: Mutex<Option<Sender<Msg>>>,
     /// Shared statistics.
     pub stats: Arc<Stats>,
     queued: Arc<AtomicUsize>,
@@ -90,7 +101,7 @@ impl Engine {
         cfg: EngineConfig,
         dump: Option<RoutingDump>,
     ) -> std::io::Result<Engine> {
-        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let (tx, rx) = crossbeam_channel::unbounded::<Msg>();
         let stats = Arc::new(Stats::default());
         let queued = Arc::new(AtomicUsize::new(0));
         let busy = Arc::new(AtomicBool::new(false));
@@ -140,9 +151,11 @@ impl Engine {
         match guard.as_ref() {
             Some(tx) if !self.shutdown.load(Ordering::SeqCst) => {
                 self.queued.fetch_add(1, Ordering::SeqCst);
-                if let Err(e) = tx.send(job) {
+                if let Err(e) = tx.send(Msg::Generate(job)) {
                     self.queued.fetch_sub(1, Ordering::SeqCst);
-                    let _ = e.0.events.send(Event::Error("engine stopped".into()));
+                    if let Msg::Generate(job) = e.0 {
+                        let _ = job.events.send(Event::Error("engine stopped".into()));
+                    }
                 }
             }
             _ => {
@@ -150,6 +163,27 @@ impl Engine {
             }
         }
         erx
+    }
+
+    /// Queues a tier check ([`Model::verify_tiers`]: every RAM place and VRAM slot against the file's bytes): it
+    /// runs on the engine thread after the requests queued before it, so no pass runs during it. The answer
+    /// arrives on the receiver; an error when the daemon is shutting down or the check failed (a device error).
+    pub fn verify_tiers(&self) -> tokio::sync::oneshot::Receiver<TierCheckResult> {
+        let (otx, orx) = tokio::sync::oneshot::channel();
+        let guard = self.tx.lock().unwrap();
+        match guard.as_ref() {
+            Some(tx) if !self.shutdown.load(Ordering::SeqCst) => {
+                if let Err(e) = tx.send(Msg::VerifyTiers(otx)) {
+                    if let Msg::VerifyTiers(otx) = e.0 {
+                        let _ = otx.send(Err("engine stopped".into()));
+                    }
+                }
+            }
+            _ => {
+                let _ = otx.send(Err("daemon is shutting down".into()));
+            }
+        }
+        orx
     }
 
     /// Requests waiting in the queue.
@@ -189,10 +223,14 @@ struct Worker {
 }
 
 impl Worker {
-    fn run(&mut self, rx: Receiver<Job>) {
+    fn run(&mut self, rx: Receiver<Msg>) {
         loop {
             let job = match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(j) => j,
+                Ok(Msg::Generate(j)) => j,
+                Ok(Msg::VerifyTiers(reply)) => {
+                    let _ = reply.send(self.verify_tiers());
+                    continue;
+                }
                 Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
                     if self.shutdown.load(Ordering::SeqCst) {
                         break;
@@ -217,10 +255,37 @@ impl Worker {
             self.busy.store(false, Ordering::SeqCst);
         }
         // Answer whatever is still queued.
-        while let Ok(job) = rx.try_recv() {
-            self.queued.fetch_sub(1, Ordering::SeqCst);
-            let _ = job.events.send(Event::Error("daemon is shutting down".into()));
+        while let Ok(msg) = rx.try_recv() {
+            match msg {
+                Msg::Generate(job) => {
+                    self.queued.fetch_sub(1, Ordering::SeqCst);
+                    let _ = job.events.send(Event::Error("daemon is shutting down".into()));
+                }
+                Msg::VerifyTiers(reply) => {
+                    let _ = reply.send(Err("daemon is shutting down".into()));
+                }
+            }
         }
+    }
+
+    /// Runs a tier check now (between requests), logging its outcome.
+    fn verify_tiers(&mut self) -> TierCheckResult {
+        let t0 = Instant::now();
+        self.busy.store(true, Ordering::SeqCst);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.model.verify_tiers()));
+        self.busy.store(false, Ordering::SeqCst);
+        let r = match r {
+            Ok(r) => r.map_err(|e| format!("tier check failed: {e}")),
+            Err(_) => Err("internal error during the tier check".into()),
+        };
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        match &r {
+            Ok(Some(f)) if f.is_empty() => tracing::info!(ms, "tier check: every copy equals the file's bytes"),
+            Ok(Some(f)) => tracing::error!(ms, faults = f.len(), first = %f[0], "tier check found faults"),
+            Ok(None) => {}
+            Err(e) => tracing::error!(ms, "{e}"),
+        }
+        r
     }
 
     fn dump_routes(&mut self, seq: u64, phase: Phase) {

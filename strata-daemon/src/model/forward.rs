@@ -248,6 +248,12 @@ impl Model {
             None => Ok(()),
         }
     }
+
+    /// Compares every tier copy of the experts with the file ([`Backend::verify_tiers`]); one line per fault.
+    /// `None` for a dense model. Errors: the backend's.
+    pub fn verify_tiers(&self) -> Result<Option<Vec<String>>, BackendError> {
+        self.experts.as_ref().map(|st| self.backend.verify_tiers(st)).transpose()
+    }
 }
 
 /// Whether every value of `v` is finite: in chunks whose test the compiler vectorizes (no early exit inside a

@@ -1,5 +1,5 @@
 //! `strata.v1.Strata` over tonic: `Generate` (server stream), `GetStats`, the knobs (`GetKnobs`, `SetKnob`),
-//! `GetResidency`, `SaveProfile` and `WatchCounters` (server stream) — a thin adapter over the transport-neutral
+//! `GetResidency`, `SaveProfile`, `WatchCounters` (server stream) and `VerifyTiers` — a thin adapter over the transport-neutral
 //! control API ([`crate::api::Control`]): it converts messages and maps [`ApiError`] kinds to gRPC codes.
 
 use std::path::PathBuf;
@@ -296,6 +296,19 @@ impl Strata for StrataService {
             .map_err(|e| Status::internal(e.to_string()))?
             .map_err(status)?;
         Ok(Response::new(pb::SaveProfileReply { path: saved.path.display().to_string(), ranked: saved.ranked as u32 }))
+    }
+
+    async fn verify_tiers(
+        &self,
+        _req: Request<pb::VerifyTiersRequest>,
+    ) -> Result<Response<pb::VerifyTiersReply>, Status> {
+        let c = self.api.verify_tiers().await.map_err(status)?;
+        Ok(Response::new(pb::VerifyTiersReply {
+            ram_experts: c.ram_experts,
+            vram_slots_per_stage: c.vram_slots_per_stage,
+            faults: c.faults,
+            elapsed_ms: c.elapsed_ms,
+        }))
     }
 
     async fn watch_counters(&self, _req: Request<pb::WatchRequest>) -> Result<Response<WatchStream>, Status> {

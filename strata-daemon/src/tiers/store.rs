@@ -1109,6 +1109,11 @@ impl ExpertStore {
         faults
     }
 
+    /// Experts with a RAM place now (in every mode: in `all` those in VRAM too).
+    pub fn ram_place_count(&self) -> usize {
+        self.state().place.iter().filter(|p| p.is_some()).count()
+    }
+
     /// The file's bytes of `(layer, expert)`'s blob (gate | up | down), from the mapping.
     pub fn file_blob(&self, layer: usize, expert: usize) -> Vec<u8> {
         self.mapped_slices(layer, expert).concat()

@@ -422,6 +422,10 @@ impl Backend for GpuModel {
         Ok(GpuModel::drain(self, store)?)
     }
 
+    fn verify_tiers(&self, store: &Arc<ExpertStore>) -> Result<Vec<String>, BackendError> {
+        Ok(GpuModel::verify_tiers(self, store)?)
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
