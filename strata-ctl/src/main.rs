@@ -91,7 +91,7 @@ enum Cmd {
     },
     /// Check that every tier copy of the experts equals the model file's bytes (every RAM place and VRAM slot;
     /// in the resident mode, that no expert is in both). Runs on the daemon between requests and reads every
-    /// copy once. Exit code 1 and one line per fault when a copy differs.
+    /// copy once. Exit code 3 and one line per fault when a copy differs (1 when the check could not run).
     Verify,
     /// Expert profile commands.
     Profile {
@@ -669,10 +669,10 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                     if r.faults.is_empty() { "all equal".to_string() } else { format!("{} faults", r.faults.len()) }
                 );
             }
-            if r.faults.is_empty() {
-                Ok(())
-            } else {
-                Err((1, format!("{} tier faults", r.faults.len())))
+            match r.faults.len() {
+                0 => Ok(()),
+                1 => Err((3, "1 tier fault".into())),
+                n => Err((3, format!("{n} tier faults"))),
             }
         }
         Cmd::Watch { count, plain } => watch::run(&mut client, watch::Mode::choose(cli.json, plain), count).await,

@@ -43,7 +43,7 @@ fn faults(st: &ExpertStore, slots: &HostSlots) -> Vec<String> {
     let mut f = st.verify_ram_copy();
     let b = blob_bytes(st);
     for (l, e, s) in st.slotted() {
-        if slots.slot(s, b) != st.file_blob(l, e) {
+        if slots.slot(s, b) != st.file_blob(l, e).unwrap() {
             f.push(format!("slot {s} does not hold expert ({l}, {e})"));
         }
     }
@@ -168,7 +168,7 @@ fn asynchronous_steps_read_the_right_bytes_between_them() {
     let check_all = |step: &str| {
         for sw in &plan {
             for e in [sw.outgoing.unwrap(), sw.incoming] {
-                assert_eq!(reads(sw.layer, e), st.file_blob(sw.layer, e), "{step}: ({}, {e})", sw.layer);
+                assert_eq!(reads(sw.layer, e), st.file_blob(sw.layer, e).unwrap(), "{step}: ({}, {e})", sw.layer);
             }
         }
     };
@@ -307,7 +307,7 @@ fn split_faults(st: &ExpertStore, stages: &[HostSlots]) -> Vec<String> {
     let mut f = st.verify_ram_copy();
     let b = blob_bytes(st);
     for (l, e, s) in st.slotted() {
-        if stages[st.stage_of(l)].slot(s, b) != st.file_blob(l, e) {
+        if stages[st.stage_of(l)].slot(s, b) != st.file_blob(l, e).unwrap() {
             f.push(format!("stage {} slot {s} does not hold expert ({l}, {e})", st.stage_of(l)));
         }
     }

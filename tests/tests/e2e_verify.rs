@@ -1,6 +1,6 @@
 //! The tier check (`VerifyTiers`, `strata-ctl verify`): after many sampled requests with the tiers moving, every
 //! RAM place (and every VRAM slot, per stage, on a GPU) still holds exactly its expert's file bytes; a copy that
-//! differs is reported by expert and layer, and exit code 1 from `strata-ctl verify`.
+//! differs is reported by expert and layer, and exit code 3 from `strata-ctl verify`.
 //!
 //! The CPU test runs in CI: RAM adapt moving experts between the RAM copy and the file tier. The GPU test runs
 //! where `STRATA_GPU_VERIFY_MODEL` names a model: each configuration of `STRATA_GPU_VERIFY_ARGS` (daemon flags,
@@ -83,7 +83,8 @@ fn expert_gate_range(model: &Path, layer: u32, expert: u32) -> (u64, usize) {
 
 /// RAM adapt moves experts between the RAM copy and the file tier over sampled requests; then every RAM place
 /// equals the file. A byte of one RAM-held expert changed in the file (the copy is now stale) is reported as that
-/// expert's fault, by the RPC and by `strata-ctl verify` (exit code 1); with the byte back the check is clean.
+/// expert's fault, by the RPC and by `strata-ctl verify` (exit code 3); with the byte back the check is clean. The
+/// file truncated under the daemon makes every RAM place a fault (its read fails) without harming the daemon.
 #[test]
 fn ram_adapt_keeps_every_ram_place_equal_to_the_file_and_a_stale_copy_is_named() {
     let copy = temp_path(".gguf");
@@ -125,8 +126,8 @@ fn ram_adapt_keeps_every_ram_place_equal_to_the_file_and_a_stale_copy_is_named()
         assert_eq!(r.faults.len(), 1, "one stale copy, faults: {:?}", r.faults);
         assert!(r.faults[0].contains(&name), "the fault names {name}: {:?}", r.faults);
         let o = d.ctl(&["verify"]);
-        assert_eq!(o.status.code(), Some(1), "strata-ctl verify with a fault: {}", stderr(&o));
-        assert!(stdout(&o).contains(&name) && stderr(&o).contains("1 tier faults"), "{}{}", stdout(&o), stderr(&o));
+        assert_eq!(o.status.code(), Some(3), "strata-ctl verify with a fault: {}", stderr(&o));
+        assert!(stdout(&o).contains(&name) && stderr(&o).contains("1 tier fault"), "{}{}", stdout(&o), stderr(&o));
 
         file.write_all_at(&b, at).unwrap();
         let r = verify(&mut c).await;
@@ -135,6 +136,21 @@ fn ram_adapt_keeps_every_ram_place_equal_to_the_file_and_a_stale_copy_is_named()
         assert!(o.status.success(), "{}", stderr(&o));
         let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("verify --json");
         assert_eq!(v["faults"].as_array().map(|a| a.len()), Some(0), "{v}");
+        // the file truncated under the daemon: every RAM-held expert's read fails, each a fault line (the check
+        // reads the file with pread, so no mapped page faults), and the daemon serves on
+        let bytes = std::fs::read(&copy).unwrap();
+        file.set_len(1 << 20).unwrap();
+        let r = verify(&mut c).await;
+        assert_eq!(
+            r.faults.len() as u32,
+            r.ram_experts,
+            "a fault per RAM place: {:?}",
+            &r.faults[..3.min(r.faults.len())]
+        );
+        assert!(r.faults[0].contains("reading its bytes from the model file failed"), "{:?}", r.faults[0]);
+        file.write_all_at(&bytes[1 << 20..], 1 << 20).unwrap();
+        let r = verify(&mut c).await;
+        assert!(r.faults.is_empty(), "the file is whole again, faults: {:?}", &r.faults[..3.min(r.faults.len())]);
         // the daemon still serves
         run_all(&mut c, &sampled_requests(1, 4)).await;
     });
@@ -238,4 +254,43 @@ fn gpu_tiers_equal_the_file_after_sampled_requests_with_swaps() {
             }
         });
     }
+}
+
+/// A check queued behind a running request when SIGTERM comes is answered UNAVAILABLE, not run: the shutdown is not
+/// held up by reading every copy.
+#[test]
+fn a_check_queued_at_shutdown_is_refused() {
+    let d = Daemon::start_with(&fixture_path("shared"), &temp_path(".sock"), &["--gpu", "off", "--batch", "16"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let err = rt.block_on(async {
+        let mut c = d.client().await;
+        let mut g = c.clone();
+        // a long request: its prompt alone takes seconds in chunks of 16 on this fixture
+        let long = greedy(&"The quick brown fox jumps over the lazy dog. ".repeat(40), 200);
+        let running = tokio::spawn(async move {
+            let mut s = g.generate(long).await?.into_inner();
+            while s.message().await?.is_some() {}
+            Ok::<(), tonic::Status>(())
+        });
+        let t0 = Instant::now();
+        while !c.get_stats(pb::StatsRequest {}).await.unwrap().into_inner().busy {
+            assert!(t0.elapsed().as_secs() < 30, "the request never started");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let mut v = c.clone();
+        let check = tokio::spawn(async move { v.verify_tiers(pb::VerifyTiersRequest {}).await });
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        d.signal(nix::sys::signal::Signal::SIGTERM);
+        // the request was still running at SIGTERM (so the check was still queued behind it)
+        let r = running.await.unwrap();
+        assert!(
+            r.as_ref().is_err_and(|e| e.message().contains("shutting down")),
+            "the request ended before SIGTERM: {r:?}"
+        );
+        check.await.unwrap().expect_err("a check queued at shutdown must not run")
+    });
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    let (st, log) = d.wait(std::time::Duration::from_secs(20));
+    assert!(st.success(), "{st}: {log}");
+    assert!(!log.contains("tier check:"), "the check ran: {log}");
 }

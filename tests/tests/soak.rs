@@ -1,10 +1,10 @@
 //! Soak (issue 21, docs/RELIABILITY.md "Soak"): the fixed multi-turn conversations replayed back to back against
 //! one daemon on the real-weights MoE fixture, with 251 of its 360 routed experts in RAM, the rest read
 //! from the file, and RAM adapt moving experts between them, for `STRATA_SOAK_MINUTES` (default 1: the CI run;
-//! `tools/soak` runs 60). Checked: every cycle gives the first cycle's answers byte for byte (greedy: the same
-//! input must give the same text however the tiers moved), the daemon's RSS (sampled every minute, every 10 s
+//! `tools/soak` runs 60). Checked: every cycle gives the first cycle's answers byte for byte (greedy on the CPU: the
+//! same input must give the same text however the tiers moved; see `STRATA_SOAK_EXACT` for a GPU), the daemon's RSS (sampled every minute, every 10 s
 //! in runs under 10 minutes) drifts under 1% after the warm-up (the first cycle, and at least the first fifth of
-//! the run), its VRAM (on a GPU, as `nvidia-smi` reports the process's) does not grow after the warm-up, its log
+//! the run), its VRAM (on a GPU, as `nvidia-smi` reports the process's) grows under 1% after the warm-up, its log
 //! holds no error line and no panic, and at the end every tier copy equals the file's bytes (`VerifyTiers`).
 //!
 //! Environment: `STRATA_SOAK_MINUTES`; `STRATA_SOAK_MODEL` (default the `smollm2-moe-shared` fixture) and
@@ -198,7 +198,7 @@ fn soak_replays_conversations_with_stable_answers_and_memory() {
     if let Some(vbase) = vram.iter().find(|s| s.0 >= base.0).or(vram.first()) {
         let vtop = vram.iter().filter(|s| s.0 >= vbase.0).map(|s| s.1).max().unwrap_or(vbase.1);
         println!("soak: VRAM {} MiB after the warm-up, at most {vtop} after it", vbase.1);
-        assert!(vtop <= vbase.1, "VRAM grew after the warm-up: {vram:?}");
+        assert!((vtop as f64) < vbase.1 as f64 * 1.01, "VRAM grew after the warm-up: {vram:?}");
     }
     if !exact {
         println!("soak: {changed} of {compared} answers differed from the first cycle's");

@@ -13,6 +13,7 @@ use tokio::sync::mpsc::{Receiver, UnboundedReceiver};
 
 use crate::engine::request::{prepare, RawRequest};
 use crate::engine::stats::rss_bytes;
+pub use crate::engine::TierCheck;
 use crate::engine::{Counters, Engine, Event, GenerateParams, Totals};
 use crate::model::tool_calls::ToolParse;
 use crate::model::{Model, Tokenizer};
@@ -158,21 +159,6 @@ pub struct SavedProfile {
     pub path: PathBuf,
     /// Experts ranked in it.
     pub ranked: usize,
-}
-
-/// The outcome of a tier check ([`Control::verify_tiers`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct TierCheck {
-    /// Experts whose RAM place was compared with the file.
-    pub ram_experts: u32,
-    /// VRAM slots compared with the file, per stage of the layer split (one entry without a split; empty
-    /// without a VRAM expert cache).
-    pub vram_slots_per_stage: Vec<u32>,
-    /// One line per fault (a copy that differs from the file, a place shared by two experts, an expert in VRAM
-    /// and RAM in the resident mode); empty when every copy is right.
-    pub faults: Vec<String>,
-    /// How long the check took (it waits for an asynchronous round first), milliseconds.
-    pub elapsed_ms: f64,
 }
 
 /// One update of the counter stream.
@@ -360,29 +346,14 @@ impl Control {
     /// once. Errors: [`ApiError::FailedPrecondition`] for a dense model or a check that failed (a device error),
     /// [`ApiError::Unavailable`] when the daemon is shutting down.
     pub async fn verify_tiers(&self) -> Result<TierCheck, ApiError> {
-        let store = self.store()?.clone();
-        let t0 = std::time::Instant::now();
-        let faults = match self.engine.verify_tiers().await {
-            Ok(Ok(Some(f))) => f,
-            Ok(Ok(None)) => return Err(ApiError::FailedPrecondition("the model has no experts".into())),
-            Ok(Err(e)) if self.engine.is_shutting_down() => return Err(ApiError::Unavailable(e)),
-            Ok(Err(e)) => return Err(ApiError::FailedPrecondition(e)),
-            Err(_) => return Err(ApiError::Unavailable("daemon is shutting down".into())),
-        };
-        let slotted = store.slotted();
-        let mut vram_slots_per_stage = Vec::new();
-        if !slotted.is_empty() {
-            vram_slots_per_stage = vec![0u32; store.stage_layers().len()];
-            for (l, _, _) in slotted {
-                vram_slots_per_stage[store.stage_of(l)] += 1;
-            }
+        self.store()?;
+        match self.engine.verify_tiers().await {
+            Ok(Ok(Some(c))) => Ok(c),
+            Ok(Ok(None)) => Err(ApiError::FailedPrecondition("the model has no experts".into())),
+            Ok(Err(e)) if self.engine.is_shutting_down() => Err(ApiError::Unavailable(e)),
+            Ok(Err(e)) => Err(ApiError::FailedPrecondition(e)),
+            Err(_) => Err(ApiError::Unavailable("daemon is shutting down".into())),
         }
-        Ok(TierCheck {
-            ram_experts: store.ram_place_count() as u32,
-            vram_slots_per_stage,
-            faults,
-            elapsed_ms: t0.elapsed().as_secs_f64() * 1e3,
-        })
     }
 
     /// The counter stream: a finished request's counters once, and the running request's live counters at

@@ -67,8 +67,25 @@ pub struct Job {
     pub enqueued: Instant,
 }
 
-/// The result of a tier check ([`Engine::verify_tiers`]): `None` for a dense model, else one line per fault.
-pub type TierCheckResult = Result<Option<Vec<String>>, String>;
+/// The outcome of a tier check ([`Engine::verify_tiers`]), all taken on the engine thread in one go.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierCheck {
+    /// Experts whose RAM place was compared with the file.
+    pub ram_experts: u32,
+    /// Occupied VRAM slots compared with the file, per stage of the layer split (one entry without a split; empty
+    /// on a backend without a VRAM expert cache).
+    pub vram_slots_per_stage: Vec<u32>,
+    /// One line per fault (a copy that differs from the file, a file read that failed, a place shared by two
+    /// experts, an expert in VRAM and RAM in the resident mode); empty when every copy is right.
+    pub faults: Vec<String>,
+    /// How long the check itself took on the engine thread (an asynchronous round finished first included, the
+    /// wait in the queue not), milliseconds.
+    pub elapsed_ms: f64,
+}
+
+/// The result of a tier check: `None` for a dense model; an error when the daemon is shutting down or the check
+/// failed (a device error).
+pub type TierCheckResult = Result<Option<TierCheck>, String>;
 
 /// What the engine thread takes from its queue, in order.
 enum Msg {
@@ -228,7 +245,12 @@ impl Worker {
             let job = match rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(Msg::Generate(j)) => j,
                 Ok(Msg::VerifyTiers(reply)) => {
-                    let _ = reply.send(self.verify_tiers());
+                    if self.shutdown.load(Ordering::SeqCst) {
+                        let _ = reply.send(Err("daemon is shutting down".into()));
+                    } else if !reply.is_closed() {
+                        // (a check whose caller went away is skipped: it would only delay the next request)
+                        let _ = reply.send(self.verify_tiers());
+                    }
                     continue;
                 }
                 Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
@@ -271,21 +293,33 @@ impl Worker {
     /// Runs a tier check now (between requests), logging its outcome.
     fn verify_tiers(&mut self) -> TierCheckResult {
         let t0 = Instant::now();
-        self.busy.store(true, Ordering::SeqCst);
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.model.verify_tiers()));
-        self.busy.store(false, Ordering::SeqCst);
-        let r = match r {
-            Ok(r) => r.map_err(|e| format!("tier check failed: {e}")),
-            Err(_) => Err("internal error during the tier check".into()),
+        let faults = match r {
+            Ok(Ok(Some(f))) => f,
+            Ok(Ok(None)) => return Ok(None),
+            Ok(Err(e)) => {
+                tracing::error!("tier check failed: {e}");
+                return Err(format!("tier check failed: {e}"));
+            }
+            Err(_) => {
+                tracing::error!("the tier check panicked");
+                return Err("internal error during the tier check".into());
+            }
         };
         let ms = t0.elapsed().as_secs_f64() * 1e3;
-        match &r {
-            Ok(Some(f)) if f.is_empty() => tracing::info!(ms, "tier check: every copy equals the file's bytes"),
-            Ok(Some(f)) => tracing::error!(ms, faults = f.len(), first = %f[0], "tier check found faults"),
-            Ok(None) => {}
-            Err(e) => tracing::error!(ms, "{e}"),
+        let (ram, per_stage) = self.model.experts.as_ref().map(|st| st.copies()).unwrap_or_default();
+        let has_vram = self.model.backend.name() != "cpu";
+        if faults.is_empty() {
+            tracing::info!(ms, ram_experts = ram, "tier check: every copy equals the file's bytes");
+        } else {
+            tracing::error!(ms, faults = faults.len(), first = %faults[0], "tier check found faults");
         }
-        r
+        Ok(Some(TierCheck {
+            ram_experts: ram as u32,
+            vram_slots_per_stage: if has_vram { per_stage.into_iter().map(|n| n as u32).collect() } else { Vec::new() },
+            faults,
+            elapsed_ms: ms,
+        }))
     }
 
     fn dump_routes(&mut self, seq: u64, phase: Phase) {

@@ -1076,8 +1076,10 @@ impl ExpertStore {
 
     /// Checks the RAM copy against the file: every expert with a RAM place holds exactly its file bytes there, no
     /// two experts share a place, and in the resident mode no expert has both a slot and a place (the exchange
-    /// rounds in flight excepted: call it with none). Returns one line per fault (empty = consistent). Reads the
-    /// whole copy: a test and benchmark check, not for serving.
+    /// rounds in flight excepted: call it with none). Returns one line per fault (empty = consistent); a file read
+    /// that fails (a file truncated under the daemon) is a fault line too. Reads the whole copy and every RAM-held
+    /// expert's bytes from the file (with `pread`, as promotions do, so a truncated file cannot fault a mapped
+    /// page): between requests only (the daemon's `VerifyTiers`, tests, benchmarks).
     pub fn verify_ram_copy(&self) -> Vec<String> {
         let ne = self.layout.n_expert;
         let (place, slot) = {
@@ -1086,6 +1088,7 @@ impl ExpertStore {
         };
         let mut faults = Vec::new();
         let mut owners = std::collections::HashMap::new();
+        let (mut blob, mut scratch) = (Vec::new(), AlignedBuf::default());
         let arena = self.arena();
         for (i, p) in place.iter().enumerate() {
             let (l, e) = (i / ne, i % ne);
@@ -1096,27 +1099,37 @@ impl ExpertStore {
             if let Some((l2, e2)) = owners.insert(off, (l, e)) {
                 faults.push(format!("experts ({l2}, {e2}) and ({l}, {e}) share the RAM place at {off}"));
             }
-            let mut o = off;
-            let bytes = self.file.bytes();
-            for (fo, len) in self.layout.layers[l].file_slices(e) {
-                if arena.slice(o, len) != &bytes[fo as usize..fo as usize + len] {
-                    faults.push(format!("expert ({l}, {e}): its RAM place at {off} holds other bytes"));
-                    break;
+            match self.read_blob(l, e, &mut blob, &mut scratch) {
+                Ok(()) if arena.slice(off, blob.len()) == &blob[..] => {}
+                Ok(()) => faults.push(format!("expert ({l}, {e}): its RAM place at {off} holds other bytes")),
+                Err(err) => {
+                    faults.push(format!("expert ({l}, {e}): reading its bytes from the model file failed: {err}"))
                 }
-                o += len;
             }
         }
         faults
     }
 
-    /// Experts with a RAM place now (in every mode: in `all` those in VRAM too).
-    pub fn ram_place_count(&self) -> usize {
-        self.state().place.iter().filter(|p| p.is_some()).count()
+    /// Experts with a RAM place and occupied VRAM slots per stage of the layer split, now (what
+    /// [`ExpertStore::verify_ram_copy`] and a backend's slot check compare).
+    pub fn copies(&self) -> (usize, Vec<usize>) {
+        let ne = self.layout.n_expert;
+        let st = self.state();
+        let mut per_stage = vec![0usize; st.stage_start.len().max(1)];
+        for (i, s) in st.slot.iter().enumerate() {
+            if s.is_some() {
+                per_stage[stage_in(&st.stage_start, i / ne)] += 1;
+            }
+        }
+        (st.place.iter().filter(|p| p.is_some()).count(), per_stage)
     }
 
-    /// The file's bytes of `(layer, expert)`'s blob (gate | up | down), from the mapping.
-    pub fn file_blob(&self, layer: usize, expert: usize) -> Vec<u8> {
-        self.mapped_slices(layer, expert).concat()
+    /// The file's bytes of `(layer, expert)`'s blob (gate | up | down), read from the file ([`ExpertStore::read_blob`]).
+    /// Errors: the read failed (a truncated file).
+    pub fn file_blob(&self, layer: usize, expert: usize) -> std::io::Result<Vec<u8>> {
+        let mut out = Vec::new();
+        self.read_blob_simple(layer, expert, &mut out)?;
+        Ok(out)
     }
 
     /// The VRAM residency now: `(layer, expert, slot)` of every expert that holds a slot.

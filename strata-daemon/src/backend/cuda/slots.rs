@@ -248,8 +248,13 @@ impl SlotCache {
         for (l, e, slot) in store.slotted().into_iter().filter(|(l, _, _)| layers.contains(l)) {
             back.resize(self.blob(l), 0);
             s.dtoh_sync(&mut back, self.slot_addr(slot))?;
-            if back != store.file_blob(l, e) {
-                faults.push(format!("VRAM slot {slot} of stage {} does not hold expert ({l}, {e})", store.stage_of(l)));
+            match store.file_blob(l, e) {
+                Ok(b) if b == back => {}
+                Ok(_) => faults
+                    .push(format!("VRAM slot {slot} of stage {} does not hold expert ({l}, {e})", store.stage_of(l))),
+                Err(err) => {
+                    faults.push(format!("expert ({l}, {e}): reading its bytes from the model file failed: {err}"))
+                }
             }
         }
         Ok(faults)
