@@ -198,7 +198,7 @@ fn soak_replays_conversations_with_stable_answers_and_memory() {
     if let Some(vbase) = vram.iter().find(|s| s.0 >= base.0).or(vram.first()) {
         let vtop = vram.iter().filter(|s| s.0 >= vbase.0).map(|s| s.1).max().unwrap_or(vbase.1);
         println!("soak: VRAM {} MiB after the warm-up, at most {vtop} after it", vbase.1);
-        assert!((vtop as f64) < vbase.1 as f64 * 1.01, "VRAM grew after the warm-up: {vram:?}");
+        assert!((vtop as f64) <= vbase.1 as f64 * 1.01, "VRAM grew after the warm-up: {vram:?}");
     }
     if !exact {
         println!("soak: {changed} of {compared} answers differed from the first cycle's");

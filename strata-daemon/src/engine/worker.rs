@@ -72,8 +72,8 @@ pub struct Job {
 pub struct TierCheck {
     /// Experts whose RAM place was compared with the file.
     pub ram_experts: u32,
-    /// Occupied VRAM slots compared with the file, per stage of the layer split (one entry without a split; empty
-    /// on a backend without a VRAM expert cache).
+    /// Occupied VRAM slots compared with the file, per stage of the layer split (one entry per stage on the CUDA
+    /// backend, 0 where no slot is occupied; empty on the CPU backend).
     pub vram_slots_per_stage: Vec<u32>,
     /// One line per fault (a copy that differs from the file, a file read that failed, a place shared by two
     /// experts, an expert in VRAM and RAM in the resident mode); empty when every copy is right.
