@@ -4,9 +4,9 @@
 //!
 //! The CPU test runs in CI: RAM adapt moving experts between the RAM copy and the file tier. The GPU test runs
 //! where `STRATA_GPU_VERIFY_MODEL` names a model: each configuration of `STRATA_GPU_VERIFY_ARGS` (daemon flags,
-//! configurations separated by `;`, `{quarter}` standing for a quarter of the routed experts; default: a quarter
-//! of the experts in VRAM, all in RAM with blocking swaps, the resident mode with blocking and async swaps, the same on a
-//! layer split of one card, and all experts in RAM with async swaps) serves `STRATA_VERIFY_REQUESTS` (default 32)
+//! configurations separated by `;`, `{quarter}` standing for a quarter of the routed experts and `{half}` for half
+//! the layers; default: a quarter of the experts in VRAM, all in RAM with blocking swaps, the resident mode with
+//! blocking and async swaps, the same on a layer split of one card, and all experts in RAM with async swaps) serves `STRATA_VERIFY_REQUESTS` (default 32)
 //! varied chat requests at temperature 0.6, then the check must find no fault; it prints the counters and the
 //! VRAM slots per stage, and how many answers equal the same seed's answer of the first configuration.
 
@@ -182,23 +182,25 @@ fn gpu_tiers_equal_the_file_after_sampled_requests_with_swaps() {
                 "--expert-cache {quarter} --adapt-every 2 --adapt-async 0",
                 "--expert-cache {quarter} --resident-experts --adapt-every 2 --adapt-async 0",
                 "--expert-cache {quarter} --resident-experts --adapt-every 2 --adapt-async 1",
-                "--expert-cache {quarter} --resident-experts --adapt-every 2 --adapt-async 1 --layer-split 3 --split-device 0,0",
-                "--expert-cache {quarter} --adapt-every 2 --adapt-async 1 --layer-split 3 --split-device 0,0",
+                "--expert-cache {quarter} --resident-experts --adapt-every 2 --adapt-async 1 --layer-split {half} --split-device 0,0",
+                "--expert-cache {quarter} --adapt-every 2 --adapt-async 1 --layer-split {half} --split-device 0,0",
             ]
             .join(";")
         })
         .split(';')
         .map(|c| c.split_whitespace().map(String::from).collect())
         .collect();
-    // a quarter of the routed experts in VRAM, so that the adaptive tier swaps
-    let quarter = {
+    // a quarter of the routed experts in VRAM, so that the adaptive tier swaps; the split at half the layers
+    let (quarter, half) = {
         let f = GgufFile::open(&model).expect("open the model");
-        let experts: u64 =
-            f.tensors.iter().filter(|t| t.name.ends_with("ffn_gate_exps.weight")).map(|t| t.dims[2]).sum();
-        (experts / 4).max(1).to_string()
+        let gates: Vec<u64> =
+            f.tensors.iter().filter(|t| t.name.ends_with("ffn_gate_exps.weight")).map(|t| t.dims[2]).collect();
+        ((gates.iter().sum::<u64>() / 4).max(1).to_string(), (gates.len() / 2).max(1).to_string())
     };
-    let configs: Vec<Vec<String>> =
-        configs.into_iter().map(|c| c.into_iter().map(|a| a.replace("{quarter}", &quarter)).collect()).collect();
+    let configs: Vec<Vec<String>> = configs
+        .into_iter()
+        .map(|c| c.into_iter().map(|a| a.replace("{quarter}", &quarter).replace("{half}", &half)).collect())
+        .collect();
     let n = env_or("STRATA_VERIFY_REQUESTS", 32usize);
     let tokens = env_or("STRATA_VERIFY_TOKENS", 48u32);
     let reqs = sampled_requests(n, tokens);
