@@ -14,7 +14,7 @@ use tokio::sync::mpsc::{Receiver, UnboundedReceiver};
 use crate::engine::request::{prepare, RawRequest};
 use crate::engine::stats::rss_bytes;
 pub use crate::engine::TierCheck;
-use crate::engine::{Counters, Engine, Event, GenerateParams, Totals};
+use crate::engine::{Counters, Engine, Event, GenerateParams, TierCheckError, Totals};
 use crate::model::tool_calls::ToolParse;
 use crate::model::{Model, Tokenizer};
 use crate::tiers::arena::Lock;
@@ -350,9 +350,10 @@ impl Control {
         match self.engine.verify_tiers().await {
             Ok(Ok(Some(c))) => Ok(c),
             Ok(Ok(None)) => Err(ApiError::FailedPrecondition("the model has no experts".into())),
-            Ok(Err(e)) if self.engine.is_shutting_down() => Err(ApiError::Unavailable(e)),
-            Ok(Err(e)) => Err(ApiError::FailedPrecondition(e)),
-            Err(_) => Err(ApiError::Unavailable("daemon is shutting down".into())),
+            Ok(Err(e @ TierCheckError::ShuttingDown)) => Err(ApiError::Unavailable(e.to_string())),
+            Ok(Err(e)) => Err(ApiError::FailedPrecondition(e.to_string())),
+            // the engine thread dropped the reply: it has stopped
+            Err(_) => Err(ApiError::Unavailable(TierCheckError::ShuttingDown.to_string())),
         }
     }
 

@@ -12,4 +12,4 @@ mod worker;
 
 pub use request::{FinishReason, GenerateParams, RequestError};
 pub use stats::{Counters, Stats, Totals};
-pub use worker::{Engine, EngineConfig, Event, Job, TierCheck, TierCheckResult};
+pub use worker::{Engine, EngineConfig, Event, Job, TierCheck, TierCheckError, TierCheckResult};

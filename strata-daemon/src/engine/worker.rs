@@ -83,9 +83,22 @@ pub struct TierCheck {
     pub elapsed_ms: f64,
 }
 
-/// The result of a tier check: `None` for a dense model; an error when the daemon is shutting down or the check
-/// failed (a device error).
-pub type TierCheckResult = Result<Option<TierCheck>, String>;
+/// Why a tier check gave no [`TierCheck`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TierCheckError {
+    /// The daemon is shutting down (the check was queued too late, or the engine has stopped).
+    #[error("daemon is shutting down")]
+    ShuttingDown,
+    /// The check could not be carried out (a device error reading the VRAM slots back).
+    #[error("tier check failed: {0}")]
+    Failed(String),
+    /// The check panicked (a bug); the engine serves on.
+    #[error("internal error during the tier check")]
+    Panicked,
+}
+
+/// The result of a tier check: `None` for a dense model.
+pub type TierCheckResult = Result<Option<TierCheck>, TierCheckError>;
 
 /// What the engine thread takes from its queue, in order.
 enum Msg {
@@ -184,7 +197,7 @@ impl Engine {
 
     /// Queues a tier check ([`Model::verify_tiers`]: every RAM place and VRAM slot against the file's bytes): it
     /// runs on the engine thread after the requests queued before it, so no pass runs during it. The answer
-    /// arrives on the receiver; an error when the daemon is shutting down or the check failed (a device error).
+    /// arrives on the receiver ([`TierCheckError`] when the daemon is shutting down or the check failed).
     pub fn verify_tiers(&self) -> tokio::sync::oneshot::Receiver<TierCheckResult> {
         let (otx, orx) = tokio::sync::oneshot::channel();
         let guard = self.tx.lock().unwrap();
@@ -192,12 +205,12 @@ impl Engine {
             Some(tx) if !self.shutdown.load(Ordering::SeqCst) => {
                 if let Err(e) = tx.send(Msg::VerifyTiers(otx)) {
                     if let Msg::VerifyTiers(otx) = e.0 {
-                        let _ = otx.send(Err("engine stopped".into()));
+                        let _ = otx.send(Err(TierCheckError::ShuttingDown));
                     }
                 }
             }
             _ => {
-                let _ = otx.send(Err("daemon is shutting down".into()));
+                let _ = otx.send(Err(TierCheckError::ShuttingDown));
             }
         }
         orx
@@ -246,7 +259,7 @@ impl Worker {
                 Ok(Msg::Generate(j)) => j,
                 Ok(Msg::VerifyTiers(reply)) => {
                     if self.shutdown.load(Ordering::SeqCst) {
-                        let _ = reply.send(Err("daemon is shutting down".into()));
+                        let _ = reply.send(Err(TierCheckError::ShuttingDown));
                     } else if !reply.is_closed() {
                         // (a check whose caller went away is skipped: it would only delay the next request)
                         let _ = reply.send(self.verify_tiers());
@@ -284,7 +297,7 @@ impl Worker {
                     let _ = job.events.send(Event::Error("daemon is shutting down".into()));
                 }
                 Msg::VerifyTiers(reply) => {
-                    let _ = reply.send(Err("daemon is shutting down".into()));
+                    let _ = reply.send(Err(TierCheckError::ShuttingDown));
                 }
             }
         }
@@ -298,12 +311,13 @@ impl Worker {
             Ok(Ok(Some(f))) => f,
             Ok(Ok(None)) => return Ok(None),
             Ok(Err(e)) => {
-                tracing::error!("tier check failed: {e}");
-                return Err(format!("tier check failed: {e}"));
+                let e = TierCheckError::Failed(e.to_string());
+                tracing::error!("{e}");
+                return Err(e);
             }
             Err(_) => {
                 tracing::error!("the tier check panicked");
-                return Err("internal error during the tier check".into());
+                return Err(TierCheckError::Panicked);
             }
         };
         let ms = t0.elapsed().as_secs_f64() * 1e3;

@@ -168,8 +168,9 @@ impl Model {
     /// requests that read experts from it ([`BackendError::BlobRead`]) instead of faulting (SIGBUS) in a dense
     /// weight: every tensor but the routed experts (`*_exps.*`) on the CPU backend, the token embeddings and the
     /// routers (read by the next-layer prefetch) on a GPU backend. Nothing moves when the bytes would not fit in
-    /// the memory available now (less 1 GiB): a dense model larger than RAM keeps running from the page cache. Experts are read from the RAM copy or with `pread` (the file tier), except with
-    /// `--mmap-experts`, whose experts stay in the mapping (a truncation there faults, as for any mmap reader). Call it after
+    /// the memory available now (less 1 GiB): a dense model larger than RAM keeps running from the page cache.
+    /// Experts are read from the RAM copy or with `pread` (the file tier), except with `--mmap-experts`, whose
+    /// experts stay in the mapping (a truncation there faults, as for any mmap reader). Call it after
     /// [`Model::attach_gpu`]. Returns the bytes moved. Errors: the move failed (the rest stays mapped).
     pub fn detach_from_file(&self) -> std::io::Result<usize> {
         let all = self.backend.reads_dense_on_host();
