@@ -19,6 +19,8 @@ fuzz_target!(|data: &[u8]| {
         // for them only the accounting is checked
         let lru = replay(&t, Policy::Lru, 2);
         assert!(lru.hits <= bel.hits, "LRU above the optimum");
+        let fo = replay(&t, Policy::FreqOracle, 2);
+        assert!(fo.hits <= bel.hits, "the frequency oracle (a demand cache) above the optimum");
         for p in [Policy::Seed(k), Policy::Lrfu(k), Policy::Lru] {
             let o = replay(&t, p, 2);
             assert_eq!(o.lookups, bel.lookups);

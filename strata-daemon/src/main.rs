@@ -102,8 +102,8 @@ struct Args {
     /// window); 0 = static placement.
     #[arg(long, default_value_t = DEFAULT_ADAPT_EVERY)]
     adapt_every: u32,
-    /// Placement policy of the adaptive tier: lrfu (recency-weighted frequency, its decay chosen online) or seed
-    /// (the reference engine's rule).
+    /// Placement policy of the adaptive tier: lrfu (recency-weighted frequency, its decay and admission chosen
+    /// online) or seed (the reference engine's rule).
     #[arg(long, default_value = DEFAULT_POLICY.name())]
     adapt_policy: String,
     /// Swaps per adaptive round (VRAM tier).
@@ -484,6 +484,12 @@ async fn serve(
     profile_save: Option<PathBuf>,
     http: Option<(HttpListen, String, Option<String>)>,
 ) -> Result<()> {
+    // The handlers are installed before the socket is bound: a SIGTERM sent as soon as a client can connect (a
+    // supervisor stopping a daemon that just came up) shuts down cleanly, where the default action would kill it.
+    let mut term =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("SIGTERM handler")?;
+    let mut int =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("SIGINT handler")?;
     let listener = socket::bind(&socket_path)?;
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<StrataServer<StrataService>>().await;
@@ -535,10 +541,6 @@ async fn serve(
     }
     let eng = engine.clone();
     let shutdown = async move {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-        let mut int =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).expect("SIGINT handler");
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
             _ = int.recv() => tracing::info!("SIGINT: shutting down"),

@@ -29,10 +29,12 @@ fn model() -> Model {
 /// Decodes `n` greedy tokens after each prompt with the store's adaptive rounds carried out after every window;
 /// returns the decode routing as `--dump-routing` JSON Lines (one request per prompt).
 fn decode(m: &Model, st: &ExpertStore, prompts: &[Vec<u32>], n: usize) -> String {
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let path = std::env::temp_dir().join(format!(
-        "strata-placement-{}-{}.jsonl",
+        "strata-placement-{}-{}-{}.jsonl",
         std::process::id(),
-        st.knobs.policy().name()
+        st.knobs.policy().name(),
+        CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     let mut dump = RoutingDump::create(&path).unwrap();
     for (seq, p) in prompts.iter().enumerate() {
@@ -113,4 +115,53 @@ fn engine_hits_equal_the_replay_for_every_policy() {
         assert!(acc > 0.5, "{acc}");
         assert!(trace.windows.iter().all(|w| w.predicted[0].is_none() && w.predicted[1..].iter().all(Option::is_some)));
     }
+}
+
+/// The experts `st` holds in VRAM, as (layer × n_expert + expert) ids.
+fn held(st: &ExpertStore) -> Vec<usize> {
+    st.slot_table().iter().enumerate().filter(|(_, &s)| s >= 0).map(|(i, _)| i).collect()
+}
+
+#[test]
+fn lrfu_starts_fresh_when_it_plans_again_after_a_pause() {
+    // lrfu for one request, a static placement for the next (adapt_every 0), lrfu again for a third: the third's
+    // rounds are those of a fresh store that holds the same experts, not of scores frozen during the pause
+    let m0 = model();
+    let nl = m0.cfg.n_layer;
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|r| (0..10u32).map(|i| (i * 104_723 + r * 7_919 + 5) % m0.cfg.n_vocab as u32).collect())
+        .collect();
+    let fill = |st: &ExpertStore| {
+        st.init_slots(SLOTS_PER_LAYER * nl);
+        for (l, e) in st.placement_order().into_iter().take(SLOTS_PER_LAYER * nl) {
+            let slot = st.reserve_slot(l).unwrap();
+            st.admit_slot(l, e, slot);
+        }
+    };
+    let a = Arc::new(store_for(&m0, &fixture_path("exact"), ResidentMode::All, FileIo::Buffered, None));
+    a.knobs.set("adapt_policy", "lrfu").unwrap();
+    fill(&a);
+    let mut ma = model();
+    ma.experts = Some(a.clone());
+    decode(&ma, &a, &prompts[..1], 24);
+    let after_first = held(&a);
+    a.knobs.set("adapt_every", "0").unwrap();
+    decode(&ma, &a, &prompts[1..2], 24);
+    assert_eq!(held(&a), after_first, "a static placement does not move");
+    a.knobs.set("adapt_every", "4").unwrap();
+    decode(&ma, &a, &prompts[2..], 24);
+
+    let b = Arc::new(store_for(&m0, &fixture_path("exact"), ResidentMode::All, FileIo::Buffered, None));
+    b.knobs.set("adapt_policy", "lrfu").unwrap();
+    b.init_slots(SLOTS_PER_LAYER * nl);
+    let ne = m0.cfg.n_expert;
+    for i in &after_first {
+        let slot = b.reserve_slot(i / ne).unwrap();
+        b.admit_slot(i / ne, i % ne, slot);
+    }
+    let mut mb = model();
+    mb.experts = Some(b.clone());
+    decode(&mb, &b, &prompts[2..], 24);
+    assert_ne!(held(&b), after_first, "the third request moves the cache");
+    assert_eq!(held(&a), held(&b), "after the pause lrfu plans as a fresh store does");
 }

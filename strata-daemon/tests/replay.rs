@@ -53,16 +53,22 @@ fn hand_computed_hit_rates() {
         assert_eq!((o.hits, o.loads), (0, 0), "{}", p.name());
     }
     // lrfu: no shadow hits anything until w3, so it follows LRU's order (λ = 0.5): A enters after w0, B after w1,
-    // A after w2, w3 hits (the only hit), B after w4, C after w5; after w6 the shadows with λ ≥ 0.8 kept A
+    // A after w2, w3 hits (the only hit), B after w4, C after w5; after w6 the bypass shadows with λ ≥ 0.8 kept A
     // through B and C and hit at w6, so the cache follows them and A replaces C: 6 loads.
     let lf = replay(&t, Policy::Lrfu(AdaptKnobs { every: 1, swaps: 96, decay: 1.0 }), 1);
     assert_eq!((lf.hits, lf.lookups, lf.loads), (1, 7, 6));
+    // The frequency oracle knows the request's counts (A 4, B 2, C 1). Forcing each window's expert in is LRU here
+    // (1 hit); without it the slot takes A after w0 and keeps it (A outcounts B and C): w2, w3, w6 hit, 1 load. It
+    // reports the better of the two.
+    let fo = replay(&t, Policy::FreqOracle, 1);
+    assert_eq!((fo.hits, fo.lookups, fo.loads), (3, 7, 1));
     // Three slots start with experts 0, 1, 2 (holding A and B): every policy misses only C's one use.
     assert_eq!(initial_fill(1, 4, 3, None), vec![vec![0, 1, 2]]);
     assert_eq!(replay(&t, Policy::Lru, 3).hits, 6);
     assert_eq!(replay(&t, Policy::Belady, 3).hits, 6);
     assert_eq!(replay(&t, Policy::Seed(AdaptKnobs { every: 1, swaps: 96, decay: 1.0 }), 3).hits, 6);
     assert_eq!(replay(&t, Policy::Lrfu(AdaptKnobs { every: 1, swaps: 96, decay: 1.0 }), 3).hits, 6);
+    assert_eq!(replay(&t, Policy::FreqOracle, 3).hits, 6);
 }
 
 #[test]
@@ -122,7 +128,7 @@ fn windows_are_grouped_by_request_and_position_wherever_the_records_are() {
         assert_eq!((x.pos, &x.layers), (y.pos, &y.layers));
     }
     let knobs = AdaptKnobs::default();
-    for p in [Policy::Seed(knobs), Policy::Lrfu(knobs), Policy::Lru, Policy::Belady] {
+    for p in [Policy::Seed(knobs), Policy::Lrfu(knobs), Policy::Lru, Policy::Belady, Policy::FreqOracle] {
         assert_eq!(replay(&a, p, 2), replay(&b, p, 2), "{}", p.name());
     }
     // a layer given twice for one token is refused with its line
@@ -271,7 +277,7 @@ fn belady_is_never_below_another_policy() {
             decay: [0.5, 0.7, 0.9, 1.0][rng.random_range(0..4)],
         };
         let bel = replay(&t, Policy::Belady, slots);
-        for p in [Policy::Lru, Policy::Seed(knobs), Policy::Lrfu(knobs)] {
+        for p in [Policy::Lru, Policy::Seed(knobs), Policy::Lrfu(knobs), Policy::FreqOracle] {
             let o = replay(&t, p, slots);
             assert_eq!(o.lookups, bel.lookups);
             assert!(

@@ -19,12 +19,15 @@ pub enum PolicyName {
     /// The seed rule, the reference engine's (--adapt-every/--adapt-swaps/--adapt-decay); `adaptive` is an alias.
     #[value(alias = "adaptive")]
     Seed,
-    /// Recency-weighted frequency with its decay chosen online (--adapt-every/--adapt-swaps).
+    /// Recency-weighted frequency with its decay and admission chosen online (--adapt-every/--adapt-swaps).
     Lrfu,
     /// Least recently used, demand fetch.
     Lru,
     /// Belady's offline optimum (demand fetch with bypass): the upper bound for demand caches.
     Belady,
+    /// A reference, not an engine policy: each request's expert counts known in advance, the most-used kept
+    /// (with or without demand admission, whichever hits more); what learning the counts online could approach.
+    FreqOracle,
 }
 
 /// Records to replay.
@@ -129,6 +132,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             PolicyName::Lrfu => Policy::Lrfu(knobs),
             PolicyName::Lru => Policy::Lru,
             PolicyName::Belady => Policy::Belady,
+            PolicyName::FreqOracle => Policy::FreqOracle,
         })
         .collect();
     let stats = trace_stats(&trace);
@@ -186,24 +190,29 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             CacheArg::Cold => "a cold cache per request",
         };
         print!("\nhit rate, {what}\nslots/layer");
+        // a column as wide as its name (at least 9: "100.0%" and room)
+        let width = |name: &str| name.len().max(9);
         for p in &policies {
-            print!("  {:>9}", p.name());
+            print!("  {:>w$}", p.name(), w = width(p.name()));
         }
         if accuracy.is_some() {
             for p in &policies {
-                print!("  {:>9}", format!("{}+pf", p.name()));
+                let name = format!("{}+pf", p.name());
+                print!("  {:>w$}", name, w = width(&name));
             }
         }
         println!();
         for (i, &slots) in a.slots_per_layer.iter().enumerate() {
             print!("{slots:>11}");
             let row = |j: usize| &rows[t * per_table + i * policies.len() + j];
-            for j in 0..policies.len() {
-                print!("  {:>8.1}%", row(j)["hit_rate"].as_f64().unwrap_or(0.0) * 100.0);
+            for (j, p) in policies.iter().enumerate() {
+                let v = row(j)["hit_rate"].as_f64().unwrap_or(0.0) * 100.0;
+                print!("  {:>w$.1}%", v, w = width(p.name()) - 1);
             }
             if accuracy.is_some() {
-                for j in 0..policies.len() {
-                    print!("  {:>8.1}%", row(j)["prefetch_hit_rate"].as_f64().unwrap_or(0.0) * 100.0);
+                for (j, p) in policies.iter().enumerate() {
+                    let v = row(j)["prefetch_hit_rate"].as_f64().unwrap_or(0.0) * 100.0;
+                    print!("  {:>w$.1}%", v, w = width(&format!("{}+pf", p.name())) - 1);
                 }
             }
             println!();

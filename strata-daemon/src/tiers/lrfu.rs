@@ -1,35 +1,52 @@
 //! The `lrfu` placement policy: recency-weighted frequency (LRFU, Lee et al., "LRFU: a spectrum of policies
-//! that subsumes the least recently used and least frequently used policies", IEEE ToC 2001) with its decay
-//! chosen online per layer by shadow caches (the idea of ARC and LeCaR: keep the cheap metadata of a few
+//! that subsumes the least recently used and least frequently used policies", IEEE ToC 2001) with its decay and
+//! its admission chosen online by shadow caches (the idea of ARC and LeCaR: keep the cheap metadata of a few
 //! candidate policies and follow the one that would have hit most lately).
 //!
-//! Each expert's score is `Σ λ^age` over the windows that used it (`age` in decode windows, each use
-//! counting its routing entries). λ = 0.5 orders experts nearly as LRU does (one use now outweighs the older ones
-//! of one-entry windows, ties aside); λ → 1 is LFU. Per layer, one shadow cache per λ of [`LRFU_DECAYS`] runs demand fetch with bypass on its
-//! own scores (after each window it keeps the cache's size of experts with the highest scores among those it
-//! held and those the window used); each λ's hits over all layers are counted with a decay of [`MERIT_DECAY`]
-//! per window. At an adaptive round the real cache follows the λ whose shadows lead — LRU's until another's
-//! exceed it by [`LEAD_MARGIN`], since LRU is the safe choice when the evidence is thin: candidates are uncached experts with a score
-//! above zero, victims are free slots first, then cached experts by lowest score; the i-th candidate replaces
-//! the i-th victim while its score is higher (free slots: any used expert enters, so short requests fill the
-//! cache, unlike the seed rule's usage floor of 2). Pairs of every layer are taken largest gain first, at most
-//! `adapt_swaps`. Rounds run every window (the engine and `replay` ignore `adapt_every` for this policy except
-//! 0, static), so the cache is as current as a demand-fetch cache; rounds further apart lose the recency that LRU
+//! Each expert's score is `Σ λ^age` over the windows that used it (`age` in decode windows, each use counting its
+//! routing entries). λ = 0.5 orders experts as LRU does (one use now outweighs all older ones of one-entry
+//! windows); λ → 1 is LFU. A variant is a λ of [`LRFU_DECAYS`] with one of two admissions:
+//! - **demand**: the experts the last window used enter whatever their score and are not victims of the next
+//!   round; the others are ranked by score (the frequency-ordered eviction of an LFU with demand fetch). With
+//!   λ = 0.5 this is LRU ([`LRU_VARIANT`]; experts last used in the same window, a tie to LRU, are ordered by
+//!   their older uses).
+//! - **bypass**: an expert enters only when its score beats its victim's, so one-off experts do not push out hot
+//!   ones (what wins when the cache holds no more than a token's experts and a few hot ones recur).
+//!
+//! Per layer, one shadow cache per variant keeps after each window the cache's size of experts it prefers among
+//! those it held and those the window used; each variant's hits over all layers are counted with a decay of
+//! [`MERIT_DECAY`] per window. At an adaptive round the real cache follows the variant whose shadows lead — LRU's
+//! until another's exceed it by [`LEAD_MARGIN`], since LRU is the safe choice when the evidence is thin:
+//! candidates are uncached experts with a score above zero, victims are free slots first, then cached experts
+//! (with demand admission the last window's come last), by lowest score; the i-th candidate replaces the i-th
+//! victim while it ranks higher (free slots: any used expert enters, so short requests fill the cache, unlike the
+//! seed rule's usage floor of 2). Pairs of every layer are taken demand-admitted first, then largest gain, at most
+//! `adapt_swaps`. Rounds run every window (the engine and `replay` ignore `adapt_every` for this policy except 0,
+//! static), so the cache is as current as a demand-fetch cache; rounds further apart lose the recency that LRU
 //! lives on (every 4 windows fell up to 25 points below LRU on the traces below).
 //!
 //! The parameters were chosen by replaying the fixtures' routing and traces built from published routing counts
 //! (docs/FIXTURES.md, tools/routing-synth): per-layer leaders, a horizon of 20 windows or starting from λ = 0.9
-//! fell up to 1.5 points below LRU on some of them.
+//! fell up to 1.5 points below LRU on some of them; the demand variants and λ = 0.999 (stop 43) took the share of
+//! LRU's gap to Belady closed on the published-count traces from −1–7% to 1–29% (docs/BENCHMARKS.md, stop 43; a
+//! frequency oracle that knows each request's counts in advance closes 12–57%).
 //!
 //! Pure: the engine ([`super::store::ExpertStore`]) and `replay` ([`super::replay`]) run this same code.
 
 use super::policy::Swap;
 
-/// The decays (λ per decode window) the shadow caches try; the first behaves nearly as LRU.
-pub const LRFU_DECAYS: [f32; 5] = [0.5, 0.8, 0.9, 0.95, 0.99];
+/// The decays (λ per decode window) the shadow caches try; the first orders experts as LRU does.
+pub const LRFU_DECAYS: [f32; 6] = [0.5, 0.8, 0.9, 0.97, 0.99, 0.999];
+/// Shadow variants: every decay of [`LRFU_DECAYS`] once with bypass (index `j`) and once with demand admission
+/// (index `LRFU_DECAYS.len() + j`); see [`Lrfu::variant`].
+pub const LRFU_VARIANTS: usize = 2 * LRFU_DECAYS.len();
+/// The variant that is LRU (λ = 0.5 with demand admission; same-window ties ordered by older uses): the leader
+/// unless another beats it.
+pub const LRU_VARIANT: usize = LRFU_DECAYS.len();
 /// Decay per window of a shadow cache's hit count (a horizon of about 100 windows).
 pub const MERIT_DECAY: f32 = 0.99;
-/// How far another λ's decayed hits must exceed LRU's (λ = 0.5) for the cache to follow it (relative).
+/// How far another variant's decayed hits must exceed LRU's ([`LRU_VARIANT`]) for the cache to follow it
+/// (relative).
 pub const LEAD_MARGIN: f32 = 0.01;
 
 /// State of the `lrfu` policy for `n_layer × n_expert` experts (index `layer × n_expert + expert`).
@@ -41,12 +58,14 @@ pub struct Lrfu {
     window: Vec<u32>,
     /// Scores per decay: `score[j][i]`.
     score: Vec<Vec<f32>>,
-    /// Shadow cache per decay: `shadow[j][i]` = held.
+    /// Shadow cache per variant: `shadow[v][i]` = held.
     shadow: Vec<Vec<bool>>,
     /// Shadow capacity per layer (the real cache's size for that layer; `None` until first seen).
     cap: Vec<Option<usize>>,
-    /// Decayed shadow hits over all layers, per decay.
-    merit: [f32; LRFU_DECAYS.len()],
+    /// Decayed shadow hits over all layers, per variant.
+    merit: [f32; LRFU_VARIANTS],
+    /// Routing entries of the last ended window per expert (the experts a demand-admission round protects).
+    last: Vec<u32>,
 }
 
 impl Lrfu {
@@ -59,9 +78,10 @@ impl Lrfu {
             n_expert,
             window: vec![0; n],
             score: vec![vec![0.0; n]; d],
-            shadow: vec![vec![false; n]; d],
+            shadow: vec![vec![false; n]; LRFU_VARIANTS],
             cap: vec![None; n_layer],
-            merit: [0.0; LRFU_DECAYS.len()],
+            merit: [0.0; LRFU_VARIANTS],
+            last: vec![0; n],
         }
     }
 
@@ -72,31 +92,50 @@ impl Lrfu {
         self.window[layer * self.n_expert + expert] += entries;
     }
 
-    /// Forgets the current window's entries without ageing anything (a window with no VRAM cache to plan for).
-    pub fn clear_window(&mut self) {
-        self.window.iter_mut().for_each(|w| *w = 0);
+    /// Replaces this state's current window with `other`'s (same shape), leaving `other`'s empty. A fresh state
+    /// takes the window being ended from the state it replaces.
+    pub fn take_window(&mut self, other: &mut Lrfu) {
+        assert_eq!(self.window.len(), other.window.len(), "lrfu states of different shapes");
+        std::mem::swap(&mut self.window, &mut other.window);
+        other.window.iter_mut().for_each(|w| *w = 0);
     }
 
-    /// The decay the real cache follows now (index into [`LRFU_DECAYS`]): the shadows with the most decayed
-    /// hits, LRU's (0) unless another's exceed its by [`LEAD_MARGIN`].
+    /// Forgets the current window's entries and the last window's (the ones a demand round would protect)
+    /// without ageing anything (a window with no round to plan).
+    pub fn clear_window(&mut self) {
+        self.window.iter_mut().for_each(|w| *w = 0);
+        self.last.iter_mut().for_each(|w| *w = 0);
+    }
+
+    /// The variant the real cache follows now (index below [`LRFU_VARIANTS`]): the shadows with the most decayed
+    /// hits, LRU's ([`LRU_VARIANT`]) unless another's exceed its by [`LEAD_MARGIN`].
     pub fn leader(&self) -> usize {
         let m = &self.merit;
-        let mut best = 0;
+        let mut best = LRU_VARIANT;
         for (j, &v) in m.iter().enumerate() {
-            if v > m[best] && v > m[0] * (1.0 + LEAD_MARGIN) {
+            if v > m[best] && v > m[LRU_VARIANT] * (1.0 + LEAD_MARGIN) {
                 best = j;
             }
         }
         best
     }
 
-    /// Score of `(layer, expert)` under the leading decay.
+    /// A variant's decay and admission: `(λ, demand)`. With demand admission the experts the last window used
+    /// enter whatever their score (as in LRU) and are not victims of the round after it; with bypass an expert
+    /// enters only when its score beats its victim's.
+    pub fn variant(v: usize) -> (f32, bool) {
+        let d = LRFU_DECAYS.len();
+        (LRFU_DECAYS[v % d], v >= d)
+    }
+
+    /// Score of `(layer, expert)` under the leading variant's decay.
     pub fn score(&self, layer: usize, expert: usize) -> f32 {
-        self.score[self.leader()][layer * self.n_expert + expert]
+        self.score[self.leader() % LRFU_DECAYS.len()][layer * self.n_expert + expert]
     }
 
     /// Ends a decode window: counts each shadow's hits on the window's experts, ages every score by its λ and
-    /// adds the window's entries, lets each shadow keep its best, and clears the window. `cached(layer)` lists
+    /// adds the window's entries, lets each shadow keep its best, keeps the window as the last one (what the
+    /// next round's demand admission protects) and clears it. `cached(layer)` lists
     /// the experts the real cache holds (the shadows of a layer start as its copy the first time); `size(layer)`
     /// is the number of experts the layer's cache may hold (held + free for it).
     pub fn end_window(&mut self, cached: impl Fn(usize) -> Vec<usize>, size: impl Fn(usize) -> usize) {
@@ -104,7 +143,7 @@ impl Lrfu {
     }
 
     /// [`Lrfu::end_window`] with the step that leaves a layer's shadow holding its `cap` best experts given as
-    /// `keep(shadow, scores, window, cap, scratch)` (the tests pass a sorting one as the reference).
+    /// `keep(shadow, scores, window, cap, demand, scratch)` (the tests pass a sorting one as the reference).
     fn end_window_with(&mut self, cached: impl Fn(usize) -> Vec<usize>, size: impl Fn(usize) -> usize, keep: KeepStep) {
         let ne = self.n_expert;
         let mut order: Vec<u64> = Vec::with_capacity(ne);
@@ -129,51 +168,62 @@ impl Lrfu {
                 continue;
             }
             for (j, &lambda) in LRFU_DECAYS.iter().enumerate() {
-                let sh = &mut self.shadow[j][r.clone()];
                 let sc = &mut self.score[j][r.clone()];
-                let hits = win.iter().zip(sh.iter()).filter(|(&w, &h)| w > 0 && h).count();
-                self.merit[j] += hits as f32;
                 for (s, &w) in sc.iter_mut().zip(win) {
                     *s = *s * lambda + w as f32;
                 }
-                keep(sh, sc, win, cap, &mut order);
+            }
+            for v in 0..LRFU_VARIANTS {
+                let (_, demand) = Lrfu::variant(v);
+                let sh = &mut self.shadow[v][r.clone()];
+                let hits = win.iter().zip(sh.iter()).filter(|(&w, &h)| w > 0 && h).count();
+                self.merit[v] += hits as f32;
+                keep(sh, &self.score[v % LRFU_DECAYS.len()][r.clone()], win, cap, demand, &mut order);
             }
         }
+        std::mem::swap(&mut self.last, &mut self.window);
         self.window.iter_mut().for_each(|w| *w = 0);
     }
 
-    /// Plans an adaptive round under the leading decay (module doc). `cached(layer)` lists the experts
+    /// Plans an adaptive round under the leading variant (module doc). `cached(layer)` lists the experts
     /// the cache holds for `layer`; `free(layer)` is the number of empty slots that layer may fill. Returns at
-    /// most `max_swaps` swaps, largest gain first (ties: lower layer, then higher-ranked pair first).
+    /// most `max_swaps` swaps: with demand admission the last window's experts replacing others first, then by
+    /// largest score gain (ties: lower layer, then higher-ranked pair first). [`Swap::gain`] is the score
+    /// difference (negative for a demand-admitted expert that enters over a higher-scored one).
     pub fn plan(
         &self,
         cached: impl Fn(usize) -> Vec<usize>,
         free: impl Fn(usize) -> usize,
         max_swaps: usize,
     ) -> Vec<Swap> {
-        self.plan_ranked(cached, free, max_swaps, true)
+        self.plan_ranked(self.leader(), cached, free, max_swaps, true)
     }
 
     /// [`Lrfu::plan`]; `cut`: rank only the pairs that can be among the round's `max_swaps` (off: every pair, the
     /// tests' reference).
     fn plan_ranked(
         &self,
+        lead: usize,
         cached: impl Fn(usize) -> Vec<usize>,
         free: impl Fn(usize) -> usize,
         max_swaps: usize,
         cut: bool,
     ) -> Vec<Swap> {
         let ne = self.n_expert;
-        let mut pairs: Vec<(Swap, usize)> = Vec::new();
-        let lead = self.leader();
+        let mut pairs: Vec<(Swap, bool, usize)> = Vec::new();
+        let (_, demand) = Lrfu::variant(lead);
         for l in 0..self.n_layer {
-            let sc = &self.score[lead][l * ne..(l + 1) * ne];
+            let sc = &self.score[lead % LRFU_DECAYS.len()][l * ne..(l + 1) * ne];
+            let prot = |e: usize| demand && self.last[l * ne + e] > 0;
             let held = cached(l);
             let mut in_cache = vec![false; ne];
             for &e in &held {
                 in_cache[e] = true;
             }
-            let mut cand: Vec<usize> = (0..ne).filter(|&e| !in_cache[e] && sc[e] > 0.0).collect();
+            // with demand admission only the last window's experts may enter (as its shadows do: a demand cache
+            // loads what a token used); with bypass any expert whose score beats its victim's
+            let mut cand: Vec<usize> =
+                (0..ne).filter(|&e| !in_cache[e] && sc[e] > 0.0 && (!demand || prot(e))).collect();
             if cand.is_empty() {
                 continue;
             }
@@ -182,34 +232,53 @@ impl Lrfu {
             // cheapest places are ranked (this runs at every decode token while the tier is active)
             let nf = free(l);
             let n = cand.len().min(nf + held.len()).min(if cut { max_swaps } else { usize::MAX });
-            smallest_sorted(&mut cand, n, |&a, &b| sc[b].total_cmp(&sc[a]).then(a.cmp(&b)));
-            let mut vict: Vec<(Option<usize>, f32)> = vec![(None, 0.0); nf.min(n)];
+            smallest_sorted(&mut cand, n, |&a, &b| prot(b).cmp(&prot(a)).then(sc[b].total_cmp(&sc[a])).then(a.cmp(&b)));
+            let mut vict: Vec<(Option<usize>, bool, f32)> = vec![(None, false, 0.0); nf.min(n)];
             let mut held_sorted = held;
-            smallest_sorted(&mut held_sorted, n - vict.len(), |&a, &b| sc[a].total_cmp(&sc[b]).then(a.cmp(&b)));
-            vict.extend(held_sorted.into_iter().map(|e| (Some(e), sc[e])));
-            for (rank, (&c, &(v, vs))) in cand.iter().zip(vict.iter()).enumerate() {
-                if sc[c] <= vs {
+            smallest_sorted(&mut held_sorted, n - vict.len(), |&a, &b| {
+                // ties: the higher id leaves first, so a round keeps what a shadow keeps (lower ids)
+                prot(a).cmp(&prot(b)).then(sc[a].total_cmp(&sc[b])).then(b.cmp(&a))
+            });
+            vict.extend(held_sorted.into_iter().map(|e| (Some(e), prot(e), sc[e])));
+            for (rank, (&c, &(v, vp, vs))) in cand.iter().zip(vict.iter()).enumerate() {
+                let cp = prot(c);
+                // protected before unprotected, then by score
+                if (cp, sc[c]) <= (vp, vs) {
                     break;
                 }
-                pairs.push((Swap { layer: l, outgoing: v, incoming: c, gain: sc[c] - vs }, rank));
+                pairs.push((Swap { layer: l, outgoing: v, incoming: c, gain: sc[c] - vs }, cp && !vp, rank));
             }
         }
-        pairs.sort_by(|(a, ra), (b, rb)| b.gain.total_cmp(&a.gain).then(a.layer.cmp(&b.layer)).then(ra.cmp(rb)));
+        pairs.sort_by(|(a, pa, ra), (b, pb, rb)| {
+            pb.cmp(pa).then(b.gain.total_cmp(&a.gain)).then(a.layer.cmp(&b.layer)).then(ra.cmp(rb))
+        });
         pairs.truncate(max_swaps);
-        pairs.into_iter().map(|(s, _)| s).collect()
+        pairs.into_iter().map(|(s, _, _)| s).collect()
     }
 }
 
-/// A shadow's keep step ([`keep_best`]): (shadow, scores, window, cap, scratch).
-type KeepStep = fn(&mut [bool], &[f32], &[u32], usize, &mut Vec<u64>);
+/// A shadow's keep step ([`keep_best`]): (shadow, scores, window, cap, demand admission, scratch).
+type KeepStep = fn(&mut [bool], &[f32], &[u32], usize, bool, &mut Vec<u64>);
 
 /// Leaves `sh` (a layer's shadow: held or not, per expert) holding the `cap` best of (held ∪ used in the window
-/// `win`) by score `sc`; ties: held first, then lower id. Only the set counts, so it is selected (linear time; the
-/// order is total, so the set is the one a sort would give), and not at all when every candidate fits: this runs per
-/// layer and decay at every decode token. `order`: scratch.
-fn keep_best(sh: &mut [bool], sc: &[f32], win: &[u32], cap: usize, order: &mut Vec<u64>) {
+/// `win`): with `protect` (demand admission) the window's experts first, then by score `sc`; ties: held first, then
+/// lower id. Only the set counts, so it is selected (linear time; the order is total, so the set is the one a sort
+/// would give), and skipped when the window brought nothing new and the held set fits: this runs per layer and
+/// variant at every decode token. `order`: scratch.
+fn keep_best(sh: &mut [bool], sc: &[f32], win: &[u32], cap: usize, protect: bool, order: &mut Vec<u64>) {
+    let (mut held, mut new) = (0usize, 0usize);
+    for (&w, &h) in win.iter().zip(sh.iter()) {
+        held += usize::from(h);
+        new += usize::from(w > 0 && !h);
+    }
+    if new == 0 && held <= cap {
+        // every used expert is held and the held set fits (the size may have shrunk since): nothing changes
+        return;
+    }
     order.clear();
-    order.extend((0..sh.len()).filter(|&e| sh[e] || win[e] > 0).map(|e| rank_key(sc[e], sh[e], e)));
+    order.extend(
+        (0..sh.len()).filter(|&e| sh[e] || win[e] > 0).map(|e| rank_key(sc[e], sh[e], protect && win[e] > 0, e)),
+    );
     if order.len() > cap {
         order.select_nth_unstable(cap);
         order.truncate(cap);
@@ -221,16 +290,17 @@ fn keep_best(sh: &mut [bool], sc: &[f32], win: &[u32], cap: usize, order: &mut V
 }
 
 /// The id bits of a [`rank_key`].
-const KEY_ID: u64 = (1 << 31) - 1;
+const KEY_ID: u64 = (1 << 30) - 1;
 
-/// A key whose ascending order is a shadow's order of preference: score descending (as `f32::total_cmp` orders
-/// scores), then held before not held, then lower expert id (`e` < 2^31).
-fn rank_key(score: f32, held: bool, e: usize) -> u64 {
-    debug_assert!(e as u64 <= KEY_ID, "expert id {e} past the key's 31 bits");
+/// A key whose ascending order is a shadow's order of preference: forced in (a demand variant's window) first,
+/// then score descending (as `f32::total_cmp` orders scores), then held before not held, then lower expert id
+/// (`e` < 2^30).
+fn rank_key(score: f32, held: bool, forced: bool, e: usize) -> u64 {
+    debug_assert!(e as u64 <= KEY_ID, "expert id {e} past the key's 30 bits");
     let b = score.to_bits();
     // the bits reordered so that unsigned order is total_cmp's order
     let up = if b >> 31 == 1 { !b } else { b | 1 << 31 };
-    (u64::from(!up) << 32) | (u64::from(!held) << 31) | (e as u64 & KEY_ID)
+    (u64::from(!forced) << 63) | (u64::from(!up) << 31) | (u64::from(!held) << 30) | (e as u64 & KEY_ID)
 }
 
 /// Leaves in `v` its `n` smallest elements under `cmp` (a total order), sorted: what sorting `v` and keeping its
@@ -274,9 +344,9 @@ mod tests {
         assert_eq!(s, vec![Swap { layer: 0, outgoing: None, incoming: 2, gain: 1.0 }]);
         // full cache holding 0 and 2: 2's score is not above itself, 0 (score 0) is not a candidate
         assert!(p.plan(|_| vec![0, 2], |_| 0, 8).is_empty());
-        // cache holding 0 and 1 (both score 0): 2 replaces the lowest-id of the coldest
+        // cache holding 0 and 1 (both score 0): 2 replaces the highest-id of the coldest (a shadow keeps lower ids)
         let s = p.plan(|_| vec![1, 0], |_| 0, 8);
-        assert_eq!(s, vec![Swap { layer: 0, outgoing: Some(0), incoming: 2, gain: 1.0 }]);
+        assert_eq!(s, vec![Swap { layer: 0, outgoing: Some(1), incoming: 2, gain: 1.0 }]);
     }
 
     #[test]
@@ -288,8 +358,10 @@ mod tests {
             p.record(0, if i % 2 == 0 { 0 } else { 1 + i / 2 }, 1);
             p.end_window(|_| vec![], |_| 1);
         }
-        assert_eq!(p.merit[0], 0.0, "LRU's shadow never hits here");
-        assert_ne!(p.leader(), 0);
+        assert_eq!(p.merit[LRU_VARIANT], 0.0, "LRU's shadow never hits here");
+        assert_eq!(p.merit[0], 0.0, "nor λ = 0.5 with bypass");
+        // with one slot and one expert per window, demand admission is LRU whatever λ: a bypass variant leads
+        assert!(!Lrfu::variant(p.leader()).1, "leader {}", p.leader());
         // the real cache follows: the hot expert replaces a one-off
         let s = p.plan(|_| vec![100], |_| 0, 8);
         assert_eq!(s.len(), 1);
@@ -305,9 +377,12 @@ mod tests {
     }
 
     /// The shadow step as written before it selected: the candidates fully sorted, the first `cap` kept.
-    fn keep_by_sort(sh: &mut [bool], sc: &[f32], win: &[u32], cap: usize, _: &mut Vec<u64>) {
+    fn keep_by_sort(sh: &mut [bool], sc: &[f32], win: &[u32], cap: usize, demand: bool, _: &mut Vec<u64>) {
         let mut order: Vec<usize> = (0..sh.len()).filter(|&e| sh[e] || win[e] > 0).collect();
-        order.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]).then(sh[b].cmp(&sh[a])).then(a.cmp(&b)));
+        let used = |e: usize| demand && win[e] > 0;
+        order.sort_by(|&a, &b| {
+            used(b).cmp(&used(a)).then(sc[b].total_cmp(&sc[a])).then(sh[b].cmp(&sh[a])).then(a.cmp(&b))
+        });
         sh.iter_mut().for_each(|h| *h = false);
         for &e in order.iter().take(cap) {
             sh[e] = true;
@@ -316,13 +391,14 @@ mod tests {
 
     #[test]
     fn end_window_keeps_the_sets_a_full_sort_keeps() {
-        // layers of every cache size from none to all experts, skewed random routing with repeats (ties)
-        let (nl, ne) = (5usize, 24usize);
+        // layers of every cache size from none to all experts, skewed random routing with repeats (ties); layer 5's
+        // size moves every window (slots in flight in the engine shrink a layer's size for a while)
+        let (nl, ne) = (6usize, 24usize);
         let mut seed = 0x0dd_ba11_cafe_f00d;
         let (mut a, mut b) = (Lrfu::new(nl, ne), Lrfu::new(nl, ne));
-        let size = |l: usize| [0, 3, 12, 23, 24][l];
-        let cached = |l: usize| (0..size(l)).collect::<Vec<_>>();
         for w in 0..300 {
+            let size = |l: usize| [0, 3, 12, 23, 24, [8, 2, 5, 2, 11, 1][w % 6]][l];
+            let cached = |l: usize| (0..size(l)).collect::<Vec<_>>();
             for l in 0..nl {
                 for _ in 0..3 {
                     let r = next(&mut seed);
@@ -341,12 +417,16 @@ mod tests {
     #[test]
     fn rank_keys_order_as_the_shadow_comparator() {
         let scores = [0.0f32, -0.0, 1.0, 1.0, 0.5, -2.0, 3.25, f32::MIN_POSITIVE, 1e30, -1e-30, 0.5];
-        let items: Vec<(f32, bool, usize)> =
-            scores.iter().enumerate().flat_map(|(i, &s)| [(s, false, i), (s, true, 40 - i)]).collect();
+        let items: Vec<(f32, bool, bool, usize)> = scores
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &s)| [(s, false, false, i), (s, true, false, 40 - i), (s, i % 2 == 0, true, 80 + i)])
+            .collect();
         for a in &items {
             for b in &items {
-                let want = b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2));
-                assert_eq!(rank_key(a.0, a.1, a.2).cmp(&rank_key(b.0, b.1, b.2)), want, "{a:?} {b:?}");
+                let want = b.2.cmp(&a.2).then(b.0.total_cmp(&a.0)).then(b.1.cmp(&a.1)).then(a.3.cmp(&b.3));
+                let got = rank_key(a.0, a.1, a.2, a.3).cmp(&rank_key(b.0, b.1, b.2, b.3));
+                assert_eq!(got, want, "{a:?} {b:?}");
             }
         }
     }
@@ -390,7 +470,62 @@ mod tests {
         for k in [0usize, 1, 2, 5, 8, usize::MAX] {
             let got = p.plan(|l| caches[l].clone(), |l| l % 2, k);
             assert_eq!(got, all[..k.min(all.len())], "k = {k}");
-            assert_eq!(got, p.plan_ranked(|l| caches[l].clone(), |l| l % 2, k, false), "k = {k}");
+            assert_eq!(got, p.plan_ranked(p.leader(), |l| caches[l].clone(), |l| l % 2, k, false), "k = {k}");
+        }
+    }
+
+    #[test]
+    fn demand_admission_at_half_decay_is_lru() {
+        // random skewed routing, several cache sizes: a cache that follows the λ = 0.5 demand variant's
+        // rounds after every window holds what LRU (demand fetch, evict least recently used) holds, and its
+        // shadow too (one expert per window: two experts last used in the same window are a tie to LRU, which λ =
+        // 0.5 breaks by their older uses)
+        for (ne, k, slots) in [(8usize, 1usize, 2usize), (8, 1, 3), (16, 1, 6), (32, 1, 5), (32, 1, 1)] {
+            let mut seed = 0xabad_1dea_0000_0001 ^ (ne * 31 + k * 7 + slots) as u64;
+            let mut p = Lrfu::new(1, ne);
+            let mut cache: Vec<usize> = (0..slots).collect();
+            // LRU order, least recent first; the initial fill counts as never used (highest id oldest, as
+            // replay's LRU keeps the fill's first experts)
+            let mut lru: Vec<usize> = (0..slots).rev().collect();
+            let (mut hits, mut lru_hits) = (0, 0);
+            for w in 0..400 {
+                let mut win: Vec<usize> = Vec::new();
+                while win.len() < k {
+                    let r = next(&mut seed);
+                    // a hot half and a cold half, and one-token reuse
+                    let e = if r.is_multiple_of(3) { (r >> 8) as usize % ne } else { (r >> 8) as usize % (ne / 2) };
+                    if !win.contains(&e) {
+                        win.push(e);
+                    }
+                }
+                for &e in &win {
+                    hits += cache.contains(&e) as u32;
+                    lru_hits += lru.contains(&e) as u32;
+                    p.record(0, e, 1);
+                }
+                for &e in &win {
+                    lru.retain(|&x| x != e);
+                    lru.push(e);
+                }
+                while lru.len() > slots {
+                    lru.remove(0);
+                }
+                p.end_window(|_| cache.clone(), |_| slots);
+                let c = cache.clone();
+                for s in p.plan_ranked(LRU_VARIANT, |_| c.clone(), |_| 0, usize::MAX, true) {
+                    let o = s.outgoing.expect("a full cache");
+                    cache.retain(|&x| x != o);
+                    cache.push(s.incoming);
+                }
+                let (mut a, mut b) = (cache.clone(), lru.clone());
+                a.sort();
+                b.sort();
+                assert_eq!(a, b, "ne {ne} k {k} slots {slots} window {w}");
+                let shadow: Vec<usize> = (0..ne).filter(|&e| p.shadow[LRU_VARIANT][e]).collect();
+                assert_eq!(shadow, b, "shadow, window {w}");
+            }
+            assert_eq!(hits, lru_hits);
+            assert!(hits > 0);
         }
     }
 }

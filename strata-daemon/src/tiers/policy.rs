@@ -24,7 +24,7 @@ pub const DEFAULT_ADAPT_EVERY: u32 = 4;
 /// The adaptive tier's placement policy (`--adapt-policy`, live knob `adapt_policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyKind {
-    /// Recency-weighted frequency with its decay chosen online ([`super::lrfu`]); the default.
+    /// Recency-weighted frequency with its decay and admission chosen online ([`super::lrfu`]); the default.
     Lrfu = 0,
     /// The seed rule of this module (the reference engine's), every `adapt_every` windows.
     Seed = 1,
@@ -170,7 +170,8 @@ pub struct Swap {
     pub outgoing: Option<usize>,
     /// Expert entering the cache.
     pub incoming: usize,
-    /// `usage(incoming) − usage(outgoing)` (outgoing usage 0 for an empty slot).
+    /// `usage(incoming) − usage(outgoing)` for the seed rule, the score difference for `lrfu` (outgoing 0 for an
+    /// empty slot; negative where `lrfu`'s demand admission brings in an expert over a higher-scored one).
     pub gain: f32,
 }
 

@@ -1,7 +1,8 @@
 //! Replays a routing trace (the `--dump-routing` JSON Lines, docs/FORMATS.md) through cache policies: the
-//! engine's policies ([`super::policy`]'s seed rule and [`super::lrfu`], the same code the engine runs), LRU, and
-//! Belady's optimum; also measures the trace's one-token reuse and per-layer skew, and the accuracy of the
-//! next-layer prediction when the trace carries one.
+//! engine's policies ([`super::policy`]'s seed rule and [`super::lrfu`], the same code the engine runs), LRU,
+//! Belady's optimum, and a frequency oracle ([`Policy::FreqOracle`], a reference no engine can run); also measures
+//! the trace's one-token reuse and per-layer skew, and the accuracy of the next-layer prediction when the trace
+//! carries one.
 //!
 //! Accounting (DESIGN.md §3): a window is one token's pass through all layers; a lookup is one distinct
 //! (layer, expert) a window needs; a hit is a lookup whose expert is cached when the window starts. Misses
@@ -237,16 +238,23 @@ pub enum Policy {
     Lru,
     /// Belady's offline optimum (demand fetch with bypass).
     Belady,
+    /// A reference for online frequency and recency policies, not one the engine can run: it knows in advance
+    /// how often each request will route to each expert (its counts over the whole request) and after each
+    /// window keeps the cache's size of the request's most-used experts among those cached and those the window
+    /// used, either with the window's experts forced in (demand admission) or not (bypass), whichever hits more.
+    /// A policy that learns the counts as it goes can at best approach it; Belady also knows the order.
+    FreqOracle,
 }
 
 impl Policy {
-    /// Short name: `seed`, `lrfu`, `lru`, `belady`.
+    /// Short name: `seed`, `lrfu`, `lru`, `belady`, `freq-oracle`.
     pub fn name(&self) -> &'static str {
         match self {
             Policy::Seed(_) => "seed",
             Policy::Lrfu(_) => "lrfu",
             Policy::Lru => "lru",
             Policy::Belady => "belady",
+            Policy::FreqOracle => "freq-oracle",
         }
     }
 }
@@ -333,7 +341,60 @@ fn replay_one(trace: &Trace, policy: Policy, fill: &[Vec<usize>]) -> Outcome {
         Policy::Seed(k) | Policy::Lrfu(k) => replay_rounds(trace, policy, k, fill),
         Policy::Lru => replay_demand(trace, fill, false),
         Policy::Belady => replay_demand(trace, fill, true),
+        Policy::FreqOracle => {
+            let (a, b) = (replay_freq_oracle(trace, fill, true), replay_freq_oracle(trace, fill, false));
+            if a.hits >= b.hits {
+                a
+            } else {
+                b
+            }
+        }
     }
+}
+
+/// [`Policy::FreqOracle`] with demand admission (`demand`) or bypass.
+fn replay_freq_oracle(trace: &Trace, fill: &[Vec<usize>], demand: bool) -> Outcome {
+    let mut out = Outcome::default();
+    // each request's routing entries per (layer, expert), over the whole request
+    let mut counts: HashMap<&str, Vec<u32>> = HashMap::new();
+    for w in &trace.windows {
+        let c = counts.entry(w.seq.as_str()).or_insert_with(|| vec![0; trace.n_layer * trace.n_expert]);
+        for (l, ids) in w.layers.iter().enumerate() {
+            for &e in ids {
+                c[l * trace.n_expert + e as usize] += 1;
+            }
+        }
+    }
+    let mut cache: Vec<Vec<usize>> = fill.to_vec();
+    for w in &trace.windows {
+        let c = &counts[w.seq.as_str()];
+        for (l, ids) in w.layers.iter().enumerate() {
+            if ids.is_empty() {
+                continue;
+            }
+            let held = &mut cache[l];
+            let slots = fill[l].len();
+            for &e in ids {
+                look(&mut out, w, l, e, held.contains(&(e as usize)));
+            }
+            let mut cand: Vec<usize> = held.clone();
+            cand.extend(ids.iter().map(|&e| e as usize).filter(|e| !held.contains(e)));
+            let count = |e: usize| c[l * trace.n_expert + e];
+            let used = |e: usize| demand && ids.contains(&(e as u32));
+            // forced-in first, then the request's count, then held, then lower id
+            cand.sort_by(|&a, &b| {
+                used(b)
+                    .cmp(&used(a))
+                    .then(count(b).cmp(&count(a)))
+                    .then(held.contains(&b).cmp(&held.contains(&a)))
+                    .then(a.cmp(&b))
+            });
+            cand.truncate(slots);
+            out.loads += cand.iter().filter(|e| !held.contains(e)).count() as u64;
+            *held = cand;
+        }
+    }
+    out
 }
 
 /// Counts a window's lookup of `e` at layer `l` against `cached`.
