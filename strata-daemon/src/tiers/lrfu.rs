@@ -93,7 +93,7 @@ impl Lrfu {
     }
 
     /// Replaces this state's current window with `other`'s (same shape), leaving `other`'s empty. A fresh state
-    /// takes the window being ended from the state it replaces.
+    /// takes the window being ended from the state it replaces. Panics when the two have different shapes.
     pub fn take_window(&mut self, other: &mut Lrfu) {
         assert_eq!(self.window.len(), other.window.len(), "lrfu states of different shapes");
         std::mem::swap(&mut self.window, &mut other.window);

@@ -379,17 +379,18 @@ fn replay_freq_oracle(trace: &Trace, fill: &[Vec<usize>], demand: bool) -> Outco
             }
             let mut cand: Vec<usize> = held.clone();
             cand.extend(ids.iter().map(|&e| e as usize).filter(|e| !held.contains(e)));
-            let count = |e: usize| c[l * trace.n_expert + e];
-            let used = |e: usize| demand && ids.contains(&(e as u32));
-            // forced-in first, then the request's count, then held, then lower id
-            cand.sort_by(|&a, &b| {
-                used(b)
-                    .cmp(&used(a))
-                    .then(count(b).cmp(&count(a)))
-                    .then(held.contains(&b).cmp(&held.contains(&a)))
-                    .then(a.cmp(&b))
-            });
-            cand.truncate(slots);
+            // forced-in first, then the request's count, then held, then lower id (each key computed once)
+            let n_held = held.len();
+            let mut keyed: Vec<(bool, std::cmp::Reverse<u32>, bool, usize)> = cand
+                .iter()
+                .enumerate()
+                .map(|(i, &e)| {
+                    let used = demand && ids.contains(&(e as u32));
+                    (!used, std::cmp::Reverse(c[l * trace.n_expert + e]), i >= n_held, e)
+                })
+                .collect();
+            keyed.sort_unstable();
+            cand = keyed.into_iter().take(slots).map(|k| k.3).collect();
             out.loads += cand.iter().filter(|e| !held.contains(e)).count() as u64;
             *held = cand;
         }
