@@ -94,6 +94,9 @@ fn layer(
     s.u.resize(n * ff, 0.0);
     s.out.resize(n * e, 0.0);
     s.hs.resize_with(n, Act::default);
+    // the down products' activations as the engine quantizes them (Q8_K where the format pairs with it)
+    let q8k = strata::quant::format::lookup(ty).is_some_and(|f| f.activation == strata::quant::format::Activation::Q8K);
+    s.hs.iter_mut().for_each(|h| h.with_q8k = q8k);
     // gate, up and down of expert i
     let mats = |i: usize| {
         let b: &[u8] = blobs[i];
@@ -165,7 +168,10 @@ pub fn run(a: BenchExpertsArgs) -> Result<()> {
         t0.elapsed().as_secs_f64(),
         strata::quant::simd_level()
     );
-    let mut x = Act::default();
+    // the activations the format's products pair with (Q8_K for the K-quants and the lattice IQ formats), as the
+    // engine quantizes them
+    let q8k = strata::quant::format::lookup(ty).is_some_and(|f| f.activation == strata::quant::format::Activation::Q8K);
+    let mut x = Act { with_q8k: q8k, ..Act::default() };
     x.resize(1, e);
     for v in x.f.iter_mut() {
         *v = rng.normal();

@@ -156,7 +156,7 @@ pub struct Weights {
     pub out_norm: Vec<f32>,
     /// `output` (n_vocab rows of n_embd; `token_embd` when tied).
     pub output: Weight,
-    /// Some matrix pairs with ggml's Q8_K activations (a K-quant or IQ4_XS format): the CPU backend then also
+    /// Some matrix pairs with ggml's Q8_K activations (a K-quant, IQ4_XS or a lattice IQ format): the CPU backend then also
     /// quantizes its activations that way ([`crate::quant::format::Activation::Q8K`]).
     pub q8k_activations: bool,
 }

@@ -254,12 +254,32 @@ pub fn quantize_q8_scalar(x: &[f32], out: &mut [BlockQ8]) {
     }
 }
 
-/// Dot product of one weight row (`ty` blocks, `x.len()*32` elements) with
-/// quantized activations. `ty` must be Q8_0, Q4_0 or Q4_1.
+/// Whether `x` is Q8_K ([`quantize_q8_k`]): whole super-blocks of 8 blocks, each super-block's blocks sharing one
+/// scale. The SIMD kernels of the formats whose products pair with Q8_K (the K-quants and the lattice IQ
+/// formats) apply that scale once per super-block; other activations go through the scalar reference.
+#[inline]
+pub fn is_q8_k(x: &[BlockQ8]) -> bool {
+    x.len() % 8 == 0 && x.chunks_exact(8).all(|s| s[1..].iter().all(|b| b.d.to_bits() == s[0].d.to_bits()))
+}
+
+/// Whether the SIMD kernels of `ty` take `x`: any activations for the 32-value formats, Q8_K ones ([`is_q8_k`])
+/// for the formats that pair with Q8_K.
+#[inline]
+fn simd_takes(k: &super::format::Q8Dot, ty: GgmlType, x: &[BlockQ8]) -> bool {
+    k.wide || super::format::lookup(ty).is_none_or(|f| f.activation != super::format::Activation::Q8K) || is_q8_k(x)
+}
+
+/// Dot product of one weight row (`ty` blocks, `x.len()*32` elements) with quantized activations: Q8_0 blocks
+/// ([`quantize_q8`]) for the 32-value formats, Q8_K ([`quantize_q8_k`]) for the K-quants and the lattice IQ
+/// formats (other activations there take the scalar reference, [`is_q8_k`]). Panics for a format without 8-bit
+/// kernels or a row of the wrong length.
 #[inline]
 pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
     assert_eq!(row.len(), ty.row_bytes(x.len() * 32), "dot_q8: row length");
     let k = q8_kernels(ty);
+    if !simd_takes(&k, ty, x) {
+        return dot_q8_scalar(ty, row, x);
+    }
     if k.wide && simd_level() == SimdLevel::Avx512 {
         return with_quads(x, |q| q.dot(ty, row));
     }
@@ -279,6 +299,9 @@ pub fn dot_q8(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
 #[inline]
 pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
     let k = q8_kernels(ty);
+    if !simd_takes(&k, ty, x) {
+        return rows.map(|r| dot_q8(ty, r, x));
+    }
     if k.wide && simd_level() == SimdLevel::Avx512 {
         return with_quads(x, |q| q.dot_x4(ty, rows));
     }
@@ -292,22 +315,86 @@ pub fn dot_q8_x4(ty: GgmlType, rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
     [dot_q8(ty, rows[0], x), dot_q8(ty, rows[1], x), dot_q8(ty, rows[2], x), dot_q8(ty, rows[3], x)]
 }
 
+/// One token's activations checked once for a format's kernels ([`q8_rows`]): the products of many rows with the
+/// same `x` take [`dot_q8`]'s and [`dot_q8_x4`]'s paths (and bits) without checking `x` per call.
+#[derive(Clone, Copy)]
+pub struct Q8Rows<'a> {
+    ty: GgmlType,
+    x: &'a [BlockQ8],
+    k: super::format::Q8Dot,
+    simd: bool,
+}
+
+/// [`Q8Rows`] of `ty` over `x` (panics for a format without 8-bit kernels, as [`dot_q8`]).
+#[inline]
+pub fn q8_rows(ty: GgmlType, x: &[BlockQ8]) -> Q8Rows<'_> {
+    let k = q8_kernels(ty);
+    let simd = simd_takes(&k, ty, x);
+    Q8Rows { ty, x, k, simd }
+}
+
+impl Q8Rows<'_> {
+    /// [`dot_q8`] of `row`.
+    #[inline]
+    pub fn one(&self, row: &[u8]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if self.simd && !self.k.wide && simd_level().avx2() {
+            assert_eq!(row.len(), self.ty.row_bytes(self.x.len() * 32), "dot_q8: row length");
+            // SAFETY: AVX2/FMA/F16C detected (simd_level); the row holds x.len() blocks (asserted); `x` was checked
+            // for the format's activations when this handle was made.
+            return unsafe { (self.k.avx2)(row, self.x) };
+        }
+        dot_q8(self.ty, row, self.x)
+    }
+
+    /// [`dot_q8_x4`] of `rows`.
+    #[inline]
+    pub fn x4(&self, rows: [&[u8]; 4]) -> [f32; 4] {
+        #[cfg(target_arch = "x86_64")]
+        if self.simd && !self.k.wide && simd_level().avx2() {
+            let rb = self.ty.row_bytes(self.x.len() * 32);
+            assert!(rows.iter().all(|r| r.len() == rb), "dot_q8_x4: row length");
+            // SAFETY: as in `one`, for each row.
+            return unsafe { (self.k.avx2_x4)(rows, self.x) };
+        }
+        dot_q8_x4(self.ty, rows, self.x)
+    }
+}
+
 /// A format's four-token kernel on this CPU ([`q8_t4`]): one row of `ty` times four tokens' activations, each
 /// result bit for bit [`dot_q8`]'s, the row unpacked once.
 #[derive(Clone, Copy)]
 pub struct Q8T4 {
     ty: GgmlType,
+    /// Made by [`Q8T4::takes`] for the activations `dot` is then called with.
+    checked: bool,
     #[cfg(target_arch = "x86_64")]
     f: unsafe fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4],
 }
 
 impl Q8T4 {
-    /// `row` (`x[t].len() · 32` values of the format) times the four activation rows `x` (each as long as `x[0]`).
-    /// Panics when a length disagrees.
+    /// This kernel for the four tokens `x` checked once ([`is_q8_k`] for the formats that pair with Q8_K): `dot` on
+    /// these activations then skips the check per row. `None` where the SIMD kernel does not take them (the
+    /// caller computes those tokens one by one, [`dot_q8`]).
+    #[inline]
+    pub fn takes(self, x: [&[BlockQ8]; 4]) -> Option<Q8T4> {
+        let k = q8_kernels(self.ty);
+        x.iter().all(|xt| simd_takes(&k, self.ty, xt)).then_some(Q8T4 { checked: true, ..self })
+    }
+
+    /// `row` (`x[t].len() · 32` values of the format) times the four activation rows `x` (each as long as `x[0]`;
+    /// Q8_K for the formats that pair with it, as [`dot_q8`]: otherwise each token takes [`dot_q8`]). Panics when a
+    /// length disagrees.
     #[inline]
     pub fn dot(&self, row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
         let rb = self.ty.row_bytes(x[0].len() * 32);
         assert!(row.len() == rb && x.iter().all(|xt| xt.len() == x[0].len()), "dot_q8_t4: lengths");
+        if !self.checked {
+            let k = q8_kernels(self.ty);
+            if !x.iter().all(|xt| simd_takes(&k, self.ty, xt)) {
+                return x.map(|xt| dot_q8(self.ty, row, xt));
+            }
+        }
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a Q8T4 exists only where q8_t4 found AVX2/FMA/F16C; the row holds x[t].len() blocks for every t
         // (asserted above).
@@ -322,7 +409,11 @@ impl Q8T4 {
 pub fn q8_t4(ty: GgmlType) -> Option<Q8T4> {
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {
-        return super::format::lookup(ty).and_then(|f| f.q8).and_then(|k| k.avx2_t4).map(|f| Q8T4 { ty, f });
+        return super::format::lookup(ty).and_then(|f| f.q8).and_then(|k| k.avx2_t4).map(|f| Q8T4 {
+            ty,
+            checked: false,
+            f,
+        });
     }
     let _ = ty;
     None
@@ -372,16 +463,10 @@ pub(super) mod avx2 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([*p, *p.add(1)]) as i32)))
     }
 
-    /// How far ahead (bytes) the four-row kernels prefetch each row: the hardware streamers alone leave a core
-    /// well under its share of DRAM bandwidth on cold expert weights (H200 host, 16 threads: 53 -> 61 GB/s).
-    const PREFETCH: usize = 512;
-
-    /// Prefetches row `p`'s bytes `PREFETCH` ahead of offset `off` into L1 (a hint: never faults, so the
-    /// address may lie past the row).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn prefetch(p: *const u8, off: usize) {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off + PREFETCH) as *const i8);
+    /// Prefetches row `p`'s bytes ahead of offset `off` ([`crate::quant::prefetch`]).
+    #[inline(always)]
+    fn prefetch(p: *const u8, off: usize) {
+        crate::quant::prefetch::ahead(p, off);
     }
 
     /// 16 bytes of nibbles -> 32 bytes (low nibbles first, then high), values 0..15. SAFETY (callers): the

@@ -11,7 +11,8 @@
 //!
 //! The K-quants' one-token products stay on the AVX2 kernels (`quant::dot_k`): an AVX-512 version over activations
 //! laid out per task (stop 24) was faster on a 2-core VM's large tasks but slower in the GPU host's hybrid path,
-//! whose many small tasks paid the layout more often than they gained from it.
+//! whose many small tasks paid the layout more often than they gained from it; one over the plain Q8_K blocks (stop
+//! 44: two groups per `vpdpbusd`, the AVX2 kernels' integer lanes) ran no faster than them on a Zen 4.
 
 use super::BlockQ8;
 
@@ -144,6 +145,7 @@ pub mod avx512 {
             let mut w2 = [_mm512_setzero_ps(); R];
             for r in 0..R {
                 let b0 = rows[r].as_ptr().add(bytes * i);
+                crate::quant::prefetch::ahead_span(b0, 0, 2 * bytes);
                 if i % 16 == 0 {
                     let live = (n - i).min(16);
                     let mask = if live == 16 { 0xffff } else { (1u16 << live) - 1 };

@@ -1,11 +1,19 @@
-//! AVX2 dot kernels of the formats added after the first six (Q5_0, Q5_1, the K-quants, IQ4_NL, IQ4_XS and MXFP4,
-//! [`super::format`]) with
-//! 8-bit activations ([`BlockQ8`], blocks of 32). Each format unpacks its codes with SIMD shifts and masks into 32
-//! bytes per activation block and multiplies them with `maddubs`; the K-quants apply their per-16 integer scales
-//! (and minimums) with one `madd` each, so a 32-block costs the same whatever the format. The four-row variants are
-//! four single-row calls (bit-identical to them by construction); the four-token ones (`*_t4`: Q5_0 and the Q4_K_M
-//! family's K-quants) unpack a row's codes once for four tokens' activations, each token's sums in the single-row
-//! kernel's order (bit-identical to it).
+//! AVX2 dot kernels of the formats added after the first six (Q5_0, Q5_1, the K-quants, IQ4_NL, IQ4_XS, MXFP4 and
+//! the lattice IQ formats, [`super::format`]) with 8-bit activations ([`BlockQ8`], blocks of 32). Each format
+//! unpacks its codes with SIMD shifts and masks into 32 bytes per activation block and multiplies them with
+//! `maddubs`. The 32-value formats (Q5_0, Q5_1, IQ4_NL, MXFP4) apply their float block scale per block. The
+//! super-block formats (the K-quants, IQ4_XS and the lattice IQ formats) pair with Q8_K activations, one scale per
+//! 256 values, as ggml's `ggml_vec_dot_*_q8_K`: they apply their per-16 or per-32 integer scales with one `madd`,
+//! their products stay exact integers over a whole super-block (8 i32 lanes of scale · code · x, and for Q4_K,
+//! Q5_K and Q2_K the minimums times the activations' block sums) and become floats once per super-block (`finish`).
+//! Q4_K and Q5_K read four rows at once with the activations loaded and summed once for them; the other four-row
+//! variants are four single-row calls. The four-token ones (`*_t4`: Q5_0 and the Q4_K_M family's K-quants) unpack a row's codes
+//! once for four tokens' activations. Every variant gives the single-row kernel's bits per (row, token): the
+//! integer lanes are exact whatever the order they were summed in, and the float steps are the same.
+//!
+//! The super-block kernels' results are right only for Q8_K activations (each super-block's 8 blocks sharing one
+//! scale); `crate::quant::dot_q8` and the other dispatchers check that and send other activations to the scalar
+//! reference. It is a condition of their results, not of memory safety.
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
@@ -101,9 +109,41 @@ pub mod avx2 {
 
     one_and_four!(
         dot_q5_0, dot_q5_0_t4 => q5_0_n, "Q5_0 row (blocks of 22 bytes, one per `x` block)";
-        dot_q4_k, dot_q4_k_t4 => q4_k_n, "Q4_K row (super-blocks of 144 bytes, one per 8 `x` blocks)";
-        dot_q5_k, dot_q5_k_t4 => q5_k_n, "Q5_K row (super-blocks of 176 bytes, one per 8 `x` blocks)";
         dot_q6_k, dot_q6_k_t4 => q6_k_n, "Q6_K row (super-blocks of 210 bytes, one per 8 `x` blocks)";
+    );
+
+    /// A K-quant's one-row, four-row and four-token kernels: the rows over its `R`-row kernel (activations loaded
+    /// once for the four rows), the tokens over its `N`-token one; every entry gives the same bits per (row, token).
+    macro_rules! k_rows {
+        ($($one:ident, $x4:ident, $t4:ident => $rows:ident::<$($p:literal),*>, $n:ident, $what:literal);* $(;)?) => {$(
+            #[doc = concat!("One ", $what, ". SAFETY (callers): avx2, fma and f16c present; `row` holds the ",
+                "super-blocks of `x`. Results: Q8_K activations only (the module's note).")]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $one(row: &[u8], x: &[BlockQ8]) -> f32 {
+                $rows::<$($p,)* 1>([row], x)[0]
+            }
+
+            #[doc = concat!("Four ", $what, "s times one token (each row the one-row kernel's bits). SAFETY ",
+                "(callers): as the one-row kernel, for every row.")]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $x4(rows: [&[u8]; 4], x: &[BlockQ8]) -> [f32; 4] {
+                $rows::<$($p,)* 4>(rows, x)
+            }
+
+            #[doc = concat!("One ", $what, " with four tokens' activations, each result bit for bit the one-row ",
+                "kernel's (the row unpacked once). SAFETY (callers): as the one-row kernel, for every `x[t]`.")]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+                $n::<4>(row, x)
+            }
+        )*};
+    }
+
+    k_rows!(
+        dot_q4_k, dot_q4_k_x4, dot_q4_k_t4 => q45_k_rows::<false>, q4_k_n,
+            "Q4_K row (super-blocks of 144 bytes, one per 8 `x` blocks)";
+        dot_q5_k, dot_q5_k_x4, dot_q5_k_t4 => q45_k_rows::<true>, q5_k_n,
+            "Q5_K row (super-blocks of 176 bytes, one per 8 `x` blocks)";
     );
 
     /// One Q5_0 row times `N` tokens' activations ([`dot_q5_0`]) (each `x[t]` as long as `x[0]`).
@@ -115,6 +155,7 @@ pub mod avx2 {
         let p = row.as_ptr();
         for i in 0..x[0].len() {
             let b = p.add(i * 22);
+            crate::quant::prefetch::ahead(b, 0);
             let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
             let q = _mm256_sub_epi8(_mm256_or_si256(nibbles(b.add(6)), fifth_bits(qh)), _mm256_set1_epi8(16));
             let d = h2f(b);
@@ -136,6 +177,7 @@ pub mod avx2 {
         let p = row.as_ptr();
         for (i, xb) in x.iter().enumerate() {
             let b = p.add(i * 24);
+            crate::quant::prefetch::ahead(b, 0);
             summs += h2f(b.add(2)) * xb.s;
             let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
             let q = _mm256_or_si256(nibbles(b.add(8)), fifth_bits(qh));
@@ -145,73 +187,209 @@ pub mod avx2 {
         hsum(acc) + summs
     }
 
-    /// Adds one 32-value group to `acc`: signed codes `q` (|q| ≤ 127), per-16 scales `sc` and minimums `mn` (i16,
-    /// the first 16 values then the next 16), super-scales `d`, `dmin`: `acc += d_x · (d · Σ sc q q_x − dmin · Σ mn
-    /// q_x)`, lane-wise.
+    /// Ends a super-block of a K-quant or IQ row for one token: `acc += d_x · (d · Σ sumi − dmin · Σ summ)`,
+    /// lane-wise (`sumi`: Σ scale · code · x per lane, `summ`: Σ minimum · x; exact integers over the whole
+    /// super-block, the activations' one Q8_K scale `d_x` applied once, as ggml's `vec_dot_*_q8_K` do).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn group(acc: &mut __m256, q: __m256i, xb: &BlockQ8, sc: [i16; 2], mn: [i16; 2], d: f32, dmin: f32) {
-        let xq = load_x(xb);
-        let scv = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
-        let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs_signed(q, xq), scv));
-        *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), s, *acc);
-        if mn != [0, 0] {
-            let mnv = _mm256_set_m128i(_mm_set1_epi16(mn[1]), _mm_set1_epi16(mn[0]));
-            let xs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), xq);
-            let m = _mm256_cvtepi32_ps(_mm256_madd_epi16(xs, mnv));
-            *acc = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * xb.d), m, *acc);
+    unsafe fn finish(acc: &mut __m256, sumi: __m256i, summ: Option<__m256i>, d: f32, dmin: f32, dx: f32) {
+        *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi), *acc);
+        if let Some(m) = summ {
+            *acc = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(m), *acc);
         }
+    }
+
+    /// Σ scale · code · x of a 32-value group as 8 i32 lanes: unsigned codes `q` (0..=127), the scale of the
+    /// first and of the second 16 values in `scv` (i16 lanes, [`scale_pair`] or a broadcast).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prod_u(q: __m256i, xq: __m256i, scv: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), scv)
+    }
+
+    /// [`prod_u`] for signed codes (|q| ≤ 127).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prod_s(q: __m256i, xq: __m256i, scv: __m256i) -> __m256i {
+        _mm256_madd_epi16(pairs_signed(q, xq), scv)
+    }
+
+    /// One Q4_K (or, with `FIFTH`, Q5_K) row times `N` tokens' activations ([`dot_q4_k`], [`dot_q5_k`]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q45_k_n<const FIFTH: bool, const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
+        let bytes = if FIFTH { 176 } else { 144 };
+        let qs_at = bytes - 128;
+        let mut acc = [_mm256_setzero_ps(); N];
+        let low = _mm256_set1_epi8(0x0f);
+        let one = _mm256_set1_epi8(1);
+        for (i, b) in row.chunks_exact(bytes).enumerate() {
+            let p = b.as_ptr();
+            crate::quant::prefetch::ahead_span(p, 0, bytes);
+            let (d, dmin) = (h2f(p), h2f(p.add(2)));
+            let scales = &b[4..16];
+            let qh = if FIFTH { _mm256_loadu_si256(p.add(16) as *const __m256i) } else { _mm256_setzero_si256() };
+            let mut sumi = [_mm256_setzero_si256(); N];
+            let mut summ = [_mm256_setzero_si256(); N];
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(p.add(qs_at + 32 * c) as *const __m256i);
+                let mut lo = _mm256_and_si256(v, low);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if FIFTH {
+                    let (h0, h1) = (bits_at(qh, 2 * c as i32, one), bits_at(qh, 2 * c as i32 + 1, one));
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
+                }
+                let (s0, _) = scale_min_k4(2 * c, scales);
+                let (s1, _) = scale_min_k4(2 * c + 1, scales);
+                let (v0, v1) = (_mm256_set1_epi16(s0 as i16), _mm256_set1_epi16(s1 as i16));
+                for t in 0..N {
+                    let x0 = load_x(&x[t][8 * i + 2 * c]);
+                    let x1 = load_x(&x[t][8 * i + 2 * c + 1]);
+                    let s = _mm256_add_epi32(prod_u(lo, x0, v0), prod_u(hi, x1, v1));
+                    sumi[t] = _mm256_add_epi32(sumi[t], s);
+                }
+            }
+            // the minimum term as q45_k_rows computes it (the same lanes): minimum g times block g's sum
+            let mn = _mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins_k4(p.add(4)), 8));
+            for t in 0..N {
+                summ[t] = _mm256_mullo_epi32(mn, group_sums(&x[t][8 * i..8 * i + 8]));
+            }
+            for t in 0..N {
+                finish(&mut acc[t], sumi[t], Some(summ[t]), d, dmin, x[t][8 * i].d);
+            }
+        }
+        hsum_n(acc)
+    }
+
+    /// The 6-bit scales (bytes 0..8) and minimums (bytes 8..16) of a Q4_K / Q5_K super-block, unpacked from its 12
+    /// packed bytes at `p` with four 32-bit steps (the layout [`scale_min_k4`] reads one pair at a time).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales_mins_k4(p: *const u8) -> __m128i {
+        let w = |k: usize| u32::from_le_bytes([*p.add(4 * k), *p.add(4 * k + 1), *p.add(4 * k + 2), *p.add(4 * k + 3)]);
+        let (w0, w1, w2) = (w(0), w(1), w(2));
+        let (m6, m4, m2) = (0x3f3f_3f3fu32, 0x0f0f_0f0fu32, 0x0303_0303u32);
+        let sc_lo = w0 & m6; // scales 0..4: low 6 bits of bytes 0..4
+        let sc_hi = (w2 & m4) | (((w0 >> 6) & m2) << 4); // scales 4..8: nibbles of bytes 8..12, top bits of 0..4
+        let mn_lo = w1 & m6; // minimums 0..4: low 6 bits of bytes 4..8
+        let mn_hi = ((w2 >> 4) & m4) | (((w1 >> 6) & m2) << 4); // minimums 4..8
+        _mm_setr_epi32(sc_lo as i32, sc_hi as i32, mn_lo as i32, mn_hi as i32)
+    }
+
+    /// The 8 sums Σ x of a super-block's activation blocks `x` (8 blocks of 32), lane `g` for block `g` (exact
+    /// integers: ggml's `bsums` per 32).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group_sums(x: &[BlockQ8]) -> __m256i {
+        let (one8, one16) = (_mm256_set1_epi8(1), _mm256_set1_epi16(1));
+        // 8 lanes per block: sums of 4 values, the first 16 values in the low 128 bits
+        let p = |g: usize| _mm256_madd_epi16(_mm256_maddubs_epi16(one8, load_x(&x[g])), one16);
+        // two rounds of pairwise sums within 128-bit lanes leave, for blocks a..a+4, their first halves' sums in
+        // the low lane and their second halves' in the high one
+        let four = |a: usize| {
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p(a), p(a + 1)), _mm256_hadd_epi32(p(a + 2), p(a + 3)));
+            _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
+        };
+        _mm256_set_m128i(four(4), four(0))
+    }
+
+    /// The madd operand of a 32-value group whose scale is i16 lane `g` (0..8) of `sc` (both 128-bit lanes
+    /// holding the 8 scales): that scale in all 16 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale_of(sc: __m256i, g: usize) -> __m256i {
+        let b = (2 * g as u64) | (2 * g as u64 + 1) << 8;
+        let m = (b | b << 16 | b << 32 | b << 48) as i64;
+        _mm256_shuffle_epi8(sc, _mm256_set1_epi64x(m))
+    }
+
+    /// `R` Q4_K (or, with `FIFTH`, Q5_K) rows times one token's Q8_K activations, each row's result the bits of
+    /// [`q45_k_n`] for it (the same exact integer lanes and the same float steps): the activations are loaded and
+    /// summed once for the `R` rows, the scales unpacked with [`scales_mins_k4`] and the minimum term taken from
+    /// the block sums ([`group_sums`]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q45_k_rows<const FIFTH: bool, const R: usize>(rows: [&[u8]; R], x: &[BlockQ8]) -> [f32; R] {
+        let bytes = if FIFTH { 176 } else { 144 };
+        let qs_at = bytes - 128;
+        let mut acc = [_mm256_setzero_ps(); R];
+        let low = _mm256_set1_epi8(0x0f);
+        let one = _mm256_set1_epi8(1);
+        for (i, xs) in x.chunks_exact(8).enumerate() {
+            let sums = group_sums(xs);
+            let mut sc = [_mm256_setzero_si256(); R];
+            let mut sumi = [_mm256_setzero_si256(); R];
+            let mut summ = [_mm256_setzero_si256(); R];
+            for r in 0..R {
+                let p = rows[r].as_ptr().add(bytes * i);
+                crate::quant::prefetch::ahead_span(p, 0, bytes);
+                let sm = scales_mins_k4(p.add(4));
+                sc[r] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+                summ[r] = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)), sums);
+            }
+            for c in 0..4 {
+                let x0 = load_x(&xs[2 * c]);
+                let x1 = load_x(&xs[2 * c + 1]);
+                for r in 0..R {
+                    let p = rows[r].as_ptr().add(bytes * i);
+                    let v = _mm256_loadu_si256(p.add(qs_at + 32 * c) as *const __m256i);
+                    let mut lo = _mm256_and_si256(v, low);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if FIFTH {
+                        let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(bits_at(qh, 2 * c as i32, one), 4));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(bits_at(qh, 2 * c as i32 + 1, one), 4));
+                    }
+                    let s = _mm256_add_epi32(
+                        prod_u(lo, x0, scale_of(sc[r], 2 * c)),
+                        prod_u(hi, x1, scale_of(sc[r], 2 * c + 1)),
+                    );
+                    sumi[r] = _mm256_add_epi32(sumi[r], s);
+                }
+            }
+            for r in 0..R {
+                let p = rows[r].as_ptr().add(bytes * i);
+                finish(&mut acc[r], sumi[r], Some(summ[r]), h2f(p), h2f(p.add(2)), xs[0].d);
+            }
+        }
+        let mut out = [0f32; R];
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = hsum(a);
+        }
+        out
     }
 
     /// One Q4_K row times `N` tokens' activations ([`dot_q4_k`]).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_k_n<const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
-        let mut acc = [_mm256_setzero_ps(); N];
-        let low = _mm256_set1_epi8(0x0f);
-        for (i, b) in row.chunks_exact(144).enumerate() {
-            let (d, dmin) = (h2f(b.as_ptr()), h2f(b.as_ptr().add(2)));
-            let scales = &b[4..16];
-            for c in 0..4 {
-                let v = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * c) as *const __m256i);
-                for (h, q) in
-                    [_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)].into_iter().enumerate()
-                {
-                    let (s, m) = scale_min_k4(2 * c + h, scales);
-                    for (a, xt) in acc.iter_mut().zip(x) {
-                        group(a, q, &xt[8 * i + 2 * c + h], [s as i16; 2], [m as i16; 2], d, dmin);
-                    }
-                }
-            }
-        }
-        hsum_n(acc)
+        q45_k_n::<false, N>(row, x)
     }
 
     /// One Q5_K row times `N` tokens' activations ([`dot_q5_k`]).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q5_k_n<const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
-        let mut acc = [_mm256_setzero_ps(); N];
-        let low = _mm256_set1_epi8(0x0f);
-        let one = _mm256_set1_epi8(1);
-        for (i, b) in row.chunks_exact(176).enumerate() {
-            let (d, dmin) = (h2f(b.as_ptr()), h2f(b.as_ptr().add(2)));
-            let scales = &b[4..16];
-            let qh = _mm256_loadu_si256(b.as_ptr().add(16) as *const __m256i);
-            for c in 0..4 {
-                let v = _mm256_loadu_si256(b.as_ptr().add(48 + 32 * c) as *const __m256i);
-                let (h0, h1) = (bits_at(qh, 2 * c as i32, one), bits_at(qh, 2 * c as i32 + 1, one));
-                let lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_slli_epi16(h0, 4));
-                let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_slli_epi16(h1, 4));
-                for (h, q) in [lo, hi].into_iter().enumerate() {
-                    let (s, m) = scale_min_k4(2 * c + h, scales);
-                    for (a, xt) in acc.iter_mut().zip(x) {
-                        group(a, q, &xt[8 * i + 2 * c + h], [s as i16; 2], [m as i16; 2], d, dmin);
-                    }
-                }
-            }
-        }
-        hsum_n(acc)
+        q45_k_n::<true, N>(row, x)
+    }
+
+    /// The madd operand of 32-value group `g` from a super-block's 16 per-16 scales `sv` (i16 lanes in order):
+    /// scale `2g` in the first 128-bit lane, `2g + 1` in the second.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale_pair(sv: __m256i, g: usize) -> __m256i {
+        // every dword = scales 2g | 2g + 1, then lane 0 repeats the low i16, lane 1 the high one
+        let d = _mm256_permutevar8x32_epi32(sv, _mm256_set1_epi32(g as i32));
+        _mm256_shuffle_epi8(
+            d,
+            _mm256_setr_epi64x(
+                0x0100_0100_0100_0100,
+                0x0100_0100_0100_0100,
+                0x0302_0302_0302_0302,
+                0x0302_0302_0302_0302,
+            ),
+        )
     }
 
     /// One Q6_K row times `N` tokens' activations ([`dot_q6_k`]).
@@ -223,8 +401,11 @@ pub mod avx2 {
         let three = _mm256_set1_epi8(3);
         for (i, b) in row.chunks_exact(210).enumerate() {
             let p = b.as_ptr();
+            crate::quant::prefetch::ahead_span(p, 0, 210);
             let d = h2f(p.add(208));
-            let sc = &b[192..208];
+            // the 16 signed scales as i16
+            let sv = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192) as *const __m128i));
+            let mut sumi = [_mm256_setzero_si256(); N];
             for h in 0..2 {
                 let l0 = _mm256_loadu_si256(p.add(64 * h) as *const __m256i);
                 let l1 = _mm256_loadu_si256(p.add(64 * h + 32) as *const __m256i);
@@ -238,32 +419,39 @@ pub mod avx2 {
                 for (s, n) in nib.into_iter().enumerate() {
                     let hb = bits_at(qh, 2 * s as i32, three);
                     let q = _mm256_sub_epi8(_mm256_or_si256(n, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
-                    let g = 8 * h + 2 * s; // first 16-value group of these 32 values
-                    let k = 4 * h + s; // their activation block
-                    let scs = [sc[g] as i8 as i16, sc[g + 1] as i8 as i16];
-                    for (a, xt) in acc.iter_mut().zip(x) {
-                        group(a, q, &xt[8 * i + k], scs, [0, 0], d, 0.0);
+                    let k = 4 * h + s; // the activation block of these 32 values (scales 2k, 2k + 1)
+                    let scv = scale_pair(sv, k);
+                    for t in 0..N {
+                        sumi[t] = _mm256_add_epi32(sumi[t], prod_s(q, load_x(&x[t][8 * i + k]), scv));
                     }
                 }
+            }
+            for t in 0..N {
+                finish(&mut acc[t], sumi[t], None, d, 0.0, x[t][8 * i].d);
             }
         }
         hsum_n(acc)
     }
 
-    /// One Q3_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 110 bytes.
+    /// One Q3_K row (integer sums over each super-block, [`finish`]). SAFETY (callers): as [`dot_q4_k`],
+    /// super-blocks of 110 bytes.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q3_k(row: &[u8], x: &[BlockQ8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         let (one, three) = (_mm256_set1_epi8(1), _mm256_set1_epi8(3));
         for (b, xs) in row.chunks_exact(110).zip(x.chunks_exact(8)) {
             let p = b.as_ptr();
+            crate::quant::prefetch::ahead_span(p, 0, 110);
             let d = h2f(p.add(108));
             let s = &b[96..108];
-            let sc = |i: usize| {
+            let mut sc = [0i16; 16];
+            for (i, v) in sc.iter_mut().enumerate() {
                 let lo = if i < 8 { s[i] & 0x0f } else { s[i - 8] >> 4 };
-                ((lo | (((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) as i16) - 32
-            };
+                *v = ((lo | (((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) as i16) - 32;
+            }
+            let sv = _mm256_loadu_si256(sc.as_ptr() as *const __m256i);
             let hm = _mm256_loadu_si256(p as *const __m256i);
+            let mut sumi = _mm256_setzero_si256();
             for h in 0..2 {
                 let v = _mm256_loadu_si256(p.add(32 + 32 * h) as *const __m256i);
                 for sh in 0..4 {
@@ -272,32 +460,43 @@ pub mod avx2 {
                     // q − 4 where the high bit is clear: q2 + 4·bit − 4
                     let q = _mm256_sub_epi8(_mm256_or_si256(q2, _mm256_slli_epi16(bit, 2)), _mm256_set1_epi8(4));
                     let k = 4 * h + sh;
-                    group(&mut acc, q, &xs[k], [sc(2 * k), sc(2 * k + 1)], [0, 0], d, 0.0);
+                    sumi = _mm256_add_epi32(sumi, prod_s(q, load_x(&xs[k]), scale_pair(sv, k)));
                 }
             }
+            finish(&mut acc, sumi, None, d, 0.0, xs[0].d);
         }
         hsum(acc)
     }
 
-    /// One Q2_K row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 84 bytes.
+    /// One Q2_K row (integer sums over each super-block, [`finish`]). SAFETY (callers): as [`dot_q4_k`],
+    /// super-blocks of 84 bytes.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q2_k(row: &[u8], x: &[BlockQ8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         let three = _mm256_set1_epi8(3);
+        let low = _mm_set1_epi8(0x0f);
         for (b, xs) in row.chunks_exact(84).zip(x.chunks_exact(8)) {
             let p = b.as_ptr();
+            crate::quant::prefetch::ahead_span(p, 0, 84);
             let (d, dmin) = (h2f(p.add(80)), h2f(p.add(82)));
+            // the 16 scale bytes: per-16 scales in the low nibbles, minimums in the high ones
+            let raw = _mm_loadu_si128(p as *const __m128i);
+            let sv = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+            let mv = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+            let (mut sumi, mut summ) = (_mm256_setzero_si256(), _mm256_setzero_si256());
             for h in 0..2 {
                 let v = _mm256_loadu_si256(p.add(16 + 32 * h) as *const __m256i);
                 for sh in 0..4 {
                     let q = bits_at(v, 2 * sh as i32, three);
                     let k = 4 * h + sh;
-                    let (a, c) = (b[2 * k], b[2 * k + 1]);
-                    let sc = [(a & 0x0f) as i16, (c & 0x0f) as i16];
-                    let mn = [(a >> 4) as i16, (c >> 4) as i16];
-                    group(&mut acc, q, &xs[k], sc, mn, d, dmin);
+                    let xq = load_x(&xs[k]);
+                    sumi = _mm256_add_epi32(sumi, prod_u(q, xq, scale_pair(sv, k)));
+                    // Σ m · x: the minimums per 16 against the activations' pair sums
+                    let xs2 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), xq);
+                    summ = _mm256_add_epi32(summ, _mm256_madd_epi16(xs2, scale_pair(mv, k)));
                 }
             }
+            finish(&mut acc, sumi, Some(summ), d, dmin, xs[0].d);
         }
         hsum(acc)
     }
@@ -327,6 +526,7 @@ pub mod avx2 {
         let p = row.as_ptr();
         for (i, xb) in x.iter().enumerate() {
             let b = p.add(i * bytes);
+            crate::quant::prefetch::ahead(b, 0);
             let q = table_levels(b.add(qs_at), table);
             let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs_signed(q, load_x(xb)), ones));
             acc = _mm256_fmadd_ps(_mm256_set1_ps(scale(b) * xb.d), s, acc);
@@ -348,36 +548,68 @@ pub mod avx2 {
         })
     }
 
-    /// One IQ4_XS row. SAFETY (callers): as [`dot_q4_k`], super-blocks of 136 bytes.
+    /// One IQ4_XS row (integer sums over each super-block, [`finish`]). SAFETY (callers): as [`dot_q4_k`],
+    /// super-blocks of 136 bytes.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_iq4_xs(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::{iq4_nl::KVALUES, iq4_xs::scale};
         let mut acc = _mm256_setzero_ps();
         for (b, xs) in row.chunks_exact(136).zip(x.chunks_exact(8)) {
-            let d = h2f(b.as_ptr());
+            crate::quant::prefetch::ahead_span(b.as_ptr(), 0, 136);
+            let mut sumi = _mm256_setzero_si256();
             for (i, xb) in xs.iter().enumerate() {
                 let q = table_levels(b.as_ptr().add(8 + 16 * i), &KVALUES);
-                let s = scale(b, i);
-                group(&mut acc, q, xb, [s, s], [0, 0], d, 0.0);
+                let scv = _mm256_set1_epi16(scale(b, i));
+                sumi = _mm256_add_epi32(sumi, prod_s(q, load_x(xb), scv));
             }
+            finish(&mut acc, sumi, None, h2f(b.as_ptr()), 0.0, xs[0].d);
         }
         hsum(acc)
     }
 
+    /// The madd operand of a sub-block's two per-16 scales: `sc[0]` in the first 128-bit lane, `sc[1]` in the
+    /// second.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale_halves(sc: [i16; 2]) -> __m256i {
+        let v = _mm256_set1_epi32((sc[0] as u16 as u32 | (sc[1] as u16 as u32) << 16) as i32);
+        _mm256_shuffle_epi8(
+            v,
+            _mm256_setr_epi64x(
+                0x0100_0100_0100_0100,
+                0x0100_0100_0100_0100,
+                0x0302_0302_0302_0302,
+                0x0302_0302_0302_0302,
+            ),
+        )
+    }
+
     macro_rules! lattice_rows {
-        ($($name:ident => $m:ident),* $(,)?) => {$(
-            /// One row of a lattice IQ format. SAFETY (callers): avx2, fma and f16c present; `row` holds
-            /// `x.len() / 8` whole super-blocks.
+        ($($name:ident => $m:ident, $unsigned:literal),* $(,)?) => {$(
+            /// One row of a lattice IQ format (integer sums over each super-block, [`finish`]; Q8_K activations, the
+            /// module's note). SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len() / 8` whole
+            /// super-blocks.
             #[target_feature(enable = "avx2,fma,f16c")]
             pub unsafe fn $name(row: &[u8], x: &[BlockQ8]) -> f32 {
                 use crate::quant::format::$m as f;
                 let mut acc = _mm256_setzero_ps();
                 for (b, xs) in row.chunks_exact(f::BYTES).zip(x.chunks_exact(8)) {
-                    let d = f::d(b);
+                    crate::quant::prefetch::ahead_span(b.as_ptr(), 0, f::BYTES);
+                    let mut sumi = _mm256_setzero_si256();
                     for (ib, xb) in xs.iter().enumerate() {
                         let s = f::sub(b, ib);
-                        group(&mut acc, lattice_codes(&s), xb, s.sc, [0, 0], d, 0.0);
+                        let p = if $unsigned {
+                            // grid levels ≥ 0 and no offset: the signs go onto the activations, the levels into
+                            // maddubs as they are (the same integers as the signed codes)
+                            let g = _mm256_set_epi64x(s.grid[3] as i64, s.grid[2] as i64, s.grid[1] as i64, s.grid[0] as i64);
+                            let xs = _mm256_sign_epi8(load_x(xb), _mm256_or_si256(bit_bytes(s.signs), _mm256_set1_epi8(1)));
+                            _mm256_maddubs_epi16(g, xs)
+                        } else {
+                            pairs_signed(lattice_codes(&s), load_x(xb))
+                        };
+                        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scale_halves(s.sc)));
                     }
+                    finish(&mut acc, sumi, None, f::d(b), 0.0, xs[0].d);
                 }
                 hsum(acc)
             }
@@ -385,14 +617,61 @@ pub mod avx2 {
     }
 
     lattice_rows!(
-        dot_iq2_xxs => iq2_xxs,
-        dot_iq2_xs => iq2_xs,
-        dot_iq2_s => iq2_s,
-        dot_iq3_xxs => iq3_xxs,
-        dot_iq3_s => iq3_s,
-        dot_iq1_s => iq1_s,
-        dot_iq1_m => iq1_m,
+        dot_iq2_xxs => iq2_xxs, true,
+        dot_iq2_s => iq2_s, true,
+        dot_iq3_xxs => iq3_xxs, true,
+        dot_iq3_s => iq3_s, true,
+        dot_iq1_s => iq1_s, false,
+        dot_iq1_m => iq1_m, false,
     );
+
+    /// One IQ2_XS row ([`crate::quant::format::iq2_xs`]: 74-byte super-blocks) with the 32 grid indices and sign
+    /// bytes of a super-block decoded in two vector steps (a sign byte is the 7 stored bits plus their parity as
+    /// bit 7, [`KSIGNS`](crate::quant::format::iq_grid::KSIGNS)) and its 16 scales in one, so each 32-value
+    /// sub-block costs four grid loads and a few vector operations; the same integers as the lattice kernels
+    /// (signs on the activations, levels ≥ 0). SAFETY (callers): as [`dot_iq2_xxs`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq2_xs(row: &[u8], x: &[BlockQ8]) -> f32 {
+        use crate::quant::format::iq2_xs::{d, BYTES};
+        use crate::quant::format::iq_grid::IQ2XS_GRID;
+        let mut acc = _mm256_setzero_ps();
+        let (m9, one16, low) = (_mm256_set1_epi16(511), _mm256_set1_epi16(1), _mm_set1_epi8(0x0f));
+        let mut idx = [0u16; 32];
+        let mut sgn = [0u32; 8];
+        for (b, xs) in row.chunks_exact(BYTES).zip(x.chunks_exact(8)) {
+            let p = b.as_ptr();
+            crate::quant::prefetch::ahead_span(p, 0, BYTES);
+            for h in 0..2 {
+                let v = _mm256_loadu_si256(p.add(2 + 32 * h) as *const __m256i);
+                _mm256_storeu_si256(idx.as_mut_ptr().add(16 * h) as *mut __m256i, _mm256_and_si256(v, m9));
+                // the sign byte: the 7 stored bits, their parity as bit 7
+                let s7 = _mm256_srli_epi16(v, 9);
+                let mut t = _mm256_xor_si256(s7, _mm256_srli_epi16(s7, 4));
+                t = _mm256_xor_si256(t, _mm256_srli_epi16(t, 2));
+                t = _mm256_xor_si256(t, _mm256_srli_epi16(t, 1));
+                let sb = _mm256_or_si256(s7, _mm256_slli_epi16(_mm256_and_si256(t, one16), 7));
+                // 16 u16 -> bytes within each 128-bit lane: dwords 0, 1 of lane k hold sub-blocks 4h + 2k, 4h + 2k + 1
+                let packed = _mm256_packus_epi16(sb, sb);
+                sgn[4 * h] = _mm256_extract_epi32(packed, 0) as u32;
+                sgn[4 * h + 1] = _mm256_extract_epi32(packed, 1) as u32;
+                sgn[4 * h + 2] = _mm256_extract_epi32(packed, 4) as u32;
+                sgn[4 * h + 3] = _mm256_extract_epi32(packed, 5) as u32;
+            }
+            // the 16 odd scales 2s + 1 in order (sub-block ib: its low nibble, then its high one)
+            let sc = _mm_loadl_epi64(p.add(66) as *const __m128i);
+            let nib = _mm_unpacklo_epi8(_mm_and_si128(sc, low), _mm_and_si128(_mm_srli_epi16(sc, 4), low));
+            let sv = _mm256_add_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(nib), 1), one16);
+            let mut sumi = _mm256_setzero_si256();
+            for (ib, xb) in xs.iter().enumerate() {
+                let g = |l: usize| IQ2XS_GRID[idx[4 * ib + l] as usize] as i64;
+                let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+                let xsg = _mm256_sign_epi8(load_x(xb), _mm256_or_si256(bit_bytes(sgn[ib]), _mm256_set1_epi8(1)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(grid, xsg), scale_pair(sv, ib)));
+            }
+            finish(&mut acc, sumi, None, d(b), 0.0, xs[0].d);
+        }
+        hsum(acc)
+    }
 
     macro_rules! four_rows {
         ($($name:ident => $one:ident),* $(,)?) => {$(
@@ -409,8 +688,6 @@ pub mod avx2 {
         dot_q5_1_x4 => dot_q5_1,
         dot_q2_k_x4 => dot_q2_k,
         dot_q3_k_x4 => dot_q3_k,
-        dot_q4_k_x4 => dot_q4_k,
-        dot_q5_k_x4 => dot_q5_k,
         dot_q6_k_x4 => dot_q6_k,
         dot_iq4_nl_x4 => dot_iq4_nl,
         dot_iq4_xs_x4 => dot_iq4_xs,
@@ -492,6 +769,18 @@ pub(super) mod tests {
         b
     }
 
+    /// `v` quantized as products of `ty` rows quantize their activations: Q8_K (one scale per 256, the kernels'
+    /// contract) for the K-quants and the lattice IQ formats, Q8_0 blocks for the others.
+    pub(in crate::quant) fn quantize_for(ty: GgmlType, v: &[f32]) -> Vec<BlockQ8> {
+        let mut x = vec![BlockQ8::default(); v.len() / 32];
+        if lookup(ty).is_some_and(|f| f.activation == crate::quant::format::Activation::Q8K) {
+            crate::quant::quantize_q8_k(v, &mut x);
+        } else {
+            quantize_q8(v, &mut x);
+        }
+        x
+    }
+
     /// `n` activations: random in [-2, 2], or saturating (±3 alternating by block of 32, so every code is ±127).
     pub(in crate::quant) fn values(n: usize, extreme: bool, seed: &mut u64) -> Vec<f32> {
         (0..n)
@@ -528,8 +817,7 @@ pub(super) mod tests {
                     let n = n_blocks * ty.block_size();
                     let r = row(ty, n_blocks, extreme, &mut seed);
                     let xs = values(n, extreme, &mut seed);
-                    let mut x = vec![BlockQ8::default(); n / 32];
-                    quantize_q8(&xs, &mut x);
+                    let x = quantize_for(ty, &xs);
                     assert_eq!(x.len(), n_blocks * per);
                     let (want, mag) = exact(ty, &r, &x);
                     // Q5_1's minimum multiplies the activations' block sum `s`, which is rounded to f16 (ggml's Q8_1
@@ -558,6 +846,78 @@ pub(super) mod tests {
                     // and the dispatch every caller uses
                     let d = crate::quant::dot_q8(ty, &r, &x) as f64;
                     assert!((d - want).abs() <= tol, "{ty:?}: dot_q8 {d} exact {want}");
+                    // Q8_0 activations (a scale per 32) where the format pairs with Q8_K: the dispatch takes the
+                    // scalar reference, still the exact product
+                    let mut x0 = vec![BlockQ8::default(); n / 32];
+                    quantize_q8(&xs, &mut x0);
+                    if !crate::quant::is_q8_k(&x0) {
+                        let (want0, mag0) = exact(ty, &r, &x0);
+                        let d0 = crate::quant::dot_q8(ty, &r, &x0) as f64;
+                        let d4 = crate::quant::dot_q8_x4(ty, [&r, &r, &r, &r], &x0);
+                        assert!((d0 - want0).abs() <= 2e-6 * mag0.max(1e-6) + s_err, "{ty:?}: Q8_0 x {d0} vs {want0}");
+                        assert!(d4.iter().all(|v| v.to_bits() == (d0 as f32).to_bits()), "{ty:?}: Q8_0 x4");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Q4_K and Q5_K: four distinct rows at once give each row the one-row bits, each within the exact product's
+    /// tolerance (random and saturating rows, 1..5 super-blocks).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn k_rows_give_each_of_four_distinct_rows_the_one_row_bits() {
+        use super::avx2::q45_k_rows;
+        if !crate::quant::simd_level().avx2() {
+            return;
+        }
+        let mut seed = 0x4B5u64;
+        for ty in [GgmlType::Q4_K, GgmlType::Q5_K] {
+            for n_blocks in [1usize, 2, 5] {
+                for extreme in [false, true] {
+                    let n = n_blocks * 256;
+                    let rows: Vec<Vec<u8>> = (0..4).map(|_| row(ty, n_blocks, extreme, &mut seed)).collect();
+                    let x = quantize_for(ty, &values(n, extreme, &mut seed));
+                    let r4 = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+                    // SAFETY: AVX2/FMA/F16C detected above; each row holds n_blocks super-blocks of x.
+                    let (four, ones) = unsafe {
+                        if ty == GgmlType::Q4_K {
+                            (q45_k_rows::<false, 4>(r4, &x), r4.map(|r| q45_k_rows::<false, 1>([r], &x)[0]))
+                        } else {
+                            (q45_k_rows::<true, 4>(r4, &x), r4.map(|r| q45_k_rows::<true, 1>([r], &x)[0]))
+                        }
+                    };
+                    assert_eq!(four.map(f32::to_bits), ones.map(f32::to_bits), "{ty:?} x{n_blocks} {extreme}: rows");
+                    for (r, v) in rows.iter().zip(four) {
+                        let (want, mag) = exact(ty, r, &x);
+                        assert!((v as f64 - want).abs() <= 2e-6 * mag.max(1e-6), "{ty:?}: {v} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The lattice kernels that put the signs on the activations and pass the grid levels to `maddubs` as unsigned
+    /// bytes rely on every level being in 0..=127 with no offset: checked on every grid row each format can decode
+    /// (random super-blocks hit all indices many times over).
+    #[test]
+    fn unsigned_lattice_grids_have_levels_below_128_and_no_offset() {
+        use crate::quant::format::{iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs};
+        let mut seed = 0x6D1Du64;
+        let subs: [(usize, fn(&[u8], usize) -> crate::quant::format::iq::Sub); 5] = [
+            (iq2_xxs::BYTES, iq2_xxs::sub),
+            (iq2_xs::BYTES, iq2_xs::sub),
+            (iq2_s::BYTES, iq2_s::sub),
+            (iq3_xxs::BYTES, iq3_xxs::sub),
+            (iq3_s::BYTES, iq3_s::sub),
+        ];
+        for (bytes, sub) in subs {
+            for _ in 0..2000 {
+                let b: Vec<u8> = (0..bytes).map(|_| next(&mut seed) as u8).collect();
+                for ib in 0..8 {
+                    let s = sub(&b, ib);
+                    assert_eq!(s.delta, [0; 4]);
+                    assert!(s.grid.iter().all(|g| g & 0x8080_8080_8080_8080 == 0), "{:x?}", s.grid);
                 }
             }
         }
@@ -584,9 +944,7 @@ pub(super) mod tests {
                     let xs: Vec<Vec<BlockQ8>> = (0..4)
                         .map(|_| {
                             let v: Vec<f32> = (0..n).map(|_| (next(&mut seed) % 2001) as f32 / 500.0 - 2.0).collect();
-                            let mut x = vec![BlockQ8::default(); n / 32];
-                            quantize_q8(&v, &mut x);
-                            x
+                            quantize_for(ty, &v)
                         })
                         .collect();
                     let x4 = [&xs[0][..], &xs[1][..], &xs[2][..], &xs[3][..]];

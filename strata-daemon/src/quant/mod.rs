@@ -12,13 +12,14 @@ mod dot_k;
 pub mod f16;
 pub mod format;
 pub mod gemm512;
+pub mod prefetch;
 pub mod q4_wide;
 mod types;
 
 pub use dequant::{bf16_to_f32, dequantize_row, f16_to_f32};
 pub use dot::{
-    dot_q8, dot_q8_scalar, dot_q8_x4, gemm512_of, k512, q8_t4, quantize_q8, quantize_q8_k, simd_level, vec_dot_f32_row,
-    wide, BlockQ8, SimdLevel, K512, Q8T4,
+    dot_q8, dot_q8_scalar, dot_q8_x4, gemm512_of, is_q8_k, k512, q8_rows, q8_t4, quantize_q8, quantize_q8_k,
+    simd_level, vec_dot_f32_row, wide, BlockQ8, Q8Rows, SimdLevel, K512, Q8T4,
 };
 pub use types::GgmlType;
 

@@ -140,10 +140,6 @@ mod imp {
     use super::{BlockQ8, Quad};
     use std::arch::x86_64::*;
 
-    /// How far ahead (bytes) each row is prefetched (as the AVX2 kernels do; 256–2048 bytes and the L2 and
-    /// non-temporal hints measured no better on the H200 host).
-    const PREFETCH: usize = 512;
-
     /// Bytes per block: Q4_1 (`Q41`) 20, Q4_0 18.
     const fn bb(q41: bool) -> usize {
         if q41 {
@@ -295,9 +291,9 @@ mod imp {
             let nb = (blocks - 4 * g).min(4);
             let off = g * gb;
             for &r in &rows {
-                // a hint: never faults, so the address may lie past the row
-                _mm_prefetch::<_MM_HINT_T0>(r.wrapping_add(off + PREFETCH) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(r.wrapping_add(off + PREFETCH + gb - 1) as *const i8);
+                // the group's bytes may straddle two lines
+                crate::quant::prefetch::ahead(r, off);
+                crate::quant::prefetch::ahead(r, off + gb - 1);
             }
             for j in 0..4 {
                 acc[j] = group::<Q41>(rows[j].add(off), nb, xg, ix, acc[j]);

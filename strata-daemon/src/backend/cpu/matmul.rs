@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use crate::quant::dot512::X512;
 use crate::quant::gemm512::{Gemm512, WRows, XTile};
 use crate::quant::q4_wide::Q8Quads;
-use crate::quant::{dot_q8, dot_q8_scalar, dot_q8_x4, quantize_q8, vec_dot_f32_row, wide, BlockQ8, GgmlType, K512};
+use crate::quant::{dot_q8_scalar, quantize_q8, vec_dot_f32_row, wide, BlockQ8, GgmlType, K512};
 
 /// A weight matrix view: `rows` × `cols` elements of `ty` in `data` (`rows * ty.row_bytes(cols)` bytes when the
 /// rows are packed; with a `stride`, row r starts at `r * stride`).
@@ -58,8 +58,9 @@ pub struct Act {
     /// `t * n / 32` blocks (valid after [`Act::quantize`]).
     pub q: Vec<BlockQ8>,
     /// The same values quantized as ggml's Q8_K (one scale per 256: [`crate::quant::quantize_q8_k`]) for weights
-    /// whose format pairs with them (the K-quants and the lattice IQ formats), when [`Act::with_q8k`] is set and
-    /// `n` is a multiple of 256 (else empty: they read `q`).
+    /// whose format pairs with them (the K-quants, IQ4_XS and the lattice IQ formats), when [`Act::with_q8k`] is
+    /// set and `n` is a multiple of 256 (else empty: they read `q`, which their SIMD kernels do not take, so such
+    /// products run the scalar reference: set `with_q8k` wherever those formats are multiplied).
     pub qk: Vec<BlockQ8>,
     /// Whether [`Act::quantize`] also fills `qk` (a model with K-quant or lattice IQ weights; off, the work is
     /// skipped).
@@ -638,7 +639,8 @@ fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1
     }
 }
 
-/// One product's rows through [`dot_q8_x4`] / [`dot_q8`] (or the scalar and f32 references).
+/// One product's rows through [`crate::quant::dot_q8_x4`] / [`crate::quant::dot_q8`] (or the scalar and f32
+/// references).
 fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
     let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
     let simd = precision == Precision::Q8Activations;
@@ -657,6 +659,8 @@ fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize
         while t0 + 4 <= x.t {
             let xs =
                 [x.qrow_for(w.ty, t0), x.qrow_for(w.ty, t0 + 1), x.qrow_for(w.ty, t0 + 2), x.qrow_for(w.ty, t0 + 3)];
+            // the activations checked once for the whole product, not per row
+            let Some(k) = k.takes(xs) else { break };
             for r in r0..r1 {
                 let v = k.dot(w.row(r), xs);
                 for (j, v) in v.into_iter().enumerate() {
@@ -671,12 +675,13 @@ fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize
     }
     for ti in t0..x.t {
         let xq = x.qrow_for(w.ty, ti);
-        let x4 = (q8 && simd)
-            .then_some(|r: usize| dot_q8_x4(w.ty, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], xq));
+        // the activations checked once for the format's kernels, not per call
+        let k = (q8 && simd).then(|| crate::quant::q8_rows(w.ty, xq));
+        let x4 = k.map(|k| move |r: usize| k.x4([w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)]));
         let one = |r: usize| {
             let row = w.row(r);
             match (q8, simd) {
-                (true, true) => dot_q8(w.ty, row, xq),
+                (true, true) => k.expect("made for q8 && simd").one(row),
                 (true, false) => dot_q8_scalar(w.ty, row, xq),
                 _ => vec_dot_f32_row(w.ty, row, x.row(ti)),
             }
@@ -740,8 +745,8 @@ fn rows_gemm(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, g
 }
 
 /// Rows from which a task lays its activations out for the AVX-512 row kernels ([`rows_512`]); smaller tasks (the
-/// hybrid GPU path's expert slices) take the AVX2 kernels, whose bits these kernels share (and [`dot_q8`] /
-/// [`dot_q8_x4`], which other callers use, are the AVX2 kernels too).
+/// hybrid GPU path's expert slices) take the AVX2 kernels, whose bits these kernels share (and
+/// [`crate::quant::dot_q8`] / [`crate::quant::dot_q8_x4`], which other callers use, are the AVX2 kernels too).
 const ROWS_512: usize = 32;
 
 /// One product's rows through the AVX-512 kernels ([`crate::quant::dot512`]): each token's activations laid out once,

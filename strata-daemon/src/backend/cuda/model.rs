@@ -1514,6 +1514,8 @@ impl Stage {
         let cpu_done = if any_cpu {
             s.xn.resize(t, e);
             s.xn.f.copy_from_slice(&host.xn);
+            // the activations the K-quant and IQ products pair with (Q8_K), as the CPU backend quantizes them
+            s.xn.with_q8k = m.weights.q8k_activations;
             s.xn.quantize();
             cpu_experts(m, l, ex, &by_expert, src, Some(&from), s, issue)
         } else {

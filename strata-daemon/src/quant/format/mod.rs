@@ -54,13 +54,17 @@ pub enum Activation {
     /// Q8_0 plus `s = d·Σq` (ggml's Q8_1: Q4_1 rows, whose minimum multiplies the block sum). [`BlockQ8`] carries
     /// both, so one quantization per token serves every format.
     Q8_1,
-    /// ggml's Q8_K: one f32 scale per 256 values (the K-quants), held as [`BlockQ8`] blocks that share it
-    /// (`crate::quant::quantize_q8_k`); where a row is not whole super-blocks the Q8_0 blocks serve.
+    /// ggml's Q8_K: one f32 scale per 256 values (the K-quants, IQ4_XS, the lattice IQ formats), held as
+    /// [`BlockQ8`] blocks that share it (`crate::quant::quantize_q8_k`). Their SIMD kernels take only these; other
+    /// activations go through the scalar reference (`crate::quant::is_q8_k`).
     Q8K,
 }
 
 /// Dot products of one format's rows with 8-bit activations ([`BlockQ8`], `x.len()` blocks of 32): `fn(row, x)`
-/// for a row of `x.len() · 32` elements, and four rows at once (bit-identical to four single calls).
+/// for a row of `x.len() · 32` elements, and four rows at once (bit-identical to four single calls). The SIMD
+/// kernels of the formats whose [`Activation`] is Q8K take Q8_K activations only (each super-block's 8 blocks
+/// sharing one scale, which they apply once per super-block); the dispatch (`crate::quant::dot_q8`) sends other
+/// activations to the scalar reference, which takes any.
 #[derive(Debug, Clone, Copy)]
 pub struct Q8Dot {
     /// The scalar reference.
