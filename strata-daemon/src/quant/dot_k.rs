@@ -222,7 +222,7 @@ pub mod avx2 {
     unsafe fn q45_k_n<const FIFTH: bool, const N: usize>(row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
         let bytes = if FIFTH { 176 } else { 144 };
         let qs_at = bytes - 128;
-        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc = [0f32; N];
         let low = _mm256_set1_epi8(0x0f);
         let one = _mm256_set1_epi8(1);
         for (i, b) in row.chunks_exact(bytes).enumerate() {
@@ -232,7 +232,6 @@ pub mod avx2 {
             let scales = &b[4..16];
             let qh = if FIFTH { _mm256_loadu_si256(p.add(16) as *const __m256i) } else { _mm256_setzero_si256() };
             let mut sumi = [_mm256_setzero_si256(); N];
-            let mut summ = [_mm256_setzero_si256(); N];
             for c in 0..4 {
                 let v = _mm256_loadu_si256(p.add(qs_at + 32 * c) as *const __m256i);
                 let mut lo = _mm256_and_si256(v, low);
@@ -252,31 +251,69 @@ pub mod avx2 {
                     sumi[t] = _mm256_add_epi32(sumi[t], s);
                 }
             }
-            // the minimum term as q45_k_rows computes it (the same lanes): minimum g times block g's sum
-            let mn = _mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins_k4(p.add(4)), 8));
+            // the float steps of q45_k_rows per token: the super-block's exact totals, then two fused steps
+            let sm = scales_mins_k4(p.add(4));
             for t in 0..N {
-                summ[t] = _mm256_mullo_epi32(mn, group_sums(&x[t][8 * i..8 * i + 8]));
-            }
-            for t in 0..N {
-                finish(&mut acc[t], sumi[t], Some(summ[t]), d, dmin, x[t][8 * i].d);
+                let m = mins_dot(sm, group_sums16(&x[t][8 * i..8 * i + 8]));
+                let mtot = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(m, m), _mm_hadd_epi32(m, m)));
+                let dx = x[t][8 * i].d;
+                acc[t] = (isum(sumi[t]) as f32).mul_add(d * dx, acc[t]);
+                acc[t] = (-(mtot as f32)).mul_add(dmin * dx, acc[t]);
             }
         }
-        hsum_n(acc)
+        acc
     }
 
     /// The 6-bit scales (bytes 0..8) and minimums (bytes 8..16) of a Q4_K / Q5_K super-block, unpacked from its 12
-    /// packed bytes at `p` with four 32-bit steps (the layout [`scale_min_k4`] reads one pair at a time).
+    /// packed bytes at `p` (the layout [`scale_min_k4`] reads one pair at a time) in one vector: with `w0, w1, w2`
+    /// the three packed 32-bit words, scales 0..4 are `w0`'s low 6 bits per byte, scales 4..8 `w2`'s low nibbles with
+    /// `w0`'s top 2 bits above them, the minimums the same from `w1` and `w2`'s high nibbles. SAFETY (callers): avx2
+    /// present; 16 bytes readable at `p` (the 12, then the super-block's next 4, unused).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn scales_mins_k4(p: *const u8) -> __m128i {
-        let w = |k: usize| u32::from_le_bytes([*p.add(4 * k), *p.add(4 * k + 1), *p.add(4 * k + 2), *p.add(4 * k + 3)]);
-        let (w0, w1, w2) = (w(0), w(1), w(2));
-        let (m6, m4, m2) = (0x3f3f_3f3fu32, 0x0f0f_0f0fu32, 0x0303_0303u32);
-        let sc_lo = w0 & m6; // scales 0..4: low 6 bits of bytes 0..4
-        let sc_hi = (w2 & m4) | (((w0 >> 6) & m2) << 4); // scales 4..8: nibbles of bytes 8..12, top bits of 0..4
-        let mn_lo = w1 & m6; // minimums 0..4: low 6 bits of bytes 4..8
-        let mn_hi = ((w2 >> 4) & m4) | (((w1 >> 6) & m2) << 4); // minimums 4..8
-        _mm_setr_epi32(sc_lo as i32, sc_hi as i32, mn_lo as i32, mn_hi as i32)
+        let w = _mm_loadu_si128(p as *const __m128i);
+        // [w0, w2, w1, w2]: the low parts (w2's high nibbles shifted down in the last lane)
+        let low = _mm_srlv_epi32(_mm_shuffle_epi32::<0b10_01_10_00>(w), _mm_setr_epi32(0, 0, 0, 4));
+        let low = _mm_and_si128(low, _mm_setr_epi32(0x3f3f_3f3f, 0x0f0f_0f0f, 0x3f3f_3f3f, 0x0f0f_0f0f));
+        // [w0, w0, w1, w1]: the top 2 bits of w0 (w1) above the scales (minimums) 4..8
+        let top = _mm_srli_epi32::<6>(_mm_shuffle_epi32::<0b01_01_00_00>(w));
+        let top = _mm_slli_epi32::<4>(_mm_and_si128(top, _mm_setr_epi32(0, 0x0303_0303, 0, 0x0303_0303)));
+        _mm_or_si128(low, top)
+    }
+
+    /// The exact sum of `v`'s 8 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn isum(v: __m256i) -> i32 {
+        let h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let h = _mm_hadd_epi32(h, h);
+        _mm_cvtsi128_si32(_mm_hadd_epi32(h, h))
+    }
+
+    /// Lane `r` = the exact sum of `v[r]`'s 8 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn isum4(v: [__m256i; 4]) -> __m128i {
+        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
+    }
+
+    /// A Q4_K / Q5_K super-block's 8 block sums of `x` ([`group_sums`]) as i16 (exact: |Σ| ≤ 32 · 127), for
+    /// `_mm_madd_epi16` with the 8 minimums.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group_sums16(x: &[BlockQ8]) -> __m128i {
+        let s = group_sums(x);
+        _mm_packs_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1))
+    }
+
+    /// Σ minimum_g · Σ x_g over a super-block's 8 groups as 4 i32 lanes (exact), from [`scales_mins_k4`]'s
+    /// vector and [`group_sums16`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mins_dot(sm: __m128i, sums16: __m128i) -> __m128i {
+        _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128::<8>(sm)), sums16)
     }
 
     /// The 8 sums Σ x of a super-block's activation blocks `x` (8 blocks of 32), lane `g` for block `g` (exact
@@ -313,22 +350,27 @@ pub mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn q45_k_rows<const FIFTH: bool, const R: usize>(rows: [&[u8]; R], x: &[BlockQ8]) -> [f32; R] {
+        const { assert!(R <= 4) };
         let bytes = if FIFTH { 176 } else { 144 };
         let qs_at = bytes - 128;
-        let mut acc = [_mm256_setzero_ps(); R];
+        // lane r: row r's sum so far
+        let mut acc = _mm_setzero_ps();
         let low = _mm256_set1_epi8(0x0f);
         let one = _mm256_set1_epi8(1);
         for (i, xs) in x.chunks_exact(8).enumerate() {
-            let sums = group_sums(xs);
+            let sums16 = group_sums16(xs);
             let mut sc = [_mm256_setzero_si256(); R];
-            let mut sumi = [_mm256_setzero_si256(); R];
-            let mut summ = [_mm256_setzero_si256(); R];
+            let mut sumi = [_mm256_setzero_si256(); 4];
+            let mut mins = [_mm_setzero_si128(); 4];
+            // d | dmin of each row (f16 pairs), rows past R zero
+            let mut dm = [0i32; 4];
             for r in 0..R {
                 let p = rows[r].as_ptr().add(bytes * i);
                 crate::quant::prefetch::ahead_span(p, 0, bytes);
+                dm[r] = (p as *const i32).read_unaligned();
                 let sm = scales_mins_k4(p.add(4));
                 sc[r] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-                summ[r] = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)), sums);
+                mins[r] = mins_dot(sm, sums16);
             }
             for c in 0..4 {
                 let x0 = load_x(&xs[2 * c]);
@@ -350,16 +392,19 @@ pub mod avx2 {
                     sumi[r] = _mm256_add_epi32(sumi[r], s);
                 }
             }
-            for r in 0..R {
-                let p = rows[r].as_ptr().add(bytes * i);
-                finish(&mut acc[r], sumi[r], Some(summ[r]), h2f(p), h2f(p.add(2)), xs[0].d);
-            }
+            // the super-block's exact totals per row, then (d · dx) · Σ - (dmin · dx) · Σmin, fused, per lane
+            let tot = isum4(sumi);
+            let mtot = _mm_hadd_epi32(_mm_hadd_epi32(mins[0], mins[1]), _mm_hadd_epi32(mins[2], mins[3]));
+            let f = _mm256_cvtph_ps(_mm_setr_epi32(dm[0], dm[1], dm[2], dm[3]));
+            let f = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+            let dx = _mm_set1_ps(xs[0].d);
+            let (dd, dmn) = (_mm_mul_ps(_mm256_castps256_ps128(f), dx), _mm_mul_ps(_mm256_extractf128_ps(f, 1), dx));
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(tot), dd, acc);
+            acc = _mm_fnmadd_ps(_mm_cvtepi32_ps(mtot), dmn, acc);
         }
-        let mut out = [0f32; R];
-        for (o, a) in out.iter_mut().zip(acc) {
-            *o = hsum(a);
-        }
-        out
+        let mut lanes = [0f32; 4];
+        _mm_storeu_ps(lanes.as_mut_ptr(), acc);
+        std::array::from_fn(|r| lanes[r])
     }
 
     /// One Q4_K row times `N` tokens' activations ([`dot_q4_k`]).

@@ -10,6 +10,7 @@ mod dot;
 pub mod dot512;
 mod dot_k;
 pub mod f16;
+pub mod fdot;
 pub mod format;
 pub mod gemm512;
 pub mod prefetch;

@@ -11,7 +11,7 @@ pub const FORMAT: Format = Format {
     activation: Activation::F32,
     dequantize,
     q8: None,
-    f32_dot: Some(dot),
+    f32_dot: Some(crate::quant::fdot::dot_bf16),
     cuda: Some(CudaFormat { index: 2, suffix: "bf16", narrow: false, prefill: Prefill::Float, on_demand: false }),
 };
 
@@ -19,8 +19,4 @@ fn dequantize(src: &[u8], dst: &mut [f32]) {
     for (i, d) in dst.iter_mut().enumerate() {
         *d = bf16_to_f32(rd16(src, 2 * i));
     }
-}
-
-fn dot(row: &[u8], x: &[f32]) -> f32 {
-    row.chunks_exact(2).zip(x).map(|(b, v)| bf16_to_f32(u16::from_le_bytes([b[0], b[1]])) * v).sum()
 }

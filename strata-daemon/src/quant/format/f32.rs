@@ -10,7 +10,7 @@ pub const FORMAT: Format = Format {
     activation: Activation::F32,
     dequantize,
     q8: None,
-    f32_dot: Some(dot),
+    f32_dot: Some(crate::quant::fdot::dot_f32),
     cuda: Some(CudaFormat { index: 0, suffix: "f32", narrow: false, prefill: Prefill::Float, on_demand: false }),
 };
 
@@ -18,8 +18,4 @@ fn dequantize(src: &[u8], dst: &mut [f32]) {
     for (d, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
         *d = f32::from_le_bytes(b.try_into().expect("4 bytes"));
     }
-}
-
-fn dot(row: &[u8], x: &[f32]) -> f32 {
-    row.chunks_exact(4).zip(x).map(|(b, v)| f32::from_le_bytes(b.try_into().expect("4 bytes")) * v).sum()
 }
