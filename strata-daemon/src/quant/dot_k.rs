@@ -4,9 +4,12 @@
 //! `maddubs`. The 32-value formats (Q5_0, Q5_1, IQ4_NL, MXFP4) apply their float block scale per block. The
 //! super-block formats (the K-quants, IQ4_XS and the lattice IQ formats) pair with Q8_K activations, one scale per
 //! 256 values, as ggml's `ggml_vec_dot_*_q8_K`: they apply their per-16 or per-32 integer scales with one `madd`,
-//! their products stay exact integers over a whole super-block (8 i32 lanes of scale · code · x, and for Q4_K,
-//! Q5_K and Q2_K the minimums times the activations' block sums) and become floats once per super-block (`finish`).
-//! Q4_K and Q5_K read four rows at once with the activations loaded and summed once for them; the other four-row
+//! their products stay exact integers over a whole super-block (8 i32 lanes of scale · code · x, and for Q2_K the
+//! minimums times the activations' block sums) and become floats once per super-block (`finish`). Q4_K and Q5_K
+//! sum a super-block to one exact integer per row (and its minimum term to another, a `madd` of the 8 minimums
+//! with the activations' block sums), then take two fused float steps, four rows in one vector; they read four
+//! rows at once with the activations loaded and summed once for them (the scales of a row unpacked in one SSE
+//! step); the other four-row
 //! variants are four single-row calls. The IQ2 formats run an AVX-512 VNNI version where the CPU has it (two
 //! sub-blocks per `vpdpbusd`, the signs as a mask; the same integer lanes, so the same bits). The four-token ones
 //! (`*_t4`: Q5_0 and the Q4_K_M family's K-quants) unpack a row's codes once for four tokens' activations. Every
@@ -22,7 +25,6 @@ pub mod avx2 {
     use std::arch::x86_64::*;
 
     use crate::quant::dot::avx2::{h2f, hsum, nibbles};
-    use crate::quant::format::kquant::scale_min_k4;
     use crate::quant::BlockQ8;
 
     /// The activation block's 32 codes.
@@ -229,7 +231,8 @@ pub mod avx2 {
             let p = b.as_ptr();
             crate::quant::prefetch::ahead_span(p, 0, bytes);
             let (d, dmin) = (h2f(p), h2f(p.add(2)));
-            let scales = &b[4..16];
+            let sm = scales_mins_k4(p.add(4));
+            let sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
             let qh = if FIFTH { _mm256_loadu_si256(p.add(16) as *const __m256i) } else { _mm256_setzero_si256() };
             let mut sumi = [_mm256_setzero_si256(); N];
             for c in 0..4 {
@@ -241,9 +244,7 @@ pub mod avx2 {
                     lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
                     hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
                 }
-                let (s0, _) = scale_min_k4(2 * c, scales);
-                let (s1, _) = scale_min_k4(2 * c + 1, scales);
-                let (v0, v1) = (_mm256_set1_epi16(s0 as i16), _mm256_set1_epi16(s1 as i16));
+                let (v0, v1) = (scale_of(sc, 2 * c), scale_of(sc, 2 * c + 1));
                 for t in 0..N {
                     let x0 = load_x(&x[t][8 * i + 2 * c]);
                     let x1 = load_x(&x[t][8 * i + 2 * c + 1]);
@@ -252,10 +253,10 @@ pub mod avx2 {
                 }
             }
             // the float steps of q45_k_rows per token: the super-block's exact totals, then two fused steps
-            let sm = scales_mins_k4(p.add(4));
             for t in 0..N {
                 let m = mins_dot(sm, group_sums16(&x[t][8 * i..8 * i + 8]));
-                let mtot = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(m, m), _mm_hadd_epi32(m, m)));
+                let h = _mm_hadd_epi32(m, m);
+                let mtot = _mm_cvtsi128_si32(_mm_hadd_epi32(h, h));
                 let dx = x[t][8 * i].d;
                 acc[t] = (isum(sumi[t]) as f32).mul_add(d * dx, acc[t]);
                 acc[t] = (-(mtot as f32)).mul_add(dmin * dx, acc[t]);
@@ -265,13 +266,14 @@ pub mod avx2 {
     }
 
     /// The 6-bit scales (bytes 0..8) and minimums (bytes 8..16) of a Q4_K / Q5_K super-block, unpacked from its 12
-    /// packed bytes at `p` (the layout [`scale_min_k4`] reads one pair at a time) in one vector: with `w0, w1, w2`
+    /// packed bytes at `p` (the layout [`scale_min_k4`](crate::quant::format::kquant::scale_min_k4) reads one pair at a
+    /// time) in one vector: with `w0, w1, w2`
     /// the three packed 32-bit words, scales 0..4 are `w0`'s low 6 bits per byte, scales 4..8 `w2`'s low nibbles with
     /// `w0`'s top 2 bits above them, the minimums the same from `w1` and `w2`'s high nibbles. SAFETY (callers): avx2
     /// present; 16 bytes readable at `p` (the 12, then the super-block's next 4, unused).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scales_mins_k4(p: *const u8) -> __m128i {
+    pub(super) unsafe fn scales_mins_k4(p: *const u8) -> __m128i {
         let w = _mm_loadu_si128(p as *const __m128i);
         // [w0, w2, w1, w2]: the low parts (w2's high nibbles shifted down in the last lane)
         let low = _mm_srlv_epi32(_mm_shuffle_epi32::<0b10_01_10_00>(w), _mm_setr_epi32(0, 0, 0, 4));
@@ -346,7 +348,7 @@ pub mod avx2 {
     /// `R` Q4_K (or, with `FIFTH`, Q5_K) rows times one token's Q8_K activations, each row's result the bits of
     /// [`q45_k_n`] for it (the same exact integer lanes and the same float steps): the activations are loaded and
     /// summed once for the `R` rows, the scales unpacked with [`scales_mins_k4`] and the minimum term taken from
-    /// the block sums ([`group_sums`]).
+    /// the block sums ([`group_sums16`], [`mins_dot`]).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn q45_k_rows<const FIFTH: bool, const R: usize>(rows: [&[u8]; R], x: &[BlockQ8]) -> [f32; R] {
@@ -1067,6 +1069,36 @@ pub(super) mod tests {
                         assert!((v as f64 - want).abs() <= 2e-6 * mag.max(1e-6), "{ty:?}: {v} vs {want}");
                     }
                 }
+            }
+        }
+    }
+
+    /// The one-step SSE unpack of Q4_K / Q5_K scales and minimums gives what the scalar layout reads, on random
+    /// packed bytes (every bit pattern of the 12 bytes many times over).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_scale_unpack_matches_the_scalar_layout() {
+        use crate::quant::format::kquant::scale_min_k4;
+        if !crate::quant::simd_level().avx2() {
+            return;
+        }
+        let mut seed = 0x5CA1Eu64;
+        for _ in 0..4096 {
+            let b: [u8; 16] = std::array::from_fn(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 24) as u8
+            });
+            let mut got = [0u8; 16];
+            // SAFETY: AVX2 detected above; 16 bytes at b.
+            unsafe {
+                let v = super::avx2::scales_mins_k4(b.as_ptr());
+                std::arch::x86_64::_mm_storeu_si128(got.as_mut_ptr() as *mut _, v);
+            }
+            for j in 0..8 {
+                let (sc, mn) = scale_min_k4(j, &b[..12]);
+                assert_eq!((got[j], got[8 + j]), (sc, mn), "group {j} of {b:?}");
             }
         }
     }

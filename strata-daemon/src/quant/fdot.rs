@@ -6,10 +6,11 @@
 //! multiply-add): the order of a plain loop, kept so that outputs stay those of the scalar code they replace. One
 //! row at a time that is a chain of dependent adds (one element per add latency); [`dot4`] therefore computes four
 //! rows at once with one row per vector lane (four rows' elements loaded and transposed, the same adds in the
-//! same order per lane), which gives each row's bits and reads memory at its rate. Rows are prefetched into L2
-//! ahead of the reads ([`super::prefetch`]).
+//! same order per lane), which gives each row's bits and reads memory at its rate; it prefetches its rows into L2
+//! ahead of the reads ([`super::prefetch`]). A row shorter than the activations is a panic (a caller's bug: the
+//! matmul planner checks shapes), not a silently shorter sum.
 
-use super::{bf16_to_f32, f16_to_f32, simd_level, GgmlType};
+use super::{bf16_to_f32, f16_to_f32, GgmlType};
 
 /// An element decoder: the f32 value of one element from its bytes.
 type Elem = fn(&[u8]) -> f32;
@@ -66,7 +67,7 @@ pub fn dot4(ty: GgmlType, rows: [&[u8]; 4], x: &[f32]) -> Option<[f32; 4]> {
         assert!(r.len() >= size * x.len(), "float row of {} bytes for {} values", r.len(), x.len());
     }
     #[cfg(target_arch = "x86_64")]
-    if simd_level().avx2() {
+    if super::simd_level().avx2() {
         // SAFETY: AVX2/FMA/F16C detected (`simd_level`); every row holds `x.len()` elements (asserted above).
         return Some(unsafe {
             match ty {
@@ -107,7 +108,8 @@ mod avx2 {
 
     impl Elem for F32 {
         const SIZE: usize = 4;
-        #[inline(always)]
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load4(p: *const u8) -> __m128 {
             _mm_loadu_ps(p as *const f32)
         }
@@ -115,7 +117,8 @@ mod avx2 {
 
     impl Elem for F16 {
         const SIZE: usize = 2;
-        #[inline(always)]
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load4(p: *const u8) -> __m128 {
             _mm_cvtph_ps(_mm_loadl_epi64(p as *const __m128i))
         }
@@ -123,7 +126,8 @@ mod avx2 {
 
     impl Elem for Bf16 {
         const SIZE: usize = 2;
-        #[inline(always)]
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load4(p: *const u8) -> __m128 {
             _mm_castsi128_ps(_mm_slli_epi32::<16>(_mm_cvtepu16_epi32(_mm_loadl_epi64(p as *const __m128i))))
         }
@@ -166,8 +170,7 @@ mod avx2 {
         for j in whole..x.len() {
             for (r, o) in out.iter_mut().enumerate() {
                 let e = p[r].add(j * E::SIZE);
-                let w = E::load1(e);
-                *o += w * x[j];
+                *o += E::load1(e) * *x.get_unchecked(j);
             }
         }
         out
