@@ -4,13 +4,13 @@
 //!
 //! A row's sum is `((-0 + w0·x0) + w1·x1) + …` in element order, each product rounded before its add (no fused
 //! multiply-add): the order of a plain loop, kept so that outputs stay those of the scalar code they replace. One
-//! row at a time that is a chain of dependent adds (one element per add latency); [`dot4`] therefore computes four
+//! row at a time that is a chain of dependent adds (one element per add latency); [`dot4_f32`] and the others therefore compute four
 //! rows at once with one row per vector lane (four rows' elements loaded and transposed, the same adds in the
 //! same order per lane), which gives each row's bits and reads memory at its rate; it prefetches its rows into L2
 //! ahead of the reads ([`super::prefetch`]). A row shorter than the activations is a panic (a caller's bug: the
 //! matmul planner checks shapes), not a silently shorter sum.
 
-use super::{bf16_to_f32, f16_to_f32, GgmlType};
+use super::{bf16_to_f32, f16_to_f32};
 
 /// An element decoder: the f32 value of one element from its bytes.
 type Elem = fn(&[u8]) -> f32;
@@ -48,36 +48,45 @@ pub fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
     sum(row, x, 2, bf16_elem)
 }
 
-/// Whether `ty` is one of this module's formats (F32, F16, BF16).
-pub fn is_float(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+/// Four F32 rows times `x`: each result the bits of [`dot_f32`] for its row, one row per vector lane where the CPU
+/// has AVX2. Panics when a row is shorter than `x` needs.
+pub fn dot4_f32(rows: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
+    check4(rows, x, 4);
+    #[cfg(target_arch = "x86_64")]
+    if super::simd_level().avx2() {
+        // SAFETY: AVX2/FMA/F16C detected (`simd_level`); every row holds `x.len()` elements (`check4`).
+        return unsafe { avx2::dot4::<avx2::F32>(rows, x) };
+    }
+    rows.map(|r| dot_f32(r, x))
 }
 
-/// Four rows of float format `ty` (F32, F16 or BF16) times `x`: each result the bits of the one-row function
-/// ([`dot_f32`], [`dot_f16`], [`dot_bf16`]), computed with one row per vector lane where the CPU has AVX2.
-/// `None` for another format. Panics when a row is shorter than `x` needs.
-pub fn dot4(ty: GgmlType, rows: [&[u8]; 4], x: &[f32]) -> Option<[f32; 4]> {
-    let (size, one): (usize, fn(&[u8], &[f32]) -> f32) = match ty {
-        GgmlType::F32 => (4, dot_f32),
-        GgmlType::F16 => (2, dot_f16),
-        GgmlType::BF16 => (2, dot_bf16),
-        _ => return None,
-    };
+/// [`dot4_f32`] for F16 rows ([`dot_f16`]'s bits).
+pub fn dot4_f16(rows: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
+    check4(rows, x, 2);
+    #[cfg(target_arch = "x86_64")]
+    if super::simd_level().avx2() {
+        // SAFETY: as in `dot4_f32`, 2 bytes per element.
+        return unsafe { avx2::dot4::<avx2::F16>(rows, x) };
+    }
+    rows.map(|r| dot_f16(r, x))
+}
+
+/// [`dot4_f32`] for BF16 rows ([`dot_bf16`]'s bits).
+pub fn dot4_bf16(rows: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
+    check4(rows, x, 2);
+    #[cfg(target_arch = "x86_64")]
+    if super::simd_level().avx2() {
+        // SAFETY: as in `dot4_f32`, 2 bytes per element.
+        return unsafe { avx2::dot4::<avx2::Bf16>(rows, x) };
+    }
+    rows.map(|r| dot_bf16(r, x))
+}
+
+/// Panics unless every row holds `x.len()` elements of `size` bytes.
+fn check4(rows: [&[u8]; 4], x: &[f32], size: usize) {
     for r in rows {
         assert!(r.len() >= size * x.len(), "float row of {} bytes for {} values", r.len(), x.len());
     }
-    #[cfg(target_arch = "x86_64")]
-    if super::simd_level().avx2() {
-        // SAFETY: AVX2/FMA/F16C detected (`simd_level`); every row holds `x.len()` elements (asserted above).
-        return Some(unsafe {
-            match ty {
-                GgmlType::F32 => avx2::dot4::<avx2::F32>(rows, x),
-                GgmlType::F16 => avx2::dot4::<avx2::F16>(rows, x),
-                _ => avx2::dot4::<avx2::Bf16>(rows, x),
-            }
-        });
-    }
-    Some(rows.map(|r| one(r, x)))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -180,6 +189,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::GgmlType;
 
     fn rng(seed: &mut u64) -> f32 {
         *seed ^= *seed << 13;
@@ -219,7 +229,8 @@ mod tests {
             ];
             for (ty, size, elem, put) in enc {
                 let rows: Vec<Vec<u8>> = w.iter().map(|r| r.iter().flat_map(|v| put(*v)).collect()).collect();
-                let four = dot4(ty, [&rows[0], &rows[1], &rows[2], &rows[3]], &x).expect("a float format");
+                let dot4 = crate::quant::format::lookup(ty).and_then(|f| f.f32_dot4).expect("a float format");
+                let four = dot4([&rows[0], &rows[1], &rows[2], &rows[3]], &x);
                 for (r, row) in rows.iter().enumerate() {
                     let one = vec_dot(ty, row, &x);
                     assert_eq!(one.to_bits(), plain(row, &x, size, elem).to_bits(), "{ty:?} n {n} row {r}");
@@ -234,7 +245,7 @@ mod tests {
                 }
             }
         }
-        assert!(dot4(GgmlType::Q8_0, [&[], &[], &[], &[]], &[]).is_none());
+        assert!(crate::quant::format::lookup(GgmlType::Q8_0).is_some_and(|f| f.f32_dot4.is_none()));
     }
 
     fn vec_dot(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
@@ -249,6 +260,6 @@ mod tests {
     #[test]
     #[should_panic(expected = "bytes for")]
     fn a_short_row_panics() {
-        let _ = dot4(GgmlType::F32, [&[0u8; 16], &[0u8; 16], &[0u8; 8], &[0u8; 16]], &[1.0; 4]);
+        let _ = dot4_f32([&[0u8; 16], &[0u8; 16], &[0u8; 8], &[0u8; 16]], &[1.0; 4]);
     }
 }

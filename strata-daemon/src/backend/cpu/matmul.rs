@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use crate::quant::dot512::X512;
 use crate::quant::gemm512::{Gemm512, WRows, XTile};
 use crate::quant::q4_wide::Q8Quads;
-use crate::quant::{dot_q8_scalar, fdot, quantize_q8, vec_dot_f32_row, wide, BlockQ8, GgmlType, K512};
+use crate::quant::{dot_q8_scalar, quantize_q8, vec_dot_f32_row, wide, BlockQ8, GgmlType, K512};
 
 /// A weight matrix view: `rows` × `cols` elements of `ty` in `data` (`rows * ty.row_bytes(cols)` bytes when the
 /// rows are packed; with a `stride`, row r starts at `r * stride`).
@@ -679,11 +679,12 @@ fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize
         let k = (q8 && simd).then(|| crate::quant::q8_rows(w.ty, xq));
         let rows4 = |r: usize| [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)];
         // float formats: four rows per lane-parallel call (each row the one-row function's bits)
-        let float = !q8 && fdot::is_float(w.ty);
-        let x4 = (k.is_some() || float).then(|| {
-            move |r: usize| match k {
-                Some(k) => k.x4(rows4(r)),
-                None => fdot::dot4(w.ty, rows4(r), x.row(ti)).expect("a float format"),
+        let float4 = if q8 { None } else { crate::quant::format::lookup(w.ty).and_then(|f| f.f32_dot4) };
+        let x4 = (k.is_some() || float4.is_some()).then(|| {
+            move |r: usize| match (k, float4) {
+                (Some(k), _) => k.x4(rows4(r)),
+                (None, Some(f)) => f(rows4(r), x.row(ti)),
+                (None, None) => unreachable!("x4 is made only with a kernel"),
             }
         });
         let one = |r: usize| {

@@ -12,6 +12,7 @@ pub const FORMAT: Format = Format {
     dequantize,
     q8: None,
     f32_dot: Some(crate::quant::fdot::dot_bf16),
+    f32_dot4: Some(crate::quant::fdot::dot4_bf16),
     cuda: Some(CudaFormat { index: 2, suffix: "bf16", narrow: false, prefill: Prefill::Float, on_demand: false }),
 };
 

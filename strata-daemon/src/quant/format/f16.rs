@@ -12,6 +12,7 @@ pub const FORMAT: Format = Format {
     dequantize,
     q8: None,
     f32_dot: Some(crate::quant::fdot::dot_f16),
+    f32_dot4: Some(crate::quant::fdot::dot4_f16),
     cuda: Some(CudaFormat { index: 1, suffix: "f16", narrow: false, prefill: Prefill::Float, on_demand: false }),
 };
 

@@ -11,6 +11,7 @@ pub const FORMAT: Format = Format {
     dequantize,
     q8: None,
     f32_dot: Some(crate::quant::fdot::dot_f32),
+    f32_dot4: Some(crate::quant::fdot::dot4_f32),
     cuda: Some(CudaFormat { index: 0, suffix: "f32", narrow: false, prefill: Prefill::Float, on_demand: false }),
 };
 

@@ -38,6 +38,7 @@ pub const FORMAT: Format = Format {
         gemm512: Some(crate::quant::gemm512::Gemm512::scalar(|b, u| super::iq::unpack(&LATTICE, b, u), BYTES, false)),
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 22, suffix: "iq1_m", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 

@@ -37,6 +37,7 @@ pub const FORMAT: Format = Format {
         gemm512: Some(crate::quant::gemm512::Gemm512::scalar(|b, u| super::iq::unpack(&LATTICE, b, u), BYTES, false)),
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 20, suffix: "iq3_s", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 

@@ -31,6 +31,7 @@ pub const FORMAT: Format = Format {
         gemm512: None,
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 13, suffix: "iq4_nl", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 

@@ -137,6 +137,9 @@ pub struct Format {
     pub q8: Option<Q8Dot>,
     /// Dot product of a row with f32 activations (float formats; `row` holds `x.len()` elements).
     pub f32_dot: Option<fn(&[u8], &[f32]) -> f32>,
+    /// Four rows of `x.len()` elements each times `x` (float formats): each result the bits of `f32_dot` for its
+    /// row, computed together where the CPU allows ([`crate::quant::fdot`]).
+    pub f32_dot4: Option<fn([&[u8]; 4], &[f32]) -> [f32; 4]>,
     /// Its CUDA kernels.
     pub cuda: Option<CudaFormat>,
 }

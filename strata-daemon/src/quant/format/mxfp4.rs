@@ -30,6 +30,7 @@ pub const FORMAT: Format = Format {
         gemm512: None,
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 15, suffix: "mxfp4", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 

@@ -31,6 +31,7 @@ pub const FORMAT: Format = Format {
         gemm512: Some(crate::quant::gemm512::Gemm512::scalar(unpack, BYTES, true)),
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 8, suffix: "q2_k", narrow: false, prefill: Prefill::Rows, on_demand: true }),
 };
 

@@ -32,6 +32,7 @@ pub const FORMAT: Format = Format {
         gemm512: Some(crate::quant::gemm512::Gemm512::scalar(unpack, BYTES, false)),
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 9, suffix: "q3_k", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 

@@ -27,6 +27,7 @@ pub const FORMAT: Format = Format {
         gemm512: None,
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 4, suffix: "q4_0", narrow: true, prefill: Prefill::Mmq, on_demand: false }),
 };
 

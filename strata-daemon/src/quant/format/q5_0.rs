@@ -27,6 +27,7 @@ pub const FORMAT: Format = Format {
         gemm512: Some(crate::quant::dot512::avx512::Q5_0_GEMM),
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 6, suffix: "q5_0", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 

@@ -27,6 +27,7 @@ pub const FORMAT: Format = Format {
         gemm512: None,
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 7, suffix: "q5_1", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 

@@ -31,6 +31,7 @@ pub const FORMAT: Format = Format {
         gemm512: Some(crate::quant::dot512::avx512::Q5_K_GEMM),
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 11, suffix: "q5_k", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 

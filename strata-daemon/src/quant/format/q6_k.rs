@@ -32,6 +32,7 @@ pub const FORMAT: Format = Format {
         gemm512: Some(crate::quant::dot512::avx512::Q6_K_GEMM),
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 12, suffix: "q6_k", narrow: false, prefill: Prefill::Mmq, on_demand: true }),
 };
 

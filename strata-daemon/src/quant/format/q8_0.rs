@@ -26,6 +26,7 @@ pub const FORMAT: Format = Format {
         gemm512: Some(crate::quant::dot512::avx512::Q8_0_GEMM),
     }),
     f32_dot: None,
+    f32_dot4: None,
     cuda: Some(CudaFormat { index: 3, suffix: "q8_0", narrow: true, prefill: Prefill::Mmq, on_demand: false }),
 };
 
