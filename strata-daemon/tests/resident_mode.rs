@@ -99,17 +99,7 @@ fn without_a_gpu_the_resident_mode_is_the_all_in_ram_mode() {
     let st = store_for(&m, &fixture_path("split"), ResidentMode::Disjoint(None), FileIo::Buffered, None);
     m.experts = Some(Arc::new(st));
     // attaching the backend (the CPU here) builds the copy: every expert, no exchange places
-    let off = strata::backend::GpuOptions {
-        enabled: false,
-        device: 0,
-        cache: strata::tiers::vram::CacheSize::Auto,
-        reserve_mib: 700,
-        reserve_later_mib: None,
-        layer_split: None,
-        split_devices: Vec::new(),
-        n_ctx: 256,
-        max_chunk: 64,
-    };
+    let off = gpu_options(false, strata::tiers::vram::CacheSize::Auto);
     m.attach_gpu(&off).unwrap();
     let st = m.experts.clone().unwrap();
     assert!(st.ram_copy_built());

@@ -166,8 +166,8 @@ impl Model {
     /// Moves the tensors that passes read from the file mapping into the process's own memory
     /// ([`GgufFile::detach`]), so that a model file truncated or rewritten under a running daemon fails the
     /// requests that read experts from it ([`BackendError::BlobRead`]) instead of faulting (SIGBUS) in a dense
-    /// weight: every tensor but the routed experts (`*_exps.*`) on the CPU backend, the token embeddings and the
-    /// routers (read by the next-layer prefetch) on a GPU backend. Nothing moves when the bytes would not fit in
+    /// weight: every tensor but the routed experts (`*_exps.*`) on the CPU backend, the token embeddings on a
+    /// GPU backend. Nothing moves when the bytes would not fit in
     /// the memory available now (less 1 GiB): a dense model larger than RAM keeps running from the page cache.
     /// Experts are read from the RAM copy or with `pread` (the file tier), except with `--mmap-experts`, whose
     /// experts stay in the mapping (a truncation there faults, as for any mmap reader). Call it after
@@ -182,8 +182,8 @@ impl Model {
                 if all {
                     !t.name.contains("_exps.")
                 } else {
-                    // the GPU passes read embedding rows, and the prefetch's router copy, on the host
-                    t.name == "token_embd.weight" || t.name.contains(".ffn_gate_inp.")
+                    // the GPU passes read embedding rows on the host
+                    t.name == "token_embd.weight"
                 }
             })
             .map(|t| t.file_offset as usize..(t.file_offset + t.size_bytes) as usize)

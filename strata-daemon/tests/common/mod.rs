@@ -235,3 +235,20 @@ pub fn store_for(
     let knobs = Arc::new(strata::tiers::knobs::Knobs::default());
     ExpertStore::new(layout, m.file.clone(), path, geometry, profile, &cfg, knobs).unwrap()
 }
+
+/// Backend options for a test: the GPU tried when `enabled` (device 0, one stage), an expert cache of `cache`, a
+/// 256-position context, prompt chunks of 64.
+#[allow(dead_code)]
+pub fn gpu_options(enabled: bool, cache: strata::tiers::vram::CacheSize) -> strata::backend::GpuOptions {
+    strata::backend::GpuOptions {
+        enabled,
+        device: 0,
+        cache,
+        reserve_mib: 700,
+        reserve_later_mib: None,
+        layer_split: None,
+        split_devices: Vec::new(),
+        n_ctx: 256,
+        max_chunk: 64,
+    }
+}

@@ -108,6 +108,10 @@ pub(super) struct Bufs<B = DevBuf> {
     pub(super) rpart: B,
     pub(super) ids: B,
     pub(super) w: B,
+    /// The next layer's predicted top-k of a one-token hybrid decode window (ids, weights; `k` each; see
+    /// [`Stage::predicts`]).
+    pub(super) pids: B,
+    pub(super) pw: B,
     pub(super) flag: B,
     pub(super) groups: B,
     /// Scratch of `group_by_expert` (one i32 per routing entry).
@@ -172,13 +176,11 @@ pub(super) struct Host {
     /// A prompt pass's timed events, one after each backend call's launches, named by the call
     /// (`STRATA_GPU_TIMING=ops` only; see [`op_times`]).
     pub(super) marks: Vec<(&'static str, super::driver::Event)>,
-    /// Experts uploaded ahead for the next hybrid layer (live knob `prefetch`): (layer, expert, staging slot).
-    /// Cleared at every pass's start.
+    /// Experts uploaded ahead for the next hybrid layer (live knob `prefetch`): (layer, expert, staging slot);
+    /// their copies run on [`Stage::pf_s`] and end at [`Stage::pf_ready`]. Cleared at every pass's start.
     prefetched: Vec<(usize, usize, u32)>,
     /// Experts the prediction named for that layer (prefetched or not).
     predicted: Vec<(usize, usize)>,
-    /// Routers of the prediction by layer, made on first use ([`predict_next`]).
-    router_f32: std::collections::HashMap<usize, Vec<u8>>,
 }
 
 /// The GPU time between consecutive `marks` (each recorded after the named call's launches, the first at the
@@ -253,10 +255,19 @@ pub struct Stage {
     _store: Option<Arc<ExpertStore>>,
     /// Captured decode-token graphs by attention size class (positions the shared memory holds).
     graphs: Mutex<Vec<(usize, super::driver::GraphExec)>>,
-    /// Captured attention segments of hybrid decode layers by (layer, attention size class): the layer's norm
-    /// (with the previous layer's combine), attention, router and top-k, and the routing's copy to the host —
-    /// one launch instead of ~9 between a layer's host round trips.
-    layer_graphs: Mutex<std::collections::HashMap<(usize, usize), super::driver::GraphExec>>,
+    /// Captured attention segments of hybrid decode layers by (layer, attention size class, with the next
+    /// layer's prediction): the layer's norm (with the previous layer's combine), attention, router and top-k,
+    /// the prediction when asked ([`Stage::predicts`]), and the routing's copy to the host — one launch instead
+    /// of ~9 between a layer's host round trips.
+    layer_graphs: Mutex<std::collections::HashMap<(usize, usize, bool), super::driver::GraphExec>>,
+    /// The prefetch's copies (live knob `prefetch`) run on their own stream, so that the next layer's attention
+    /// segment does not wait behind them: `pf_ready` is recorded after a layer's copies and waited on by the
+    /// model's stream before the next layer's expert launches; `pf_free[i]` is recorded on the model's stream
+    /// after the expert launches of each layer of parity `i`, and waited on by the copy stream before it rewrites
+    /// that parity's prefetch slots (see [`Stage::pf_slot`]).
+    pf_s: Stream,
+    pf_ready: super::driver::Event,
+    pf_free: [super::driver::Event; 2],
     /// No CUDA graphs: `STRATA_GPU_GRAPHS=0` at load, or a capture failed (plain launches from then on).
     graphs_off: std::sync::atomic::AtomicBool,
     /// `STRATA_GPU_TIMING` was set at load: log host and GPU time per pass.
@@ -287,6 +298,7 @@ impl Drop for Stage {
     fn drop(&mut self) {
         let _ = self.dev.bind();
         let _ = self.s.sync();
+        let _ = self.pf_s.sync();
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         // the stream is idle, so no copy from the RAM copy is in flight (the cache's drop waited for its own)
@@ -390,6 +402,8 @@ pub(super) fn make_bufs<B>(
         )?,
         ids: alloc(4 * t * kk)?,
         w: alloc(4 * t * kk)?,
+        pids: alloc(4 * kk)?,
+        pw: alloc(4 * kk)?,
         flag: alloc(4 * t * kk)?,
         groups: alloc(t * kk * GROUP_BYTES)?,
         rank: alloc(4 * t * kk)?,
@@ -694,6 +708,8 @@ impl Stage {
         let b = make_bufs(c, cfg, last, float_router, DevBuf::alloc)?;
         let t = cfg.max_chunk.max(1);
         let s = Stream::new()?;
+        let (pf_s, pf_ready) = (Stream::new()?, super::driver::Event::new()?);
+        let pf_free = [super::driver::Event::new()?, super::driver::Event::new()?];
         // the plan's trial allocates `sizes`: a load that allocates otherwise would make the plan wrong
         let (asked, planned) = (super::driver::live_bytes() - live0, sizes.all().sum::<usize>() as u64);
         if asked != planned {
@@ -722,6 +738,9 @@ impl Stage {
             _store: model.experts.cloned(),
             graphs: Mutex::new(Vec::new()),
             layer_graphs: Mutex::new(std::collections::HashMap::new()),
+            pf_s,
+            pf_ready,
+            pf_free,
             graphs_off: std::sync::atomic::AtomicBool::new(std::env::var("STRATA_GPU_GRAPHS").is_ok_and(|v| v == "0")),
             timing: std::env::var_os("STRATA_GPU_TIMING").is_some(),
             op_timing: std::env::var("STRATA_GPU_TIMING").is_ok_and(|v| v == "ops"),
@@ -796,7 +815,8 @@ impl Stage {
             c.poll(store, &self.s, true)?;
         }
         self.s.sync()?;
-        // captured graphs name the old slots
+        self.pf_s.sync()?; // a failed pass's prefetch copies into the slots freed below
+                           // captured graphs name the old slots
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.host.lock().unwrap_or_else(|e| e.into_inner()).balance = Default::default();
@@ -869,6 +889,7 @@ impl Stage {
         if host.pass_open {
             // the previous pass failed between enqueueing and its final wait: let its copies finish first
             let _ = self.s.sync();
+            let _ = self.pf_s.sync();
         }
         host.pass_open = true;
         host.prefetched.clear();
@@ -1152,12 +1173,13 @@ impl Stage {
         ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, fast, win, mode)
     }
 
-    /// The page-locked staging of the routing's copy to the host (ids | weights | normalized activations),
-    /// sized for `max_t` tokens once, so that its address stays fixed for captured segments.
-    /// No copy into it is in flight when called (each routing copy is followed by a stream sync before the next
-    /// layer); should it ever have to move, the captured segments naming the old address are dropped first.
+    /// The page-locked staging of the routing's copy to the host (ids | weights | normalized activations |
+    /// the next layer's predicted ids), sized for `max_t` tokens once, so that its address stays fixed for
+    /// captured segments. No copy into it is in flight when called (each routing copy is followed by a stream
+    /// sync before the next layer); should it ever have to move, the captured segments naming the old address
+    /// are dropped first.
     pub(super) fn routing_staging(&self, host: &mut Host, kk: usize, e: usize) -> Result<*mut u8, GpuError> {
-        let bytes = self.max_t * (2 * kk + e) * 4;
+        let bytes = self.max_t * (2 * kk + e) * 4 + kk * 4;
         if host.pin_down.as_ref().is_some_and(|p| p.bytes < bytes) {
             self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         }
@@ -1165,24 +1187,86 @@ impl Stage {
     }
 
     /// Enqueues the copy of `n_pairs` routing entries (ids, weights) and `n_x` normalized activations into the
-    /// routing staging at `dst` (see [`Stage::routing_staging`]).
-    pub(super) fn routing_dtoh(&self, dst: *mut u8, n_pairs: usize, n_x: usize) -> Result<(), GpuError> {
+    /// routing staging at `dst` (see [`Stage::routing_staging`]), then, with `predicted`, the `k` ids of the
+    /// next layer's prediction ([`Stage::enqueue_prediction`]).
+    pub(super) fn routing_dtoh(
+        &self,
+        dst: *mut u8,
+        n_pairs: usize,
+        n_x: usize,
+        predicted: Option<usize>,
+    ) -> Result<(), GpuError> {
         let b = &self.b;
         let ni = n_pairs * 4;
-        // SAFETY: `dst` holds 2 * ni + 4 * n_x bytes (routing_staging sizes it for max_t tokens); the host reads
-        // it only after the stream sync that follows, and nothing else writes it.
+        // SAFETY: `dst` holds 2 * ni + 4 * n_x + 4 * k bytes (routing_staging sizes it for max_t tokens and one
+        // prediction); the host reads it only after the stream sync that follows, and nothing else writes it.
         unsafe {
             self.s.dtoh_raw(dst, b.ids.ptr, ni)?;
             self.s.dtoh_raw(dst.add(ni), b.w.ptr, ni)?;
-            self.s.dtoh_raw(dst.add(2 * ni), b.xn.ptr, n_x * 4)
+            self.s.dtoh_raw(dst.add(2 * ni), b.xn.ptr, n_x * 4)?;
+            if let Some(k) = predicted {
+                self.s.dtoh_raw(dst.add(2 * ni + n_x * 4), b.pids.ptr, k * 4)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The MoE layer whose experts layer `l`'s routing also predicts, when it does: live knob `prefetch` above 0
+    /// with staging room for the prefetch (2 × top-k slots), or the routing recorded (`s.routes`,
+    /// `--dump-routing`: the prediction goes with it), a one-token decode window (`s.decode`, `t`) on the hybrid
+    /// path, and layer `l + 1` an MoE layer of this stage (the prediction needs the scratch `h` to hold one
+    /// token's hidden state).
+    pub(super) fn predicts(&self, m: &ModelRef<'_>, l: usize, t: usize, s: &Scratch) -> Option<usize> {
+        let next = l + 1;
+        let decode = s.decode;
+        let kk = m.cfg.n_expert_used;
+        let room = self.cache.as_ref().is_some_and(|c| c.n_staging >= 2 * kk);
+        let on =
+            s.routes.is_some() || room && m.experts.as_ref().is_some_and(|st| st.knobs.value(Knob::Prefetch) >= 1.0);
+        let c = m.cfg;
+        let room = c.n_ff.max(c.n_expert_used * c.n_ff_exp).max(c.n_ff_shexp) >= c.n_embd;
+        (on && decode && t == 1 && room && next < self.layer_range().end)
+            .then_some(next)
+            .filter(|&n| matches!(self.layer(n).ffn, GFfn::Moe { .. }))
+    }
+
+    /// Enqueues the next-layer prediction of a one-token window (after layer `next - 1`'s routing): the hidden
+    /// state after layer `next - 1`'s attention (`b.x`), RMS-normalised with layer `next`'s `ffn_norm` (into
+    /// the scratch `h` / `hq`, free until the experts' launches), layer `next`'s router and bias, and its top-k
+    /// into `b.pids` / `b.pw` — the prediction the CPU backend records in the routing dump, here three small
+    /// launches on the device instead of host work on the critical path.
+    pub(super) fn enqueue_prediction(&self, ops: &Ops, c: &ModelConfig, next: usize) -> Result<(), GpuError> {
+        let b = &self.b;
+        let g = self.layer(next);
+        let GFfn::Moe { router, bias, .. } = &g.ffn else { unreachable!("predicts() names MoE layers") };
+        let (e, ne, kk) = (c.n_embd, c.n_expert, c.n_expert_used);
+        ops.rms_norm_q8(b.x.ptr, g.ffn_norm.ptr, c.rms_eps, e, 1, b.h.ptr, b.hq.ptr, None)?;
+        ops.mmv(&[router], b.hq.ptr, b.h.ptr, 1, b.rl.ptr, ne, false)?;
+        let mode = (self.gating, bias.as_ref().map_or(0, |b| b.router.ptr));
+        ops.route_topk(b.rl.ptr, ne, kk, 1, b.pids.ptr, b.pw.ptr, None, 0, mode)
+    }
+
+    /// The set of prefetch slots that layer `l`'s prefetched experts use, of the `room` last staging slots (`k`
+    /// or `2k`; `kk` = `k`): one set, or one per layer parity, so that a layer's copies need not wait for the
+    /// previous layer's launches to have read the set they rewrite.
+    fn pf_set(room: usize, kk: usize, l: usize) -> usize {
+        if room >= 2 * kk {
+            l % 2
+        } else {
+            0
         }
     }
 
+    /// The staging slot of the `j`-th prefetched expert for layer `l` (`j < k`; see [`Stage::pf_set`]).
+    fn pf_slot(cache: &SlotCache, room: usize, kk: usize, l: usize, j: usize) -> u32 {
+        cache.staging_slot(cache.n_staging - kk * (Self::pf_set(room, kk, l) + 1) + j)
+    }
+
     /// Runs a hybrid decode layer's attention segment (`enqueue`) from its captured graph for `key` (layer,
-    /// attention size class), capturing it first; plain launches when a capture fails (graphs then off).
+    /// attention size class, with the next layer's prediction), capturing it first; plain launches when a capture fails (graphs then off).
     pub(super) fn replay_segment(
         &self,
-        key: (usize, usize),
+        key: (usize, usize, bool),
         mut enqueue: impl FnMut() -> Result<(), GpuError>,
     ) -> Result<(), GpuError> {
         if !self.graphs_on() {
@@ -1205,9 +1289,10 @@ impl Stage {
 
     /// One MoE layer with the routing on the host: VRAM hits (and PCIe-staged misses) on the GPU, the other
     /// misses on the CPU pool, overlapped. `routed`: the routing's copy to the host is already enqueued
-    /// (a replayed segment); else it is enqueued here. Returns the combine of the results (done on the GPU by
-    /// the next norm; its CPU rows are always uploaded, zeros when the CPU computed nothing, so that the next
-    /// segment's combine is the same every token).
+    /// (a replayed segment); else it is enqueued here. `pred_layer`: the routing's launches also predicted that
+    /// layer's experts ([`Stage::enqueue_prediction`]), whose ids the copy carries. Returns the combine of the results (done on
+    /// the GPU by the next norm; its CPU rows are always uploaded, zeros when the CPU computed nothing, so that
+    /// the next segment's combine is the same every token).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn hybrid_moe(
         &self,
@@ -1218,7 +1303,7 @@ impl Stage {
         s: &mut Scratch,
         host: &mut Host,
         (gate_ty, down_ty, down_off): (GgmlType, GgmlType, usize),
-        routed: bool,
+        (routed, pred_layer): (bool, Option<usize>),
     ) -> Result<Combine, GpuError> {
         let c = m.cfg;
         let (e, kk, ff) = (c.n_embd, c.n_expert_used, c.n_ff_exp);
@@ -1231,14 +1316,23 @@ impl Stage {
         let ni = n_pairs * 4;
         let staging = self.routing_staging(host, kk, e)?;
         if !routed {
-            self.routing_dtoh(staging, n_pairs, t * e)?;
+            self.routing_dtoh(staging, n_pairs, t * e, pred_layer.map(|_| kk))?;
         }
         self.s.sync()?;
+        // the next layer's predicted experts, by rank (empty: no prediction, or ids out of range)
+        let mut named: Vec<usize> = Vec::new();
         {
             let down = host.pin_down.as_ref().expect("sized by routing_staging");
             down.read(0, &mut host.ids);
             down.read(ni, &mut host.w);
             down.read(2 * ni, &mut host.xn);
+            if pred_layer.is_some() {
+                let mut p = vec![0i32; kk];
+                down.read(2 * ni + t * e * 4, &mut p);
+                if p.iter().all(|&v| v >= 0 && (v as usize) < c.n_expert) {
+                    named = p.into_iter().map(|v| v as usize).collect();
+                }
+            }
         }
         let t1 = self.timing.then(std::time::Instant::now);
         if let Some(bad) = host.ids.iter().position(|&v| v < 0 || v as usize >= c.n_expert) {
@@ -1258,11 +1352,14 @@ impl Stage {
         let routes: Vec<Vec<(usize, f32)>> =
             (0..t).map(|i| (0..kk).map(|r| (host.ids[i * kk + r] as usize, host.w[i * kk + r])).collect()).collect();
         s.record_routes(l, pos0, &routes);
+        if let (Some(next), true) = (pred_layer, s.routes.is_some() && !named.is_empty()) {
+            s.predict_next(next, vec![named.clone()]); // recorded with that layer's routing (--dump-routing)
+        }
         let mut by_expert = dispatch::by_expert(&routes, c.n_expert);
         let src = dispatch::plan_sources(m.experts.map(|st| &**st), l, &by_expert, s.decode);
         let Ffn::Moe(ex) = &m.weights.blocks[l].ffn else { unreachable!("MoE layer") };
-        // experts the previous layer prefetched for this one: their bytes are in staging slots (copied on this
-        // stream before this layer's launches)
+        // experts the previous layer prefetched for this one: their bytes are in staging slots (copied on the
+        // prefetch stream; this layer's launches wait for `pf_ready` first)
         let prefetched = std::mem::take(&mut host.prefetched);
         let predicted = std::mem::take(&mut host.predicted);
         let pf_slot = |x: usize| prefetched.iter().find(|p| p.0 == l && p.1 == x).map(|p| p.2);
@@ -1301,19 +1398,19 @@ impl Stage {
             }
         }
         let cache = self.cache.as_ref();
-        // live knob `prefetch` (N): while this layer computes, at most N of layer l + 1's predicted misses
-        // (highest router probability first) are uploaded into the last `kk` staging slots (decode windows of
-        // one token; not while an adaptive round is in flight, whose exchanges may move RAM places); PCIe
-        // staging keeps to the others
-        let next = l + 1;
+        // live knob `prefetch` (N): at most N of the predicted layer's misses (highest router probability first)
+        // are uploaded on the prefetch stream into prefetch slots (the last `kk` staging slots, or `2 kk` by layer
+        // parity: `pf_slot`) while this layer computes and the next layer's attention runs; not while an adaptive
+        // round is in flight, whose exchanges may move RAM places. PCIe staging keeps to the other slots.
         let pf_max = m.experts.as_ref().map_or(0, |st| st.knobs.value(Knob::Prefetch) as usize).min(kk);
-        let prefetch = cache.is_some_and(|c| c.n_staging >= 2 * kk && !c.round_in_flight())
-            && pf_max > 0
-            && s.decode
-            && t == 1
-            && next < self.layer_range().end
-            && matches!(m.weights.blocks[next].ffn, Ffn::Moe(_));
-        let n_stage_max = cache.map_or(0, |c| if prefetch { c.n_staging - kk } else { c.n_staging });
+        let pf_room = cache.map_or(0, |c| match (t == 1 && pf_max > 0, c.n_staging) {
+            (true, n) if n >= 3 * kk => 2 * kk,
+            (true, n) if n >= 2 * kk => kk,
+            _ => 0,
+        });
+        let prefetch = pred_layer
+            .filter(|_| pf_room > 0 && !named.is_empty() && cache.is_some_and(|c| !c.round_in_flight()) && s.decode);
+        let n_stage_max = cache.map_or(0, |c| c.n_staging - pf_room);
         // live knob `pcie_frac` (--pcie-frac): that share of the RAM-resident misses' bytes goes over PCIe. Each
         // miss is split at intermediate row k (steps of 64 rows, `split_rows`): rows 0..k are uploaded (packed) and computed
         // on the GPU, rows k.. on the CPU, both adding into the expert's output — so PCIe and the CPU pool share
@@ -1432,8 +1529,9 @@ impl Stage {
         // CPU pool starts on the misses (the copies and launches are asynchronous; issuing them takes tens of
         // microseconds per layer that would otherwise delay the CPU experts)
         let mut issued: Option<Result<f64, GpuError>> = None;
-        let (mut pf_new, mut pf_named) = (Vec::new(), Vec::new());
-        let mut router_f32 = std::mem::take(&mut host.router_f32);
+        let mut pf_new = Vec::new();
+        let pf_named: Vec<(usize, usize)> = pred_layer.map_or(Vec::new(), |n| named.iter().map(|&x| (n, x)).collect());
+        let pf_wait = !prefetched.is_empty();
         let mut issue = |held: Option<&HostArena>| {
             issued = Some((|| {
                 let ti = std::time::Instant::now();
@@ -1442,12 +1540,17 @@ impl Stage {
                 let guard;
                 let arena = match (held, m.experts.as_ref()) {
                     (Some(a), _) => Some(a),
-                    (None, Some(st)) if !staged.is_empty() || prefetch => {
+                    (None, Some(st)) if !staged.is_empty() || prefetch.is_some() => {
                         guard = st.arena();
                         Some(&*guard)
                     }
                     _ => None,
                 };
+                if pf_wait {
+                    // this layer's prefetched experts (and any copy the previous layer issued) are in place
+                    // before its launches
+                    self.s.wait(&self.pf_ready)?;
+                }
                 if !staged.is_empty() {
                     let (Some(cache), Some(arena)) = (cache, arena) else {
                         unreachable!("staged misses come from the cache and the store")
@@ -1480,14 +1583,15 @@ impl Stage {
                 if let (true, Some(ev)) = (measure, &host.split_done) {
                     ev.record(&self.s)?;
                 }
-                if prefetch {
+                if pf_room > 0 {
+                    // this layer's launches are enqueued: the prefetch slots of its parity may be rewritten after
+                    // them
+                    self.pf_free[Self::pf_set(pf_room, kk, l)].record(&self.s)?;
+                }
+                if let Some(next) = prefetch {
                     let (Some(cache), Some(st), Some(arena)) = (cache, m.experts.as_ref(), arena) else {
                         unreachable!("checked")
                     };
-                    let named = predict_next(m, l, next, &host.xn, &mut router_f32);
-                    for &x in &named {
-                        pf_named.push((next, x));
-                    }
                     // the named experts neither in VRAM nor without a RAM place: upload each into a prefetch slot
                     let items: Vec<(usize, usize, usize)> = named
                         .iter()
@@ -1495,14 +1599,22 @@ impl Stage {
                         .filter_map(|&x| st.place_of(next, x).map(|off| (next, x, off)))
                         .take(pf_max)
                         .collect();
-                    for (j, &(_, x, off)) in items.iter().enumerate() {
-                        let slot = cache.staging_slot(cache.n_staging - kk + j);
-                        let src = arena.slice(off, cache.blob(next));
-                        // SAFETY: as in `SlotCache::stage`: a RAM place is not rewritten while a window runs
-                        // (promotions between windows; no adaptive round in flight here), and the prefetch slots
-                        // are read by the next layer's launches, enqueued after this copy on this stream.
-                        unsafe { self.s.htod_raw(cache.slot_addr(slot), src.as_ptr(), src.len())? };
-                        pf_new.push((next, x, slot));
+                    if !items.is_empty() {
+                        // after the launches that last read these slots (layer next - 2's with two sets, this
+                        // layer's with one)
+                        self.pf_s.wait(&self.pf_free[Self::pf_set(pf_room, kk, next)])?;
+                        for (j, &(_, x, off)) in items.iter().enumerate() {
+                            let slot = Self::pf_slot(cache, pf_room, kk, next, j);
+                            let src = arena.slice(off, cache.blob(next));
+                            // SAFETY: as in `SlotCache::stage`: a RAM place is not rewritten while a window runs
+                            // (promotions between windows; no adaptive round in flight here); the slot's earlier
+                            // readers are done (the wait above), and its next reader, layer `next`'s launches,
+                            // waits for `pf_ready`, recorded after this copy; the pass ends with the model's
+                            // stream, which has waited for it.
+                            unsafe { self.pf_s.htod_raw(cache.slot_addr(slot), src.as_ptr(), src.len())? };
+                            pf_new.push((next, x, slot));
+                        }
+                        self.pf_ready.record(&self.pf_s)?;
                     }
                     st.counters.prefetched.fetch_add(items.len() as u64, std::sync::atomic::Ordering::Relaxed);
                 }
@@ -1522,7 +1634,6 @@ impl Stage {
             issue(None);
             Ok(())
         };
-        host.router_f32 = router_f32;
         host.prefetched = pf_new;
         host.predicted = pf_named;
         let issue_s = issued.expect("the CPU experts run their side work exactly once")?;
@@ -1564,6 +1675,9 @@ impl Stage {
     ) -> Result<(), GpuError> {
         let Some(cache) = &self.cache else { return Ok(()) };
         self.dev.bind()?;
+        // a pass waits for its prefetch copies unless it failed between a layer's copies and the next layer: none
+        // may still read a RAM place or write a slot that this round moves
+        self.pf_s.sync()?;
         let want = store.knobs.value(Knob::AdaptAsync) >= 1.0;
         if want && !cache.async_ok && !self.said_fallback.swap(true, std::sync::atomic::Ordering::Relaxed) {
             tracing::warn!(
@@ -1589,6 +1703,7 @@ impl Stage {
     pub(super) fn verify_slots(&self, store: &Arc<ExpertStore>) -> Result<Vec<String>, GpuError> {
         self.drain(store)?;
         self.s.sync()?;
+        self.pf_s.sync()?;
         match &self.cache {
             Some(c) => c.verify(store, &self.s, self.layer_range()),
             None => Ok(Vec::new()),
@@ -1604,10 +1719,11 @@ impl Stage {
         Ok(())
     }
 
-    /// Waits for the stage's stream (and binds its card).
+    /// Waits for the stage's streams (and binds its card).
     pub(super) fn sync(&self) -> Result<(), GpuError> {
         self.dev.bind()?;
-        self.s.sync()
+        self.s.sync()?;
+        self.pf_s.sync()
     }
 
     /// Tokens per pass at most (the scratch's size).
@@ -1619,76 +1735,6 @@ impl Stage {
     pub(super) fn n_ctx(&self) -> usize {
         self.n_ctx
     }
-}
-
-/// `f` (a multiple of 32 values) as ggml Q8_0 blocks: per 32 values an f16 scale `max|x| / 127` and 32 signed
-/// bytes `round(x / scale)` (ggml's `quantize_row_q8_0` reference).
-fn q8_0_bytes(f: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(f.len() / 32 * 34);
-    for block in f.chunks_exact(32) {
-        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        out.extend_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
-        out.extend(block.iter().map(|v| (v * id).round() as i8 as u8));
-    }
-    out
-}
-
-/// Next-layer prediction on the host (live knob `prefetch`): layer `next`'s router applied to layer `l`'s
-/// normalised FFN input `xn` (one token, `n_embd` values) re-weighted to `next`'s `ffn_norm` (`xn ⊙ w_next / w_l`:
-/// the same RMS-normalised hidden state, as the CPU backend's prediction for the routing dump), top-k by the
-/// architecture's gating; expert ids by rank. The routers are kept in `routers` (by layer, made on first use) as
-/// Q8_0 rows (`n_expert` rows of `n_embd`, ggml's Q8_0 block: f16 scale, 32 × i8) and the product runs on the SIMD
-/// kernels with 8-bit activations (a few microseconds per layer; this runs on the thread that issues the GPU
-/// work); with `n_embd` not a multiple of 32, as f32 rows. Empty when a weight of `l`'s norm is 0 (the hidden state
-/// cannot be recovered) or `next` is not an MoE layer.
-fn predict_next(
-    m: &ModelRef<'_>,
-    l: usize,
-    next: usize,
-    xn: &[f32],
-    routers: &mut std::collections::HashMap<usize, Vec<u8>>,
-) -> Vec<usize> {
-    let c = m.cfg;
-    let e = c.n_embd;
-    let (wl, wn) = (&m.weights.blocks[l].ffn_norm, &m.weights.blocks[next].ffn_norm);
-    let Ffn::Moe(ex) = &m.weights.blocks[next].ffn else { return Vec::new() };
-    if xn.len() < e || wl.iter().any(|&v| v == 0.0) {
-        return Vec::new();
-    }
-    let xp: Vec<f32> = (0..e).map(|i| xn[i] / wl[i] * wn[i]).collect();
-    let q8 = e % 32 == 0;
-    let router = routers.entry(next).or_insert_with(|| {
-        let mat = m.mat(&ex.router);
-        let mut f = vec![0f32; c.n_expert * e];
-        for (j, row) in f.chunks_exact_mut(e).enumerate() {
-            dequantize_row(mat.ty, mat.row(j), row).expect("router row");
-        }
-        if q8 {
-            q8_0_bytes(&f)
-        } else {
-            f.iter().flat_map(|v| v.to_le_bytes()).collect()
-        }
-    });
-    let mut logits: Vec<f32> = if q8 {
-        let mut xq = vec![crate::quant::BlockQ8::default(); e / 32];
-        crate::quant::quantize_q8(&xp, &mut xq);
-        let rb = GgmlType::Q8_0.row_bytes(e);
-        router.chunks_exact(rb).map(|row| crate::quant::dot_q8(GgmlType::Q8_0, row, &xq)).collect()
-    } else {
-        router
-            .chunks_exact(e * 4)
-            .map(|row| {
-                let w: Vec<f32> = row.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-                crate::backend::cpu::math::dot_f32(&w, &xp)
-            })
-            .collect()
-    };
-    if let Some(b) = &ex.router_bias {
-        crate::backend::cpu::math::add_rows(&mut logits, b);
-    }
-    crate::backend::moe::router::top_k(c, &logits, 1).remove(0).into_iter().map(|(x, _)| x).collect()
 }
 
 /// Rows per step of a PCIe split for formats of `block`-wide blocks: `max(64, block)` (see [`split_rows`]).
@@ -1711,25 +1757,7 @@ pub fn split_rows(frac: f32, ff: usize, block: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{q8_0_bytes, split_rows};
-    use crate::quant::{dequantize_row, GgmlType};
-
-    #[test]
-    fn router_rows_as_q8_0_read_back_within_half_a_step() {
-        let f: Vec<f32> = (0..96).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
-        let b = q8_0_bytes(&f);
-        assert_eq!(b.len(), GgmlType::Q8_0.row_bytes(96));
-        let mut back = vec![0f32; 96];
-        dequantize_row(GgmlType::Q8_0, &b, &mut back).unwrap();
-        for (blk, (x, y)) in f.chunks(32).zip(back.chunks(32)).enumerate() {
-            let step = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
-            for (a, c) in x.iter().zip(y) {
-                assert!((a - c).abs() <= step * 0.51 + 1e-3, "block {blk}: {a} vs {c}");
-            }
-        }
-        // an all-zero block has scale 0 and zero codes
-        assert!(q8_0_bytes(&[0.0; 32]).iter().all(|&v| v == 0));
-    }
+    use super::split_rows;
 
     #[test]
     fn split_rows_are_whole_steps_of_the_share() {

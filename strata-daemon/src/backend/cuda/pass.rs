@@ -2,9 +2,9 @@
 //!
 //! A MoE layer's combine (`Σ w·y` of the GPU's expert rows plus the CPU's sum) is not launched by itself: it is
 //! left pending and done by the next RMSNorm (the next block's, or the output norm), one launch less per
-//! layer. In a hybrid decode token each MoE block's [`Ops::segment`] (norm, attention, FFN norm, router, top-k
-//! and the routing's copy to the host) is recorded once per (layer, attention size class) as a CUDA graph and
-//! replayed; [`super::model::Stage`] records a whole decode token the same way when no layer needs the host.
+//! layer. In a hybrid decode token each MoE block's [`Ops::segment`] (norm, attention, FFN norm, router, top-k,
+//! the next layer's prediction when asked, and the routing's copy to the host) is recorded once per (layer,
+//! attention size class, prediction) as a CUDA graph and replayed; [`super::model::Stage`] records a whole decode token the same way when no layer needs the host.
 
 use super::model::{GFfn, Host, Stage};
 use super::ops::{Combine, KvPtrs, Ops as Launch};
@@ -34,6 +34,9 @@ pub(super) struct GpuPass<'p, 'm> {
     staging: *mut u8,
     /// The current MoE layer's routing copy to the host is already enqueued (by its segment).
     routed: bool,
+    /// The layer whose experts the current layer's routing also predicts ([`Stage::predicts`]); its ids follow
+    /// the routing in the copy to the host.
+    predict: Option<usize>,
 }
 
 impl<'p, 'm> GpuPass<'p, 'm> {
@@ -62,6 +65,7 @@ impl<'p, 'm> GpuPass<'p, 'm> {
             in_segment: false,
             staging: std::ptr::null_mut(),
             routed: false,
+            predict: None,
         }
     }
 
@@ -199,8 +203,16 @@ impl GpuPass<'_, '_> {
             return Ok(g.route(&self.launch(), router, t, kk, Some(fast_groups), win, bias)?);
         }
         g.route(&self.launch(), router, t, kk, None, 0, bias)?;
+        // the next layer's prediction reads the hidden state after this layer's attention: right after the router,
+        // before a shared expert adds its output (a segment decided it when it began; else it is decided here)
+        if !self.in_segment {
+            self.predict = g.predicts(self.m, l, t, self.s);
+        }
+        if let Some(next) = self.predict {
+            g.enqueue_prediction(&self.launch(), c, next)?;
+        }
         if self.in_segment {
-            g.routing_dtoh(self.staging, n_pairs, t * e)?;
+            g.routing_dtoh(self.staging, n_pairs, t * e, self.predict.map(|_| kk))?;
             self.routed = true;
         }
         Ok(())
@@ -257,7 +269,7 @@ impl GpuPass<'_, '_> {
             self.pend = Some(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: 0, k: kk });
             return Ok(());
         }
-        let routed = std::mem::take(&mut self.routed);
+        let routed = (std::mem::take(&mut self.routed), self.predict.take());
         let comb = g.hybrid_moe(self.m, l, t, self.pos0, self.s, self.host, (gate_ty, down_ty, down_off), routed)?;
         self.pend = Some(comb);
         Ok(())
@@ -291,8 +303,10 @@ impl Ops for GpuPass<'_, '_> {
         let pend = self.pend;
         self.in_segment = true;
         self.routed = false;
+        // decided once for the segment: a graph recorded with the prediction is replayed only while it is asked
+        self.predict = g.predicts(self.m, layer, self.t, self.s);
         let mut ran = false;
-        let r = g.replay_segment((layer, self.cap), || {
+        let r = g.replay_segment((layer, self.cap, self.predict.is_some()), || {
             // a recording that failed is enqueued again with plain launches: the same combine each time
             self.pend = pend;
             ran = true;
