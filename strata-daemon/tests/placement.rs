@@ -222,6 +222,18 @@ fn engine_hits_equal_the_replay_on_the_gpu() {
             greedy.push((format!("{name}, prefetch {prefetch}"), tokens));
         }
     }
+    // recording the routing makes every layer predict on the device (its ids copied after the routing's, the host
+    // waiting for the routing alone): the same tokens as a pass that predicts nothing
+    for (name, policy) in policies() {
+        let st = Arc::new(store_with(&m0, name, policy));
+        let mut m = model();
+        m.experts = Some(st.clone());
+        m.attach_gpu(&gpu_options(true, strata::tiers::vram::CacheSize::Slots(SLOTS_PER_LAYER * nl))).unwrap();
+        let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+        let plain = greedy_with(&m, &refs, 40, |_| m.end_decode_window().unwrap());
+        let recorded = &greedy.iter().find(|(n, _)| *n == format!("{name}, prefetch 0")).unwrap().1;
+        assert_eq!(&plain, recorded, "{name}: the same tokens without the prediction");
+    }
     for (name, tokens) in &greedy[2..] {
         let (_, off) = greedy.iter().find(|(n, _)| n.replace("prefetch 0", "prefetch 8") == *name).unwrap();
         let same = tokens.iter().zip(off).map(|(a, b)| a.iter().zip(b).take_while(|(x, y)| x == y).count());

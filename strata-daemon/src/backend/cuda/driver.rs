@@ -378,6 +378,13 @@ impl Event {
         // SAFETY: live event and stream.
         unsafe { check("cuEventRecord", sys::cuEventRecord(self.0, s.0)) }
     }
+    /// Records the event at the current end of `s` so that the host can wait for it also when `s` is being
+    /// captured into a graph (an external event-record node: the graph's replays record it).
+    pub fn record_external(&self, s: &Stream) -> Result<(), GpuError> {
+        let flags = sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32;
+        // SAFETY: live event and stream.
+        unsafe { check("cuEventRecordWithFlags", sys::cuEventRecordWithFlags(self.0, s.0, flags)) }
+    }
     /// Whether the work before the last record is done (never blocks).
     pub fn done(&self) -> Result<bool, GpuError> {
         // SAFETY: live event.

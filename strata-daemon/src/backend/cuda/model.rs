@@ -267,6 +267,10 @@ pub struct Stage {
     /// that parity's prefetch slots (see [`Stage::pf_slot`]).
     pf_s: Stream,
     pf_ready: super::driver::Event,
+    /// Recorded (as an external node of the captured segment) after a predicting layer's routing copy, before
+    /// the prediction's launches: the host waits for it instead of the whole stream, so the prediction runs
+    /// while the host reads the routing and starts the CPU experts.
+    routed_ev: super::driver::Event,
     pf_free: [super::driver::Event; 2],
     /// No CUDA graphs: `STRATA_GPU_GRAPHS=0` at load, or a capture failed (plain launches from then on).
     graphs_off: std::sync::atomic::AtomicBool,
@@ -708,7 +712,7 @@ impl Stage {
         let b = make_bufs(c, cfg, last, float_router, DevBuf::alloc)?;
         let t = cfg.max_chunk.max(1);
         let s = Stream::new()?;
-        let (pf_s, pf_ready) = (Stream::new()?, super::driver::Event::new()?);
+        let (pf_s, pf_ready, routed_ev) = (Stream::new()?, super::driver::Event::new()?, super::driver::Event::new()?);
         let pf_free = [super::driver::Event::new()?, super::driver::Event::new()?];
         // the plan's trial allocates `sizes`: a load that allocates otherwise would make the plan wrong
         let (asked, planned) = (super::driver::live_bytes() - live0, sizes.all().sum::<usize>() as u64);
@@ -740,6 +744,7 @@ impl Stage {
             layer_graphs: Mutex::new(std::collections::HashMap::new()),
             pf_s,
             pf_ready,
+            routed_ev,
             pf_free,
             graphs_off: std::sync::atomic::AtomicBool::new(std::env::var("STRATA_GPU_GRAPHS").is_ok_and(|v| v == "0")),
             timing: std::env::var_os("STRATA_GPU_TIMING").is_some(),
@@ -1187,26 +1192,44 @@ impl Stage {
     }
 
     /// Enqueues the copy of `n_pairs` routing entries (ids, weights) and `n_x` normalized activations into the
-    /// routing staging at `dst` (see [`Stage::routing_staging`]), then, with `predicted`, the `k` ids of the
-    /// next layer's prediction ([`Stage::enqueue_prediction`]).
-    pub(super) fn routing_dtoh(
-        &self,
-        dst: *mut u8,
-        n_pairs: usize,
-        n_x: usize,
-        predicted: Option<usize>,
-    ) -> Result<(), GpuError> {
+    /// routing staging at `dst` (see [`Stage::routing_staging`]).
+    pub(super) fn routing_dtoh(&self, dst: *mut u8, n_pairs: usize, n_x: usize) -> Result<(), GpuError> {
         let b = &self.b;
         let ni = n_pairs * 4;
-        // SAFETY: `dst` holds 2 * ni + 4 * n_x + 4 * k bytes (routing_staging sizes it for max_t tokens and one
-        // prediction); the host reads it only after the stream sync that follows, and nothing else writes it.
+        // SAFETY: `dst` holds 2 * ni + 4 * n_x bytes (routing_staging sizes it for max_t tokens); the host reads
+        // it only after a wait for this copy, and nothing else writes it.
         unsafe {
             self.s.dtoh_raw(dst, b.ids.ptr, ni)?;
             self.s.dtoh_raw(dst.add(ni), b.w.ptr, ni)?;
-            self.s.dtoh_raw(dst.add(2 * ni), b.xn.ptr, n_x * 4)?;
-            if let Some(k) = predicted {
-                self.s.dtoh_raw(dst.add(2 * ni + n_x * 4), b.pids.ptr, k * 4)?;
-            }
+            self.s.dtoh_raw(dst.add(2 * ni), b.xn.ptr, n_x * 4)
+        }
+    }
+
+    /// Enqueues the copy of the `k` ids of the next layer's prediction ([`Stage::enqueue_prediction`]) into the
+    /// routing staging at `dst`, after the routing of `n_pairs` entries and `n_x` activations.
+    pub(super) fn prediction_dtoh(&self, dst: *mut u8, n_pairs: usize, n_x: usize, k: usize) -> Result<(), GpuError> {
+        // SAFETY: `dst` holds 8 * n_pairs + 4 * n_x + 4 * k bytes (routing_staging sizes it for max_t tokens and
+        // one prediction); the host reads it only after a stream sync, and nothing else writes it.
+        unsafe { self.s.dtoh_raw(dst.add(8 * n_pairs + n_x * 4), self.b.pids.ptr, k * 4) }
+    }
+
+    /// A segment's copy of its routing to the host, and with `predict` (the next MoE layer) the prediction
+    /// after it: the routing copy, [`Stage::routed_ev`], the prediction's launches, the copy of its ids. The host
+    /// waits for the event alone before it reads the routing ([`Stage::hybrid_moe`]).
+    pub(super) fn segment_routing(
+        &self,
+        ops: &Ops,
+        c: &ModelConfig,
+        dst: *mut u8,
+        t: usize,
+        predict: Option<usize>,
+    ) -> Result<(), GpuError> {
+        let n_pairs = t * c.n_expert_used;
+        self.routing_dtoh(dst, n_pairs, t * c.n_embd)?;
+        if let Some(next) = predict {
+            self.routed_ev.record_external(&self.s)?;
+            self.enqueue_prediction(ops, c, next)?;
+            self.prediction_dtoh(dst, n_pairs, t * c.n_embd, c.n_expert_used)?;
         }
         Ok(())
     }
@@ -1316,23 +1339,24 @@ impl Stage {
         let ni = n_pairs * 4;
         let staging = self.routing_staging(host, kk, e)?;
         if !routed {
-            self.routing_dtoh(staging, n_pairs, t * e, pred_layer.map(|_| kk))?;
+            self.routing_dtoh(staging, n_pairs, t * e)?;
+            if pred_layer.is_some() {
+                self.prediction_dtoh(staging, n_pairs, t * e, kk)?;
+            }
         }
-        self.s.sync()?;
-        // the next layer's predicted experts, by rank (empty: no prediction, or ids out of range)
-        let mut named: Vec<usize> = Vec::new();
+        // a segment that predicts recorded `routed_ev` after its routing copy: the prediction's launches and the
+        // copy of its ids run on while the host reads the routing; `issue` waits for them
+        let early = routed && pred_layer.is_some();
+        if early {
+            self.routed_ev.sync()?;
+        } else {
+            self.s.sync()?;
+        }
         {
             let down = host.pin_down.as_ref().expect("sized by routing_staging");
             down.read(0, &mut host.ids);
             down.read(ni, &mut host.w);
             down.read(2 * ni, &mut host.xn);
-            if pred_layer.is_some() {
-                let mut p = vec![0i32; kk];
-                down.read(2 * ni + t * e * 4, &mut p);
-                if p.iter().all(|&v| v >= 0 && (v as usize) < c.n_expert) {
-                    named = p.into_iter().map(|v| v as usize).collect();
-                }
-            }
         }
         let t1 = self.timing.then(std::time::Instant::now);
         if let Some(bad) = host.ids.iter().position(|&v| v < 0 || v as usize >= c.n_expert) {
@@ -1352,9 +1376,6 @@ impl Stage {
         let routes: Vec<Vec<(usize, f32)>> =
             (0..t).map(|i| (0..kk).map(|r| (host.ids[i * kk + r] as usize, host.w[i * kk + r])).collect()).collect();
         s.record_routes(l, pos0, &routes);
-        if let (Some(next), true) = (pred_layer, s.routes.is_some() && !named.is_empty()) {
-            s.predict_next(next, vec![named.clone()]); // recorded with that layer's routing (--dump-routing)
-        }
         let mut by_expert = dispatch::by_expert(&routes, c.n_expert);
         let src = dispatch::plan_sources(m.experts.map(|st| &**st), l, &by_expert, s.decode);
         let Ffn::Moe(ex) = &m.weights.blocks[l].ffn else { unreachable!("MoE layer") };
@@ -1408,8 +1429,8 @@ impl Stage {
             (true, n) if n >= 2 * kk => kk,
             _ => 0,
         });
-        let prefetch = pred_layer
-            .filter(|_| pf_room > 0 && !named.is_empty() && cache.is_some_and(|c| !c.round_in_flight()) && s.decode);
+        // (whether to upload is decided in `issue`, once the predicted ids are read)
+        let pf_on = pf_room > 0 && cache.is_some_and(|c| !c.round_in_flight()) && s.decode;
         let n_stage_max = cache.map_or(0, |c| c.n_staging - pf_room);
         // live knob `pcie_frac` (--pcie-frac): that share of the RAM-resident misses' bytes goes over PCIe. Each
         // miss is split at intermediate row k (steps of 64 rows, `split_rows`): rows 0..k are uploaded (packed) and computed
@@ -1530,11 +1551,24 @@ impl Stage {
         // microseconds per layer that would otherwise delay the CPU experts)
         let mut issued: Option<Result<f64, GpuError>> = None;
         let mut pf_new = Vec::new();
-        let pf_named: Vec<(usize, usize)> = pred_layer.map_or(Vec::new(), |n| named.iter().map(|&x| (n, x)).collect());
+        // the next layer's predicted experts, by rank (empty: no prediction, or ids out of range)
+        let mut named: Vec<usize> = Vec::new();
         let pf_wait = !prefetched.is_empty();
+        let pin_down = host.pin_down.as_ref().expect("sized by routing_staging");
         let mut issue = |held: Option<&HostArena>| {
             issued = Some((|| {
                 let ti = std::time::Instant::now();
+                if pred_layer.is_some() {
+                    if early {
+                        self.s.sync()?; // the prediction's ids (nothing of this layer is enqueued yet)
+                    }
+                    let mut p = vec![0i32; kk];
+                    pin_down.read(2 * ni + t * e * 4, &mut p);
+                    if p.iter().all(|&v| v >= 0 && (v as usize) < c.n_expert) {
+                        named = p.into_iter().map(|v| v as usize).collect();
+                    }
+                }
+                let prefetch = pred_layer.filter(|_| pf_on && !named.is_empty());
                 // the RAM copy's read lock for the staging and prefetch copies: the one the CPU experts hold, else
                 // our own
                 let guard;
@@ -1635,7 +1669,10 @@ impl Stage {
             Ok(())
         };
         host.prefetched = pf_new;
-        host.predicted = pf_named;
+        host.predicted = pred_layer.map_or(Vec::new(), |n| named.iter().map(|&x| (n, x)).collect());
+        if let (Some(next), true) = (pred_layer, s.routes.is_some() && !named.is_empty()) {
+            s.predict_next(next, vec![named]); // recorded with that layer's routing (--dump-routing)
+        }
         let issue_s = issued.expect("the CPU experts run their side work exactly once")?;
         cpu_done?;
         if let (true, Some(ev)) = (measure && any_cpu, &host.split_done) {

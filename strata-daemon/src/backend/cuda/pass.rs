@@ -174,7 +174,7 @@ impl GpuPass<'_, '_> {
         let b = &g.b;
         let GFfn::Moe { router, bias, .. } = &g.layer(l).ffn else { unreachable!("route() on a dense block") };
         let bias = bias.as_ref();
-        let (kk, ne, e) = (c.n_expert_used, c.n_expert, c.n_embd);
+        let (kk, ne) = (c.n_expert_used, c.n_expert);
         let n_pairs = t * kk;
         if self.fast {
             let cache = g.cache.as_ref().expect("all-VRAM passes have a cache");
@@ -203,17 +203,17 @@ impl GpuPass<'_, '_> {
             return Ok(g.route(&self.launch(), router, t, kk, Some(fast_groups), win, bias)?);
         }
         g.route(&self.launch(), router, t, kk, None, 0, bias)?;
-        // the next layer's prediction reads the hidden state after this layer's attention: right after the router,
-        // before a shared expert adds its output (a segment decided it when it began; else it is decided here)
-        if !self.in_segment {
-            self.predict = g.predicts(self.m, l, t, self.s);
-        }
-        if let Some(next) = self.predict {
-            g.enqueue_prediction(&self.launch(), c, next)?;
-        }
+        // the next layer's prediction reads the hidden state after this layer's attention: in the segment after
+        // the routing's copy (a segment decided it when it began); else right after the router, before a shared
+        // expert adds its output, with the copies in `hybrid_moe`
         if self.in_segment {
-            g.routing_dtoh(self.staging, n_pairs, t * e, self.predict.map(|_| kk))?;
+            g.segment_routing(&self.launch(), c, self.staging, t, self.predict)?;
             self.routed = true;
+        } else {
+            self.predict = g.predicts(self.m, l, t, self.s);
+            if let Some(next) = self.predict {
+                g.enqueue_prediction(&self.launch(), c, next)?;
+            }
         }
         Ok(())
     }
