@@ -181,7 +181,20 @@ pub(super) struct Host {
     prefetched: Vec<(usize, usize, u32)>,
     /// Experts the prediction named for that layer (prefetched or not).
     predicted: Vec<(usize, usize)>,
+    /// Recent RAM misses per decode token of each layer (by layer; an exponential average, weight
+    /// [`MISS_AVG`] for the newest token; layers not seen yet count as [`PREDICT_MIN_MISSES`]): the prefetch
+    /// predicts only the layers that miss ([`Stage::predicts`]).
+    misses: Vec<f32>,
 }
+
+/// Weight of a decode token's RAM misses in a layer's average ([`Host::misses`]).
+const MISS_AVG: f32 = 0.2;
+
+/// The prefetch predicts a layer's experts only while its average RAM misses per token ([`Host::misses`]) are at
+/// least this: with the adaptive tier holding most of what a layer routes to, most layers miss nothing for many
+/// tokens, and their prediction (three launches between the routing and the experts) would cost more than the
+/// rare miss it could turn into a hit (measured on the H200: docs/BENCHMARKS.md, stop 46).
+const PREDICT_MIN_MISSES: f32 = 0.25;
 
 /// The GPU time between consecutive `marks` (each recorded after the named call's launches, the first at the
 /// pass's start), summed by name in the order the names first appear: `"qkv 3.210 ms, attention 1.100 ms, ..."`.
@@ -1235,17 +1248,19 @@ impl Stage {
     }
 
     /// The MoE layer whose experts layer `l`'s routing also predicts, when it does: live knob `prefetch` above 0
-    /// with staging room for the prefetch (2 × top-k slots), or the routing recorded (`s.routes`,
+    /// with staging room for the prefetch (2 × top-k slots) and layer `l + 1` missing experts of late
+    /// ([`PREDICT_MIN_MISSES`]), or the routing recorded (`s.routes`,
     /// `--dump-routing`: the prediction goes with it), a one-token decode window (`s.decode`, `t`) on the hybrid
     /// path, and layer `l + 1` an MoE layer of this stage (the prediction needs the scratch `h` to hold one
     /// token's hidden state).
-    pub(super) fn predicts(&self, m: &ModelRef<'_>, l: usize, t: usize, s: &Scratch) -> Option<usize> {
+    pub(super) fn predicts(&self, m: &ModelRef<'_>, l: usize, t: usize, s: &Scratch, host: &Host) -> Option<usize> {
         let next = l + 1;
         let decode = s.decode;
         let kk = m.cfg.n_expert_used;
         let room = self.cache.as_ref().is_some_and(|c| c.n_staging >= 2 * kk);
-        let on =
-            s.routes.is_some() || room && m.experts.as_ref().is_some_and(|st| st.knobs.value(Knob::Prefetch) >= 1.0);
+        let missing = host.misses.get(next).is_none_or(|&v| v >= PREDICT_MIN_MISSES);
+        let on = s.routes.is_some()
+            || room && missing && m.experts.as_ref().is_some_and(|st| st.knobs.value(Knob::Prefetch) >= 1.0);
         let c = m.cfg;
         let room = c.n_ff.max(c.n_expert_used * c.n_ff_exp).max(c.n_ff_shexp) >= c.n_embd;
         (on && decode && t == 1 && room && next < self.layer_range().end)
@@ -1406,6 +1421,14 @@ impl Stage {
                 (Source::Ram(off), None) => ram_miss.push((x, off)),
                 _ => {}
             }
+        }
+        if s.decode && t == 1 {
+            // this layer's RAM misses of the token (those prefetched included), for the prefetch's choice of layers
+            if host.misses.len() <= l {
+                host.misses.resize(l + 1, PREDICT_MIN_MISSES);
+            }
+            let now = (ram_miss.len() as u64 + pf_used) as f32;
+            host.misses[l] = (1.0 - MISS_AVG) * host.misses[l] + MISS_AVG * now;
         }
         if let (Some(st), true) = (&m.experts, s.decode) {
             use std::sync::atomic::Ordering::Relaxed;

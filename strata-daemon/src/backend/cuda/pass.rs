@@ -210,7 +210,7 @@ impl GpuPass<'_, '_> {
             g.segment_routing(&self.launch(), c, self.staging, t, self.predict)?;
             self.routed = true;
         } else {
-            self.predict = g.predicts(self.m, l, t, self.s);
+            self.predict = g.predicts(self.m, l, t, self.s, self.host);
             if let Some(next) = self.predict {
                 g.enqueue_prediction(&self.launch(), c, next)?;
             }
@@ -304,7 +304,7 @@ impl Ops for GpuPass<'_, '_> {
         self.in_segment = true;
         self.routed = false;
         // decided once for the segment: a graph recorded with the prediction is replayed only while it is asked
-        self.predict = g.predicts(self.m, layer, self.t, self.s);
+        self.predict = g.predicts(self.m, layer, self.t, self.s, self.host);
         let mut ran = false;
         let r = g.replay_segment((layer, self.cap, self.predict.is_some()), || {
             // a recording that failed is enqueued again with plain launches: the same combine each time
