@@ -284,6 +284,8 @@ pub struct Stage {
     /// the prediction's launches: the host waits for it instead of the whole stream, so the prediction runs
     /// while the host reads the routing and starts the CPU experts.
     routed_ev: super::driver::Event,
+    /// Recorded (likewise) after the copy of the prediction's ids: the host waits for it before it reads them.
+    pred_ev: super::driver::Event,
     pf_free: [super::driver::Event; 2],
     /// No CUDA graphs: `STRATA_GPU_GRAPHS=0` at load, or a capture failed (plain launches from then on).
     graphs_off: std::sync::atomic::AtomicBool,
@@ -726,6 +728,7 @@ impl Stage {
         let t = cfg.max_chunk.max(1);
         let s = Stream::new()?;
         let (pf_s, pf_ready, routed_ev) = (Stream::new()?, super::driver::Event::new()?, super::driver::Event::new()?);
+        let pred_ev = super::driver::Event::new()?;
         let pf_free = [super::driver::Event::new()?, super::driver::Event::new()?];
         // the plan's trial allocates `sizes`: a load that allocates otherwise would make the plan wrong
         let (asked, planned) = (super::driver::live_bytes() - live0, sizes.all().sum::<usize>() as u64);
@@ -758,6 +761,7 @@ impl Stage {
             pf_s,
             pf_ready,
             routed_ev,
+            pred_ev,
             pf_free,
             graphs_off: std::sync::atomic::AtomicBool::new(std::env::var("STRATA_GPU_GRAPHS").is_ok_and(|v| v == "0")),
             timing: std::env::var_os("STRATA_GPU_TIMING").is_some(),
@@ -833,8 +837,9 @@ impl Stage {
             c.poll(store, &self.s, true)?;
         }
         self.s.sync()?;
-        self.pf_s.sync()?; // a failed pass's prefetch copies into the slots freed below
-                           // captured graphs name the old slots
+        // a failed pass's prefetch copies into the slots freed below
+        self.pf_s.sync()?;
+        // captured graphs name the old slots
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.host.lock().unwrap_or_else(|e| e.into_inner()).balance = Default::default();
@@ -1193,9 +1198,8 @@ impl Stage {
 
     /// The page-locked staging of the routing's copy to the host (ids | weights | normalized activations |
     /// the next layer's predicted ids), sized for `max_t` tokens once, so that its address stays fixed for
-    /// captured segments. No copy into it is in flight when called (each routing copy is followed by a stream
-    /// sync before the next layer); should it ever have to move, the captured segments naming the old address
-    /// are dropped first.
+    /// captured segments. It grows only before a pass's first use (its size is fixed by `max_t`), so no copy into
+    /// it is in flight when it moves; the captured segments naming the old address are dropped first.
     pub(super) fn routing_staging(&self, host: &mut Host, kk: usize, e: usize) -> Result<*mut u8, GpuError> {
         let bytes = self.max_t * (2 * kk + e) * 4 + kk * 4;
         if host.pin_down.as_ref().is_some_and(|p| p.bytes < bytes) {
@@ -1227,8 +1231,9 @@ impl Stage {
     }
 
     /// A segment's copy of its routing to the host, and with `predict` (the next MoE layer) the prediction
-    /// after it: the routing copy, [`Stage::routed_ev`], the prediction's launches, the copy of its ids. The host
-    /// waits for the event alone before it reads the routing ([`Stage::hybrid_moe`]).
+    /// after it: the routing copy, [`Stage::routed_ev`], the prediction's launches, the copy of its ids,
+    /// [`Stage::pred_ev`]. The host waits for each event alone before it reads what it follows
+    /// ([`Stage::hybrid_moe`]).
     pub(super) fn segment_routing(
         &self,
         ops: &Ops,
@@ -1243,27 +1248,28 @@ impl Stage {
             self.routed_ev.record_external(&self.s)?;
             self.enqueue_prediction(ops, c, next)?;
             self.prediction_dtoh(dst, n_pairs, t * c.n_embd, c.n_expert_used)?;
+            self.pred_ev.record_external(&self.s)?;
         }
         Ok(())
     }
 
-    /// The MoE layer whose experts layer `l`'s routing also predicts, when it does: live knob `prefetch` above 0
-    /// with staging room for the prefetch (2 × top-k slots) and layer `l + 1` missing experts of late
-    /// ([`PREDICT_MIN_MISSES`]), or the routing recorded (`s.routes`,
-    /// `--dump-routing`: the prediction goes with it), a one-token decode window (`s.decode`, `t`) on the hybrid
-    /// path, and layer `l + 1` an MoE layer of this stage (the prediction needs the scratch `h` to hold one
-    /// token's hidden state).
+    /// The MoE layer whose experts layer `l`'s routing also predicts, when it does: live knob `prefetch` above 0 with
+    /// staging room for the prefetch (2 × top-k slots, the RAM copy page-locked) and layer `l + 1` missing experts of
+    /// late ([`PREDICT_MIN_MISSES`]), or the routing recorded (`s.routes`, `--dump-routing`: the prediction goes with
+    /// it), a one-token decode window (`s.decode`, `t`) on the hybrid path, and layer `l + 1` an MoE layer of this
+    /// stage (the prediction needs the scratch `h` to hold one token's hidden state).
     pub(super) fn predicts(&self, m: &ModelRef<'_>, l: usize, t: usize, s: &Scratch, host: &Host) -> Option<usize> {
         let next = l + 1;
         let decode = s.decode;
         let kk = m.cfg.n_expert_used;
-        let room = self.cache.as_ref().is_some_and(|c| c.n_staging >= 2 * kk);
+        // staging room for the uploads, from the page-locked RAM copy (from pageable memory a copy would block)
+        let staging = self.cache.as_ref().is_some_and(|c| c.n_staging >= 2 * kk && c.async_ok);
         let missing = host.misses.get(next).is_none_or(|&v| v >= PREDICT_MIN_MISSES);
         let on = s.routes.is_some()
-            || room && missing && m.experts.as_ref().is_some_and(|st| st.knobs.value(Knob::Prefetch) >= 1.0);
+            || staging && missing && m.experts.as_ref().is_some_and(|st| st.knobs.value(Knob::Prefetch) >= 1.0);
         let c = m.cfg;
-        let room = c.n_ff.max(c.n_expert_used * c.n_ff_exp).max(c.n_ff_shexp) >= c.n_embd;
-        (on && decode && t == 1 && room && next < self.layer_range().end)
+        let scratch = c.n_ff.max(c.n_expert_used * c.n_ff_exp).max(c.n_ff_shexp) >= c.n_embd;
+        (on && decode && t == 1 && scratch && next < self.layer_range().end)
             .then_some(next)
             .filter(|&n| matches!(self.layer(n).ffn, GFfn::Moe { .. }))
     }
@@ -1300,8 +1306,9 @@ impl Stage {
         cache.staging_slot(cache.n_staging - kk * (Self::pf_set(room, kk, l) + 1) + j)
     }
 
-    /// Runs a hybrid decode layer's attention segment (`enqueue`) from its captured graph for `key` (layer,
-    /// attention size class, with the next layer's prediction), capturing it first; plain launches when a capture fails (graphs then off).
+    /// Runs a hybrid decode layer's attention segment (`enqueue`) from its captured graph for `key` (layer, attention
+    /// size class, with the next layer's prediction), capturing it first; plain launches when a capture fails (graphs
+    /// then off).
     pub(super) fn replay_segment(
         &self,
         key: (usize, usize, bool),
@@ -1325,12 +1332,12 @@ impl Stage {
         g.launch(&self.s)
     }
 
-    /// One MoE layer with the routing on the host: VRAM hits (and PCIe-staged misses) on the GPU, the other
-    /// misses on the CPU pool, overlapped. `routed`: the routing's copy to the host is already enqueued
-    /// (a replayed segment); else it is enqueued here. `pred_layer`: the routing's launches also predicted that
-    /// layer's experts ([`Stage::enqueue_prediction`]), whose ids the copy carries. Returns the combine of the results (done on
-    /// the GPU by the next norm; its CPU rows are always uploaded, zeros when the CPU computed nothing, so that
-    /// the next segment's combine is the same every token).
+    /// One MoE layer with the routing on the host: VRAM hits (and PCIe-staged misses) on the GPU, the other misses on
+    /// the CPU pool, overlapped. `routed`: the routing's copy to the host is already enqueued (a replayed segment);
+    /// else it is enqueued here. `pred_layer`: the routing's launches also predicted that layer's experts
+    /// ([`Stage::enqueue_prediction`]), whose ids the copy carries. Returns the combine of the results (done on the GPU
+    /// by the next norm; its CPU rows are always uploaded, zeros when the CPU computed nothing, so that the next
+    /// segment's combine is the same every token).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn hybrid_moe(
         &self,
@@ -1447,7 +1454,7 @@ impl Stage {
         // parity: `pf_slot`) while this layer computes and the next layer's attention runs; not while an adaptive
         // round is in flight, whose exchanges may move RAM places. PCIe staging keeps to the other slots.
         let pf_max = m.experts.as_ref().map_or(0, |st| st.knobs.value(Knob::Prefetch) as usize).min(kk);
-        let pf_room = cache.map_or(0, |c| match (t == 1 && pf_max > 0, c.n_staging) {
+        let pf_room = cache.map_or(0, |c| match (t == 1 && pf_max > 0 && c.async_ok, c.n_staging) {
             (true, n) if n >= 3 * kk => 2 * kk,
             (true, n) if n >= 2 * kk => kk,
             _ => 0,
@@ -1455,11 +1462,11 @@ impl Stage {
         // (whether to upload is decided in `issue`, once the predicted ids are read)
         let pf_on = pf_room > 0 && cache.is_some_and(|c| !c.round_in_flight()) && s.decode;
         let n_stage_max = cache.map_or(0, |c| c.n_staging - pf_room);
-        // live knob `pcie_frac` (--pcie-frac): that share of the RAM-resident misses' bytes goes over PCIe. Each
-        // miss is split at intermediate row k (steps of 64 rows, `split_rows`): rows 0..k are uploaded (packed) and computed
-        // on the GPU, rows k.. on the CPU, both adding into the expert's output — so PCIe and the CPU pool share
-        // every miss, even a layer's single one. Widths that do not split send whole experts (error diffusion).
-        // Only the plan is made here; the copies are issued below, beside the CPU pool's work.
+        // live knob `pcie_frac` (--pcie-frac): that share of the RAM-resident misses' bytes goes over PCIe. Each miss
+        // is split at intermediate row k (steps of 64 rows, `split_rows`): rows 0..k are uploaded (packed) and computed
+        // on the GPU, rows k.. on the CPU, both adding into the expert's output — so PCIe and the CPU pool share every
+        // miss, even a layer's single one. Widths that do not split send whole experts (error diffusion). Only the plan
+        // is made here; the copies are issued below, beside the CPU pool's work.
         let knob = |k: Knob| m.experts.as_ref().map_or(0.0, |st| st.knobs.value(k));
         let block = gate_ty.block_size().max(down_ty.block_size());
         // pcie_auto: the balanced share (starting from pcie_frac, or 0.5 when that is 0), moved by decode tokens
@@ -1583,7 +1590,7 @@ impl Stage {
                 let ti = std::time::Instant::now();
                 if pred_layer.is_some() {
                     if early {
-                        self.s.sync()?; // the prediction's ids (nothing of this layer is enqueued yet)
+                        self.pred_ev.sync()?; // the copy of the prediction's ids
                     }
                     let mut p = vec![0i32; kk];
                     pin_down.read(2 * ni + t * e * 4, &mut p);

@@ -1,10 +1,11 @@
 //! One forward pass on the GPU: the backend interface's [`Ops`] as kernel launches on the model's stream.
 //!
-//! A MoE layer's combine (`Σ w·y` of the GPU's expert rows plus the CPU's sum) is not launched by itself: it is
-//! left pending and done by the next RMSNorm (the next block's, or the output norm), one launch less per
-//! layer. In a hybrid decode token each MoE block's [`Ops::segment`] (norm, attention, FFN norm, router, top-k,
-//! the next layer's prediction when asked, and the routing's copy to the host) is recorded once per (layer,
-//! attention size class, prediction) as a CUDA graph and replayed; [`super::model::Stage`] records a whole decode token the same way when no layer needs the host.
+//! A MoE layer's combine (`Σ w·y` of the GPU's expert rows plus the CPU's sum) is not launched by itself: it is left
+//! pending and done by the next RMSNorm (the next block's, or the output norm), one launch less per layer. In a hybrid
+//! decode token each MoE block's [`Ops::segment`] (norm, attention, FFN norm, router, top-k, the next layer's
+//! prediction when asked, and the routing's copy to the host) is recorded once per (layer, attention size class,
+//! prediction) as a CUDA graph and replayed; [`super::model::Stage`] records a whole decode token the same way when no
+//! layer needs the host.
 
 use super::model::{GFfn, Host, Stage};
 use super::ops::{Combine, KvPtrs, Ops as Launch};
@@ -313,8 +314,9 @@ impl Ops for GpuPass<'_, '_> {
             ops(self).map_err(GpuError::from)
         });
         self.in_segment = false;
-        self.pend = None; // done by the segment's first norm, recorded or replayed
-                          // the routing's copy to the host is in the segment (route() enqueued it when recorded; a replay has it)
+        // the pending combine is done by the segment's first norm, recorded or replayed; the routing's copy to the
+        // host is in the segment (route() enqueued it when recorded; a replay has it)
+        self.pend = None;
         debug_assert!(!ran || r.is_err() || self.routed, "an MoE block's segment contains its route()");
         self.routed = true;
         Ok(r?)
