@@ -15,8 +15,8 @@ use strata::model::forward::Scratch;
 use strata::model::{Logits, Model};
 use strata::tiers::fileio::FileIo;
 use strata::tiers::policy::AdaptKnobs;
-use strata::tiers::replay::{prediction_accuracy, replay, PhaseFilter, Policy, Trace};
-use strata::tiers::store::{ExpertStore, ResidentMode};
+use strata::tiers::replay::{prediction_accuracy, replay, Outcome, PhaseFilter, Policy, Trace};
+use strata::tiers::store::{ExpertStore, ResidentMode, TierTotals};
 
 const SLOTS_PER_LAYER: usize = 4;
 
@@ -81,6 +81,24 @@ fn decode_with(
     (text, tokens)
 }
 
+/// Asserts that the engine's counters `d` over a decode run equal `replay`'s outcome `o` of the routing it recorded
+/// (every lookup seen, the same hits) and that the cache moved; returns the line that reports both.
+fn engine_equals_replay(name: &str, d: &TierTotals, o: &Outcome) -> String {
+    assert_eq!(o.lookups, d.lookups, "{name}: the replay sees every lookup the engine counted");
+    assert_eq!(o.hits, d.vram_hits, "{name}: the engine hits what the replay predicts");
+    assert!(o.loads > 0, "{name}: the cache moved");
+    format!(
+        "{name}: engine {} hits of {} lookups ({:.1}%), replay {} of {} ({:.1}%), {} loads",
+        d.vram_hits,
+        d.lookups,
+        100.0 * d.vram_hits as f64 / d.lookups as f64,
+        o.hits,
+        o.lookups,
+        100.0 * o.hit_rate(),
+        o.loads
+    )
+}
+
 /// The engine policies the checks run, with the knobs `replay` is given for each.
 fn policies() -> [(&'static str, Policy); 2] {
     [
@@ -125,19 +143,7 @@ fn engine_hits_equal_the_replay_for_every_policy() {
         trace.n_expert = ne;
         assert_eq!(trace.n_layer, nl);
         let o = replay(&trace, policy, SLOTS_PER_LAYER);
-        eprintln!(
-            "{name}: engine {} hits of {} lookups ({:.1}%), replay {} of {} ({:.1}%), {} loads",
-            d.vram_hits,
-            d.lookups,
-            100.0 * d.vram_hits as f64 / d.lookups as f64,
-            o.hits,
-            o.lookups,
-            100.0 * o.hit_rate(),
-            o.loads
-        );
-        assert_eq!(o.lookups, d.lookups, "{name}: the replay sees every lookup the engine counted");
-        assert_eq!(o.hits, d.vram_hits, "{name}: the engine hits what the replay predicts");
-        assert!(o.loads > 0, "{name}: the cache moved");
+        eprintln!("{}", engine_equals_replay(name, &d, &o));
         // the next-layer prediction: every MoE layer but the first carries one, and it names far more than
         // chance (top-4 of 16: 25%)
         let acc = prediction_accuracy(&trace).expect("the CPU backend predicts");
@@ -188,24 +194,14 @@ fn engine_hits_equal_the_replay_on_the_gpu() {
             trace.n_expert = ne;
             let o = replay(&trace, policy, SLOTS_PER_LAYER);
             let acc = prediction_accuracy(&trace).expect("the GPU backend records its prediction");
+            let line = engine_equals_replay(&format!("gpu, {name}, prefetch {prefetch}"), &d, &o);
             eprintln!(
-                "gpu, {name}, prefetch {prefetch}: engine {} hits of {} lookups ({:.1}%), replay {} of {} ({:.1}%), \
-                 {} loads; prediction names {:.1}% of routed experts (CPU {:.1}%); prefetched {}, used {}",
-                d.vram_hits,
-                d.lookups,
-                100.0 * d.vram_hits as f64 / d.lookups as f64,
-                o.hits,
-                o.lookups,
-                100.0 * o.hit_rate(),
-                o.loads,
+                "{line}; prediction names {:.1}% of routed experts (CPU {:.1}%); prefetched {}, used {}",
                 100.0 * acc,
                 100.0 * cpu_acc,
                 d.prefetched,
                 d.prefetch_hits
             );
-            assert_eq!(o.lookups, d.lookups, "{name}: the replay sees every lookup the engine counted");
-            assert_eq!(o.hits, d.vram_hits, "{name}: the engine hits what the replay predicts");
-            assert!(o.loads > 0, "{name}: the cache moved");
             // (both over ~1,000 routed experts of greedy tokens that may part ways: a wide margin, which a broken
             // prediction, near chance at 25%, still misses)
             assert!((acc - cpu_acc).abs() < 0.1, "GPU {acc} vs CPU {cpu_acc}");

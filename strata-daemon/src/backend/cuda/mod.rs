@@ -117,9 +117,9 @@ pub fn probe(ordinal: usize) -> Result<Probe, GpuError> {
     let libnvrtc = loadable(NVRTC_LIBS).ok_or_else(|| {
         GpuError::NoLibrary("CUDA driver found but no NVRTC (libnvrtc.so.13/.12 not on the library path)".into())
     })?;
+    let mut n = 0;
     // SAFETY: the driver library is loadable (checked above), so cudarc's lazy symbol loading cannot panic
     // for a missing library.
-    let mut n = 0;
     unsafe { driver::check("cuInit", cudarc::driver::sys::cuInit(0))? };
     // SAFETY: valid out-pointer.
     unsafe { driver::check("cuDeviceGetCount", cudarc::driver::sys::cuDeviceGetCount(&mut n))? };
