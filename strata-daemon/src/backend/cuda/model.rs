@@ -1226,7 +1226,8 @@ impl Stage {
     /// routing staging at `dst`, after the routing of `n_pairs` entries and `n_x` activations.
     pub(super) fn prediction_dtoh(&self, dst: *mut u8, n_pairs: usize, n_x: usize, k: usize) -> Result<(), GpuError> {
         // SAFETY: `dst` holds 8 * n_pairs + 4 * n_x + 4 * k bytes (routing_staging sizes it for max_t tokens and
-        // one prediction); the host reads it only after a stream sync, and nothing else writes it.
+        // one prediction); the host reads it only after a wait for this copy (`pred_ev`, or the stream when the copy
+        // is enqueued outside a segment), and nothing else writes it.
         unsafe { self.s.dtoh_raw(dst.add(8 * n_pairs + n_x * 4), self.b.pids.ptr, k * 4) }
     }
 
