@@ -1,16 +1,26 @@
-//! Causal attention of a chunk of query rows over the KV cache (CPU), softmax in f32.
+//! Causal attention of a chunk of query rows over the KV cache (CPU).
 //!
-//! - f16 rows: llama.cpp's F16-cache roundings (queries and probabilities to f16). A prompt chunk runs one task
-//!   per row and K/V head (the query heads sharing it); a few rows (decode) run three passes over the pool
-//!   (scores by block of positions, softmax by head, V by block of columns), so each row is read once and the
-//!   pool still has tasks enough. The x86 kernels ([`super::attention_x86`]) give the bits of the portable
-//!   per-head path, whose products ([`crate::quant::f16`]) give those of f32 products over the same values.
+//! - f16 rows: llama.cpp's F16-cache roundings (the query and the normalised probabilities rounded to f16), with
+//!   the positions in chunks of [`CHUNK`]. Per chunk, the scores of the heads that share a K/V head; per head, `M`
+//!   the largest score (and sink), `e = e^(s − M)` with [`super::exp`]'s function (glibc's method), `L` their
+//!   sum one at a time in position order (+ `e^(sink − M)`); per chunk, `p = f16(e · (1 / L))` and `o_c = Σ p · v`
+//!   (fused multiply-adds in position order); the output is `Σ o_c` in chunk order. Where libm is glibc (whose
+//!   `expf` gave the same bits on every f32 sampled from −104 to 0), everything but the V sum has the bits of the
+//!   single-pass softmax this replaced. The definition fixes every bit whichever path computes
+//!   it: a few rows (decode) run the chunk passes as one task per (row, chunk) — per (row, chunk, K/V head) when
+//!   the pool would be short of tasks — each reading its chunk's K (then V) rows once for every head that shares
+//!   them, the softmax as one task per (row, head), the sums on the calling thread; a prompt chunk runs one task
+//!   per row and K/V head. The x86 kernels ([`super::attention_x86`]) give the bits of the portable
+//!   `chunk_scores`, `softmax_exps` and `chunk_values`, whose scores ([`crate::quant::f16`]) give those of f32
+//!   products over the same values. Neither the thread count nor the number of rows changes a bit.
 //! - Q8_0 rows (`--kv-type q8_0`): as llama.cpp's flash attention over a Q8_0 cache (query quantized to Q8_0,
-//!   V dequantized to f32); one task per row and query head.
-//! - f32 rows: the exact reference precision.
+//!   V dequantized to f32, the softmax in f32 with libm's `exp`); a few rows in three passes over the pool
+//!   ([`split_passes`]), a prompt chunk one task per row and K/V head.
+//! - f32 rows: the exact reference precision (one softmax over the span).
 
 use std::cell::RefCell;
 
+use super::exp::exp;
 use super::math::dot_f32;
 use super::matmul::SyncPtr;
 use crate::backend::kv::KvRows;
@@ -31,12 +41,20 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
+/// Positions per chunk of the f16 attention's V products (part of its definition: the results depend on it, not on
+/// the thread count).
+pub(super) const CHUNK: usize = 128;
+
 thread_local! {
-    /// A task's scores, then probabilities (one per attended position).
+    /// A task's scores (one per attended position and head).
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// [`split_passes`]' scores of every row and head, kept by the calling thread between calls (a decode token
-    /// would otherwise allocate and zero one per layer).
+    /// [`split_passes`]' (or a decode split of f16 rows') scores of every row and head, kept by the calling thread
+    /// between calls (a decode token would otherwise allocate and zero one per layer).
     static SPLIT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The f16 chunks' partial results (the calling thread's for a decode split, a prompt task's own).
+    static PARTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A task's f16 probabilities of one chunk ([`CHUNK`] per head).
+    static PROBS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// `out` (`t × n_head × head_dim`) = softmax(q·Kᵀ · scale) · V for the `t` rows of `q` (same shape) at positions
@@ -44,8 +62,8 @@ thread_local! {
 /// (`n_head` logits, when given): head h's softmax also counts `e^sinks[h]` in its denominator, a position
 /// without a value (ggml's `soft_max` with sinks: the largest of the scores and the sink is subtracted). `keys`
 /// and `values` hold at least `pos0 + t` positions of `n_head_kv × head_dim` values, both of one kind. f16 rows:
-/// `q` is rounded to f16 first (in place) and the probabilities before the product with V, as llama.cpp does over
-/// its F16 cache. Q8_0 rows: `q` is quantized to Q8_0 for the scores (left as it is), the probabilities stay f32.
+/// `q` is rounded to f16 first (in place), as llama.cpp does over its F16 cache, and the positions run in chunks
+/// (module doc). Q8_0 rows: `q` is quantized to Q8_0 for the scores (left as it is).
 ///
 /// # Panics
 /// When `n_head_kv` does not divide `n_head`, a buffer is shorter than the shapes say, `keys` and `values` are of
@@ -66,7 +84,6 @@ pub fn attend(
     let (nh, hd) = (h.n_head, h.head_dim);
     assert!(sinks.is_none_or(|s| s.len() >= nh), "attention sinks: one per query head");
     let (qd, kvd) = (nh * hd, h.n_head_kv * hd);
-    let r16 = matches!(keys, KvRows::F16(_));
     assert!(h.n_head_kv > 0 && nh % h.n_head_kv == 0, "attention: {nh} query heads over {} K/V heads", h.n_head_kv);
     assert!(q.len() >= t * qd && out.len() >= t * qd, "attention buffers");
     let n = pos0 + t;
@@ -76,62 +93,414 @@ pub fn attend(
         KvRows::Q8_0(x) => kvd % 32 == 0 && x.len() >= n * GgmlType::Q8_0.row_bytes(kvd),
     };
     assert!(held(keys) && held(values), "attention: the K/V rows hold fewer than {n} positions");
-    if let (KvRows::Q8_0(k), KvRows::Q8_0(v)) = (keys, values) {
-        let call = Call { h, pos0, t, scale, window, sinks };
-        attend_q8_0(pool, &q[..t * qd], k, v, &call, &mut out[..t * qd]);
-        return;
-    }
-    if r16 {
-        f16::round_slice(&mut q[..t * qd]);
-    }
-    let q = &*q;
-    let group = nh / h.n_head_kv;
-    #[cfg(target_arch = "x86_64")]
-    let width = x86::Width::detect();
-    #[cfg(target_arch = "x86_64")]
-    if let (KvRows::F16(k), KvRows::F16(v), Some(w)) = (keys, values, width) {
-        if t * h.n_head_kv < 4 * pool.threads() && hd % 8 == 0 && hd <= x86::MAX_HD {
-            let call = Call { h, pos0, t, scale, window, sinks };
-            let kern = F16Kernels { w, q, k, v, h, scale };
-            // SAFETY: `w` is what this CPU runs, hd % 8 == 0 and hd <= MAX_HD; keys and values are f16 rows holding
-            // pos0 + t positions of kvd values, n_head_kv divides n_head, out holds t · qd values (asserted above).
-            unsafe { split_passes(pool, &call, &kern, out) };
-            return;
+    let call = Call { h, pos0, t, scale, window, sinks };
+    match (keys, values) {
+        (KvRows::Q8_0(k), KvRows::Q8_0(v)) => attend_q8_0(pool, &q[..t * qd], k, v, &call, &mut out[..t * qd]),
+        (KvRows::F16(k), KvRows::F16(v)) => {
+            f16::round_slice(&mut q[..t * qd]);
+            attend_f16(pool, &q[..t * qd], k, v, &call, &mut out[..t * qd]);
         }
+        (KvRows::F32(k), KvRows::F32(v)) => attend_f32(pool, &q[..t * qd], k, v, &call, &mut out[..t * qd]),
+        _ => panic!("attention: keys and values of different kinds"),
     }
-    // a task: one row's heads that share a K/V head (their K and V rows converted once), or one head where that
-    // would leave the pool short of tasks (a decode row)
-    let per = if t * h.n_head_kv >= 4 * pool.threads() { group } else { 1 };
+}
+
+/// [`attend`] over f32 rows: one task per row and head (the K/V head's heads together when the pool has tasks
+/// enough), one softmax over the span.
+fn attend_f32(pool: &WorkerPool, q: &[f32], k: &[f32], v: &[f32], r: &Call<'_>, out: &mut [f32]) {
+    let (nh, nkv, hd, t) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim, r.t);
+    let (qd, group) = (nh * hd, nh / nkv);
+    let per = if t * nkv >= 4 * pool.threads() { group } else { 1 };
     let out_ptr = SyncPtr(out.as_mut_ptr());
-    let task = |idx: usize| {
+    pool.run(t * nh / per, |idx| {
         let (i, h0) = (idx / (nh / per), idx % (nh / per) * per);
         // SAFETY: task `idx` writes only out[(i*nh + h0)*hd .. (i*nh + h0 + per)*hd], inside the t*qd buffer
-        // (asserted above); tasks are disjoint and the buffer outlives `run`.
+        // (asserted by `attend`); tasks are disjoint and the buffer outlives `run`.
         let o = unsafe { std::slice::from_raw_parts_mut({ out_ptr }.0.add((i * nh + h0) * hd), per * hd) };
-        let kh = h0 / group;
-        let qv = &q[i * qd + h0 * hd..i * qd + (h0 + per) * hd];
-        let n = pos0 + i + 1; // causal: positions 0..=pos0+i
-        let first = if window > 0 { n.saturating_sub(window) } else { 0 };
-        let span = Span { first, n, kvd, off: kh * hd, hd };
+        let span = r.span(i, h0 / group);
         SCORES.with(|cell| {
             let mut sc = cell.borrow_mut();
-            #[cfg(target_arch = "x86_64")]
-            if let (KvRows::F16(k), KvRows::F16(v), Some(w)) = (keys, values, width) {
-                if hd % 8 == 0 && hd <= x86::MAX_HD {
-                    // SAFETY: `width` is what this CPU runs; the span's rows lie inside keys and values (they hold
-                    // pos0 + t positions of kvd values and kh * hd + hd <= kvd, asserted above), qv and o hold
-                    // `per` heads.
-                    unsafe { x86::heads_f16(w, qv, k, v, span, scale, sinks.map(|s| &s[h0..h0 + per]), &mut sc, o) };
-                    return;
-                }
-            }
             for g in 0..per {
-                let (qh, oh) = (&qv[g * hd..(g + 1) * hd], &mut o[g * hd..(g + 1) * hd]);
-                head(qh, keys, values, span, scale, r16, sinks.map(|s| s[h0 + g]), &mut sc, oh);
+                let qh = &q[i * qd + (h0 + g) * hd..i * qd + (h0 + g + 1) * hd];
+                let sink = r.sinks.map(|s| s[h0 + g]);
+                head_f32(qh, k, v, span, r.scale, sink, &mut sc, &mut o[g * hd..(g + 1) * hd]);
             }
         });
+    });
+}
+
+/// The chunk kernels of the f16 definition this CPU runs: the x86 ones ([`x86::chunk_scores_f16`],
+/// [`x86::exps_f16`], [`x86::chunk_values_f16`]) where the head fits them, else the portable ones (with fused
+/// multiply-adds in hardware where the CPU has them).
+#[derive(Clone, Copy)]
+enum ChunkKernel {
+    #[cfg(target_arch = "x86_64")]
+    X86(x86::Width),
+    /// `true`: the CPU has FMA (the portable bodies run with it enabled).
+    Portable(bool),
+}
+
+impl ChunkKernel {
+    fn for_head(hd: usize) -> ChunkKernel {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(w) = x86::Width::detect() {
+            if hd.is_multiple_of(8) && hd <= x86::MAX_HD {
+                return ChunkKernel::X86(w);
+            }
+            return ChunkKernel::Portable(true);
+        }
+        let _ = hd;
+        ChunkKernel::Portable(false)
+    }
+
+    /// Pass one over span positions `js` for the heads of `qv` (see [`chunk_scores`]): head `g`'s scores to
+    /// `sc[g · stride ..]`.
+    #[allow(clippy::too_many_arguments)]
+    fn scores(
+        self,
+        qv: &[f32],
+        k: &[u16],
+        sp: Span,
+        js: std::ops::Range<usize>,
+        scale: f32,
+        sc: &mut [f32],
+        stride: usize,
+    ) {
+        let per = qv.len() / sp.hd;
+        assert!(
+            sp.first + js.end <= sp.n && sp.n * sp.kvd <= k.len() && sp.off + sp.hd <= sp.kvd,
+            "attention chunk rows"
+        );
+        assert!(per > 0 && (per - 1) * stride + js.len() <= sc.len() && js.len() <= CHUNK, "attention chunk scores");
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the width was detected on this CPU (`for_head`); the span's rows lie inside k and the heads'
+            // scores inside sc (asserted).
+            ChunkKernel::X86(w) => unsafe { x86::chunk_scores_f16(w, qv, k, sp, js, scale, (sc.as_mut_ptr(), stride)) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: FMA was detected (`for_head` gives `true` only where the SIMD level includes it).
+            ChunkKernel::Portable(true) => unsafe { chunk_scores_fma(qv, k, sp, js, scale, (sc, stride)) },
+            _ => chunk_scores(qv, k, sp, js, scale, (sc, stride)),
+        }
+    }
+
+    /// One head's softmax over its scores `segs` (its span in position order): each score becomes
+    /// `e^(s − M)` ([`softmax_exps`]); returns `1 / L` ([`softmax_inv`]).
+    fn softmax(self, segs: &mut [&mut [f32]], sink: Option<f32>) -> f32 {
+        let m = match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the width was detected on this CPU (`for_head`).
+            ChunkKernel::X86(w) => unsafe { x86::exps_f16(w, segs, sink) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: FMA was detected (`for_head` gives `true` only where the SIMD level includes it).
+            ChunkKernel::Portable(true) => unsafe { softmax_exps_fma(segs, sink) },
+            _ => softmax_exps(segs, sink),
+        };
+        softmax_inv(segs, m, sink)
+    }
+
+    /// Pass two for the heads of `invs` (see [`chunk_values`]); `p` holds `invs.len() · CHUNK` values.
+    #[allow(clippy::too_many_arguments)]
+    fn values(
+        self,
+        e: &[f32],
+        stride: usize,
+        v: &[u16],
+        sp: Span,
+        js: std::ops::Range<usize>,
+        invs: &[f32],
+        p: &mut [f32],
+        part: &mut [f32],
+    ) {
+        let per = invs.len();
+        assert!(
+            sp.first + js.end <= sp.n && sp.n * sp.kvd <= v.len() && sp.off + sp.hd <= sp.kvd,
+            "attention chunk rows"
+        );
+        assert!(
+            per > 0 && (per - 1) * stride + js.len() <= e.len() && js.len() <= CHUNK,
+            "attention chunk exponentials"
+        );
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `scores`; the heads' exponentials lie inside e (asserted).
+            ChunkKernel::X86(w) => unsafe { x86::chunk_values_f16(w, (e.as_ptr(), stride), v, sp, js, invs, p, part) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `scores`.
+            ChunkKernel::Portable(true) => unsafe { chunk_values_fma((e, stride), v, sp, js, invs, p, part) },
+            _ => chunk_values((e, stride), v, sp, js, invs, p, part),
+        }
+    }
+}
+
+/// [`attend`] over f16 rows (`q` already rounded), over chunks of [`CHUNK`] positions (module doc). A few rows
+/// (decode): the scores and the V products as one task per (row, chunk) — per (row, chunk, K/V head) when that
+/// leaves the pool short of tasks — each reading the chunk's K (then V) rows once for all heads; the softmax as
+/// one task per (row, head); the chunks' sums on the calling thread. More rows: one task per row and K/V head.
+fn attend_f16(pool: &WorkerPool, q: &[f32], k: &[u16], v: &[u16], r: &Call<'_>, out: &mut [f32]) {
+    let (nh, nkv, hd, t) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim, r.t);
+    let (qd, group) = (nh * hd, nh / nkv);
+    let kern = ChunkKernel::for_head(hd);
+    if t * nkv >= 4 * pool.threads() {
+        prompt_f16(pool, q, k, v, r, kern, out);
+        return;
+    }
+    let len = |i: usize| {
+        let sp = r.span(i, 0);
+        sp.n - sp.first
     };
-    pool.run(t * nh / per, task);
+    let chunks = |i: usize| len(i).div_ceil(CHUNK);
+    let cmax = (0..t).map(chunks).max().unwrap_or(0);
+    // row i, chunk c, head h: its scores (then exponentials) at sc[((i·cmax + c)·nh + h)·CHUNK ..], its V product
+    // at parts[((i·cmax + c)·nh + h)·hd ..]; a task's heads are consecutive
+    let mut sc = SPLIT.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    let mut parts = PARTS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    sc.resize(sc.len().max(t * cmax * nh * CHUNK), 0.0);
+    parts.resize(parts.len().max(t * cmax * nh * hd), 0.0);
+    let mut invs = vec![0f32; t * nh];
+    let kvs = if t * cmax < 2 * pool.threads() { nkv } else { 1 };
+    let (sc_ptr, parts_ptr, inv_ptr) =
+        (SyncPtr(sc.as_mut_ptr()), SyncPtr(parts.as_mut_ptr()), SyncPtr(invs.as_mut_ptr()));
+    // task idx of the chunk passes: (row i, chunk c, its K/V heads) when chunk c exists for row i
+    let task = |idx: usize| {
+        let (i, c, ks) = (idx / (cmax * kvs), idx / kvs % cmax, idx % kvs);
+        let khs = if kvs == 1 { 0..nkv } else { ks..ks + 1 };
+        (c < chunks(i)).then_some((i, c, khs))
+    };
+    let js = |i: usize, c: usize| c * CHUNK..((c + 1) * CHUNK).min(len(i));
+    let at = |i: usize, c: usize, h: usize| (i * cmax + c) * nh + h;
+    pool.run(t * cmax * kvs, |idx| {
+        let Some((i, c, khs)) = task(idx) else { return };
+        for kh in khs {
+            // SAFETY: (row i, chunk c, heads kh·group .. (kh + 1)·group)'s scores: group·CHUNK values no other task
+            // writes (tasks differ in row, chunk or K/V head), inside the buffer sized above.
+            let s = unsafe {
+                std::slice::from_raw_parts_mut({ sc_ptr }.0.add(at(i, c, kh * group) * CHUNK), group * CHUNK)
+            };
+            let qv = &q[i * qd + kh * group * hd..i * qd + (kh + 1) * group * hd];
+            kern.scores(qv, k, r.span(i, kh), js(i, c), r.scale, s, CHUNK);
+        }
+    });
+    pool.run(t * nh, |ih| {
+        let (i, h) = (ih / nh, ih % nh);
+        let mut segs: Vec<&mut [f32]> = (0..chunks(i))
+            // SAFETY: (row i, head h)'s scores of chunk c: CHUNK values from this offset, which no other task of
+            // this pass touches (tasks differ in row or head), inside the buffer.
+            .map(|c| unsafe { std::slice::from_raw_parts_mut({ sc_ptr }.0.add(at(i, c, h) * CHUNK), js(i, c).len()) })
+            .collect();
+        let inv = kern.softmax(&mut segs, r.sinks.map(|s| s[h]));
+        // SAFETY: element ih of the t·nh normalizers, this task's alone.
+        unsafe { *{ inv_ptr }.0.add(ih) = inv };
+    });
+    let invs = &invs;
+    pool.run(t * cmax * kvs, |idx| {
+        let Some((i, c, khs)) = task(idx) else { return };
+        PROBS.with_borrow_mut(|p| {
+            p.resize(p.len().max(group * CHUNK), 0.0);
+            for kh in khs {
+                let a = at(i, c, kh * group);
+                // SAFETY: the regions of the first pass (disjoint between tasks): the exponentials only read now,
+                // the V products written by this task alone.
+                let (e, part) = unsafe {
+                    let e = std::slice::from_raw_parts({ sc_ptr }.0.add(a * CHUNK), group * CHUNK);
+                    (e, std::slice::from_raw_parts_mut({ parts_ptr }.0.add(a * hd), group * hd))
+                };
+                let nm = &invs[i * nh + kh * group..i * nh + (kh + 1) * group];
+                kern.values(e, CHUNK, v, r.span(i, kh), js(i, c), nm, p, part);
+            }
+        });
+    });
+    for i in 0..t {
+        for h in 0..nh {
+            let o = &mut out[(i * nh + h) * hd..(i * nh + h + 1) * hd];
+            sum_chunks(&parts[at(i, 0, h) * hd..], nh * hd, chunks(i), o);
+        }
+    }
+    SPLIT.with(|c| *c.borrow_mut() = sc);
+    PARTS.with(|c| *c.borrow_mut() = parts);
+}
+
+/// [`attend_f16`] for many rows: one task per row and K/V head, its chunks in order.
+fn prompt_f16(pool: &WorkerPool, q: &[f32], k: &[u16], v: &[u16], r: &Call<'_>, kern: ChunkKernel, out: &mut [f32]) {
+    let (nh, nkv, hd, t) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim, r.t);
+    let (qd, group) = (nh * hd, nh / nkv);
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    pool.run(t * nkv, |idx| {
+        let (i, kh) = (idx / nkv, idx % nkv);
+        let (sp, h0) = (r.span(i, kh), kh * group);
+        let len = sp.n - sp.first;
+        let nc = len.div_ceil(CHUNK);
+        let js = |c: usize| c * CHUNK..((c + 1) * CHUNK).min(len);
+        let qv = &q[i * qd + h0 * hd..i * qd + (h0 + group) * hd];
+        SCORES.with_borrow_mut(|sc| {
+            PARTS.with_borrow_mut(|parts| {
+                PROBS.with_borrow_mut(|p| {
+                    // chunk c, head g: scores at sc[(c·group + g)·CHUNK ..], V product at parts[(c·group + g)·hd ..]
+                    sc.resize(sc.len().max(nc * group * CHUNK), 0.0);
+                    parts.resize(parts.len().max(nc * group * hd), 0.0);
+                    p.resize(p.len().max(group * CHUNK), 0.0);
+                    for c in 0..nc {
+                        kern.scores(qv, k, sp, js(c), r.scale, &mut sc[c * group * CHUNK..], CHUNK);
+                    }
+                    let invs: Vec<f32> = (0..group)
+                        .map(|g| {
+                            let mut segs: Vec<&mut [f32]> = sc[..nc * group * CHUNK]
+                                .chunks_mut(CHUNK)
+                                .skip(g)
+                                .step_by(group)
+                                .enumerate()
+                                .map(|(c, s)| &mut s[..js(c).len()])
+                                .collect();
+                            kern.softmax(&mut segs, r.sinks.map(|s| s[h0 + g]))
+                        })
+                        .collect();
+                    for c in 0..nc {
+                        let part = &mut parts[c * group * hd..(c + 1) * group * hd];
+                        kern.values(&sc[c * group * CHUNK..], CHUNK, v, sp, js(c), &invs, p, part);
+                    }
+                    for g in 0..group {
+                        // SAFETY: task (i, kh) writes only row i's heads h0 .. h0 + group, inside `out` (t · qd
+                        // values); tasks are disjoint and `out` outlives `run`.
+                        let o =
+                            unsafe { std::slice::from_raw_parts_mut({ out_ptr }.0.add((i * nh + h0 + g) * hd), hd) };
+                        sum_chunks(&parts[g * hd..], group * hd, nc, o);
+                    }
+                });
+            });
+        });
+    });
+}
+
+/// Pass one of a chunk of the f16 definition (module doc) for the `qv.len() / sp.hd` query heads of one K/V head
+/// over span positions `js` (indices from `sp.first`, at most [`CHUNK`]): head `g`'s scores ([`f16::dot`] times
+/// `scale`) to `sc[g · stride + j − js.start]`. Panics when `sc` is short.
+#[inline(always)]
+fn chunk_scores(
+    qv: &[f32],
+    k: &[u16],
+    sp: Span,
+    js: std::ops::Range<usize>,
+    scale: f32,
+    (sc, stride): (&mut [f32], usize),
+) {
+    let n = js.len();
+    for (g, q) in qv.chunks_exact(sp.hd).enumerate() {
+        for (x, j) in sc[g * stride..g * stride + n].iter_mut().zip(js.clone()) {
+            *x = f16::dot(q, &k[sp.row(sp.first + j)]) * scale;
+        }
+    }
+}
+
+/// One head's exponentials: `M` the largest of the scores in `segs` (its span in position order) and the sink,
+/// each score replaced by `e^(s − M)` ([`exp`]); returns `M`.
+#[inline(always)]
+fn softmax_exps(segs: &mut [&mut [f32]], sink: Option<f32>) -> f32 {
+    let m = segs.iter().flat_map(|s| s.iter()).fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let m = sink.map_or(m, |s| m.max(s));
+    for x in segs.iter_mut().flat_map(|s| s.iter_mut()) {
+        *x = exp(*x - m);
+    }
+    m
+}
+
+/// `1 / L` with `L` the exponentials of `segs` added one at a time in position order (as the single-pass softmax
+/// before it added them), plus `e^(sink − m)`.
+fn softmax_inv(segs: &[&mut [f32]], m: f32, sink: Option<f32>) -> f32 {
+    let mut l = 0f32;
+    for &e in segs.iter().flat_map(|s| s.iter()) {
+        l += e;
+    }
+    if let Some(s) = sink {
+        l += exp(s - m);
+    }
+    1.0 / l
+}
+
+/// Pass two of a chunk for the heads of `invs` (`1 / L` each, from [`softmax_inv`]): head `g`'s probabilities
+/// `p_j` = f16(`e_j · inv`) (rounded to nearest even, as llama.cpp rounds them before the product with its F16 V;
+/// exponentials from `e[g · stride ..]`) into `p[g · CHUNK ..]`, then `o = Σ p_j · v_j` to `part[g · hd ..]`, one
+/// fused multiply-add chain per value in position order from 0. Panics when a buffer is short.
+#[inline(always)]
+fn chunk_values(
+    (e, stride): (&[f32], usize),
+    v: &[u16],
+    sp: Span,
+    js: std::ops::Range<usize>,
+    invs: &[f32],
+    p: &mut [f32],
+    part: &mut [f32],
+) {
+    let (hd, n) = (sp.hd, js.len());
+    for (g, &inv) in invs.iter().enumerate() {
+        let pg = &mut p[g * CHUNK..g * CHUNK + n];
+        for (x, &ej) in pg.iter_mut().zip(&e[g * stride..g * stride + n]) {
+            *x = half::f16::from_f32(ej * inv).to_f32();
+        }
+        let o = &mut part[g * hd..(g + 1) * hd];
+        o.fill(0.0);
+        for (&w, j) in pg.iter().zip(js.clone()) {
+            for (y, &b) in o.iter_mut().zip(&v[sp.row(sp.first + j)]) {
+                *y = w.mul_add(f16_to_f32(b), *y);
+            }
+        }
+    }
+}
+
+/// [`chunk_scores`] with FMA enabled.
+///
+/// # Safety
+/// The CPU has FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn chunk_scores_fma(
+    qv: &[f32],
+    k: &[u16],
+    sp: Span,
+    js: std::ops::Range<usize>,
+    scale: f32,
+    sc: (&mut [f32], usize),
+) {
+    chunk_scores(qv, k, sp, js, scale, sc)
+}
+
+/// [`softmax_exps`] with FMA enabled (the exponential's fused multiply-adds one instruction each).
+///
+/// # Safety
+/// The CPU has FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn softmax_exps_fma(segs: &mut [&mut [f32]], sink: Option<f32>) -> f32 {
+    softmax_exps(segs, sink)
+}
+
+/// [`chunk_values`] with FMA enabled (its `mul_add`s one instruction each).
+///
+/// # Safety
+/// The CPU has FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn chunk_values_fma(
+    e: (&[f32], usize),
+    v: &[u16],
+    sp: Span,
+    js: std::ops::Range<usize>,
+    invs: &[f32],
+    p: &mut [f32],
+    part: &mut [f32],
+) {
+    chunk_values(e, v, sp, js, invs, p, part)
+}
+
+/// One head's output: the V products of its `nc` chunks (chunk `c`'s at `part[c · cstride ..]`, `o.len()` values)
+/// added in chunk order from 0.
+fn sum_chunks(part: &[f32], cstride: usize, nc: usize, o: &mut [f32]) {
+    let hd = o.len();
+    o.fill(0.0);
+    for c in 0..nc {
+        for (y, &x) in o.iter_mut().zip(&part[c * cstride..c * cstride + hd]) {
+            *y += x;
+        }
+    }
 }
 
 /// One attention call's shapes and parameters (see [`attend`]).
@@ -154,12 +523,9 @@ impl Call<'_> {
     }
 }
 
-/// The kernels of one kind of K/V rows for [`split_passes`] and the per-(row, K/V head) tasks: each works on the
-/// query heads of one row that share a K/V head (`group` of them), reading each K and V row once for all.
+/// The kernels of Q8_0 K/V rows for [`split_passes`] and the per-(row, K/V head) tasks: each works on the query
+/// heads of one row that share a K/V head (`group` of them), reading each K and V row once for all.
 trait GroupKernels: Sync {
-    /// Whether the probabilities are rounded to f16 before the product with V.
-    const R16: bool;
-
     /// The scores of span positions `js` (indices from `sp.first`) of row `i`'s heads over K/V head `kh`: head
     /// `g`'s score of position `j` to `sc[g · len + j]` (`len = sp.n - sp.first`), scaled.
     ///
@@ -172,39 +538,10 @@ trait GroupKernels: Sync {
     /// over K/V head `kh` (positions in order).
     ///
     /// # Safety
-    /// As `scores`; `cols` inside `0..hd` with bounds on multiples of 8 (of 32 for Q8_0 rows); `o` (the row's
+    /// As `scores`; `cols` inside `0..hd` with bounds on multiples of 32; `o` (the row's
     /// first head of the group) valid for writes of those columns of the `group` heads and no one else touching
     /// them meanwhile.
     unsafe fn values(&self, i: usize, kh: usize, sp: Span, sc: &[f32], cols: std::ops::Range<usize>, o: *mut f32);
-}
-
-/// f16 rows on x86 ([`x86::scores_f16`], [`x86::values_f16`]) for queries `q` already rounded to f16.
-#[cfg(target_arch = "x86_64")]
-struct F16Kernels<'a> {
-    w: x86::Width,
-    q: &'a [f32],
-    k: &'a [u16],
-    v: &'a [u16],
-    h: Heads,
-    scale: f32,
-}
-
-#[cfg(target_arch = "x86_64")]
-impl GroupKernels for F16Kernels<'_> {
-    const R16: bool = true;
-
-    unsafe fn scores(&self, i: usize, kh: usize, sp: Span, js: std::ops::Range<usize>, sc: *mut f32) {
-        let (hd, group) = (self.h.head_dim, self.h.n_head / self.h.n_head_kv);
-        let q0 = (i * self.h.n_head + kh * group) * hd;
-        // SAFETY: the CPU runs w and hd % 8 == 0, hd <= MAX_HD (the constructor's contract); js and sc as this
-        // function's contract; the span's rows lie inside k.
-        unsafe { x86::scores_f16(self.w, &self.q[q0..q0 + group * hd], self.k, sp, self.scale, js, sc) };
-    }
-
-    unsafe fn values(&self, _i: usize, _kh: usize, sp: Span, sc: &[f32], cols: std::ops::Range<usize>, o: *mut f32) {
-        // SAFETY: as in `scores`; cols on multiples of 8 inside 0..hd; o as this function's contract.
-        unsafe { x86::values_f16(self.w, sc, self.v, sp, cols, o) };
-    }
 }
 
 /// Q8_0 rows: the queries quantized to Q8_0 (`qb`, `t · n_head · hd / 32` blocks), K rows through the Q8_0 row
@@ -230,8 +567,6 @@ impl Q8Kernels<'_> {
 }
 
 impl GroupKernels for Q8Kernels<'_> {
-    const R16: bool = false;
-
     unsafe fn scores(&self, i: usize, kh: usize, sp: Span, js: std::ops::Range<usize>, sc: *mut f32) {
         let (nb, group, len) = (self.h.head_dim / 32, self.h.n_head / self.h.n_head_kv, sp.n - sp.first);
         let h0 = i * self.h.n_head + kh * group;
@@ -321,7 +656,7 @@ unsafe fn split_passes<K: GroupKernels>(pool: &WorkerPool, r: &Call<'_>, kern: &
         // this task alone touches them.
         let s = unsafe { std::slice::from_raw_parts_mut({ sc_ptr }.0.add((i * nh + hq - g) * lmax + g * len), len) };
         let mx = s.iter().fold(f32::NEG_INFINITY, |m, &d| m.max(d));
-        softmax(s, mx, K::R16, r.sinks.map(|s| s[hq]));
+        softmax(s, mx, r.sinks.map(|s| s[hq]));
     });
     let blocks = hd.div_ceil(32);
     let out_ptr = SyncPtr(out.as_mut_ptr());
@@ -381,7 +716,7 @@ fn attend_q8_0(pool: &WorkerPool, q: &[f32], k: &[u8], v: &[u8], r: &Call<'_>, o
             unsafe { kern.scores(i, kh, sp, 0..len, sc.as_mut_ptr()) };
             for (g, s) in sc.chunks_exact_mut(len).enumerate() {
                 let mx = s.iter().fold(f32::NEG_INFINITY, |m, &d| m.max(d));
-                softmax(s, mx, false, r.sinks.map(|s| s[kh * group + g]));
+                softmax(s, mx, r.sinks.map(|s| s[kh * group + g]));
             }
             // SAFETY: task idx writes only row i's heads kh·group .. (kh + 1)·group, inside `out` (t · nh · hd
             // values); tasks are disjoint and `out` outlives `run`.
@@ -434,9 +769,9 @@ impl Span {
     }
 }
 
-/// Softmax of `sc` in place: each score minus the largest (`mx`, or the sink when that is larger),
-/// exponentiated, divided by their sum (plus the sink's exponential), rounded to f16 when `r16`.
-pub(super) fn softmax(sc: &mut [f32], mx: f32, r16: bool, sink: Option<f32>) {
+/// Softmax of `sc` in place (Q8_0 and f32 rows): each score minus the largest (`mx`, or the sink when that is
+/// larger), exponentiated (libm's `exp`), divided by their sum (plus the sink's exponential).
+fn softmax(sc: &mut [f32], mx: f32, sink: Option<f32>) {
     let mx = sink.map_or(mx, |s| mx.max(s));
     let mut sum = 0f32;
     for s in sc.iter_mut() {
@@ -450,20 +785,16 @@ pub(super) fn softmax(sc: &mut [f32], mx: f32, r16: bool, sink: Option<f32>) {
     for s in sc.iter_mut() {
         *s *= inv;
     }
-    if r16 {
-        f16::round_slice(sc);
-    }
 }
 
-/// One head (the portable path and f32 rows): `o` = softmax(qv·Kᵀ · scale) · V over the span.
+/// One head over f32 rows: `o` = softmax(qv·Kᵀ · scale) · V over the span (one softmax, libm's `exp`).
 #[allow(clippy::too_many_arguments)]
-fn head(
+fn head_f32(
     qv: &[f32],
-    keys: KvRows<'_>,
-    values: KvRows<'_>,
+    k: &[f32],
+    v: &[f32],
     sp: Span,
     scale: f32,
-    r16: bool,
     sink: Option<f32>,
     sc: &mut Vec<f32>,
     o: &mut [f32],
@@ -471,25 +802,15 @@ fn head(
     sc.clear();
     let mut mx = f32::NEG_INFINITY;
     for p in sp.first..sp.n {
-        let d = match keys {
-            KvRows::F16(k) => f16::dot(qv, &k[sp.row(p)]),
-            KvRows::F32(k) => dot_f32(qv, &k[sp.row(p)]),
-            KvRows::Q8_0(_) => unreachable!("Q8_0 rows run through attend_q8_0"),
-        } * scale;
+        let d = dot_f32(qv, &k[sp.row(p)]) * scale;
         mx = mx.max(d);
         sc.push(d);
     }
-    softmax(sc, mx, r16, sink);
+    softmax(sc, mx, sink);
     o.fill(0.0);
     for (j, &w) in sc.iter().enumerate() {
-        match values {
-            KvRows::F16(v) => f16::axpy(o, w, &v[sp.row(sp.first + j)]),
-            KvRows::F32(v) => {
-                for (x, y) in o.iter_mut().zip(&v[sp.row(sp.first + j)]) {
-                    *x += w * y;
-                }
-            }
-            KvRows::Q8_0(_) => unreachable!("Q8_0 rows run through attend_q8_0"),
+        for (x, y) in o.iter_mut().zip(&v[sp.row(sp.first + j)]) {
+            *x += w * y;
         }
     }
 }
@@ -506,67 +827,125 @@ mod tests {
         }
     }
 
-    /// The x86 kernels (several heads per K/V head, rows converted once, eight positions per score block; AVX2
-    /// and, where the CPU has it, AVX-512) give the bits of the per-head path, with and without a sliding window,
-    /// for spans not a multiple of the blocks and heads not a multiple of the widest registers.
+    /// `n` positions of `kvd` random f16 keys and values (`(k, v)`, f16 bits).
+    fn kv_rows(r: &mut impl FnMut() -> f32, n: usize, kvd: usize) -> (Vec<u16>, Vec<u16>) {
+        let raw: Vec<f32> = (0..2 * n * kvd).map(|_| r() * 2.0).collect();
+        let mut kv = vec![0u16; 2 * n * kvd];
+        f16::from_f32_slice(&raw, &mut kv);
+        let v = kv.split_off(n * kvd);
+        (kv, v)
+    }
+
+    /// The f16 definition computed one row and head at a time by the portable passes (library fused
+    /// multiply-adds): `out` for `t` rows of `q` (already rounded to f16).
+    #[allow(clippy::too_many_arguments)]
+    fn reference_f16(
+        q: &[f32],
+        k: &[u16],
+        v: &[u16],
+        h: Heads,
+        (pos0, t): (usize, usize),
+        window: usize,
+        sinks: Option<&[f32]>,
+        scale: f32,
+    ) -> Vec<f32> {
+        let (nh, hd) = (h.n_head, h.head_dim);
+        let call = Call { h, pos0, t, scale, window, sinks };
+        let mut out = vec![f32::NAN; t * nh * hd];
+        let mut p = vec![0f32; CHUNK];
+        for i in 0..t {
+            for hq in 0..nh {
+                let sp = call.span(i, hq / (nh / h.n_head_kv));
+                let len = sp.n - sp.first;
+                let nc = len.div_ceil(CHUNK);
+                let (mut parts, mut sc) = (vec![0f32; nc * hd], vec![0f32; len]);
+                let qh = &q[(i * nh + hq) * hd..(i * nh + hq + 1) * hd];
+                let js = |c: usize| c * CHUNK..((c + 1) * CHUNK).min(len);
+                for c in 0..nc {
+                    chunk_scores(qh, k, sp, js(c), scale, (&mut sc[c * CHUNK..], len));
+                }
+                let m = softmax_exps(&mut [&mut sc[..]], sinks.map(|s| s[hq]));
+                let inv = [softmax_inv(&[&mut sc[..]], m, sinks.map(|s| s[hq]))];
+                for c in 0..nc {
+                    chunk_values((&sc[c * CHUNK..], len), v, sp, js(c), &inv, &mut p, &mut parts[c * hd..(c + 1) * hd]);
+                }
+                sum_chunks(&parts, hd, nc, &mut out[(i * nh + hq) * hd..(i * nh + hq + 1) * hd]);
+            }
+        }
+        out
+    }
+
+    /// The x86 passes (several heads per K/V head, rows converted once; AVX2 and, where the CPU has it, AVX-512)
+    /// give the portable passes' bits — every score, largest score, exponential, probability and V product — for
+    /// chunks of 1 to 128 positions not a multiple of the blocks, heads not a multiple of the widest registers,
+    /// and 1 to 5 heads (one in five with a sink).
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn grouped_heads_match_one_head_at_a_time() {
+    fn the_x86_chunks_give_the_portable_bits() {
         let Some(best) = x86::Width::detect() else { return };
         let widths = if best == x86::Width::Avx512 { vec![x86::Width::Avx2, best] } else { vec![best] };
         let mut r = uniform(7);
+        // (head dim, heads, K/V heads, positions, span start, chunk start, chunk length)
         let shapes = [
-            (64usize, 3usize, 3usize, 300usize, 0usize),
-            (128, 4, 2, 57, 20),
-            (8, 1, 1, 9, 0),
-            (80, 2, 1, 150, 3),
-            (256, 2, 1, 40, 0),
-            (64, 1, 1, 1, 0),
+            (64usize, 3usize, 3usize, 300usize, 0usize, 128usize, 128usize),
+            (128, 4, 2, 57, 20, 0, 37),
+            (8, 1, 1, 9, 0, 0, 9),
+            (80, 2, 1, 150, 3, 5, 100),
+            (256, 2, 1, 40, 0, 17, 23),
+            (64, 1, 1, 1, 0, 0, 1),
+            (72, 5, 1, 200, 0, 64, 16),
+            (24, 3, 2, 30, 0, 3, 17),
         ];
-        for (w, (hd, per, nkv, n, first)) in widths.iter().flat_map(|&w| shapes.iter().map(move |&s| (w, s))) {
+        for (w, (hd, per, nkv, n, first, j0, nj)) in widths.iter().flat_map(|&w| shapes.iter().map(move |&s| (w, s))) {
             let kvd = nkv * hd;
-            let raw: Vec<f32> = (0..2 * n * kvd).map(|_| r()).collect();
-            let mut kv = vec![0u16; 2 * n * kvd];
-            f16::from_f32_slice(&raw, &mut kv);
-            let (k, v) = kv.split_at(n * kvd);
+            let (k, v) = kv_rows(&mut r, n, kvd);
             let mut qv: Vec<f32> = (0..per * hd).map(|_| r()).collect();
             f16::round_slice(&mut qv);
             let sp = Span { first, n, kvd, off: (nkv - 1) * hd, hd };
-            // sinks on two of the three shapes, one of them larger than every score
-            let sinks = (first > 0 || hd == 8).then(|| (0..per).map(|g| g as f32 * 3.0 - 1.0).collect::<Vec<f32>>());
-            let (mut fast, mut slow) = (vec![f32::NAN; per * hd], vec![f32::NAN; per * hd]);
-            let mut sc = Vec::new();
-            // SAFETY: the width was detected on this CPU; the span's rows lie inside k and v; shapes as documented.
-            unsafe { x86::heads_f16(w, &qv, k, v, sp, 0.125, sinks.as_deref(), &mut sc, &mut fast) };
-            for g in 0..per {
-                let q = &qv[g * hd..(g + 1) * hd];
-                let sink = sinks.as_ref().map(|s| s[g]);
-                head(
-                    q,
-                    KvRows::F16(k),
-                    KvRows::F16(v),
-                    sp,
-                    0.125,
-                    true,
-                    sink,
-                    &mut sc,
-                    &mut slow[g * hd..(g + 1) * hd],
-                );
-            }
+            let js = j0..j0 + nj;
+            let (mut sf, mut ss) = (vec![f32::NAN; per * CHUNK], vec![f32::NAN; per * CHUNK]);
+            // SAFETY: the width was detected on this CPU; the span's rows lie inside k and v; hd % 8 == 0, hd <=
+            // MAX_HD; js inside the span, at most CHUNK; the scores CHUNK apart.
+            unsafe { x86::chunk_scores_f16(w, &qv, &k, sp, js.clone(), 0.125, (sf.as_mut_ptr(), CHUNK)) };
+            chunk_scores(&qv, &k, sp, js.clone(), 0.125, (&mut ss, CHUNK));
+            let heads = |x: &[f32]| (0..per).flat_map(|g| x[g * CHUNK..g * CHUNK + nj].to_vec()).collect::<Vec<f32>>();
+            let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
             let wide = w == x86::Width::Avx512;
-            assert!(fast.iter().zip(&slow).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd}, {per} heads, {wide}");
+            let what = format!("hd {hd}, {per} heads, {nj} positions, AVX-512 {wide}");
+            assert!(same(&heads(&sf), &heads(&ss)), "scores: {what}");
+            // each head's exponentials (as two segments when there are two or more positions) and normalizer
+            let mut invs = Vec::new();
+            for g in 0..per {
+                let cut = nj / 2;
+                let (fa, fb) = sf[g * CHUNK..g * CHUNK + nj].split_at_mut(cut);
+                let (sa, sb) = ss[g * CHUNK..g * CHUNK + nj].split_at_mut(cut);
+                // one head in five with a sink above every score (it sets M)
+                let sink = (g % 5 == 4).then(|| sa.iter().chain(sb.iter()).fold(0f32, |a, &b| a.max(b)) + 3.0);
+                // SAFETY: as above.
+                let mf = unsafe { x86::exps_f16(w, &mut [fa, fb], sink) };
+                let ms = softmax_exps(&mut [sa, sb], sink);
+                assert_eq!(mf.to_bits(), ms.to_bits(), "largest score: {what}");
+                invs.push(softmax_inv(&[&mut ss[g * CHUNK..g * CHUNK + nj]], ms, sink));
+            }
+            assert!(same(&heads(&sf), &heads(&ss)), "exponentials: {what}");
+            let (mut fast, mut slow) = (vec![f32::NAN; per * hd], vec![f32::NAN; per * hd]);
+            let (mut pf, mut ps) = (vec![0f32; per * CHUNK], vec![0f32; per * CHUNK]);
+            // SAFETY: as above; the exponentials written above.
+            unsafe { x86::chunk_values_f16(w, (sf.as_ptr(), CHUNK), &v, sp, js.clone(), &invs, &mut pf, &mut fast) };
+            chunk_values((&ss, CHUNK), &v, sp, js, &invs, &mut ps, &mut slow);
+            assert!(same(&pf, &ps), "probabilities: {what}");
+            assert!(same(&fast, &slow), "V products: {what}");
         }
     }
 
-    /// A few rows (decode: the three-pass split over the pool, on AVX2 and, where the CPU has it, AVX-512) give
-    /// the bits of the per-head path, with and without a sliding window and sinks, for grouped and ungrouped
-    /// heads, several rows of different span lengths, and spans not a multiple of a block; `attend` takes the
-    /// split for these shapes and gives the same.
-    #[cfg(target_arch = "x86_64")]
+    /// `attend` over f16 rows gives the definition's bits (the per-row, per-head portable reference) whichever
+    /// path runs it: one or two pool threads, a decode split over chunks (with and without a split over K/V
+    /// heads; rows with different numbers of chunks) or the per-row tasks of a prompt, with this CPU's kernels;
+    /// several rows give each row's bits of one row at a time; with and without sliding windows (one longer than
+    /// a chunk) and sinks, and for head dimensions the x86 kernels do not take.
     #[test]
-    fn decode_rows_match_one_head_at_a_time() {
-        let Some(best) = x86::Width::detect() else { return };
-        let pool = WorkerPool::new(2).expect("pool");
+    fn f16_attention_gives_the_same_bits_every_way() {
+        let pools = [WorkerPool::new(1).expect("pool"), WorkerPool::new(2).expect("pool")];
         let mut r = uniform(11);
         for (nh, nkv, hd, pos0, t, window, sinks) in [
             (9usize, 3usize, 64usize, 700usize, 1usize, 0usize, false),
@@ -575,43 +954,86 @@ mod tests {
             (6, 2, 72, 0, 1, 0, false),
             (8, 2, 64, 100, 3, 0, true),
             (8, 2, 64, 300, 3, 120, false),
+            (6, 3, 64, 260, 9, 0, true),
+            (4, 2, 20, 150, 5, 0, false),
+            (2, 1, 64, 40, 20, 33, false),
+            (8, 2, 64, 126, 3, 0, true),
+            (6, 2, 64, 300, 1, 200, false),
         ] {
-            assert!(t * nkv < 4 * pool.threads(), "a shape attend splits");
             let (qd, kvd, n) = (nh * hd, nkv * hd, pos0 + t);
-            let raw: Vec<f32> = (0..2 * n * kvd).map(|_| r()).collect();
-            let mut kv = vec![0u16; 2 * n * kvd];
-            f16::from_f32_slice(&raw, &mut kv);
-            let (k, v) = kv.split_at(n * kvd);
+            let (k, v) = kv_rows(&mut r, n, kvd);
+            let q: Vec<f32> = (0..t * qd).map(|_| r()).collect();
+            let sink: Option<Vec<f32>> = sinks.then(|| (0..nh).map(|_| r() * 4.0).collect());
+            let h = Heads { n_head: nh, n_head_kv: nkv, head_dim: hd };
+            let mut qr = q.clone();
+            f16::round_slice(&mut qr);
+            let want = reference_f16(&qr, &k, &v, h, (pos0, t), window, sink.as_deref(), 0.125);
+            let same = |got: &[f32]| got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            let (kr, vr) = (KvRows::F16(&k), KvRows::F16(&v));
+            for pool in &pools {
+                let mut got = vec![f32::NAN; t * qd];
+                attend(pool, &mut q.clone(), kr, vr, h, (pos0, t), 0.125, window, sink.as_deref(), &mut got);
+                let th = pool.threads();
+                assert!(same(&got), "{nh} heads / {nkv}, hd {hd}, t {t}, window {window}, {th} threads");
+                // each row alone (a decode step at its position) gives its bits in the batch
+                for i in 0..t {
+                    let mut one = vec![f32::NAN; qd];
+                    let mut qi = q[i * qd..(i + 1) * qd].to_vec();
+                    attend(pool, &mut qi, kr, vr, h, (pos0 + i, 1), 0.125, window, sink.as_deref(), &mut one);
+                    let row = &want[i * qd..(i + 1) * qd];
+                    assert!(one.iter().zip(row).all(|(a, b)| a.to_bits() == b.to_bits()), "row {i} alone, t {t}");
+                }
+            }
+        }
+    }
+
+    /// The f16 definition is attention with llama.cpp's roundings: within 2e-5 (outputs of about ±2) of softmax
+    /// attention computed in f64 over the same f16 values (the query rounded to f16) with each probability rounded
+    /// to f16, and within 2e-3 without that rounding; with sinks, windows and contexts of one to several chunks.
+    #[test]
+    fn f16_attention_is_softmax_attention() {
+        let pool = WorkerPool::new(2).expect("pool");
+        let mut r = uniform(3);
+        for (nh, nkv, hd, pos0, t, window, sinks) in [
+            (6usize, 2usize, 64usize, 1000usize, 1usize, 0usize, true),
+            (4, 4, 32, 20, 4, 0, false),
+            (8, 2, 64, 400, 2, 300, true),
+            (3, 1, 128, 129, 1, 0, false),
+        ] {
+            let (qd, kvd, n) = (nh * hd, nkv * hd, pos0 + t);
+            let (k, v) = kv_rows(&mut r, n, kvd);
             let mut q: Vec<f32> = (0..t * qd).map(|_| r()).collect();
             let sink: Option<Vec<f32>> = sinks.then(|| (0..nh).map(|_| r() * 4.0).collect());
             let h = Heads { n_head: nh, n_head_kv: nkv, head_dim: hd };
-            let mut via_attend = vec![f32::NAN; t * qd];
-            let (kr, vr) = (KvRows::F16(k), KvRows::F16(v));
-            attend(&pool, &mut q.clone(), kr, vr, h, (pos0, t), 0.125, window, sink.as_deref(), &mut via_attend);
-            f16::round_slice(&mut q);
-            let mut want = vec![f32::NAN; t * qd];
-            let mut sc = Vec::new();
+            let mut got = vec![f32::NAN; t * qd];
+            let (kr, vr) = (KvRows::F16(&k), KvRows::F16(&v));
+            attend(&pool, &mut q, kr, vr, h, (pos0, t), 0.125, window, sink.as_deref(), &mut got);
+            let f = |x: u16| f16_to_f32(x) as f64;
+            let (mut worst, mut worst_unrounded) = (0f64, 0f64);
             for i in 0..t {
                 for hq in 0..nh {
-                    let nn = pos0 + i + 1;
+                    let (nn, kh) = (pos0 + i + 1, hq / (nh / nkv));
                     let first = if window > 0 { nn.saturating_sub(window) } else { 0 };
-                    let sp = Span { first, n: nn, kvd, off: hq / (nh / nkv) * hd, hd };
-                    let (lo, hi) = (i * qd + hq * hd, i * qd + (hq + 1) * hd);
-                    let sk = sink.as_ref().map(|s| s[hq]);
-                    head(&q[lo..hi], kr, vr, sp, 0.125, true, sk, &mut sc, &mut want[lo..hi]);
+                    let qh = &q[i * qd + hq * hd..i * qd + (hq + 1) * hd];
+                    let sc: Vec<f64> = (first..nn)
+                        .map(|p| (0..hd).map(|x| qh[x] as f64 * f(k[p * kvd + kh * hd + x])).sum::<f64>() * 0.125)
+                        .collect();
+                    let sk = sink.as_ref().map(|s| s[hq] as f64);
+                    let mx = sc.iter().cloned().chain(sk).fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = sc.iter().chain(sk.as_ref()).map(|&x| (x - mx).exp()).sum();
+                    let pr = |p: usize| (sc[p - first] - mx).exp() / z;
+                    let p16 = |p: usize| half::f16::from_f64(pr(p)).to_f64();
+                    for x in 0..hd {
+                        let g = got[i * qd + hq * hd + x] as f64;
+                        let want: f64 = (first..nn).map(|p| p16(p) * f(v[p * kvd + kh * hd + x])).sum();
+                        worst = worst.max((g - want).abs());
+                        let exact: f64 = (first..nn).map(|p| pr(p) * f(v[p * kvd + kh * hd + x])).sum();
+                        worst_unrounded = worst_unrounded.max((g - exact).abs());
+                    }
                 }
             }
-            let same = |got: &[f32]| got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same(&via_attend), "attend: {nh} heads / {nkv}, hd {hd}, t {t}, window {window}");
-            for w in [x86::Width::Avx2, best] {
-                let call = Call { h, pos0, t, scale: 0.125, window, sinks: sink.as_deref() };
-                let mut got = vec![f32::NAN; t * qd];
-                // SAFETY: the width was detected on this CPU; nkv divides nh; k and v hold n positions of kvd
-                // values; hd % 8 == 0 and hd <= MAX_HD; q and got hold t · qd values.
-                unsafe { split_passes(&pool, &call, &F16Kernels { w, q: &q, k, v, h, scale: 0.125 }, &mut got) };
-                let wide = w == x86::Width::Avx512;
-                assert!(same(&got), "split: {nh} heads / {nkv}, hd {hd}, t {t}, window {window}, AVX-512 {wide}");
-            }
+            assert!(worst < 2e-5, "{nh} heads, hd {hd}, {n} positions: off by {worst}");
+            assert!(worst_unrounded < 2e-3, "{nh} heads, hd {hd}, {n} positions: off by {worst_unrounded}");
         }
     }
 
@@ -700,7 +1122,7 @@ mod tests {
         for sink in [-3.0f32, 1.0, 9.0] {
             let mut sc = scores.to_vec();
             let mx = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            softmax(&mut sc, mx, false, Some(sink));
+            softmax(&mut sc, mx, Some(sink));
             let all: Vec<f64> = scores.iter().chain([&sink]).map(|&v| (v as f64).exp()).collect();
             let z: f64 = all.iter().sum();
             for (p, e) in sc.iter().zip(&all) {
@@ -710,7 +1132,7 @@ mod tests {
             assert!((sc.iter().sum::<f32>() as f64 - (1.0 - share)).abs() < 1e-6);
         }
         let mut sc = scores.to_vec();
-        softmax(&mut sc, 2.0, false, None);
+        softmax(&mut sc, 2.0, None);
         assert!((sc.iter().sum::<f32>() - 1.0).abs() < 1e-6);
     }
 }

@@ -1,18 +1,18 @@
-//! The x86-64 kernels of [`super::attention`] over f16 K/V rows: the query heads that share one K/V head, each
-//! K and V row converted to f32 once for all of them, the scores of eight positions at a time (eight independent
-//! accumulation chains instead of one), the output accumulated in registers. Every score and output value has the
-//! bits of the portable per-head path ([`super::attention`]'s `head`): a score is eight lanes of products added
-//! in chunk order and reduced as [`crate::quant::f16::reduce8`], an output value the positions' `w · v` added in
-//! position order; only which lanes and registers carry them changes (AVX2 or AVX-512).
+//! The x86-64 kernels of [`super::attention`]'s f16 definition: one chunk of positions for the query heads that
+//! share one K/V head, each K and V row converted to f32 once for all of them — the scores of eight positions at a
+//! time (eight independent accumulation chains instead of one), the exponentials eight or sixteen lanes at a time,
+//! the products with V accumulated in registers with fused multiply-adds. Every value has the bits of the portable
+//! path (`chunk_scores`, `softmax_exps` and `chunk_values` in [`super::attention`]): a score is eight lanes of
+//! products added in order and reduced as [`crate::quant::f16::reduce8`], an exponential [`super::exp`]'s, a
+//! probability rounded to f16, an output value a fused multiply-add chain in position order; only which lanes
+//! and registers carry them changes (AVX2 or AVX-512). The V products of a Q8_0 cache are here too.
 
 use std::arch::x86_64::*;
 
-use super::attention::{softmax, Span};
+use super::attention::{Span, CHUNK};
 
 /// Positions per score block (one accumulator each).
 const BLK: usize = 8;
-/// f32 values of the V tile (16 KiB: `TILE / columns` positions per pass).
-const TILE: usize = 4096;
 /// The largest head handled (32 chunks of eight values).
 pub(super) const MAX_HD: usize = 256;
 
@@ -20,14 +20,15 @@ pub(super) const MAX_HD: usize = 256;
 #[repr(align(64))]
 struct KTile([f32; MAX_HD * BLK]);
 
-/// Converted V rows: `[position][column]` (the task's columns of the head).
-#[repr(align(64))]
-struct VTile([f32; TILE]);
+thread_local! {
+    /// A task's K tile (kept: zeroing 8 KiB per chunk cost more than the scores of a short one).
+    static KT: std::cell::RefCell<KTile> = const { std::cell::RefCell::new(KTile([0.0; MAX_HD * BLK])) };
+}
 
 /// Which vector width runs the products.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Width {
-    /// AVX2 + F16C (8 lanes).
+    /// AVX2 + FMA + F16C (8 lanes).
     Avx2,
     /// AVX-512 F + VL as well (16 lanes: two positions per score register, 16 output values per register).
     Avx512,
@@ -47,49 +48,316 @@ impl Width {
     }
 }
 
-/// `qv.len() / sp.hd` query heads sharing one K/V head (`sinks`: theirs, one per head): their scores into `sc`
-/// (head-major, `span` positions each), softmax (probabilities rounded to f16, as llama.cpp over an F16 cache),
-/// and `o` = probabilities · V.
+/// Pass one of a chunk of [`super::attention`]'s f16 definition for the `qv.len() / sp.hd` query heads sharing one
+/// K/V head, over span positions `js` (indices from `sp.first`, at most [`CHUNK`]): head `g`'s scaled scores to
+/// `sc[g · stride + j − js.start]` — the bits of the portable `chunk_scores`.
 ///
 /// # Safety
-/// The CPU must run `w` (AVX2 + F16C; AVX-512 F + VL for [`Width::Avx512`]); `sp.hd % 8 == 0`,
-/// `sp.hd <= MAX_HD`; every row of the span lies inside `k` and `v`;
-/// `o.len() == qv.len()`, a multiple of `sp.hd`.
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn heads_f16(
+/// The CPU must run `w` (AVX2 + FMA + F16C; AVX-512 F + VL for [`Width::Avx512`]); `js` inside
+/// `0..sp.n - sp.first`, its rows inside `k`; `sc` valid for writes of those elements and no one else touching them
+/// meanwhile.
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(super) unsafe fn chunk_scores_f16(
     w: Width,
     qv: &[f32],
     k: &[u16],
+    sp: Span,
+    js: std::ops::Range<usize>,
+    scale: f32,
+    (sc, stride): (*mut f32, usize),
+) {
+    let hd = sp.hd;
+    assert!(js.len() <= CHUNK && hd.is_multiple_of(8) && hd <= MAX_HD, "attention chunk of a head of {hd}");
+    // SAFETY: the contract.
+    unsafe { scores_f16(w, qv, k, sp, scale, js, sc, stride) };
+}
+
+/// The softmax's exponentials of one head (the portable `softmax_exps`' bits): the largest of the scores of
+/// `segs` (the head's span in position order) and `sink` is `M`; each score becomes `e^(s − M)` ([`super::exp`]'s
+/// function, sixteen or eight at a time); returns `M`. The caller adds them in position order.
+///
+/// # Safety
+/// AVX2 + FMA + F16C; AVX-512 F for [`Width::Avx512`].
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(super) unsafe fn exps_f16(w: Width, segs: &mut [&mut [f32]], sink: Option<f32>) -> f32 {
+    let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut m = f32::NEG_INFINITY;
+    for s in segs.iter() {
+        let n8 = s.len() / 8 * 8;
+        for i in (0..n8).step_by(8) {
+            // SAFETY: i + 8 <= s.len(); (a NaN score leaves the lane as it was, as f32::max does)
+            mv = _mm256_max_ps(unsafe { _mm256_loadu_ps(s.as_ptr().add(i)) }, mv);
+        }
+        m = s[n8..].iter().fold(m, |a, &b| a.max(b));
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: eight lanes into eight floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), mv) };
+    m = lanes.iter().fold(m, |a, &b| a.max(b));
+    m = sink.map_or(m, |s| m.max(s));
+    for s in segs.iter_mut() {
+        match w {
+            // SAFETY: AVX-512 F (w).
+            Width::Avx512 => unsafe { exps_zmm(s, m) },
+            Width::Avx2 => exps_ymm(s, m),
+        }
+    }
+    m
+}
+
+/// `s[j]` = `e^(s[j] − m)`, eight at a time (the tail through a padded register).
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+fn exps_ymm(s: &mut [f32], m: f32) {
+    let mv = _mm256_set1_ps(m);
+    let mut i = 0;
+    while i < s.len() {
+        let r = (s.len() - i).min(8);
+        let mut x = [0f32; 8];
+        x[..r].copy_from_slice(&s[i..i + r]);
+        // SAFETY: eight values in x.
+        let e = super::exp::exp8(_mm256_sub_ps(unsafe { _mm256_loadu_ps(x.as_ptr()) }, mv));
+        // SAFETY: eight values into x.
+        unsafe { _mm256_storeu_ps(x.as_mut_ptr(), e) };
+        s[i..i + r].copy_from_slice(&x[..r]);
+        i += r;
+    }
+}
+
+/// [`exps_ymm`] sixteen at a time in AVX-512 registers (the tail by [`exps_ymm`]).
+///
+/// # Safety
+/// AVX-512 F + AVX2 + FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c,fma")]
+unsafe fn exps_zmm(s: &mut [f32], m: f32) {
+    let mv = _mm512_set1_ps(m);
+    let n16 = s.len() / 16 * 16;
+    for i in (0..n16).step_by(16) {
+        // SAFETY: i + 16 <= s.len().
+        unsafe {
+            let e = super::exp::exp16(_mm512_sub_ps(_mm512_loadu_ps(s.as_ptr().add(i)), mv));
+            _mm512_storeu_ps(s.as_mut_ptr().add(i), e);
+        }
+    }
+    exps_ymm(&mut s[n16..], m);
+}
+
+/// Pass two of a chunk: head `g`'s probabilities `p_j` = f16(`e_j · inv_g`) (exponentials from
+/// `e[g · stride + j − js.start]`, `invs[g]`) into `p[g · CHUNK ..]`, then `o = Σ p_j · v_j` to
+/// `part[g · hd ..]` — the bits of the portable `chunk_values`.
+///
+/// # Safety
+/// AVX2 + FMA + F16C (AVX-512 F + VL for [`Width::Avx512`]); `js` inside the span, no longer than [`CHUNK`], its
+/// rows inside `v`; `e` valid for reads of the heads' exponentials; `p.len() >= per · CHUNK`,
+/// `part.len() >= per · hd` (`per = invs.len()`).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(super) unsafe fn chunk_values_f16(
+    w: Width,
+    (e, stride): (*const f32, usize),
     v: &[u16],
     sp: Span,
-    scale: f32,
-    sinks: Option<&[f32]>,
-    sc: &mut Vec<f32>,
-    o: &mut [f32],
+    js: std::ops::Range<usize>,
+    invs: &[f32],
+    p: &mut [f32],
+    part: &mut [f32],
 ) {
-    let (hd, per, len) = (sp.hd, qv.len() / sp.hd, sp.n - sp.first);
-    sc.clear();
-    sc.resize(per * len, 0.0);
-    // SAFETY: the contract; sc holds per · len scores.
-    unsafe { scores_f16(w, qv, k, sp, scale, 0..len, sc.as_mut_ptr()) };
-    for g in 0..per {
-        let s = &mut sc[g * len..(g + 1) * len];
-        let mx = s.iter().fold(f32::NEG_INFINITY, |m, &d| m.max(d));
-        softmax(s, mx, true, sinks.map(|s| s[g]));
+    let (hd, per, n) = (sp.hd, invs.len(), js.len());
+    assert!(n <= CHUNK && p.len() >= per * CHUNK && part.len() >= per * hd, "attention chunk shapes");
+    assert!(hd.is_multiple_of(8) && hd <= MAX_HD, "attention head of {hd} values");
+    for (g, &inv) in invs.iter().enumerate() {
+        // SAFETY: head g's n exponentials (contract).
+        let s = unsafe { std::slice::from_raw_parts(e.add(g * stride), n) };
+        // SAFETY: the contract's CPU features.
+        unsafe { probabilities(w, s, inv, &mut p[g * CHUNK..g * CHUNK + n]) };
     }
-    // SAFETY: the contract; o holds per · hd values.
-    unsafe { values_f16(w, sc, v, sp, 0..hd, o.as_mut_ptr()) };
+    let mut g0 = 0;
+    while g0 < per {
+        let heads = (per - g0).min(4);
+        // SAFETY: head g0 + g's output at part[(g0 + g)·hd ..][..hd], inside part (asserted above).
+        let o = unsafe { part.as_mut_ptr().add(g0 * hd) };
+        let at = Pv { p: p[g0 * CHUNK..].as_ptr(), n, v, sp, j0: js.start, o, stride: hd };
+        // SAFETY: the contract's CPU features; `heads` heads of probabilities (CHUNK apart, n each) and outputs.
+        unsafe {
+            match heads {
+                1 => pv::<1>(w, at),
+                2 => pv::<2>(w, at),
+                3 => pv::<3>(w, at),
+                _ => pv::<4>(w, at),
+            }
+        }
+        g0 += 4;
+    }
+}
+
+/// `p[j]` = f16(`e[j] · inv`) (rounded to nearest even, kept as f32), eight or sixteen at a time.
+///
+/// # Safety
+/// AVX2 + F16C; AVX-512 F for [`Width::Avx512`]. `p.len() == e.len()`.
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn probabilities(w: Width, e: &[f32], inv: f32, p: &mut [f32]) {
+    assert_eq!(e.len(), p.len(), "probabilities");
+    let iv = _mm256_set1_ps(inv);
+    let mut i = 0;
+    if w == Width::Avx512 {
+        // SAFETY: AVX-512 F (w); equal lengths (asserted).
+        i = unsafe { probabilities_zmm(e, inv, p) };
+    }
+    while i < e.len() {
+        let r = (e.len() - i).min(8);
+        let mut x = [0f32; 8];
+        x[..r].copy_from_slice(&e[i..i + r]);
+        // SAFETY: eight values in and out of x.
+        unsafe {
+            let y = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr()), iv);
+            let y = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(y));
+            _mm256_storeu_ps(x.as_mut_ptr(), y);
+        }
+        p[i..i + r].copy_from_slice(&x[..r]);
+        i += r;
+    }
+}
+
+/// [`probabilities`] of the whole sixteens of `e` in AVX-512 registers; returns how many were done.
+///
+/// # Safety
+/// AVX-512 F + AVX2 + F16C; `p.len() == e.len()`.
+#[target_feature(enable = "avx512f,avx2,f16c,fma")]
+unsafe fn probabilities_zmm(e: &[f32], inv: f32, p: &mut [f32]) -> usize {
+    let iv = _mm512_set1_ps(inv);
+    let n16 = e.len() / 16 * 16;
+    for i in (0..n16).step_by(16) {
+        // SAFETY: i + 16 <= both lengths (contract).
+        unsafe {
+            let x = _mm512_mul_ps(_mm512_loadu_ps(e.as_ptr().add(i)), iv);
+            let y = _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+            _mm512_storeu_ps(p.as_mut_ptr().add(i), y);
+        }
+    }
+    n16
+}
+
+/// Where [`pv`] reads and writes: `G` heads' probabilities from `p` (head `g`'s `n` at `p + g · CHUNK`), V rows of
+/// span positions `j0 ..`, outputs from `o` (head `g`'s `hd` values at `o + g · stride`).
+#[derive(Clone, Copy)]
+struct Pv<'a> {
+    p: *const f32,
+    n: usize,
+    v: &'a [u16],
+    sp: Span,
+    j0: usize,
+    o: *mut f32,
+    stride: usize,
+}
+
+/// `o_g[x]` = `Σ_j p_g[j] · V[first + j0 + j][x]` for `G` heads, each value a fused multiply-add chain in position
+/// order from 0 (the portable `chunk_values`'), the V row converted once for the `G` heads: 64 columns at a
+/// time in AVX-512 registers, 32 in AVX2 ones, then 16 and 8.
+///
+/// # Safety
+/// As [`chunk_values_f16`]'s; `at` inside the buffers as [`Pv`] says, `G` heads.
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn pv<const G: usize>(w: Width, at: Pv<'_>) {
+    let hd = at.sp.hd;
+    let mut x = 0;
+    if w == Width::Avx512 {
+        while x + 64 <= hd {
+            // SAFETY: columns x .. x + 64 of the head (contract).
+            unsafe { pv_zmm::<G, 4>(at, x) };
+            x += 64;
+        }
+        while x + 16 <= hd {
+            // SAFETY: as above, 16 columns.
+            unsafe { pv_zmm::<G, 1>(at, x) };
+            x += 16;
+        }
+    }
+    while x + 32 <= hd {
+        // SAFETY: as above, 32 columns.
+        unsafe { pv_ymm::<G, 4>(at, x) };
+        x += 32;
+    }
+    while x + 8 <= hd {
+        // SAFETY: as above, 8 columns.
+        unsafe { pv_ymm::<G, 1>(at, x) };
+        x += 8;
+    }
+}
+
+/// Columns `x .. x + 16N` of [`pv`] in AVX-512 registers.
+///
+/// # Safety
+/// AVX-512 F + AVX2 + FMA + F16C; as [`pv`]'s, `x + 16N <= hd`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c,fma")]
+unsafe fn pv_zmm<const G: usize, const N: usize>(at: Pv<'_>, x: usize) {
+    let mut acc = [[_mm512_setzero_ps(); N]; G];
+    for j in 0..at.n {
+        let row = at.sp.row(at.sp.first + at.j0 + j);
+        prefetch_ahead(at.v, at.sp, at.sp.first + at.j0 + j + PREFETCH, x..x + 16 * N);
+        let r = &at.v[row.start + x..row.start + x + 16 * N];
+        // SAFETY: 16N f16 values of the row (sliced above).
+        let vv: [__m512; N] = std::array::from_fn(|u| unsafe {
+            _mm512_cvtph_ps(_mm256_loadu_si256(r.as_ptr().add(16 * u) as *const __m256i))
+        });
+        for (g, a) in acc.iter_mut().enumerate() {
+            // SAFETY: head g's probability j (contract).
+            let b = _mm512_set1_ps(unsafe { *at.p.add(g * CHUNK + j) });
+            for u in 0..N {
+                a[u] = _mm512_fmadd_ps(b, vv[u], a[u]);
+            }
+        }
+    }
+    for (g, a) in acc.iter().enumerate() {
+        for (u, &r) in a.iter().enumerate() {
+            // SAFETY: head g's output columns x + 16u .. + 16 (contract).
+            unsafe { _mm512_storeu_ps(at.o.add(g * at.stride + x + 16 * u), r) };
+        }
+    }
+}
+
+/// Columns `x .. x + 8N` of [`pv`] in AVX2 registers.
+///
+/// # Safety
+/// AVX2 + FMA + F16C; as [`pv`]'s, `x + 8N <= hd`.
+#[inline]
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn pv_ymm<const G: usize, const N: usize>(at: Pv<'_>, x: usize) {
+    let mut acc = [[_mm256_setzero_ps(); N]; G];
+    for j in 0..at.n {
+        let row = at.sp.row(at.sp.first + at.j0 + j);
+        prefetch_ahead(at.v, at.sp, at.sp.first + at.j0 + j + PREFETCH, x..x + 8 * N);
+        let r = &at.v[row.start + x..row.start + x + 8 * N];
+        // SAFETY: 8N f16 values of the row (sliced above).
+        let vv: [__m256; N] = std::array::from_fn(|u| unsafe {
+            _mm256_cvtph_ps(_mm_loadu_si128(r.as_ptr().add(8 * u) as *const __m128i))
+        });
+        for (g, a) in acc.iter_mut().enumerate() {
+            // SAFETY: head g's probability j (contract).
+            let b = _mm256_set1_ps(unsafe { *at.p.add(g * CHUNK + j) });
+            for u in 0..N {
+                a[u] = _mm256_fmadd_ps(b, vv[u], a[u]);
+            }
+        }
+    }
+    for (g, a) in acc.iter().enumerate() {
+        for (u, &r) in a.iter().enumerate() {
+            // SAFETY: head g's output columns x + 8u .. + 8 (contract).
+            unsafe { _mm256_storeu_ps(at.o.add(g * at.stride + x + 8 * u), r) };
+        }
+    }
 }
 
 /// The scores of span positions `js` (indices from `sp.first`) for `qv.len() / sp.hd` query heads: head `g`'s
-/// score of span position `j` to `sc[g · len + j]` (`len = sp.n - sp.first`), scaled by `scale`.
+/// score of span position `j` to `sc[g · stride + j − js.start]`, scaled by `scale`.
 ///
 /// # Safety
-/// The CPU must run `w`; `sp.hd % 8 == 0`, `sp.hd <= MAX_HD`; `js` inside `0..len`, its rows inside `k`; `sc`
-/// valid for writes of those elements and no one else touching them meanwhile.
+/// The CPU must run `w`; `sp.hd % 8 == 0`, `sp.hd <= MAX_HD`; `js` inside `0..sp.n - sp.first`, its rows inside
+/// `k`; `sc` valid for writes of those elements and no one else touching them meanwhile.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn scores_f16(
+unsafe fn scores_f16(
     w: Width,
     qv: &[f32],
     k: &[u16],
@@ -97,118 +365,36 @@ pub(super) unsafe fn scores_f16(
     scale: f32,
     js: std::ops::Range<usize>,
     sc: *mut f32,
+    stride: usize,
 ) {
-    let (hd, per, len) = (sp.hd, qv.len() / sp.hd, sp.n - sp.first);
-    let mut kt = KTile([0.0; MAX_HD * BLK]);
-    for j0 in js.clone().step_by(BLK) {
-        let nb = BLK.min(js.end - j0);
-        // SAFETY: the CPU runs AVX2 + F16C (contract); rows j0..j0+nb of the span lie inside k.
-        unsafe { k_tile(k, sp, j0, nb, &mut kt) };
-        for g in 0..per {
-            let q = &qv[g * hd..(g + 1) * hd];
-            let s = match w {
-                // SAFETY: the contract's CPU features; q holds hd values, the tile hd / 8 chunks.
-                Width::Avx2 => unsafe { scores8_avx2(q, &kt, scale) },
-                // SAFETY: as above, with AVX-512 F + VL (the contract for this width).
-                Width::Avx512 => unsafe { scores8_avx512(q, &kt, scale) },
-            };
-            // SAFETY: g · len + j0 + nb <= per · len, elements this call owns (contract).
-            unsafe { std::ptr::copy_nonoverlapping(s.as_ptr(), sc.add(g * len + j0), nb) };
-        }
-    }
-}
-
-/// `o[g · hd + x]` = `Σ_j sc[g · len + j] · V[first + j][x]` for the columns `x` in `cols` of every head `g` of
-/// `sc.len() / len` (positions in order; `len = sp.n - sp.first`, `hd = sp.hd`).
-///
-/// # Safety
-/// The CPU must run `w`; `cols` inside `0..hd`, its bounds multiples of 8; the span's rows inside `v`; `o` valid
-/// for writes of those columns of every head and no one else touching them meanwhile.
-#[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn values_f16(w: Width, sc: &[f32], v: &[u16], sp: Span, cols: std::ops::Range<usize>, o: *mut f32) {
-    let (hd, len, nc) = (sp.hd, sp.n - sp.first, cols.len());
-    let per = sc.len() / len.max(1);
-    for g in 0..per {
-        // SAFETY: head g's columns, owned by this call (contract).
-        unsafe { std::slice::from_raw_parts_mut(o.add(g * hd + cols.start), nc) }.fill(0.0);
-    }
-    let step = TILE / nc;
-    let mut vt = VTile([0.0; TILE]);
-    for j0 in (0..len).step_by(step) {
-        let nb = step.min(len - j0);
-        for p in 0..nb {
-            let row = sp.row(sp.first + j0 + p);
-            prefetch_ahead(v, sp, sp.first + j0 + p + PREFETCH, cols.clone());
-            // SAFETY: AVX2 + F16C (contract); the row lies inside v, the tile holds nb <= TILE / nc rows.
-            unsafe { widen(&v[row.start + cols.start..row.start + cols.end], &mut vt.0[p * nc..(p + 1) * nc]) };
-        }
-        if w == Width::Avx512 && nc == 32 {
-            // up to four heads at a time, two registers each: eight independent sums in flight instead of one
-            let mut g0 = 0;
-            while g0 < per {
-                let at = (g0, j0, nb, len, hd, cols.start);
-                // SAFETY: AVX-512 F (w); heads g0 .. g0 + G of `per`, their weights sc[g·len + j0 ..][..nb]; the
-                // tile holds nb rows of 32; o as this function's contract.
+    let (hd, per) = (sp.hd, qv.len() / sp.hd);
+    KT.with_borrow_mut(|kt| {
+        for j0 in js.clone().step_by(BLK) {
+            let nb = BLK.min(js.end - j0);
+            // SAFETY: the CPU runs AVX2 + F16C (contract); rows j0..j0+nb of the span lie inside k.
+            unsafe { k_tile(k, sp, j0, nb, kt) };
+            for g in 0..per {
+                let q = &qv[g * hd..(g + 1) * hd];
+                let s = match w {
+                    // SAFETY: the contract's CPU features; q holds hd values, the tile hd / 8 chunks.
+                    Width::Avx2 => unsafe { scores8_avx2(q, kt, scale) },
+                    // SAFETY: as above, with AVX-512 F + VL (the contract for this width).
+                    Width::Avx512 => unsafe { scores8_avx512(q, kt, scale) },
+                };
+                // SAFETY: g · stride + j0 − js.start + nb is inside the elements this call owns (contract).
                 unsafe {
-                    match per - g0 {
-                        1 => acc_heads_zmm::<1>(sc, &vt.0[..nb * 32], at, o),
-                        2 => acc_heads_zmm::<2>(sc, &vt.0[..nb * 32], at, o),
-                        3 => acc_heads_zmm::<3>(sc, &vt.0[..nb * 32], at, o),
-                        _ => acc_heads_zmm::<4>(sc, &vt.0[..nb * 32], at, o),
+                    let dst = sc.add(g * stride + j0 - js.start);
+                    if nb == BLK {
+                        _mm256_storeu_ps(dst, s);
+                    } else {
+                        let mut x = [0f32; BLK];
+                        _mm256_storeu_ps(x.as_mut_ptr(), s);
+                        std::ptr::copy_nonoverlapping(x.as_ptr(), dst, nb);
                     }
                 }
-                g0 += 4;
             }
-            continue;
         }
-        for g in 0..per {
-            let wts = &sc[g * len + j0..g * len + j0 + nb];
-            // SAFETY: head g's columns, owned by this call (contract).
-            let out = unsafe { std::slice::from_raw_parts_mut(o.add(g * hd + cols.start), nc) };
-            // SAFETY: the contract's CPU features; the tile holds nb rows of nc values, nc % 8 == 0.
-            unsafe { accumulate(w, wts, &vt.0[..nb * nc], out) };
-        }
-    }
-}
-
-/// [`accumulate`] of 32 columns for heads `g0 .. g0 + G` at once (`at` = (g0, j0, nb, len, hd, col0)): head g's
-/// output columns `col0 .. col0 + 32` (at `o + g·hd + col0`) += `Σ_p sc[g·len + j0 + p] · tile[p·32 ..]`, positions
-/// in order — each value's sum as [`acc_zmm`] adds it, with 2·G independent registers in flight.
-///
-/// # Safety
-/// AVX-512 F; `tile.len() == nb · 32`; `sc` holds `(g0 + G)·len` weights and `j0 + nb <= len`; `o + g·hd + col0`
-/// valid for reads and writes of 32 values for each of the G heads.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn acc_heads_zmm<const G: usize>(
-    sc: &[f32],
-    tile: &[f32],
-    (g0, j0, nb, len, hd, col0): (usize, usize, usize, usize, usize, usize),
-    o: *mut f32,
-) {
-    assert!(tile.len() == nb * 32 && (g0 + G) * len <= sc.len() && j0 + nb <= len, "attention tile shapes");
-    // SAFETY: head g's 32 output values (contract).
-    let out = |g: usize| unsafe { o.add((g0 + g) * hd + col0) };
-    // SAFETY: as above.
-    let mut acc: [[__m512; 2]; G] =
-        std::array::from_fn(|g| unsafe { [_mm512_loadu_ps(out(g)), _mm512_loadu_ps(out(g).add(16))] });
-    for p in 0..nb {
-        // SAFETY: row p of the tile: p·32 + 32 <= tile.len() (asserted).
-        let (t0, t1) =
-            unsafe { (_mm512_loadu_ps(tile.as_ptr().add(p * 32)), _mm512_loadu_ps(tile.as_ptr().add(p * 32 + 16))) };
-        for (g, a) in acc.iter_mut().enumerate() {
-            let wv = _mm512_set1_ps(sc[(g0 + g) * len + j0 + p]);
-            a[0] = _mm512_add_ps(a[0], _mm512_mul_ps(wv, t0));
-            a[1] = _mm512_add_ps(a[1], _mm512_mul_ps(wv, t1));
-        }
-    }
-    for (g, a) in acc.iter().enumerate() {
-        // SAFETY: as the loads above.
-        unsafe {
-            _mm512_storeu_ps(out(g), a[0]);
-            _mm512_storeu_ps(out(g).add(16), a[1]);
-        }
-    }
+    });
 }
 
 /// Converts the K rows of span positions `j0 .. j0 + nb` into `kt` (`[chunk][position][8]`; positions past `nb`
@@ -256,28 +442,11 @@ fn prefetch_ahead(rows: &[u16], sp: Span, p: usize, cols: std::ops::Range<usize>
     }
 }
 
-/// `dst` = the f32 values of the f16 bits `src` (equal lengths, a multiple of 8).
-///
-/// # Safety
-/// AVX2 + F16C.
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn widen(src: &[u16], dst: &mut [f32]) {
-    assert!(src.len() == dst.len() && src.len() % 8 == 0, "f16 row length");
-    for c in 0..src.len() / 8 {
-        // SAFETY: 8c + 8 <= both lengths (asserted).
-        unsafe {
-            let x = _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(8 * c) as *const __m128i));
-            _mm256_storeu_ps(dst.as_mut_ptr().add(8 * c), x);
-        }
-    }
-}
-
 /// The eight positions' scores from their per-lane sums `acc[p]`: each reduced as
 /// [`crate::quant::f16::reduce8`] ((l0 + l4) + (l1 + l5) + (l2 + l6) + (l3 + l7), left to right), then times
 /// `scale`; the eight reductions run side by side after a transpose.
 #[target_feature(enable = "avx2")]
-fn reduce8x8(acc: [__m256; 8], scale: f32) -> [f32; 8] {
+fn reduce8x8(acc: [__m256; 8], scale: f32) -> __m256 {
     // halves: h[p] = (l0 + l4, l1 + l5, l2 + l6, l3 + l7); y[i] pairs h[i] (low) with h[i + 4] (high)
     let h = |p: usize| _mm_add_ps(_mm256_castps256_ps128(acc[p]), _mm256_extractf128_ps::<1>(acc[p]));
     let y = |i: usize| _mm256_set_m128(h(i + 4), h(i));
@@ -289,11 +458,7 @@ fn reduce8x8(acc: [__m256; 8], scale: f32) -> [f32; 8] {
     let a1 = _mm256_shuffle_ps::<0xEE>(lo01, lo23);
     let a2 = _mm256_shuffle_ps::<0x44>(hi01, hi23);
     let a3 = _mm256_shuffle_ps::<0xEE>(hi01, hi23);
-    let s = _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3), _mm256_set1_ps(scale));
-    let mut out = [0f32; 8];
-    // SAFETY: eight lanes into eight floats.
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
-    out
+    _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3), _mm256_set1_ps(scale))
 }
 
 /// The scores of the tile's eight positions for one query head `q` (`hd` values, AVX2).
@@ -301,7 +466,7 @@ fn reduce8x8(acc: [__m256; 8], scale: f32) -> [f32; 8] {
 /// # Safety
 /// AVX2 + F16C; `q.len() == hd`, the tile holding `hd / 8` chunks.
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn scores8_avx2(q: &[f32], kt: &KTile, scale: f32) -> [f32; 8] {
+unsafe fn scores8_avx2(q: &[f32], kt: &KTile, scale: f32) -> __m256 {
     let mut acc = [_mm256_setzero_ps(); BLK];
     for c in 0..q.len() / 8 {
         // SAFETY: 8c + 8 <= q.len(); the tile index (c·BLK + p)·8 + 8 <= MAX_HD·BLK (q.len() <= MAX_HD).
@@ -321,7 +486,7 @@ unsafe fn scores8_avx2(q: &[f32], kt: &KTile, scale: f32) -> [f32; 8] {
 /// # Safety
 /// As [`scores8_avx2`], and AVX-512 F + VL.
 #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
-unsafe fn scores8_avx512(q: &[f32], kt: &KTile, scale: f32) -> [f32; 8] {
+unsafe fn scores8_avx512(q: &[f32], kt: &KTile, scale: f32) -> __m256 {
     let mut acc = [_mm512_setzero_ps(); BLK / 2];
     for c in 0..q.len() / 8 {
         // SAFETY: as in scores8_avx2; a pair's chunk is 16 consecutive floats of the tile.
@@ -352,85 +517,6 @@ unsafe fn scores8_avx512(q: &[f32], kt: &KTile, scale: f32) -> [f32; 8] {
         half(acc[3], true),
     ];
     reduce8x8(per, scale)
-}
-
-/// `out[x] += Σ_p wts[p] · tile[p · hd + x]`, positions in order (`hd = out.len()`).
-///
-/// # Safety
-/// The CPU runs `w`; `tile.len() == wts.len() · hd`, `hd % 8 == 0`.
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn accumulate(w: Width, wts: &[f32], tile: &[f32], out: &mut [f32]) {
-    let hd = out.len();
-    let mut x = 0;
-    if w == Width::Avx512 {
-        while x + 64 <= hd {
-            // SAFETY: AVX-512 F (w); columns x .. x + 64 inside every row and out.
-            unsafe { acc_zmm::<4>(wts, tile, hd, x, out) };
-            x += 64;
-        }
-        while x + 16 <= hd {
-            // SAFETY: as above, columns x .. x + 16.
-            unsafe { acc_zmm::<1>(wts, tile, hd, x, out) };
-            x += 16;
-        }
-    }
-    while x + 32 <= hd {
-        // SAFETY: AVX2; columns x .. x + 32 inside every row and out.
-        unsafe { acc_ymm::<4>(wts, tile, hd, x, out) };
-        x += 32;
-    }
-    while x + 8 <= hd {
-        // SAFETY: as above, columns x .. x + 8.
-        unsafe { acc_ymm::<1>(wts, tile, hd, x, out) };
-        x += 8;
-    }
-}
-
-/// Columns `x .. x + 8N` of [`accumulate`] in `N` AVX2 registers.
-///
-/// # Safety
-/// AVX2; `x + 8N <= hd`, `tile.len() >= wts.len() · hd`, `out.len() >= x + 8N`.
-#[target_feature(enable = "avx2")]
-unsafe fn acc_ymm<const N: usize>(wts: &[f32], tile: &[f32], hd: usize, x: usize, out: &mut [f32]) {
-    // SAFETY: out holds x + 8N values.
-    let mut acc: [__m256; N] = std::array::from_fn(|u| unsafe { _mm256_loadu_ps(out.as_ptr().add(x + 8 * u)) });
-    for (p, &wt) in wts.iter().enumerate() {
-        let wv = _mm256_set1_ps(wt);
-        for (u, a) in acc.iter_mut().enumerate() {
-            // SAFETY: p·hd + x + 8u + 8 <= (p + 1)·hd <= tile.len().
-            *a =
-                _mm256_add_ps(*a, _mm256_mul_ps(wv, unsafe { _mm256_loadu_ps(tile.as_ptr().add(p * hd + x + 8 * u)) }));
-        }
-    }
-    for (u, a) in acc.iter().enumerate() {
-        // SAFETY: as the loads above.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(x + 8 * u), *a) };
-    }
-}
-
-/// Columns `x .. x + 16N` of [`accumulate`] in `N` AVX-512 registers.
-///
-/// # Safety
-/// AVX-512 F; `x + 16N <= hd`, `tile.len() >= wts.len() · hd`, `out.len() >= x + 16N`.
-#[target_feature(enable = "avx512f")]
-unsafe fn acc_zmm<const N: usize>(wts: &[f32], tile: &[f32], hd: usize, x: usize, out: &mut [f32]) {
-    // SAFETY: out holds x + 16N values.
-    let mut acc: [__m512; N] = std::array::from_fn(|u| unsafe { _mm512_loadu_ps(out.as_ptr().add(x + 16 * u)) });
-    for (p, &wt) in wts.iter().enumerate() {
-        let wv = _mm512_set1_ps(wt);
-        for (u, a) in acc.iter_mut().enumerate() {
-            // SAFETY: p·hd + x + 16u + 16 <= (p + 1)·hd <= tile.len().
-            *a = _mm512_add_ps(
-                *a,
-                _mm512_mul_ps(wv, unsafe { _mm512_loadu_ps(tile.as_ptr().add(p * hd + x + 16 * u)) }),
-            );
-        }
-    }
-    for (u, a) in acc.iter().enumerate() {
-        // SAFETY: as the loads above.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(x + 16 * u), *a) };
-    }
 }
 
 /// `o[x] += Σ_j wts[j] · V_j[x]` for one head over Q8_0 rows: row `j`'s `o.len() / 32` blocks start at byte

@@ -6,6 +6,7 @@
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_x86;
+mod exp;
 pub mod experts;
 pub mod math;
 pub mod matmul;

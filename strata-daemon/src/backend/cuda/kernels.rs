@@ -358,7 +358,7 @@ pub fn decode_attention_wanted() -> bool {
 }
 
 /// Whether prefill chunks use the tiled tensor-core attention (`attention_tiled_*`): unless
-/// `STRATA_ATTN_TILED=0` (then the one-block kernel, bit-exact with the CPU path; for A/B measurements).
+/// `STRATA_ATTN_TILED=0` (then the one-block kernel, the CPU's scores bit for bit; for A/B measurements).
 pub fn tiled_attention_wanted() -> bool {
     !std::env::var("STRATA_ATTN_TILED").is_ok_and(|v| v == "0")
 }

@@ -627,7 +627,8 @@ impl Ops<'_> {
         Ok(())
     }
 
-    /// The one-block-per-row attention kernel (bit-exact with the CPU path over an f16 cache; see `attention`),
+    /// The one-block-per-row attention kernel (the CPU's scores bit for bit over an f16 cache; the CPU adds its V
+    /// products by chunks of positions, so outputs agree to rounding; see `attention`),
     /// whatever `t`: the reference the other attention kernels are checked against. `cap` ≥ pos0 + t sizes its
     /// shared memory.
     #[allow(clippy::too_many_arguments)]
