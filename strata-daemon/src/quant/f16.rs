@@ -1,5 +1,5 @@
-//! f16 rows: conversions and the products of decode and prefill attention over an f16 KV cache (f32 queries and
-//! probabilities against f16 keys and values). Each function has a portable body and an AVX2 + F16C one chosen at
+//! f16 rows: conversions and the attention scores over an f16 KV cache (f32 queries rounded to f16 against f16
+//! keys; the V products are the attention's own, `backend::cpu::attention`). Each function has a portable body and an AVX2 + F16C one chosen at
 //! run time ([`super::simd_level`]); the two give the same bits (conversions round to nearest even; products
 //! multiply and add in the same order, without fused multiply-adds).
 
@@ -59,21 +59,6 @@ pub fn dot(a: &[f32], b: &[u16]) -> f32 {
         }
     }
     finish(&acc, &a[n8..], &b[n8..])
-}
-
-/// `out[i] += w · b[i]` for f16 `b` (equal lengths).
-#[inline]
-pub fn axpy(out: &mut [f32], w: f32, b: &[u16]) {
-    assert_eq!(out.len(), b.len(), "axpy lengths");
-    #[cfg(target_arch = "x86_64")]
-    if fast() {
-        // SAFETY: AVX2 and F16C were detected; equal lengths (asserted).
-        unsafe { axpy_avx2(out, w, b) };
-        return;
-    }
-    for (o, &x) in out.iter_mut().zip(b) {
-        *o += w * half::f16::from_bits(x).to_f32();
-    }
 }
 
 /// The sum of eight partial sums in the order every f32/f16 dot product of the attention uses (the CPU
@@ -148,26 +133,6 @@ unsafe fn dot_avx2(a: &[f32], b: &[u16]) -> f32 {
     finish(&lanes, &a[n8..], &b[n8..])
 }
 
-/// # Safety
-/// AVX2 and F16C must be available; `out.len() == b.len()`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn axpy_avx2(out: &mut [f32], w: f32, b: &[u16]) {
-    let n8 = out.len() / 8 * 8;
-    let wv = _mm256_set1_ps(w);
-    for i in (0..n8).step_by(8) {
-        // SAFETY: i + 8 ≤ n8 ≤ both lengths.
-        unsafe {
-            let p = out.as_mut_ptr().add(i);
-            let y = _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(i) as *const __m128i));
-            _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_mul_ps(wv, y)));
-        }
-    }
-    for (o, &x) in out[n8..].iter_mut().zip(&b[n8..]) {
-        *o += w * half::f16::from_bits(x).to_f32();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,12 +169,6 @@ mod tests {
             let mut r = a.clone();
             round_slice(&mut r);
             assert!(r.iter().zip(&a).all(|(x, y)| x.to_bits() == half::f16::from_f32(*y).to_f32().to_bits()));
-            let (mut o1, mut o2) = (a.clone(), a.clone());
-            axpy(&mut o1, 0.37, &b);
-            for (o, x) in o2.iter_mut().zip(&b32) {
-                *o += 0.37 * x;
-            }
-            assert!(o1.iter().zip(&o2).all(|(x, y)| x.to_bits() == y.to_bits()), "n = {n}");
         }
     }
 }
