@@ -64,6 +64,7 @@ pub mod avx2 {
 
     /// The 32 signed codes of a lattice sub-block ([`crate::quant::format::iq::Sub::codes`]): the grid rows, negated
     /// where a sign bit is set, plus each 8 values' offset.
+    #[cfg(test)]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn lattice_codes(s: &crate::quant::format::iq::Sub) -> __m256i {
@@ -634,9 +635,10 @@ pub mod avx2 {
     }
 
     macro_rules! lattice_rows {
-        ($($name:ident, $avx2:ident $(, $w512:ident)? => $m:ident, $unsigned:literal),* $(,)?) => {$(
-            /// One row of a lattice IQ format (integer sums over each super-block, [`finish`]; Q8_K activations, the
-            /// module's note), with AVX-512 where the CPU has it for the IQ2 formats (the same bits). SAFETY
+        ($($name:ident, $avx2:ident $(, $w512:ident)? => $m:ident),* $(,)?) => {$(
+            /// One row of an unsigned lattice IQ format through its [`Sub`](crate::quant::format::iq::Sub) decoder
+            /// (integer sums over each super-block, [`finish`]; Q8_K activations, the module's note), with AVX-512
+            /// where the CPU has it (the same bits). SAFETY
             /// (callers): avx2, fma and f16c present; `row` holds `x.len() / 8` whole super-blocks.
             #[target_feature(enable = "avx2,fma,f16c")]
             pub unsafe fn $name(row: &[u8], x: &[BlockQ8]) -> f32 {
@@ -658,16 +660,12 @@ pub mod avx2 {
                     let mut sumi = _mm256_setzero_si256();
                     for (ib, xb) in xs.iter().enumerate() {
                         let s = f::sub(b, ib);
-                        let p = if $unsigned {
-                            // grid levels ≥ 0 and no offset: the signs go onto the activations, the levels into
-                            // maddubs as they are (the same integers as the signed codes)
-                            let [g0, g1, g2, g3] = s.grid.map(|g| g as i64);
-                            let g = _mm256_set_epi64x(g3, g2, g1, g0);
-                            let neg = _mm256_or_si256(bit_bytes(s.signs), _mm256_set1_epi8(1));
-                            _mm256_maddubs_epi16(g, _mm256_sign_epi8(load_x(xb), neg))
-                        } else {
-                            pairs_signed(lattice_codes(&s), load_x(xb))
-                        };
+                        // grid levels ≥ 0 and no offset: the signs go onto the activations, the levels into
+                        // maddubs as they are (the same integers as the signed codes)
+                        let [g0, g1, g2, g3] = s.grid.map(|g| g as i64);
+                        let g = _mm256_set_epi64x(g3, g2, g1, g0);
+                        let neg = _mm256_or_si256(bit_bytes(s.signs), _mm256_set1_epi8(1));
+                        let p = _mm256_maddubs_epi16(g, _mm256_sign_epi8(load_x(xb), neg));
                         sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scale_halves(s.sc)));
                     }
                     finish(&mut acc, sumi, None, f::d(b), 0.0, xs[0].d);
@@ -675,7 +673,31 @@ pub mod avx2 {
                 hsum(acc)
             }
 
-            $(
+        )*};
+    }
+
+    /// Any lattice format's row through its [`Sub`](crate::quant::format::iq::Sub) decoder, codes signed as
+    /// [`lattice_codes`] builds them: what the dedicated kernels replaced, kept as the reference of their bits.
+    /// SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len() / 8` whole super-blocks of `l`.
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn lattice_reference(l: &crate::quant::format::iq::Lattice, row: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (b, xs) in row.chunks_exact(l.bytes).zip(x.chunks_exact(8)) {
+            let mut sumi = _mm256_setzero_si256();
+            for (ib, xb) in xs.iter().enumerate() {
+                let s = (l.sub)(b, ib);
+                let p = pairs_signed(lattice_codes(&s), load_x(xb));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scale_halves(s.sc)));
+            }
+            finish(&mut acc, sumi, None, (l.d)(b), 0.0, xs[0].d);
+        }
+        hsum(acc)
+    }
+
+    /// The AVX-512 kernel of an unsigned lattice format (grid levels 0..=127, no offset).
+    macro_rules! lattice_512 {
+        ($($w512:ident => $m:ident),* $(,)?) => {$(
             /// The AVX-512 F/BW/VNNI kernel of an unsigned-grid format's row: two sub-blocks per step, the signs
             /// applied to the activations from their 64 bits as a mask, one `vpdpbusd` and one multiply by the
             /// per-16 scales, the halves folded once per super-block: the AVX2 kernel's i32 lanes and float steps,
@@ -713,20 +735,197 @@ pub mod avx2 {
                 }
                 hsum(acc)
             }
-            )?
         )*};
     }
 
-    lattice_rows!(
-        dot_iq2_xxs, dot_iq2_xxs_avx2, dot_iq2_xxs_512 => iq2_xxs, true,
-        dot_iq2_s, dot_iq2_s_avx2, dot_iq2_s_512 => iq2_s, true,
-        // IQ3: the AVX-512 version of this kernel measured slower than the AVX2 one on a Zen 4 (1.4 against 2.5
-        // GB/s per thread for IQ3_XXS, 1.9 against 2.6 for IQ3_S; IQ2_XXS 2.65 against 2.28, IQ2_S 4.26 against 3.92)
-        dot_iq3_xxs, dot_iq3_xxs_avx2 => iq3_xxs, true,
-        dot_iq3_s, dot_iq3_s_avx2 => iq3_s, true,
-        dot_iq1_s, dot_iq1_s_avx2 => iq1_s, false,
-        dot_iq1_m, dot_iq1_m_avx2 => iq1_m, false,
-    );
+    lattice_rows!(dot_iq2_s, dot_iq2_s_avx2, dot_iq2_s_512 => iq2_s);
+    // an AVX-512 kernel over the generic decoder measured slower than the AVX2 one for the IQ3 formats on a Zen 4
+    // (1.4 against 2.5 GB/s per thread for IQ3_XXS, 1.9 against 2.6 for IQ3_S) and than the dedicated AVX2 kernels
+    // that replaced the generic one for IQ3, IQ1 and IQ2_XXS; IQ2_S keeps it (4.26 against 3.92)
+    lattice_512!(dot_iq2_s_512 => iq2_s);
+
+    /// A lattice row over whole super-blocks of `bytes` bytes: `block(p, xs)` gives the i32 lanes of the super-block
+    /// at `p` times its 8 activation blocks `xs`, [`finish`]ed with the super-scale `d` and the activations' scale,
+    /// the lanes summed at the end. SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len() / 8` whole
+    /// super-blocks; `block` reads only its own `bytes` bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn lattice_row(
+        row: &[u8],
+        x: &[BlockQ8],
+        bytes: usize,
+        d: fn(&[u8]) -> f32,
+        mut block: impl FnMut(*const u8, &[BlockQ8]) -> __m256i,
+    ) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (b, xs) in row.chunks_exact(bytes).zip(x.chunks_exact(8)) {
+            crate::quant::prefetch::ahead_span(b.as_ptr(), 0, bytes);
+            finish(&mut acc, block(b.as_ptr(), xs), None, d(b), 0.0, xs[0].d);
+        }
+        hsum(acc)
+    }
+
+    /// Activations `xb` with value `j` negated where byte `j % 8` of [`KSIGNS_PM1`](
+    /// crate::quant::format::iq_grid::KSIGNS_PM1)`[(s >> 7 (j / 8)) & 127]` is −1 (the four 7-bit sign fields of
+    /// IQ2_XXS and IQ3_XXS).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn ksigned_x(xb: &BlockQ8, s: u32) -> __m256i {
+        use crate::quant::format::iq_grid::KSIGNS_PM1;
+        let sg = |l: u32| KSIGNS_PM1[(s >> (7 * l) & 127) as usize] as i64;
+        _mm256_sign_epi8(load_x(xb), _mm256_set_epi64x(sg(3), sg(2), sg(1), sg(0)))
+    }
+
+    /// Unsigned grid bytes times signed activations, both halves of the 32 values scaled by `sc`: the 8 i32 lanes
+    /// (lane `m`: `sc` times the products of values `4m .. 4m + 4`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn grid_lanes(grid: __m256i, xsg: __m256i, sc: u32) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(grid, xsg), _mm256_set1_epi16(sc as i16))
+    }
+
+    /// One IQ3_XXS row ([`crate::quant::format::iq3_xxs`]: 98-byte super-blocks) read straight from its bytes:
+    /// per 32-value sub-block its eight grid values by index ([`IQ3XXS_GRID`](
+    /// crate::quant::format::iq_grid::IQ3XXS_GRID), four values each), its four sign bytes as ±1 multipliers
+    /// ([`KSIGNS_PM1`](crate::quant::format::iq_grid::KSIGNS_PM1)) on the activations and its odd scale broadcast;
+    /// the i32 lanes and float steps of the generic lattice kernel, so its bits. SAFETY (callers): avx2, fma and
+    /// f16c present; `row` holds `x.len() / 8` whole super-blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq3_xxs(row: &[u8], x: &[BlockQ8]) -> f32 {
+        use crate::quant::format::iq3_xxs::{d, BYTES};
+        use crate::quant::format::iq_grid::IQ3XXS_GRID;
+        lattice_row(row, x, BYTES, d, |p, xs| {
+            let mut sumi = _mm256_setzero_si256();
+            for (ib, xb) in xs.iter().enumerate() {
+                let q = p.add(2 + 8 * ib);
+                let g = |k: usize| IQ3XXS_GRID[*q.add(k) as usize] as i32;
+                let grid = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
+                let s = (p.add(66 + 4 * ib) as *const u32).read_unaligned();
+                sumi = _mm256_add_epi32(sumi, grid_lanes(grid, ksigned_x(xb, s), 2 * (s >> 28) + 1));
+            }
+            sumi
+        })
+    }
+
+    /// One IQ3_S row ([`crate::quant::format::iq3_s`]: 110-byte super-blocks) read straight from its bytes: per
+    /// sub-block its eight grid values by 9-bit index ([`IQ3S_GRID`](crate::quant::format::iq_grid::IQ3S_GRID)),
+    /// its 32 sign bits broadcast from memory onto the activations, its odd scale broadcast; the generic lattice
+    /// kernel's i32 lanes and float steps, so its bits. SAFETY (callers): as [`dot_iq3_xxs`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq3_s(row: &[u8], x: &[BlockQ8]) -> f32 {
+        use crate::quant::format::iq3_s::{d, BYTES};
+        use crate::quant::format::iq_grid::IQ3S_GRID;
+        lattice_row(row, x, BYTES, d, |p, xs| {
+            let mut sumi = _mm256_setzero_si256();
+            for (ib, xb) in xs.iter().enumerate() {
+                let (q, qh) = (p.add(2 + 8 * ib), *p.add(66 + ib) as usize);
+                let g = |k: usize| IQ3S_GRID[*q.add(k) as usize | (qh >> k & 1) << 8] as i32;
+                let grid = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
+                let bits = (p.add(74 + 4 * ib) as *const u32).read_unaligned();
+                let xsg = _mm256_sign_epi8(load_x(xb), _mm256_or_si256(bit_bytes(bits), _mm256_set1_epi8(1)));
+                let sc = 2 * (*p.add(106 + ib / 2) >> (4 * (ib % 2)) & 0xf) as u32 + 1;
+                sumi = _mm256_add_epi32(sumi, grid_lanes(grid, xsg, sc));
+            }
+            sumi
+        })
+    }
+
+    /// One IQ2_XXS row ([`crate::quant::format::iq2_xxs`]: 66-byte super-blocks) read straight from its bytes: per
+    /// sub-block four grid rows by index ([`IQ2XXS_GRID`](crate::quant::format::iq_grid::IQ2XXS_GRID)), four sign
+    /// bytes as ±1 multipliers on the activations, the odd scale broadcast; the generic lattice kernel's i32 lanes
+    /// and float steps, so its bits. SAFETY (callers): as [`dot_iq3_xxs`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq2_xxs_avx2(row: &[u8], x: &[BlockQ8]) -> f32 {
+        use crate::quant::format::iq2_xxs::{d, BYTES};
+        use crate::quant::format::iq_grid::IQ2XXS_GRID;
+        lattice_row(row, x, BYTES, d, |p, xs| {
+            let mut sumi = _mm256_setzero_si256();
+            for (ib, xb) in xs.iter().enumerate() {
+                let q = p.add(2 + 8 * ib);
+                let g = |l: usize| IQ2XXS_GRID[*q.add(l) as usize] as i64;
+                let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+                let s = (q.add(4) as *const u32).read_unaligned();
+                sumi = _mm256_add_epi32(sumi, grid_lanes(grid, ksigned_x(xb, s), 2 * (s >> 28) + 1));
+            }
+            sumi
+        })
+    }
+
+    /// [`dot_iq2_xxs_avx2`] at every level: it measured faster than an AVX-512 kernel over the generic decoder
+    /// (Zen 4, one thread: 369 against 484 µs per Qwen3-30B-A3B expert). SAFETY (callers): as [`dot_iq3_xxs`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq2_xxs(row: &[u8], x: &[BlockQ8]) -> f32 {
+        dot_iq2_xxs_avx2(row, x)
+    }
+
+    /// One IQ1_S row ([`crate::quant::format::iq1_s`]: 50-byte super-blocks) read straight from its bytes: per
+    /// sub-block four rows of [`IQ1S_GRID_X8`](crate::quant::format::iq_grid::IQ1S_GRID_X8) by 11-bit index plus
+    /// the sub-block's ±1 offset as signed codes, its odd scale broadcast; the generic lattice kernel's i32 lanes
+    /// and float steps, so its bits. SAFETY (callers): as [`dot_iq3_xxs`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq1_s(row: &[u8], x: &[BlockQ8]) -> f32 {
+        use crate::quant::format::iq1_s::{d, BYTES};
+        use crate::quant::format::iq_grid::IQ1S_GRID_X8;
+        lattice_row(row, x, BYTES, d, |p, xs| {
+            let mut sumi = _mm256_setzero_si256();
+            for (ib, xb) in xs.iter().enumerate() {
+                let q = p.add(2 + 4 * ib);
+                let qh = (p.add(34 + 2 * ib) as *const u16).read_unaligned() as usize;
+                let g = |l: usize| IQ1S_GRID_X8[*q.add(l) as usize | (qh >> (3 * l) & 7) << 8] as i64;
+                let delta = _mm256_set1_epi8(if qh & 0x8000 != 0 { -1 } else { 1 });
+                let codes = _mm256_add_epi8(_mm256_set_epi64x(g(3), g(2), g(1), g(0)), delta);
+                let sc = _mm256_set1_epi16((2 * (qh >> 12 & 7) + 1) as i16);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pairs_signed(codes, load_x(xb)), sc));
+            }
+            sumi
+        })
+    }
+
+    /// One IQ1_M row ([`crate::quant::format::iq1_m`]: 56-byte super-blocks) read straight from its bytes: per
+    /// sub-block four rows of [`IQ1S_GRID_X8`](crate::quant::format::iq_grid::IQ1S_GRID_X8) by 11-bit index plus
+    /// each row's ±1 offset as signed codes, the two odd per-16 scales; the generic lattice kernel's i32 lanes and
+    /// float steps, so its bits. SAFETY (callers): as [`dot_iq3_xxs`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq1_m(row: &[u8], x: &[BlockQ8]) -> f32 {
+        use crate::quant::format::iq1_m::{d, BYTES};
+        use crate::quant::format::iq_grid::IQ1S_GRID_X8;
+        lattice_row(row, x, BYTES, d, |p, xs| {
+            // the 16 odd scales as i16 pairs, dword i = scales 2i | 2i + 1 (scale k: word k / 4, bits 3 (k % 4))
+            let words = _mm256_permutevar8x32_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadl_epi64(p.add(48) as *const __m128i)),
+                _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3),
+            );
+            let (seven, one32) = (_mm256_set1_epi32(7), _mm256_set1_epi32(1));
+            let odd_at = |sh: __m256i| {
+                let f = _mm256_and_si256(_mm256_srlv_epi32(words, sh), seven);
+                _mm256_add_epi32(_mm256_slli_epi32(f, 1), one32)
+            };
+            let lo = odd_at(_mm256_setr_epi32(0, 6, 0, 6, 0, 6, 0, 6));
+            let hi = odd_at(_mm256_setr_epi32(3, 9, 3, 9, 3, 9, 3, 9));
+            let sv = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16));
+            // bit 3 of row l's nibble (bit 4l + 3 of the sub-block's u16): the sign of the row's offset
+            let sign_bits = _mm256_set_epi64x(
+                0x8000_8000_8000_8000u64 as i64,
+                0x0800_0800_0800_0800,
+                0x0080_0080_0080_0080,
+                0x0008_0008_0008_0008,
+            );
+            let mut sumi = _mm256_setzero_si256();
+            for (ib, xb) in xs.iter().enumerate() {
+                let q = p.add(4 * ib);
+                // one nibble per row: bits 0..3 the row's high index bits, bit 3 its offset's sign
+                let nib = (p.add(32 + 2 * ib) as *const u16).read_unaligned();
+                let n = nib as usize;
+                let g = |l: usize| IQ1S_GRID_X8[*q.add(l) as usize | (n >> (4 * l) & 7) << 8] as i64;
+                // each row's offset: −1 in every byte where its sign bit is set, else 1
+                let set = _mm256_and_si256(_mm256_set1_epi16(nib as i16), sign_bits);
+                let delta = _mm256_or_si256(_mm256_cmpeq_epi16(set, sign_bits), _mm256_set1_epi8(1));
+                let codes = _mm256_add_epi8(_mm256_set_epi64x(g(3), g(2), g(1), g(0)), delta);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pairs_signed(codes, load_x(xb)), scale_pair(sv, ib)));
+            }
+            sumi
+        })
+    }
 
     /// Decodes an IQ2_XS super-block at `p`: its 32 grid indices into `idx`, and per half `h` (sub-blocks 4h ..
     /// 4h + 4) the sign bytes — the 7 stored bits, their parity as bit 7 ([`KSIGNS`](
@@ -1103,7 +1302,7 @@ pub(super) mod tests {
         }
     }
 
-    /// The IQ2 lattice formats (IQ2_XXS, IQ2_XS, IQ2_S): the AVX-512 kernels give the AVX2 kernels' bits, and
+    /// The IQ2 lattice formats with AVX-512 kernels (IQ2_XS, IQ2_S): they give the AVX2 kernels' bits, and
     /// those the exact product (random and saturating rows, 1..5 super-blocks).
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -1114,11 +1313,8 @@ pub(super) mod tests {
         }
         let wide = crate::quant::dot512::supported();
         type K = unsafe fn(&[u8], &[BlockQ8]) -> f32;
-        let kernels: [(GgmlType, K, K); 3] = [
-            (GgmlType::IQ2_XXS, dot_iq2_xxs_avx2, dot_iq2_xxs_512),
-            (GgmlType::IQ2_XS, dot_iq2_xs_avx2, dot_iq2_xs_512),
-            (GgmlType::IQ2_S, dot_iq2_s_avx2, dot_iq2_s_512),
-        ];
+        let kernels: [(GgmlType, K, K); 2] =
+            [(GgmlType::IQ2_XS, dot_iq2_xs_avx2, dot_iq2_xs_512), (GgmlType::IQ2_S, dot_iq2_s_avx2, dot_iq2_s_512)];
         let mut seed = 0x1A2u64;
         for (ty, k2, k512) in kernels {
             for n_blocks in [1usize, 2, 3, 5] {
@@ -1134,6 +1330,43 @@ pub(super) mod tests {
                     assert_eq!(a.to_bits(), b.to_bits(), "{ty:?} x{n_blocks} {extreme}: avx2 {a} avx512 {b}");
                     let (want, mag) = exact(ty, &r, &x);
                     assert!((a as f64 - want).abs() <= 2e-6 * mag.max(1e-6), "{ty:?} x{n_blocks}: {a} vs {want}");
+                }
+            }
+        }
+    }
+
+    /// Every lattice format's AVX2 kernel (the dedicated ones that read the bytes directly, IQ2_S's through its
+    /// decoder) gives the bits of the generic kernel over the format's [`Sub`](crate::quant::format::iq::Sub)
+    /// decoder (random and saturating rows, 1..5 super-blocks).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn lattice_kernels_give_the_generic_decoders_bits() {
+        use super::avx2::*;
+        use crate::quant::format::{iq1_m, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs};
+        if !crate::quant::simd_level().avx2() {
+            return;
+        }
+        type K = unsafe fn(&[u8], &[BlockQ8]) -> f32;
+        let kernels: [(GgmlType, &crate::quant::format::iq::Lattice, K); 7] = [
+            (GgmlType::IQ2_XXS, &iq2_xxs::LATTICE, dot_iq2_xxs_avx2),
+            (GgmlType::IQ2_XS, &iq2_xs::LATTICE, dot_iq2_xs_avx2),
+            (GgmlType::IQ2_S, &iq2_s::LATTICE, dot_iq2_s_avx2),
+            (GgmlType::IQ3_XXS, &iq3_xxs::LATTICE, dot_iq3_xxs),
+            (GgmlType::IQ3_S, &iq3_s::LATTICE, dot_iq3_s),
+            (GgmlType::IQ1_S, &iq1_s::LATTICE, dot_iq1_s),
+            (GgmlType::IQ1_M, &iq1_m::LATTICE, dot_iq1_m),
+        ];
+        let mut seed = 0x1A7u64;
+        for (ty, lat, k) in kernels {
+            for n_blocks in [1usize, 2, 3, 5] {
+                for extreme in [false, true] {
+                    for _ in 0..4 {
+                        let r = row(ty, n_blocks, extreme, &mut seed);
+                        let x = quantize_for(ty, &values(n_blocks * 256, extreme, &mut seed));
+                        // SAFETY: AVX2/FMA/F16C detected above; the row holds n_blocks super-blocks of x.
+                        let (want, got) = unsafe { (lattice_reference(lat, &r, &x), k(&r, &x)) };
+                        assert_eq!(want.to_bits(), got.to_bits(), "{ty:?} x{n_blocks} {extreme}: {got} vs {want}");
+                    }
                 }
             }
         }

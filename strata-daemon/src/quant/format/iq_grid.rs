@@ -64,6 +64,23 @@ pub const KSIGNS: [u8; 128] = {
     t
 };
 
+/// [`KSIGNS`] as multipliers: byte `j` of entry `i` is −1 where bit `j` of `KSIGNS[i]` is set, else 1 (for
+/// `_mm256_sign_epi8`, which negates where the multiplier is negative: ggml's `keven_signs_q2xs` holds the same).
+pub static KSIGNS_PM1: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut i = 0;
+    while i < 128 {
+        let mut j = 0;
+        while j < 8 {
+            let b: u64 = if KSIGNS[i] >> j & 1 == 1 { 0xff } else { 0x01 };
+            t[i] |= b << (8 * j);
+            j += 1;
+        }
+        i += 1;
+    }
+    t
+};
+
 const IQ2XXS_GRID_HEX: &[u8] = b"\
 00000200050008000a00110014002000220028002a00410044005000580061006400800082008a00a2000101040110011501\
 4001840198010002020222028202010404041004210424044004420448046004810484049004a40400050205080520054605\
