@@ -927,17 +927,15 @@ pub mod avx2 {
         })
     }
 
-    /// Decodes an IQ2_XS super-block at `p`: its 32 grid indices into `idx`, and per half `h` (sub-blocks 4h ..
-    /// 4h + 4) the sign bytes — the 7 stored bits, their parity as bit 7 ([`KSIGNS`](
+    /// Decodes the signs of an IQ2_XS super-block at `p`: per half `h` (sub-blocks 4h .. 4h + 4) the sign bytes — the 7 stored bits, their parity as bit 7 ([`KSIGNS`](
     /// crate::quant::format::iq_grid::KSIGNS)) — packed within each 128-bit lane: bytes 0..8 of lane `k` are those
     /// of sub-blocks 4h + 2k and 4h + 2k + 1. SAFETY (callers): avx2 present; `p` readable for 74 bytes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq2_xs_decode(p: *const u8, idx: &mut [u16; 32]) -> [__m256i; 2] {
-        let (m9, one16) = (_mm256_set1_epi16(511), _mm256_set1_epi16(1));
+    unsafe fn iq2_xs_signs(p: *const u8) -> [__m256i; 2] {
+        let one16 = _mm256_set1_epi16(1);
         std::array::from_fn(|h| {
             let v = _mm256_loadu_si256(p.add(2 + 32 * h) as *const __m256i);
-            _mm256_storeu_si256(idx.as_mut_ptr().add(16 * h) as *mut __m256i, _mm256_and_si256(v, m9));
             let s7 = _mm256_srli_epi16(v, 9);
             let mut t = _mm256_xor_si256(s7, _mm256_srli_epi16(s7, 4));
             t = _mm256_xor_si256(t, _mm256_srli_epi16(t, 2));
@@ -971,81 +969,80 @@ pub mod avx2 {
         dot_iq2_xs_avx2(row, x)
     }
 
-    /// [`dot_iq2_xs`] in AVX2. SAFETY (callers): as [`dot_iq2_xs`].
-    #[inline]
+    /// [`dot_iq2_xs`] in AVX2, reading the bytes directly: per sub-block four u16 codes, each a grid row index
+    /// (9 bits) and a sign field (7 bits, as ±1 multipliers from [`KSIGNS_PM1`](
+    /// crate::quant::format::iq_grid::KSIGNS_PM1)). SAFETY (callers): as [`dot_iq2_xs`].
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_iq2_xs_avx2(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq2_xs::{d, BYTES};
-        use crate::quant::format::iq_grid::IQ2XS_GRID;
-        let mut acc = _mm256_setzero_ps();
-        let one16 = _mm256_set1_epi16(1);
-        let mut idx = [0u16; 32];
-        let mut sgn = [0u32; 8];
-        for (b, xs) in row.chunks_exact(BYTES).zip(x.chunks_exact(8)) {
-            let p = b.as_ptr();
-            crate::quant::prefetch::ahead_span(p, 0, BYTES);
-            for (h, packed) in iq2_xs_decode(p, &mut idx).into_iter().enumerate() {
-                sgn[4 * h] = _mm256_extract_epi32(packed, 0) as u32;
-                sgn[4 * h + 1] = _mm256_extract_epi32(packed, 1) as u32;
-                sgn[4 * h + 2] = _mm256_extract_epi32(packed, 4) as u32;
-                sgn[4 * h + 3] = _mm256_extract_epi32(packed, 5) as u32;
-            }
-            // the 16 odd scales 2s + 1 in order (sub-block ib: its low nibble, then its high one)
-            let nib = iq2_xs_scale_nibbles(p);
-            let sv = _mm256_add_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(nib), 1), one16);
+        use crate::quant::format::iq_grid::{IQ2XS_GRID, KSIGNS_PM1};
+        lattice_row(row, x, BYTES, d, |p, xs| {
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
-                let g = |l: usize| IQ2XS_GRID[idx[4 * ib + l] as usize] as i64;
+                let w = (p.add(2 + 8 * ib) as *const u64).read_unaligned();
+                let g = |l: u32| IQ2XS_GRID[(w >> (16 * l) & 511) as usize] as i64;
+                let sg = |l: u32| KSIGNS_PM1[(w >> (16 * l + 9) & 127) as usize] as i64;
                 let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
-                let xsg = _mm256_sign_epi8(load_x(xb), _mm256_or_si256(bit_bytes(sgn[ib]), _mm256_set1_epi8(1)));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(grid, xsg), scale_pair(sv, ib)));
+                let xsg = _mm256_sign_epi8(load_x(xb), _mm256_set_epi64x(sg(3), sg(2), sg(1), sg(0)));
+                let sc = *p.add(66 + ib) as i16;
+                let scv = scale_halves([2 * (sc & 0xf) + 1, 2 * (sc >> 4) + 1]);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(grid, xsg), scv));
             }
-            finish(&mut acc, sumi, None, d(b), 0.0, xs[0].d);
-        }
-        hsum(acc)
+            sumi
+        })
     }
 
-    /// [`dot_iq2_xs`] with AVX-512 F/BW/VNNI: two sub-blocks per step, their 8 grid rows gathered at once, the
-    /// signs applied to the activations from the 64 sign bits as a mask, one `vpdpbusd` and one multiply by the
-    /// per-16 scales; the two halves folded once per super-block. The i32 lanes are [`dot_iq2_xs`]'s (lane `m` of
-    /// the 8 sums over every sub-block the products of values `4m .. 4m + 4`), so are the float steps: the same
-    /// bits. SAFETY (callers): AVX-512 F/BW/VNNI present; `row` holds `x.len() / 8` whole super-blocks.
+    /// [`dot_iq2_xs`] with AVX-512 F/BW/VNNI: two sub-blocks per step, their 8 grid rows loaded by index, the
+    /// signs applied to the activations from the 64 sign bits as a mask, pairs of products by `vpmaddubsw` and
+    /// their sums times the per-16 scales by `vpdpwssd`; the two halves folded once per super-block. The i32 lanes
+    /// are [`dot_iq2_xs_avx2`]'s (lane `m` of the 8 sums over every sub-block: the scale times the products of
+    /// values `4m .. 4m + 4`), so are the float steps: the same bits. SAFETY (callers): AVX-512 F/BW/VNNI present;
+    /// `row` holds `x.len() / 8` whole super-blocks.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn dot_iq2_xs_512(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq2_xs::{d, BYTES};
         use crate::quant::format::iq_grid::IQ2XS_GRID;
-        let mut acc = _mm256_setzero_ps();
-        // lanes of sub-blocks 2j (values 0..16, 16..32) and 2j + 1: scales 4j .. 4j + 4, four lanes each
-        let quads = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        let scale_idx = |j: i32| _mm512_add_epi32(quads, _mm512_set1_epi32(4 * j));
-        let sidx = [scale_idx(0), scale_idx(1), scale_idx(2), scale_idx(3)];
-        let mut idx = [0u16; 32];
-        let mut sgn = [0u64; 4];
-        for (b, xs) in row.chunks_exact(BYTES).zip(x.chunks_exact(8)) {
-            let p = b.as_ptr();
-            crate::quant::prefetch::ahead_span(p, 0, BYTES);
-            for (h, packed) in iq2_xs_decode(p, &mut idx).into_iter().enumerate() {
+        // i16 lane l of step j (sub-blocks 2j and 2j + 1, 64 values): the scale of 16-value group 4j + l / 8
+        let sidx: [__m512i; 4] = std::array::from_fn(|j| {
+            let l = _mm512_setr_epi64(
+                0,
+                0,
+                0x0001_0001_0001_0001,
+                0x0001_0001_0001_0001,
+                0x0002_0002_0002_0002,
+                0x0002_0002_0002_0002,
+                0x0003_0003_0003_0003,
+                0x0003_0003_0003_0003,
+            );
+            _mm512_add_epi16(l, _mm512_set1_epi16(4 * j as i16))
+        });
+        let one16 = _mm256_set1_epi16(1);
+        lattice_row(row, x, BYTES, d, |p, xs| {
+            let mut sgn = [0u64; 4];
+            for (h, packed) in iq2_xs_signs(p).into_iter().enumerate() {
                 // bytes 0..8 of each 128-bit lane: the sign bytes of two sub-blocks, as one 64-bit mask
                 sgn[2 * h] = _mm256_extract_epi64(packed, 0) as u64;
                 sgn[2 * h + 1] = _mm256_extract_epi64(packed, 2) as u64;
             }
+            // the 16 odd scales 2s + 1 as i16, in order
             let nib = iq2_xs_scale_nibbles(p);
-            let sv = _mm512_cvtepu8_epi32(nib);
-            let sv = _mm512_add_epi32(_mm512_slli_epi32(sv, 1), _mm512_set1_epi32(1));
+            let sv = _mm512_castsi256_si512(_mm256_add_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(nib), 1), one16));
             let mut sumi = _mm512_setzero_si512();
-            for j in 0..4 {
-                let gi = _mm512_cvtepu16_epi64(_mm_loadu_si128(idx.as_ptr().add(8 * j) as *const __m128i));
-                let grid = _mm512_i64gather_epi64::<8>(gi, IQ2XS_GRID.as_ptr() as *const i64);
+            for (j, &neg) in sgn.iter().enumerate() {
+                let w = |k: usize| (p.add(2 + 16 * j + 8 * k) as *const u64).read_unaligned();
+                let (w0, w1) = (w(0), w(1));
+                let g = |w: u64, l: u32| IQ2XS_GRID[(w >> (16 * l) & 511) as usize] as i64;
+                let grid =
+                    _mm512_set_epi64(g(w1, 3), g(w1, 2), g(w1, 1), g(w1, 0), g(w0, 3), g(w0, 2), g(w0, 1), g(w0, 0));
                 let x2 = _mm512_inserti64x4(_mm512_castsi256_si512(load_x(&xs[2 * j])), load_x(&xs[2 * j + 1]), 1);
-                let xsg = _mm512_mask_sub_epi8(x2, sgn[j], _mm512_setzero_si512(), x2);
-                let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), grid, xsg);
-                sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(dp, _mm512_permutexvar_epi32(sidx[j], sv)));
+                let xsg = _mm512_mask_sub_epi8(x2, neg, _mm512_setzero_si512(), x2);
+                // pairs of products as i16 (|Σ| ≤ 2 · 43 · 127), two pairs times their scale per i32 lane
+                let pairs = _mm512_maddubs_epi16(grid, xsg);
+                sumi = _mm512_dpwssd_epi32(sumi, pairs, _mm512_permutexvar_epi16(sidx[j], sv));
             }
-            let folded = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-            finish(&mut acc, folded, None, d(b), 0.0, xs[0].d);
-        }
-        hsum(acc)
+            _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1))
+        })
     }
 
     macro_rules! four_rows {
