@@ -634,48 +634,6 @@ pub mod avx2 {
         )
     }
 
-    macro_rules! lattice_rows {
-        ($($name:ident, $avx2:ident $(, $w512:ident)? => $m:ident),* $(,)?) => {$(
-            /// One row of an unsigned lattice IQ format through its [`Sub`](crate::quant::format::iq::Sub) decoder
-            /// (integer sums over each super-block, [`finish`]; Q8_K activations, the module's note), with AVX-512
-            /// where the CPU has it (the same bits). SAFETY
-            /// (callers): avx2, fma and f16c present; `row` holds `x.len() / 8` whole super-blocks.
-            #[target_feature(enable = "avx2,fma,f16c")]
-            pub unsafe fn $name(row: &[u8], x: &[BlockQ8]) -> f32 {
-                $(if crate::quant::simd_level() == crate::quant::SimdLevel::Avx512 {
-                    // SAFETY: the AVX-512 level means F, BW and VNNI were detected (`q4_wide::supported`).
-                    return unsafe { $w512(row, x) };
-                })?
-                $avx2(row, x)
-            }
-
-            /// The AVX2 kernel of the format's row. SAFETY (callers): as the dispatching kernel.
-            #[inline]
-            #[target_feature(enable = "avx2,fma,f16c")]
-            pub(super) unsafe fn $avx2(row: &[u8], x: &[BlockQ8]) -> f32 {
-                use crate::quant::format::$m as f;
-                let mut acc = _mm256_setzero_ps();
-                for (b, xs) in row.chunks_exact(f::BYTES).zip(x.chunks_exact(8)) {
-                    crate::quant::prefetch::ahead_span(b.as_ptr(), 0, f::BYTES);
-                    let mut sumi = _mm256_setzero_si256();
-                    for (ib, xb) in xs.iter().enumerate() {
-                        let s = f::sub(b, ib);
-                        // grid levels ≥ 0 and no offset: the signs go onto the activations, the levels into
-                        // maddubs as they are (the same integers as the signed codes)
-                        let [g0, g1, g2, g3] = s.grid.map(|g| g as i64);
-                        let g = _mm256_set_epi64x(g3, g2, g1, g0);
-                        let neg = _mm256_or_si256(bit_bytes(s.signs), _mm256_set1_epi8(1));
-                        let p = _mm256_maddubs_epi16(g, _mm256_sign_epi8(load_x(xb), neg));
-                        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scale_halves(s.sc)));
-                    }
-                    finish(&mut acc, sumi, None, f::d(b), 0.0, xs[0].d);
-                }
-                hsum(acc)
-            }
-
-        )*};
-    }
-
     /// Any lattice format's row through its [`Sub`](crate::quant::format::iq::Sub) decoder, codes signed as
     /// [`lattice_codes`] builds them: what the dedicated kernels replaced, kept as the reference of their bits.
     /// SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len() / 8` whole super-blocks of `l`.
@@ -694,55 +652,6 @@ pub mod avx2 {
         }
         hsum(acc)
     }
-
-    /// The AVX-512 kernel of an unsigned lattice format (grid levels 0..=127, no offset).
-    macro_rules! lattice_512 {
-        ($($w512:ident => $m:ident),* $(,)?) => {$(
-            /// The AVX-512 F/BW/VNNI kernel of an unsigned-grid format's row: two sub-blocks per step, the signs
-            /// applied to the activations from their 64 bits as a mask, one `vpdpbusd` and one multiply by the
-            /// per-16 scales, the halves folded once per super-block: the AVX2 kernel's i32 lanes and float steps,
-            /// so its bits. SAFETY (callers): AVX-512 F/BW/VNNI present; `row` holds `x.len() / 8` whole
-            /// super-blocks.
-            #[inline]
-            #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-            pub(super) unsafe fn $w512(row: &[u8], x: &[BlockQ8]) -> f32 {
-                use crate::quant::format::$m as f;
-                let mut acc = _mm256_setzero_ps();
-                // lanes 0..4, 4..8, 8..12, 12..16: the two sub-blocks' first and second 16 values
-                let quads = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-                for (b, xs) in row.chunks_exact(f::BYTES).zip(x.chunks_exact(8)) {
-                    crate::quant::prefetch::ahead_span(b.as_ptr(), 0, f::BYTES);
-                    let mut sumi = _mm512_setzero_si512();
-                    for j in 0..4 {
-                        let (s0, s1) = (f::sub(b, 2 * j), f::sub(b, 2 * j + 1));
-                        let [a0, a1, a2, a3] = s0.grid.map(|g| g as i64);
-                        let [b0, b1, b2, b3] = s1.grid.map(|g| g as i64);
-                        let grid = _mm512_set_epi64(b3, b2, b1, b0, a3, a2, a1, a0);
-                        let x2 = _mm512_inserti64x4(
-                            _mm512_castsi256_si512(load_x(&xs[2 * j])),
-                            load_x(&xs[2 * j + 1]),
-                            1,
-                        );
-                        let neg = s0.signs as u64 | (s1.signs as u64) << 32;
-                        let xsg = _mm512_mask_sub_epi8(x2, neg, _mm512_setzero_si512(), x2);
-                        let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), grid, xsg);
-                        let sc = _mm_setr_epi32(s0.sc[0] as i32, s0.sc[1] as i32, s1.sc[0] as i32, s1.sc[1] as i32);
-                        let scv = _mm512_permutexvar_epi32(quads, _mm512_castsi128_si512(sc));
-                        sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(dp, scv));
-                    }
-                    let folded = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-                    finish(&mut acc, folded, None, f::d(b), 0.0, xs[0].d);
-                }
-                hsum(acc)
-            }
-        )*};
-    }
-
-    lattice_rows!(dot_iq2_s, dot_iq2_s_avx2, dot_iq2_s_512 => iq2_s);
-    // an AVX-512 kernel over the generic decoder measured slower than the AVX2 one for the IQ3 formats on a Zen 4
-    // (1.4 against 2.5 GB/s per thread for IQ3_XXS, 1.9 against 2.6 for IQ3_S) and than the dedicated AVX2 kernels
-    // that replaced the generic one for IQ3, IQ1 and IQ2_XXS; IQ2_S keeps it (4.26 against 3.92)
-    lattice_512!(dot_iq2_s_512 => iq2_s);
 
     /// A lattice row over whole super-blocks of `bytes` bytes: `block(p, xs)` gives the i32 lanes of the super-block
     /// at `p` times its 8 activation blocks `xs`, [`finish`]ed with the super-scale `d` and the activations' scale,
@@ -945,14 +854,36 @@ pub mod avx2 {
         })
     }
 
-    /// The 16 per-16 scale fields of an IQ2_XS super-block at `p`, in order (sub-block `ib`: its low nibble, then
-    /// its high one), as bytes. SAFETY (callers): avx2 present; `p` readable for 74 bytes.
+    /// The 16 odd per-16 scales `2s + 1` of an IQ2_XS super-block whose 8 scale bytes are at `sc` (sub-block `ib` in
+    /// byte `ib`: its low nibble, then its high one), in order, as i32. SAFETY (callers): AVX-512 F present; `sc`
+    /// readable for 8 bytes.
     #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq2_xs_scale_nibbles(p: *const u8) -> __m128i {
+    #[target_feature(enable = "avx512f")]
+    unsafe fn iq2_xs_odd_scales(sc: *const u8) -> __m512i {
         let low = _mm_set1_epi8(0x0f);
-        let sc = _mm_loadl_epi64(p.add(66) as *const __m128i);
-        _mm_unpacklo_epi8(_mm_and_si128(sc, low), _mm_and_si128(_mm_srli_epi16(sc, 4), low))
+        let sc = _mm_loadl_epi64(sc as *const __m128i);
+        let nib = _mm_unpacklo_epi8(_mm_and_si128(sc, low), _mm_and_si128(_mm_srli_epi16(sc, 4), low));
+        _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtepu8_epi32(nib), 1), _mm512_set1_epi32(1))
+    }
+
+    /// The i32 lane indices of [`iq2_xs_odd_scales`] for step `j` of the AVX-512 kernel (sub-blocks 2j and 2j + 1,
+    /// 64 values): lane `m` takes the scale of 16-value group 4j + m / 4.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn iq2_scale_index(j: usize) -> __m512i {
+        let l = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        _mm512_add_epi32(l, _mm512_set1_epi32(4 * j as i32))
+    }
+
+    /// Unsigned grid rows of two sub-blocks (`grid`, 64 bytes) times their activations `x2` negated under the mask
+    /// `neg`, each i32 lane's four products summed by `vpdpbusd` and times its scale in `scv`, added to `sumi` (lane
+    /// `m`: the scale times the products of values `4m .. 4m + 4`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn iq2_step_512(sumi: __m512i, grid: __m512i, x2: __m512i, neg: u64, scv: __m512i) -> __m512i {
+        let xsg = _mm512_mask_sub_epi8(x2, neg, _mm512_setzero_si512(), x2);
+        let dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), grid, xsg);
+        _mm512_add_epi32(sumi, _mm512_mullo_epi32(dp, scv))
     }
 
     /// One IQ2_XS row ([`crate::quant::format::iq2_xs`]: 74-byte super-blocks) with the 32 grid indices and sign
@@ -1003,21 +934,7 @@ pub mod avx2 {
     pub(super) unsafe fn dot_iq2_xs_512(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq2_xs::{d, BYTES};
         use crate::quant::format::iq_grid::IQ2XS_GRID;
-        // i16 lane l of step j (sub-blocks 2j and 2j + 1, 64 values): the scale of 16-value group 4j + l / 8
-        let sidx: [__m512i; 4] = std::array::from_fn(|j| {
-            let l = _mm512_setr_epi64(
-                0,
-                0,
-                0x0001_0001_0001_0001,
-                0x0001_0001_0001_0001,
-                0x0002_0002_0002_0002,
-                0x0002_0002_0002_0002,
-                0x0003_0003_0003_0003,
-                0x0003_0003_0003_0003,
-            );
-            _mm512_add_epi16(l, _mm512_set1_epi16(4 * j as i16))
-        });
-        let one16 = _mm256_set1_epi16(1);
+        let sidx: [__m512i; 4] = std::array::from_fn(|j| iq2_scale_index(j));
         lattice_row(row, x, BYTES, d, |p, xs| {
             let mut sgn = [0u64; 4];
             for (h, packed) in iq2_xs_signs(p).into_iter().enumerate() {
@@ -1025,9 +942,7 @@ pub mod avx2 {
                 sgn[2 * h] = _mm256_extract_epi64(packed, 0) as u64;
                 sgn[2 * h + 1] = _mm256_extract_epi64(packed, 2) as u64;
             }
-            // the 16 odd scales 2s + 1 as i16, in order
-            let nib = iq2_xs_scale_nibbles(p);
-            let sv = _mm512_castsi256_si512(_mm256_add_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(nib), 1), one16));
+            let sv = iq2_xs_odd_scales(p.add(66));
             let mut sumi = _mm512_setzero_si512();
             for (j, &neg) in sgn.iter().enumerate() {
                 let w = |k: usize| (p.add(2 + 16 * j + 8 * k) as *const u64).read_unaligned();
@@ -1036,10 +951,76 @@ pub mod avx2 {
                 let grid =
                     _mm512_set_epi64(g(w1, 3), g(w1, 2), g(w1, 1), g(w1, 0), g(w0, 3), g(w0, 2), g(w0, 1), g(w0, 0));
                 let x2 = _mm512_inserti64x4(_mm512_castsi256_si512(load_x(&xs[2 * j])), load_x(&xs[2 * j + 1]), 1);
-                let xsg = _mm512_mask_sub_epi8(x2, neg, _mm512_setzero_si512(), x2);
-                // pairs of products as i16 (|Σ| ≤ 2 · 43 · 127), two pairs times their scale per i32 lane
-                let pairs = _mm512_maddubs_epi16(grid, xsg);
-                sumi = _mm512_dpwssd_epi32(sumi, pairs, _mm512_permutexvar_epi16(sidx[j], sv));
+                sumi = iq2_step_512(sumi, grid, x2, neg, _mm512_permutexvar_epi32(sidx[j], sv));
+            }
+            _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1))
+        })
+    }
+
+    /// One IQ2_S row ([`crate::quant::format::iq2_s`]: 82-byte super-blocks) read straight from its bytes: per
+    /// sub-block four rows of [`IQ2S_GRID`](crate::quant::format::iq_grid::IQ2S_GRID) by 10-bit index, its 32 sign
+    /// bits onto the activations, the two odd per-16 scales; with AVX-512 where the level allows (the same bits).
+    /// SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len() / 8` whole super-blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_iq2_s(row: &[u8], x: &[BlockQ8]) -> f32 {
+        if crate::quant::simd_level() == crate::quant::SimdLevel::Avx512 {
+            // SAFETY: the AVX-512 level means F, BW and VNNI were detected (`q4_wide::supported`); same row.
+            return unsafe { dot_iq2_s_512(row, x) };
+        }
+        dot_iq2_s_avx2(row, x)
+    }
+
+    /// The grid row `l` of IQ2_S sub-block `ib` of the super-block at `p`. SAFETY (callers): `p` readable for 82 bytes,
+    /// `ib < 8`, `l < 4`.
+    #[inline(always)]
+    unsafe fn iq2_s_row(p: *const u8, ib: usize, l: usize) -> i64 {
+        use crate::quant::format::iq_grid::IQ2S_GRID;
+        let qh = *p.add(66 + ib) as usize;
+        IQ2S_GRID[*p.add(2 + 4 * ib + l) as usize | (qh >> (2 * l) & 3) << 8] as i64
+    }
+
+    /// [`dot_iq2_s`] in AVX2. SAFETY (callers): as [`dot_iq2_s`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_iq2_s_avx2(row: &[u8], x: &[BlockQ8]) -> f32 {
+        use crate::quant::format::iq2_s::{d, BYTES};
+        lattice_row(row, x, BYTES, d, |p, xs| {
+            let mut sumi = _mm256_setzero_si256();
+            for (ib, xb) in xs.iter().enumerate() {
+                let g = |l: usize| iq2_s_row(p, ib, l);
+                let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+                let bits = (p.add(34 + 4 * ib) as *const u32).read_unaligned();
+                let xsg = _mm256_sign_epi8(load_x(xb), _mm256_or_si256(bit_bytes(bits), _mm256_set1_epi8(1)));
+                let sc = *p.add(74 + ib) as i16;
+                let scv = scale_halves([2 * (sc & 0xf) + 1, 2 * (sc >> 4) + 1]);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(grid, xsg), scv));
+            }
+            sumi
+        })
+    }
+
+    /// [`dot_iq2_s`] with AVX-512 F/BW/VNNI: two sub-blocks per step through the format's decoder, their 64 sign
+    /// bits as the mask that negates the activations ([`iq2_step_512`]); [`dot_iq2_s_avx2`]'s i32 lanes and float steps, so its bits.
+    /// SAFETY (callers): AVX-512 F/BW/VNNI present; `row` holds `x.len() / 8` whole super-blocks.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn dot_iq2_s_512(row: &[u8], x: &[BlockQ8]) -> f32 {
+        use crate::quant::format::iq2_s::{d, sub, BYTES};
+        // lanes of sub-blocks 2j (values 0..16, 16..32) and 2j + 1: their four scales, four lanes each
+        let quads = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        lattice_row(row, x, BYTES, d, |p, xs| {
+            let blk = std::slice::from_raw_parts(p, BYTES);
+            let mut sumi = _mm512_setzero_si512();
+            for j in 0..4 {
+                // the decoder's rows and scales (measured faster here than the grid rows loaded by hand and the
+                // scales decoded once per super-block as IQ2_XS does: 381 against 457-464 µs per expert, Zen 4)
+                let (s0, s1) = (sub(blk, 2 * j), sub(blk, 2 * j + 1));
+                let [a0, a1, a2, a3] = s0.grid.map(|g| g as i64);
+                let [b0, b1, b2, b3] = s1.grid.map(|g| g as i64);
+                let grid = _mm512_set_epi64(b3, b2, b1, b0, a3, a2, a1, a0);
+                let neg = s0.signs as u64 | (s1.signs as u64) << 32;
+                let x2 = _mm512_inserti64x4(_mm512_castsi256_si512(load_x(&xs[2 * j])), load_x(&xs[2 * j + 1]), 1);
+                let sc = _mm_setr_epi32(s0.sc[0] as i32, s0.sc[1] as i32, s1.sc[0] as i32, s1.sc[1] as i32);
+                sumi = iq2_step_512(sumi, grid, x2, neg, _mm512_permutexvar_epi32(quads, _mm512_castsi128_si512(sc)));
             }
             _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1))
         })
