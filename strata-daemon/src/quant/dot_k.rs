@@ -681,8 +681,8 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn ksigned_x(xb: &BlockQ8, s: u32) -> __m256i {
         use crate::quant::format::iq_grid::KSIGNS_PM1;
-        let sg = |l: u32| KSIGNS_PM1[(s >> (7 * l) & 127) as usize] as i64;
-        _mm256_sign_epi8(load_x(xb), _mm256_set_epi64x(sg(3), sg(2), sg(1), sg(0)))
+        let sg = |l: u32| &KSIGNS_PM1[(s >> (7 * l) & 127) as usize] as *const u64;
+        _mm256_sign_epi8(load_x(xb), rows4([sg(0), sg(1), sg(2), sg(3)]))
     }
 
     /// Unsigned grid bytes times signed activations, both halves of the 32 values scaled by `sc`: the 8 i32 lanes
@@ -751,8 +751,8 @@ pub mod avx2 {
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
                 let q = p.add(2 + 8 * ib);
-                let g = |l: usize| IQ2XXS_GRID[*q.add(l) as usize] as i64;
-                let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+                let g = |l: usize| &IQ2XXS_GRID[*q.add(l) as usize] as *const u64;
+                let grid = rows4([g(0), g(1), g(2), g(3)]);
                 let s = (q.add(4) as *const u32).read_unaligned();
                 sumi = _mm256_add_epi32(sumi, grid_lanes(grid, ksigned_x(xb, s), 2 * (s >> 28) + 1));
             }
@@ -765,6 +765,18 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_iq2_xxs(row: &[u8], x: &[BlockQ8]) -> f32 {
         dot_iq2_xxs_avx2(row, x)
+    }
+
+    /// Four 8-byte rows `r[0..4]` (row `l` in bytes `8l .. 8l + 8`) loaded straight from memory into one vector (the
+    /// loads carry the rows: two vector operations, where `_mm256_set_epi64x` of values in registers takes seven).
+    /// SAFETY (callers): avx2 present; every `r[l]` readable for 8 bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn rows4(r: [*const u64; 4]) -> __m256i {
+        let pair = |a: *const u64, b: *const u64| {
+            _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(_mm_loadl_epi64(a as *const __m128i)), b as *const f64))
+        };
+        _mm256_inserti128_si256(_mm256_castsi128_si256(pair(r[0], r[1])), pair(r[2], r[3]), 1)
     }
 
     /// One IQ1_S row ([`crate::quant::format::iq1_s`]: 50-byte super-blocks) read straight from its bytes: per
@@ -780,9 +792,9 @@ pub mod avx2 {
             for (ib, xb) in xs.iter().enumerate() {
                 let q = p.add(2 + 4 * ib);
                 let qh = (p.add(34 + 2 * ib) as *const u16).read_unaligned() as usize;
-                let g = |l: usize| IQ1S_GRID_X8[*q.add(l) as usize | (qh >> (3 * l) & 7) << 8] as i64;
+                let g = |l: usize| &IQ1S_GRID_X8[*q.add(l) as usize | (qh >> (3 * l) & 7) << 8] as *const u64;
                 let delta = _mm256_set1_epi8(if qh & 0x8000 != 0 { -1 } else { 1 });
-                let codes = _mm256_add_epi8(_mm256_set_epi64x(g(3), g(2), g(1), g(0)), delta);
+                let codes = _mm256_add_epi8(rows4([g(0), g(1), g(2), g(3)]), delta);
                 let sc = _mm256_set1_epi16((2 * (qh >> 12 & 7) + 1) as i16);
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pairs_signed(codes, load_x(xb)), sc));
             }
@@ -825,11 +837,11 @@ pub mod avx2 {
                 // one nibble per row: bits 0..3 the row's high index bits, bit 3 its offset's sign
                 let nib = (p.add(32 + 2 * ib) as *const u16).read_unaligned();
                 let n = nib as usize;
-                let g = |l: usize| IQ1S_GRID_X8[*q.add(l) as usize | (n >> (4 * l) & 7) << 8] as i64;
+                let g = |l: usize| &IQ1S_GRID_X8[*q.add(l) as usize | (n >> (4 * l) & 7) << 8] as *const u64;
                 // each row's offset: −1 in every byte where its sign bit is set, else 1
                 let set = _mm256_and_si256(_mm256_set1_epi16(nib as i16), sign_bits);
                 let delta = _mm256_or_si256(_mm256_cmpeq_epi16(set, sign_bits), _mm256_set1_epi8(1));
-                let codes = _mm256_add_epi8(_mm256_set_epi64x(g(3), g(2), g(1), g(0)), delta);
+                let codes = _mm256_add_epi8(rows4([g(0), g(1), g(2), g(3)]), delta);
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pairs_signed(codes, load_x(xb)), scale_pair(sv, ib)));
             }
             sumi
@@ -911,10 +923,10 @@ pub mod avx2 {
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
                 let w = (p.add(2 + 8 * ib) as *const u64).read_unaligned();
-                let g = |l: u32| IQ2XS_GRID[(w >> (16 * l) & 511) as usize] as i64;
-                let sg = |l: u32| KSIGNS_PM1[(w >> (16 * l + 9) & 127) as usize] as i64;
-                let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
-                let xsg = _mm256_sign_epi8(load_x(xb), _mm256_set_epi64x(sg(3), sg(2), sg(1), sg(0)));
+                let g = |l: u32| &IQ2XS_GRID[(w >> (16 * l) & 511) as usize] as *const u64;
+                let sg = |l: u32| &KSIGNS_PM1[(w >> (16 * l + 9) & 127) as usize] as *const u64;
+                let grid = rows4([g(0), g(1), g(2), g(3)]);
+                let xsg = _mm256_sign_epi8(load_x(xb), rows4([sg(0), sg(1), sg(2), sg(3)]));
                 let sc = *p.add(66 + ib) as i16;
                 let scv = scale_halves([2 * (sc & 0xf) + 1, 2 * (sc >> 4) + 1]);
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(grid, xsg), scv));
@@ -970,13 +982,13 @@ pub mod avx2 {
         dot_iq2_s_avx2(row, x)
     }
 
-    /// The grid row `l` of IQ2_S sub-block `ib` of the super-block at `p`. SAFETY (callers): `p` readable for 82 bytes,
+    /// Where the grid row `l` of IQ2_S sub-block `ib` of the super-block at `p` lies. SAFETY (callers): `p` readable for 82 bytes,
     /// `ib < 8`, `l < 4`.
     #[inline(always)]
-    unsafe fn iq2_s_row(p: *const u8, ib: usize, l: usize) -> i64 {
+    unsafe fn iq2_s_row(p: *const u8, ib: usize, l: usize) -> *const u64 {
         use crate::quant::format::iq_grid::IQ2S_GRID;
         let qh = *p.add(66 + ib) as usize;
-        IQ2S_GRID[*p.add(2 + 4 * ib + l) as usize | (qh >> (2 * l) & 3) << 8] as i64
+        &IQ2S_GRID[*p.add(2 + 4 * ib + l) as usize | (qh >> (2 * l) & 3) << 8]
     }
 
     /// [`dot_iq2_s`] in AVX2. SAFETY (callers): as [`dot_iq2_s`].
@@ -986,7 +998,7 @@ pub mod avx2 {
         lattice_row(row, x, BYTES, d, |p, xs| {
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
-                let g = |l: usize| iq2_s_row(p, ib, l);
+                let g = |l: usize| *iq2_s_row(p, ib, l) as i64;
                 let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
                 let bits = (p.add(34 + 4 * ib) as *const u32).read_unaligned();
                 let xsg = _mm256_sign_epi8(load_x(xb), _mm256_or_si256(bit_bytes(bits), _mm256_set1_epi8(1)));
