@@ -38,8 +38,8 @@ pub enum SimdLevel {
     /// AVX2 as above, and the AVX-512 F/BW/VNNI/VBMI kernels: Q4_0 and Q4_1 rows through [`super::q4_wide`];
     /// Q5_0 and Q8_0 rows of products whose tasks hold 32+ rows through [`super::dot512`]; products of 8+ tokens
     /// of the formats with a [`super::gemm512`] (Q5_0, Q8_0, the K-quants, IQ4_XS, the lattice IQs) through it. The
-    /// K- and IQ-quants' products of fewer tokens stay on the AVX2 kernels, but for the IQ2 formats' AVX-512 row
-    /// kernels (`quant::dot_k`).
+    /// K- and IQ-quants' products of fewer tokens stay on the AVX2 kernels, but for IQ2_XS's and IQ2_S's AVX-512
+    /// row kernels (`quant::dot_k`).
     Avx512,
 }
 

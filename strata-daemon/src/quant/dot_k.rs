@@ -10,8 +10,12 @@
 //! with the activations' block sums), then take two fused float steps, four rows in one vector; they read four
 //! rows at once with the activations loaded and summed once for them (the scales of a row unpacked in one SSE
 //! step); the other four-row
-//! variants are four single-row calls. The IQ2 formats run an AVX-512 VNNI version where the CPU has it (two
-//! sub-blocks per `vpdpbusd`, the signs as a mask; the same integer lanes, so the same bits). The four-token ones
+//! variants are four single-row calls. The lattice IQ kernels (but IQ2_S's AVX-512 one, through its decoder) read
+//! each sub-block's bytes directly: grid rows
+//! loaded by index straight into the vector, signs as ±1 rows or bit masks on the activations, the scales broadcast
+//! (their vector pipes are the bound; the index arithmetic runs in integer registers beside them). IQ2_XS and IQ2_S
+//! run an AVX-512 VNNI version where the CPU has it (two sub-blocks per `vpdpbusd`, the signs as a mask; the same
+//! integer lanes, so the same bits). The four-token ones
 //! (`*_t4`: Q5_0 and the Q4_K_M family's K-quants) unpack a row's codes once for four tokens' activations. Every
 //! variant gives the single-row kernel's bits per (row, token): the integer lanes are exact whatever the order they
 //! were summed in, and the float steps are the same.
@@ -635,7 +639,8 @@ pub mod avx2 {
     }
 
     /// Any lattice format's row through its [`Sub`](crate::quant::format::iq::Sub) decoder, codes signed as
-    /// [`lattice_codes`] builds them: what the dedicated kernels replaced, kept as the reference of their bits.
+    /// [`lattice_codes`] builds them: the integers and float steps of the generic kernel the dedicated ones
+    /// replaced, kept as the reference of their bits.
     /// SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len() / 8` whole super-blocks of `l`.
     #[cfg(test)]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -653,10 +658,10 @@ pub mod avx2 {
         hsum(acc)
     }
 
-    /// A lattice row over whole super-blocks of `bytes` bytes: `block(p, xs)` gives the i32 lanes of the super-block
-    /// at `p` times its 8 activation blocks `xs`, [`finish`]ed with the super-scale `d` and the activations' scale,
+    /// A lattice row over whole super-blocks of `bytes` bytes: `block(b, xs)` gives the i32 lanes of the super-block
+    /// `b` times its 8 activation blocks `xs`, [`finish`]ed with the super-scale `d` and the activations' scale,
     /// the lanes summed at the end. SAFETY (callers): avx2, fma and f16c present; `row` holds `x.len() / 8` whole
-    /// super-blocks; `block` reads only its own `bytes` bytes.
+    /// super-blocks.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn lattice_row(
@@ -664,12 +669,12 @@ pub mod avx2 {
         x: &[BlockQ8],
         bytes: usize,
         d: fn(&[u8]) -> f32,
-        mut block: impl FnMut(*const u8, &[BlockQ8]) -> __m256i,
+        mut block: impl FnMut(&[u8], &[BlockQ8]) -> __m256i,
     ) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for (b, xs) in row.chunks_exact(bytes).zip(x.chunks_exact(8)) {
             crate::quant::prefetch::ahead_span(b.as_ptr(), 0, bytes);
-            finish(&mut acc, block(b.as_ptr(), xs), None, d(b), 0.0, xs[0].d);
+            finish(&mut acc, block(b, xs), None, d(b), 0.0, xs[0].d);
         }
         hsum(acc)
     }
@@ -681,7 +686,7 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn ksigned_x(xb: &BlockQ8, s: u32) -> __m256i {
         use crate::quant::format::iq_grid::KSIGNS_PM1;
-        let sg = |l: u32| &KSIGNS_PM1[(s >> (7 * l) & 127) as usize] as *const u64;
+        let sg = |l: u32| &KSIGNS_PM1[(s >> (7 * l) & 127) as usize];
         _mm256_sign_epi8(load_x(xb), rows4([sg(0), sg(1), sg(2), sg(3)]))
     }
 
@@ -703,7 +708,8 @@ pub mod avx2 {
     pub unsafe fn dot_iq3_xxs(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq3_xxs::{d, BYTES};
         use crate::quant::format::iq_grid::IQ3XXS_GRID;
-        lattice_row(row, x, BYTES, d, |p, xs| {
+        lattice_row(row, x, BYTES, d, |b, xs| {
+            let p = b.as_ptr();
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
                 let q = p.add(2 + 8 * ib);
@@ -724,7 +730,8 @@ pub mod avx2 {
     pub unsafe fn dot_iq3_s(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq3_s::{d, BYTES};
         use crate::quant::format::iq_grid::IQ3S_GRID;
-        lattice_row(row, x, BYTES, d, |p, xs| {
+        lattice_row(row, x, BYTES, d, |b, xs| {
+            let p = b.as_ptr();
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
                 let (q, qh) = (p.add(2 + 8 * ib), *p.add(66 + ib) as usize);
@@ -742,16 +749,18 @@ pub mod avx2 {
     /// One IQ2_XXS row ([`crate::quant::format::iq2_xxs`]: 66-byte super-blocks) read straight from its bytes: per
     /// sub-block four grid rows by index ([`IQ2XXS_GRID`](crate::quant::format::iq_grid::IQ2XXS_GRID)), four sign
     /// bytes as ±1 multipliers on the activations, the odd scale broadcast; the generic lattice kernel's i32 lanes
-    /// and float steps, so its bits. SAFETY (callers): as [`dot_iq3_xxs`].
+    /// and float steps, so its bits. At every level: it measured faster than an AVX-512 kernel over the generic
+    /// decoder (docs/BENCHMARKS.md, stop 48). SAFETY (callers): as [`dot_iq3_xxs`].
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_iq2_xxs_avx2(row: &[u8], x: &[BlockQ8]) -> f32 {
+    pub unsafe fn dot_iq2_xxs(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq2_xxs::{d, BYTES};
         use crate::quant::format::iq_grid::IQ2XXS_GRID;
-        lattice_row(row, x, BYTES, d, |p, xs| {
+        lattice_row(row, x, BYTES, d, |b, xs| {
+            let p = b.as_ptr();
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
                 let q = p.add(2 + 8 * ib);
-                let g = |l: usize| &IQ2XXS_GRID[*q.add(l) as usize] as *const u64;
+                let g = |l: usize| &IQ2XXS_GRID[*q.add(l) as usize];
                 let grid = rows4([g(0), g(1), g(2), g(3)]);
                 let s = (q.add(4) as *const u32).read_unaligned();
                 sumi = _mm256_add_epi32(sumi, grid_lanes(grid, ksigned_x(xb, s), 2 * (s >> 28) + 1));
@@ -760,21 +769,16 @@ pub mod avx2 {
         })
     }
 
-    /// [`dot_iq2_xxs_avx2`] at every level: it measured faster than an AVX-512 kernel over the generic decoder
-    /// (Zen 4, one thread: 369 against 484 µs per Qwen3-30B-A3B expert). SAFETY (callers): as [`dot_iq3_xxs`].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_iq2_xxs(row: &[u8], x: &[BlockQ8]) -> f32 {
-        dot_iq2_xxs_avx2(row, x)
-    }
-
-    /// Four 8-byte rows `r[0..4]` (row `l` in bytes `8l .. 8l + 8`) loaded straight from memory into one vector (the
+    /// Four table rows `r[0..4]` (row `l` in bytes `8l .. 8l + 8`) loaded straight from memory into one vector (the
     /// loads carry the rows: two vector operations, where `_mm256_set_epi64x` of values in registers takes seven).
-    /// SAFETY (callers): avx2 present; every `r[l]` readable for 8 bytes.
+    /// SAFETY (callers): avx2 present.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn rows4(r: [*const u64; 4]) -> __m256i {
-        let pair = |a: *const u64, b: *const u64| {
-            _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(_mm_loadl_epi64(a as *const __m128i)), b as *const f64))
+    unsafe fn rows4(r: [&u64; 4]) -> __m256i {
+        // references: readable and 8-byte aligned, as both loads need
+        let pair = |a: &u64, b: &u64| {
+            let lo = _mm_loadl_epi64(a as *const u64 as *const __m128i);
+            _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(lo), b as *const u64 as *const f64))
         };
         _mm256_inserti128_si256(_mm256_castsi128_si256(pair(r[0], r[1])), pair(r[2], r[3]), 1)
     }
@@ -787,12 +791,13 @@ pub mod avx2 {
     pub unsafe fn dot_iq1_s(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq1_s::{d, BYTES};
         use crate::quant::format::iq_grid::IQ1S_GRID_X8;
-        lattice_row(row, x, BYTES, d, |p, xs| {
+        lattice_row(row, x, BYTES, d, |b, xs| {
+            let p = b.as_ptr();
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
                 let q = p.add(2 + 4 * ib);
                 let qh = (p.add(34 + 2 * ib) as *const u16).read_unaligned() as usize;
-                let g = |l: usize| &IQ1S_GRID_X8[*q.add(l) as usize | (qh >> (3 * l) & 7) << 8] as *const u64;
+                let g = |l: usize| &IQ1S_GRID_X8[*q.add(l) as usize | (qh >> (3 * l) & 7) << 8];
                 let delta = _mm256_set1_epi8(if qh & 0x8000 != 0 { -1 } else { 1 });
                 let codes = _mm256_add_epi8(rows4([g(0), g(1), g(2), g(3)]), delta);
                 let sc = _mm256_set1_epi16((2 * (qh >> 12 & 7) + 1) as i16);
@@ -810,7 +815,8 @@ pub mod avx2 {
     pub unsafe fn dot_iq1_m(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq1_m::{d, BYTES};
         use crate::quant::format::iq_grid::IQ1S_GRID_X8;
-        lattice_row(row, x, BYTES, d, |p, xs| {
+        lattice_row(row, x, BYTES, d, |b, xs| {
+            let p = b.as_ptr();
             // the 16 odd scales as i16 pairs, dword i = scales 2i | 2i + 1 (scale k: word k / 4, bits 3 (k % 4))
             let words = _mm256_permutevar8x32_epi32(
                 _mm256_cvtepu16_epi32(_mm_loadl_epi64(p.add(48) as *const __m128i)),
@@ -837,7 +843,7 @@ pub mod avx2 {
                 // one nibble per row: bits 0..3 the row's high index bits, bit 3 its offset's sign
                 let nib = (p.add(32 + 2 * ib) as *const u16).read_unaligned();
                 let n = nib as usize;
-                let g = |l: usize| &IQ1S_GRID_X8[*q.add(l) as usize | (n >> (4 * l) & 7) << 8] as *const u64;
+                let g = |l: usize| &IQ1S_GRID_X8[*q.add(l) as usize | (n >> (4 * l) & 7) << 8];
                 // each row's offset: −1 in every byte where its sign bit is set, else 1
                 let set = _mm256_and_si256(_mm256_set1_epi16(nib as i16), sign_bits);
                 let delta = _mm256_or_si256(_mm256_cmpeq_epi16(set, sign_bits), _mm256_set1_epi8(1));
@@ -848,9 +854,10 @@ pub mod avx2 {
         })
     }
 
-    /// Decodes the signs of an IQ2_XS super-block at `p`: per half `h` (sub-blocks 4h .. 4h + 4) the sign bytes — the 7 stored bits, their parity as bit 7 ([`KSIGNS`](
-    /// crate::quant::format::iq_grid::KSIGNS)) — packed within each 128-bit lane: bytes 0..8 of lane `k` are those
-    /// of sub-blocks 4h + 2k and 4h + 2k + 1. SAFETY (callers): avx2 present; `p` readable for 74 bytes.
+    /// Decodes the signs of an IQ2_XS super-block at `p`: per half `h` (sub-blocks 4h .. 4h + 4) the sign bytes —
+    /// the 7 stored bits, their parity as bit 7 ([`KSIGNS`](crate::quant::format::iq_grid::KSIGNS)) — packed within
+    /// each 128-bit lane: bytes 0..8 of lane `k` are those of sub-blocks 4h + 2k and 4h + 2k + 1. SAFETY (callers):
+    /// avx2 present; `p` readable for 74 bytes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn iq2_xs_signs(p: *const u8) -> [__m256i; 2] {
@@ -898,11 +905,8 @@ pub mod avx2 {
         _mm512_add_epi32(sumi, _mm512_mullo_epi32(dp, scv))
     }
 
-    /// One IQ2_XS row ([`crate::quant::format::iq2_xs`]: 74-byte super-blocks) with the 32 grid indices and sign
-    /// bytes of a super-block decoded in two vector steps (a sign byte is the 7 stored bits plus their parity as
-    /// bit 7, [`KSIGNS`](crate::quant::format::iq_grid::KSIGNS)) and its 16 scales in one, so each 32-value
-    /// sub-block costs four grid loads and a few vector operations; the same integers as the lattice kernels
-    /// (signs on the activations, levels ≥ 0). SAFETY (callers): as [`dot_iq2_xxs`].
+    /// One IQ2_XS row ([`crate::quant::format::iq2_xs`]: 74-byte super-blocks): [`dot_iq2_xs_512`] where the level
+    /// allows, else [`dot_iq2_xs_avx2`] (the same bits). SAFETY (callers): as [`dot_iq3_xxs`].
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_iq2_xs(row: &[u8], x: &[BlockQ8]) -> f32 {
         if crate::quant::simd_level() == crate::quant::SimdLevel::Avx512 {
@@ -919,12 +923,13 @@ pub mod avx2 {
     pub(super) unsafe fn dot_iq2_xs_avx2(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq2_xs::{d, BYTES};
         use crate::quant::format::iq_grid::{IQ2XS_GRID, KSIGNS_PM1};
-        lattice_row(row, x, BYTES, d, |p, xs| {
+        lattice_row(row, x, BYTES, d, |b, xs| {
+            let p = b.as_ptr();
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
                 let w = (p.add(2 + 8 * ib) as *const u64).read_unaligned();
-                let g = |l: u32| &IQ2XS_GRID[(w >> (16 * l) & 511) as usize] as *const u64;
-                let sg = |l: u32| &KSIGNS_PM1[(w >> (16 * l + 9) & 127) as usize] as *const u64;
+                let g = |l: u32| &IQ2XS_GRID[(w >> (16 * l) & 511) as usize];
+                let sg = |l: u32| &KSIGNS_PM1[(w >> (16 * l + 9) & 127) as usize];
                 let grid = rows4([g(0), g(1), g(2), g(3)]);
                 let xsg = _mm256_sign_epi8(load_x(xb), rows4([sg(0), sg(1), sg(2), sg(3)]));
                 let sc = *p.add(66 + ib) as i16;
@@ -935,19 +940,20 @@ pub mod avx2 {
         })
     }
 
-    /// [`dot_iq2_xs`] with AVX-512 F/BW/VNNI: two sub-blocks per step, their 8 grid rows loaded by index, the
-    /// signs applied to the activations from the 64 sign bits as a mask, pairs of products by `vpmaddubsw` and
-    /// their sums times the per-16 scales by `vpdpwssd`; the two halves folded once per super-block. The i32 lanes
-    /// are [`dot_iq2_xs_avx2`]'s (lane `m` of the 8 sums over every sub-block: the scale times the products of
-    /// values `4m .. 4m + 4`), so are the float steps: the same bits. SAFETY (callers): AVX-512 F/BW/VNNI present;
-    /// `row` holds `x.len() / 8` whole super-blocks.
+    /// [`dot_iq2_xs`] with AVX-512 F/BW/VNNI: two sub-blocks per step, their 8 grid rows loaded by index, the signs
+    /// (decoded for the super-block in two vector steps) as the mask that negates the activations, one `vpdpbusd` and
+    /// a multiply by the per-16 scales ([`iq2_step_512`]); the two halves folded once per super-block. The i32 lanes
+    /// are [`dot_iq2_xs_avx2`]'s (lane `m` of the 8 sums over every sub-block: the scale times the products of values
+    /// `4m .. 4m + 4`), so are the float steps: the same bits. SAFETY (callers): AVX-512 F/BW/VNNI present; `row`
+    /// holds `x.len() / 8` whole super-blocks.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn dot_iq2_xs_512(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq2_xs::{d, BYTES};
         use crate::quant::format::iq_grid::IQ2XS_GRID;
         let sidx: [__m512i; 4] = std::array::from_fn(|j| iq2_scale_index(j));
-        lattice_row(row, x, BYTES, d, |p, xs| {
+        lattice_row(row, x, BYTES, d, |b, xs| {
+            let p = b.as_ptr();
             let mut sgn = [0u64; 4];
             for (h, packed) in iq2_xs_signs(p).into_iter().enumerate() {
                 // bytes 0..8 of each 128-bit lane: the sign bytes of two sub-blocks, as one 64-bit mask
@@ -982,10 +988,10 @@ pub mod avx2 {
         dot_iq2_s_avx2(row, x)
     }
 
-    /// Where the grid row `l` of IQ2_S sub-block `ib` of the super-block at `p` lies. SAFETY (callers): `p` readable for 82 bytes,
-    /// `ib < 8`, `l < 4`.
+    /// Where the grid row `l` of IQ2_S sub-block `ib` of the super-block at `p` lies. SAFETY (callers): `p` readable
+    /// for 82 bytes, `ib < 8`, `l < 4`.
     #[inline(always)]
-    unsafe fn iq2_s_row(p: *const u8, ib: usize, l: usize) -> *const u64 {
+    unsafe fn iq2_s_row(p: *const u8, ib: usize, l: usize) -> &'static u64 {
         use crate::quant::format::iq_grid::IQ2S_GRID;
         let qh = *p.add(66 + ib) as usize;
         &IQ2S_GRID[*p.add(2 + 4 * ib + l) as usize | (qh >> (2 * l) & 3) << 8]
@@ -995,7 +1001,8 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_iq2_s_avx2(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq2_s::{d, BYTES};
-        lattice_row(row, x, BYTES, d, |p, xs| {
+        lattice_row(row, x, BYTES, d, |b, xs| {
+            let p = b.as_ptr();
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
                 let g = |l: usize| *iq2_s_row(p, ib, l) as i64;
@@ -1011,21 +1018,20 @@ pub mod avx2 {
     }
 
     /// [`dot_iq2_s`] with AVX-512 F/BW/VNNI: two sub-blocks per step through the format's decoder, their 64 sign
-    /// bits as the mask that negates the activations ([`iq2_step_512`]); [`dot_iq2_s_avx2`]'s i32 lanes and float steps, so its bits.
-    /// SAFETY (callers): AVX-512 F/BW/VNNI present; `row` holds `x.len() / 8` whole super-blocks.
+    /// bits as the mask that negates the activations ([`iq2_step_512`]); [`dot_iq2_s_avx2`]'s i32 lanes and float
+    /// steps, so its bits. SAFETY (callers): AVX-512 F/BW/VNNI present; `row` holds `x.len() / 8` whole super-blocks.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn dot_iq2_s_512(row: &[u8], x: &[BlockQ8]) -> f32 {
         use crate::quant::format::iq2_s::{d, sub, BYTES};
         // lanes of sub-blocks 2j (values 0..16, 16..32) and 2j + 1: their four scales, four lanes each
-        let quads = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        lattice_row(row, x, BYTES, d, |p, xs| {
-            let blk = std::slice::from_raw_parts(p, BYTES);
+        let quads = iq2_scale_index(0);
+        lattice_row(row, x, BYTES, d, |b, xs| {
             let mut sumi = _mm512_setzero_si512();
             for j in 0..4 {
-                // the decoder's rows and scales (measured faster here than the grid rows loaded by hand and the
-                // scales decoded once per super-block as IQ2_XS does: 381 against 457-464 µs per expert, Zen 4)
-                let (s0, s1) = (sub(blk, 2 * j), sub(blk, 2 * j + 1));
+                // the decoder's rows and scales: measured faster here than the grid rows loaded by hand and the
+                // scales decoded once per super-block as IQ2_XS does (docs/BENCHMARKS.md, stop 48)
+                let (s0, s1) = (sub(b, 2 * j), sub(b, 2 * j + 1));
                 let [a0, a1, a2, a3] = s0.grid.map(|g| g as i64);
                 let [b0, b1, b2, b3] = s1.grid.map(|g| g as i64);
                 let grid = _mm512_set_epi64(b3, b2, b1, b0, a3, a2, a1, a0);
@@ -1325,9 +1331,9 @@ pub(super) mod tests {
         }
     }
 
-    /// Every lattice format's AVX2 kernel (the dedicated ones that read the bytes directly, IQ2_S's through its
-    /// decoder) gives the bits of the generic kernel over the format's [`Sub`](crate::quant::format::iq::Sub)
-    /// decoder (random and saturating rows, 1..5 super-blocks).
+    /// Every lattice format's kernels — the AVX2 ones, the AVX-512 ones where the CPU has them, and the entry the
+    /// format table gives callers — give the bits of the generic kernel over the format's
+    /// [`Sub`](crate::quant::format::iq::Sub) decoder (random and saturating rows, 1..5 super-blocks).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn lattice_kernels_give_the_generic_decoders_bits() {
@@ -1337,25 +1343,35 @@ pub(super) mod tests {
             return;
         }
         type K = unsafe fn(&[u8], &[BlockQ8]) -> f32;
-        let kernels: [(GgmlType, &crate::quant::format::iq::Lattice, K); 7] = [
-            (GgmlType::IQ2_XXS, &iq2_xxs::LATTICE, dot_iq2_xxs_avx2),
-            (GgmlType::IQ2_XS, &iq2_xs::LATTICE, dot_iq2_xs_avx2),
-            (GgmlType::IQ2_S, &iq2_s::LATTICE, dot_iq2_s_avx2),
-            (GgmlType::IQ3_XXS, &iq3_xxs::LATTICE, dot_iq3_xxs),
-            (GgmlType::IQ3_S, &iq3_s::LATTICE, dot_iq3_s),
-            (GgmlType::IQ1_S, &iq1_s::LATTICE, dot_iq1_s),
-            (GgmlType::IQ1_M, &iq1_m::LATTICE, dot_iq1_m),
+        // (format, decoder, AVX2 kernel, AVX-512 kernel)
+        let kernels: [(GgmlType, &crate::quant::format::iq::Lattice, K, Option<K>); 7] = [
+            (GgmlType::IQ2_XXS, &iq2_xxs::LATTICE, dot_iq2_xxs, None),
+            (GgmlType::IQ2_XS, &iq2_xs::LATTICE, dot_iq2_xs_avx2, Some(dot_iq2_xs_512)),
+            (GgmlType::IQ2_S, &iq2_s::LATTICE, dot_iq2_s_avx2, Some(dot_iq2_s_512)),
+            (GgmlType::IQ3_XXS, &iq3_xxs::LATTICE, dot_iq3_xxs, None),
+            (GgmlType::IQ3_S, &iq3_s::LATTICE, dot_iq3_s, None),
+            (GgmlType::IQ1_S, &iq1_s::LATTICE, dot_iq1_s, None),
+            (GgmlType::IQ1_M, &iq1_m::LATTICE, dot_iq1_m, None),
         ];
+        let wide = crate::quant::dot512::supported();
         let mut seed = 0x1A7u64;
-        for (ty, lat, k) in kernels {
+        for (ty, lat, k2, k512) in kernels {
+            let entry = lookup(ty).and_then(|f| f.q8).expect("a lattice format has 8-bit kernels").avx2;
             for n_blocks in [1usize, 2, 3, 5] {
                 for extreme in [false, true] {
                     for _ in 0..4 {
                         let r = row(ty, n_blocks, extreme, &mut seed);
                         let x = quantize_for(ty, &values(n_blocks * 256, extreme, &mut seed));
-                        // SAFETY: AVX2/FMA/F16C detected above; the row holds n_blocks super-blocks of x.
-                        let (want, got) = unsafe { (lattice_reference(lat, &r, &x), k(&r, &x)) };
-                        assert_eq!(want.to_bits(), got.to_bits(), "{ty:?} x{n_blocks} {extreme}: {got} vs {want}");
+                        // SAFETY: AVX2/FMA/F16C detected above (AVX-512 F/BW/VNNI where `wide`); the row holds
+                        // n_blocks super-blocks of x.
+                        let (want, got, via, got512) = unsafe {
+                            let w = lattice_reference(lat, &r, &x);
+                            (w, k2(&r, &x), entry(&r, &x), k512.filter(|_| wide).map_or(w, |k| k(&r, &x)))
+                        };
+                        let what = format!("{ty:?} x{n_blocks} {extreme}");
+                        assert_eq!(want.to_bits(), got.to_bits(), "{what}: avx2 {got} vs {want}");
+                        assert_eq!(want.to_bits(), via.to_bits(), "{what}: table entry {via} vs {want}");
+                        assert_eq!(want.to_bits(), got512.to_bits(), "{what}: avx512 {got512} vs {want}");
                     }
                 }
             }

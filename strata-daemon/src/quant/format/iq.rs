@@ -3,8 +3,10 @@
 //! values each), a sign bit per value, an odd integer scale per 16 values and, for IQ1, a ±1 offset per 8 values. A
 //! format is its super-scale (`d` times the power of two that makes the scales integers) and one [`Sub`] decoder;
 //! the scalar reference unpacks into the K-quants' [`Unpacked`] (codes, per-16 scales, no minimums), so
-//! dequantization is `(d · sc) · q` in the order of ggml's `dequantize_row_iq*` and the `gguf` package, and the AVX2
-//! kernel builds the same codes from the same decoder. Products pair the rows with Q8_K activations.
+//! dequantization is `(d · sc) · q` in the order of ggml's `dequantize_row_iq*` and the `gguf` package. The SIMD
+//! kernels (`quant::dot_k`) read each format's bytes directly (IQ2_S's AVX-512 kernel goes through its decoder) and
+//! give the bits of one generic kernel over the decoder, which the tests keep as their reference. Products pair the
+//! rows with Q8_K activations.
 
 use super::kquant::{Unpacked, QK_K};
 use crate::quant::GgmlType;

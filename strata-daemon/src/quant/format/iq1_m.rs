@@ -14,7 +14,7 @@ use crate::quant::{BlockQ8, GgmlType};
 /// Bytes per super-block.
 pub const BYTES: usize = 56;
 
-/// The IQ1_M lattice (decoder shared by the scalar and SIMD kernels).
+/// The IQ1_M lattice (the decoder of the scalar kernels, of the prefill unpack and of the SIMD kernels' reference).
 pub const LATTICE: Lattice = Lattice { bytes: BYTES, d, sub };
 
 /// The IQ1_M row.
@@ -58,7 +58,7 @@ pub fn set_d(b: &mut [u8], d: u16) {
     }
 }
 
-/// Sub-block `ib` (0..8) of block `b` (inlined into the SIMD kernels, which call it per 32 values).
+/// Sub-block `ib` (0..8) of block `b`.
 #[inline(always)]
 pub fn sub(b: &[u8], ib: usize) -> Sub {
     let sc = |k: usize| {

@@ -13,7 +13,7 @@ use crate::quant::{BlockQ8, GgmlType};
 /// Bytes per super-block.
 pub const BYTES: usize = 50;
 
-/// The IQ1_S lattice (decoder shared by the scalar and SIMD kernels).
+/// The IQ1_S lattice (the decoder of the scalar kernels, of the prefill unpack and of the SIMD kernels' reference).
 pub const LATTICE: Lattice = Lattice { bytes: BYTES, d, sub };
 
 /// The IQ1_S row.
@@ -47,7 +47,7 @@ pub fn d(b: &[u8]) -> f32 {
     f16_to_f32(rd16(b, 0)) * 0.125
 }
 
-/// Sub-block `ib` (0..8) of block `b` (inlined into the SIMD kernels, which call it per 32 values).
+/// Sub-block `ib` (0..8) of block `b`.
 #[inline(always)]
 pub fn sub(b: &[u8], ib: usize) -> Sub {
     let qh = u16::from_le_bytes([b[34 + 2 * ib], b[35 + 2 * ib]]) as usize;

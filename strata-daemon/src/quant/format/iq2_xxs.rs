@@ -14,7 +14,7 @@ use crate::quant::{BlockQ8, GgmlType};
 /// Bytes per super-block.
 pub const BYTES: usize = 66;
 
-/// The IQ2_XXS lattice (decoder shared by the scalar and SIMD kernels).
+/// The IQ2_XXS lattice (the decoder of the scalar kernels, of the prefill unpack and of the SIMD kernels' reference).
 pub const LATTICE: Lattice = Lattice { bytes: BYTES, d, sub };
 
 /// The IQ2_XXS row.
@@ -48,7 +48,7 @@ pub fn d(b: &[u8]) -> f32 {
     f16_to_f32(rd16(b, 0)) * 0.125
 }
 
-/// Sub-block `ib` (0..8) of block `b` (inlined into the SIMD kernels, which call it per 32 values).
+/// Sub-block `ib` (0..8) of block `b`.
 #[inline(always)]
 pub fn sub(b: &[u8], ib: usize) -> Sub {
     let w = |k: usize| u32::from_le_bytes([b[k], b[k + 1], b[k + 2], b[k + 3]]);

@@ -13,7 +13,7 @@ use crate::quant::{BlockQ8, GgmlType};
 /// Bytes per super-block.
 pub const BYTES: usize = 110;
 
-/// The IQ3_S lattice (decoder shared by the scalar and SIMD kernels).
+/// The IQ3_S lattice (the decoder of the scalar kernels, of the prefill unpack and of the SIMD kernels' reference).
 pub const LATTICE: Lattice = Lattice { bytes: BYTES, d, sub };
 
 /// The IQ3_S row.
@@ -47,7 +47,7 @@ pub fn d(b: &[u8]) -> f32 {
     f16_to_f32(rd16(b, 0))
 }
 
-/// Sub-block `ib` (0..8) of block `b` (inlined into the SIMD kernels, which call it per 32 values).
+/// Sub-block `ib` (0..8) of block `b`.
 #[inline(always)]
 pub fn sub(b: &[u8], ib: usize) -> Sub {
     let (qh, sc) = (b[66 + ib] as usize, (b[106 + ib / 2] >> (4 * (ib % 2)) & 0xf) as u32);
