@@ -713,8 +713,8 @@ pub mod avx2 {
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
                 let q = p.add(2 + 8 * ib);
-                let g = |k: usize| IQ3XXS_GRID[*q.add(k) as usize] as i32;
-                let grid = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
+                let g = |k: usize| &IQ3XXS_GRID[*q.add(k) as usize];
+                let grid = rows8([g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7)]);
                 let s = (p.add(66 + 4 * ib) as *const u32).read_unaligned();
                 sumi = _mm256_add_epi32(sumi, grid_lanes(grid, ksigned_x(xb, s), 2 * (s >> 28) + 1));
             }
@@ -735,8 +735,8 @@ pub mod avx2 {
             let mut sumi = _mm256_setzero_si256();
             for (ib, xb) in xs.iter().enumerate() {
                 let (q, qh) = (p.add(2 + 8 * ib), *p.add(66 + ib) as usize);
-                let g = |k: usize| IQ3S_GRID[*q.add(k) as usize | (qh >> k & 1) << 8] as i32;
-                let grid = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
+                let g = |k: usize| &IQ3S_GRID[*q.add(k) as usize | (qh >> k & 1) << 8];
+                let grid = rows8([g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7)]);
                 let bits = (p.add(74 + 4 * ib) as *const u32).read_unaligned();
                 let xsg = _mm256_sign_epi8(load_x(xb), _mm256_or_si256(bit_bytes(bits), _mm256_set1_epi8(1)));
                 let sc = 2 * (*p.add(106 + ib / 2) >> (4 * (ib % 2)) & 0xf) as u32 + 1;
@@ -781,6 +781,20 @@ pub mod avx2 {
             _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(lo), b as *const u64 as *const f64))
         };
         _mm256_inserti128_si256(_mm256_castsi128_si256(pair(r[0], r[1])), pair(r[2], r[3]), 1)
+    }
+
+    /// Eight 4-byte table rows `r[0..8]` (row `k` in bytes `4k .. 4k + 4`) loaded straight from memory into one
+    /// vector (as [`rows4`]: the inserts take their rows from memory). SAFETY (callers): avx2 present.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn rows8(r: [&u32; 8]) -> __m256i {
+        let quad = |a: &[&u32]| {
+            let v = _mm_cvtsi32_si128(*a[0] as i32);
+            let v = _mm_insert_epi32(v, *a[1] as i32, 1);
+            let v = _mm_insert_epi32(v, *a[2] as i32, 2);
+            _mm_insert_epi32(v, *a[3] as i32, 3)
+        };
+        _mm256_inserti128_si256(_mm256_castsi128_si256(quad(&r[..4])), quad(&r[4..]), 1)
     }
 
     /// One IQ1_S row ([`crate::quant::format::iq1_s`]: 50-byte super-blocks) read straight from its bytes: per
@@ -965,9 +979,12 @@ pub mod avx2 {
             for (j, &neg) in sgn.iter().enumerate() {
                 let w = |k: usize| (p.add(2 + 16 * j + 8 * k) as *const u64).read_unaligned();
                 let (w0, w1) = (w(0), w(1));
-                let g = |w: u64, l: u32| IQ2XS_GRID[(w >> (16 * l) & 511) as usize] as i64;
-                let grid =
-                    _mm512_set_epi64(g(w1, 3), g(w1, 2), g(w1, 1), g(w1, 0), g(w0, 3), g(w0, 2), g(w0, 1), g(w0, 0));
+                let g = |w: u64, l: u32| &IQ2XS_GRID[(w >> (16 * l) & 511) as usize];
+                let grid = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(rows4([g(w0, 0), g(w0, 1), g(w0, 2), g(w0, 3)])),
+                    rows4([g(w1, 0), g(w1, 1), g(w1, 2), g(w1, 3)]),
+                    1,
+                );
                 let x2 = _mm512_inserti64x4(_mm512_castsi256_si512(load_x(&xs[2 * j])), load_x(&xs[2 * j + 1]), 1);
                 sumi = iq2_step_512(sumi, grid, x2, neg, _mm512_permutexvar_epi32(sidx[j], sv));
             }
@@ -1029,8 +1046,9 @@ pub mod avx2 {
         lattice_row(row, x, BYTES, d, |b, xs| {
             let mut sumi = _mm512_setzero_si512();
             for j in 0..4 {
-                // the decoder's rows and scales: measured faster here than the grid rows loaded by hand and the
-                // scales decoded once per super-block as IQ2_XS does (docs/BENCHMARKS.md, stop 48)
+                // the decoder's rows and scales: measured faster here than the grid rows loaded by hand (into
+                // registers or by `rows4`) and the scales decoded once per super-block as IQ2_XS does
+                // (docs/BENCHMARKS.md, stop 48)
                 let (s0, s1) = (sub(b, 2 * j), sub(b, 2 * j + 1));
                 let [a0, a1, a2, a3] = s0.grid.map(|g| g as i64);
                 let [b0, b1, b2, b3] = s1.grid.map(|g| g as i64);
