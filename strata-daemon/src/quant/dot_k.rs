@@ -689,14 +689,6 @@ pub mod avx2 {
         _mm256_sign_epi8(load_x(xb), rows4([sg(0), sg(1), sg(2), sg(3)]))
     }
 
-    /// Unsigned grid bytes times signed activations, both halves of the 32 values scaled by `sc`: the 8 i32 lanes
-    /// (lane `m`: `sc` times the products of values `4m .. 4m + 4`).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn grid_lanes(grid: __m256i, xsg: __m256i, sc: u32) -> __m256i {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(grid, xsg), _mm256_set1_epi16(sc as i16))
-    }
-
     /// One IQ3_XXS row ([`crate::quant::format::iq3_xxs`]: 98-byte super-blocks) read straight from its bytes:
     /// per 32-value sub-block its eight grid values by index ([`IQ3XXS_GRID`](
     /// crate::quant::format::iq_grid::IQ3XXS_GRID), four values each), its four sign bytes as ±1 multipliers
@@ -715,7 +707,10 @@ pub mod avx2 {
                 let g = |k: usize| &IQ3XXS_GRID[*q.add(k) as usize];
                 let grid = rows8([g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7)]);
                 let s = (p.add(66 + 4 * ib) as *const u32).read_unaligned();
-                sumi = _mm256_add_epi32(sumi, grid_lanes(grid, ksigned_x(xb, s), 2 * (s >> 28) + 1));
+                sumi = _mm256_add_epi32(
+                    sumi,
+                    prod_u(grid, ksigned_x(xb, s), _mm256_set1_epi16((2 * (s >> 28) + 1) as i16)),
+                );
             }
             sumi
         })
@@ -739,7 +734,7 @@ pub mod avx2 {
                 let bits = (p.add(74 + 4 * ib) as *const u32).read_unaligned();
                 let xsg = _mm256_sign_epi8(load_x(xb), _mm256_or_si256(bit_bytes(bits), _mm256_set1_epi8(1)));
                 let sc = 2 * (*p.add(106 + ib / 2) >> (4 * (ib % 2)) & 0xf) as u32 + 1;
-                sumi = _mm256_add_epi32(sumi, grid_lanes(grid, xsg, sc));
+                sumi = _mm256_add_epi32(sumi, prod_u(grid, xsg, _mm256_set1_epi16(sc as i16)));
             }
             sumi
         })
@@ -762,7 +757,10 @@ pub mod avx2 {
                 let g = |l: usize| &IQ2XXS_GRID[*q.add(l) as usize];
                 let grid = rows4([g(0), g(1), g(2), g(3)]);
                 let s = (q.add(4) as *const u32).read_unaligned();
-                sumi = _mm256_add_epi32(sumi, grid_lanes(grid, ksigned_x(xb, s), 2 * (s >> 28) + 1));
+                sumi = _mm256_add_epi32(
+                    sumi,
+                    prod_u(grid, ksigned_x(xb, s), _mm256_set1_epi16((2 * (s >> 28) + 1) as i16)),
+                );
             }
             sumi
         })
@@ -815,6 +813,7 @@ pub mod avx2 {
                 let delta = _mm256_set1_epi8(if qh & 0x8000 != 0 { -1 } else { 1 });
                 let codes = _mm256_add_epi8(rows4([g(0), g(1), g(2), g(3)]), delta);
                 let sc = _mm256_set1_epi16((2 * (qh >> 12 & 7) + 1) as i16);
+                // spelled out rather than `prod_s`: the call measured 7% slower here (405 against 378 µs per expert)
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pairs_signed(codes, load_x(xb)), sc));
             }
             sumi
@@ -949,7 +948,7 @@ pub mod avx2 {
                 let xsg = _mm256_sign_epi8(load_x(xb), rows4([sg(0), sg(1), sg(2), sg(3)]));
                 let sc = *p.add(66 + ib) as i16;
                 let scv = scale_halves([2 * (sc & 0xf) + 1, 2 * (sc >> 4) + 1]);
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(grid, xsg), scv));
+                sumi = _mm256_add_epi32(sumi, prod_u(grid, xsg, scv));
             }
             sumi
         })
@@ -1030,7 +1029,7 @@ pub mod avx2 {
                 let xsg = _mm256_sign_epi8(load_x(xb), _mm256_or_si256(bit_bytes(bits), _mm256_set1_epi8(1)));
                 let sc = *p.add(74 + ib) as i16;
                 let scv = scale_halves([2 * (sc & 0xf) + 1, 2 * (sc >> 4) + 1]);
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(grid, xsg), scv));
+                sumi = _mm256_add_epi32(sumi, prod_u(grid, xsg, scv));
             }
             sumi
         })
