@@ -310,6 +310,35 @@ __device__ __forceinline__ SubScales sub_scales(const u8* b, int s) {
     return r;
 }
 
+// Q4_K's and Q5_K's scales of sub-block s from the super-block's first 16 bytes h (d and dmin as f16, then the 12
+// bytes of 6-bit scales and minimums), as sub_scales reads them from memory (the same arithmetic).
+__device__ __forceinline__ SubScales kq_scales(const uint4 h, int s) {
+    const int k = 8 * (s & 3);
+    const u32 by = (h.y >> k) & 0xFF, bz = (h.z >> k) & 0xFF, bw = (h.w >> k) & 0xFF;  // bytes s & 3, 4 + .., 8 + ..
+    const u32 sc = s < 4 ? by & 63 : (bw & 0xF) | ((by >> 6) << 4);
+    const u32 m = s < 4 ? bz & 63 : (bw >> 4) | ((bz >> 6) << 4);
+    SubScales r;
+    r.d0 = r.d1 = half_to_float((u16)(h.x & 0xFFFF)) * (float)sc;
+    r.m0 = r.m1 = -half_to_float((u16)(h.x >> 16)) * (float)m;
+    return r;
+}
+
+// The eight words of Q4_K/Q5_K sub-block s (its low four bits) from the 32 quant bytes of its pair (a, b), as
+// sub_word.
+__device__ __forceinline__ void kq_words(const uint4 a, const uint4 b, int s, int (&w)[8]) {
+    const int sh = 4 * (s & 1);
+    const u32 v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 8; j++) w[j] = (int)((v[j] >> sh) & 0x0F0F0F0Fu);
+}
+
+// Q5_K's fifth bits of sub-block s (bit s of each of the 32 high-bit bytes a, b) added to its words, as sub_word.
+__device__ __forceinline__ void q5k_high(const uint4 a, const uint4 b, int s, int (&w)[8]) {
+    const u32 v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 8; j++) w[j] |= (int)(((v[j] >> s) & 0x01010101u) << 4);
+}
+
 // The dot product of a decoded sub-block (w, sc) with one Q8 activation block.
 template <int F>
 __device__ __forceinline__ float sub_dot(const int (&w)[8], const SubScales& sc, const Q8& x) {
@@ -371,6 +400,25 @@ __device__ __forceinline__ void row_dot(const u8* row, int cols, const Q8* const
         return;
     }
     const int nb = cols / 32;
+    if constexpr (FMT == FMT_Q4_K || FMT == FMT_Q5_K) {
+        if (((size_t)row & 15) == 0) {
+            // super-blocks 16-byte aligned (144 and 176 bytes): a sub-block's header, quants (and Q5_K's high
+            // bits) in 16-byte loads instead of sub_scales' and sub_word's byte and word loads; the same words,
+            // scales and sums
+            for (int ib = lane; ib < nb; ib += 32) {
+                const int s = ib & 7;
+                const u8* b = row + (size_t)(ib >> 3) * SUB_BYTES(FMT);
+                const SubScales sc = kq_scales(*(const uint4*)b, s);
+                const uint4* qp = (const uint4*)(b + (FMT == FMT_Q4_K ? 16 : 48) + 32 * (s >> 1));
+                int w[8];
+                kq_words(qp[0], qp[1], s, w);
+                if constexpr (FMT == FMT_Q5_K) q5k_high(((const uint4*)(b + 16))[0], ((const uint4*)(b + 16))[1], s, w);
+#pragma unroll
+                for (int t = 0; t < NT; t++) acc[t] += sub_dot<FMT>(w, sc, xq[t][ib]);
+            }
+            return;
+        }
+    }
     if constexpr (IS_SUB(FMT)) {
         // each lane one 32-value sub-block at a time
         for (int ib = lane; ib < nb; ib += 32) {
@@ -835,12 +883,13 @@ MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 // (m16n8k32, s32 accumulation) whose integer sums are scaled per block as the one-row kernels do (Q8_0: d·dx·Σ;
 // Q4_0: d·dx·Σ(q − 8)·qx, the same integer as their Σ − 8·Σqx; Q4_1: d·dx·Σ + m·sx); the blocks' scaled sums are
 // added in another order than theirs, so results differ by rounding only. Block: MQ_WARPS warps, MQ_BM = 16 rows
-// per warp by MQ_BN tokens (8 MMA column tiles). Two loops: mq_core (the K-quant and IQ formats; Q8_0/Q4_0/Q4_1
-// when the pipelined loop is off or the rows' alignment does not allow it) stages the tokens' Q8 blocks in shared
-// memory MQ_KB blocks at a time ([block][token][12 ints]: 8 of quants, d, s; the 12-int stride keeps the B loads off
-// each other's banks) and reads the weights straight into the A fragments; mq_core_pipe (below) copies weights and
-// tokens into shared memory while the previous blocks multiply. The Q8_0/Q4_0/Q4_1 kernels take their shared memory
-// as dynamic shared memory of the size the host's mq_smem gives (both loops' staging; the others' is static).
+// per warp by MQ_BN tokens (8 MMA column tiles). Two loops: mq_core (Q5_0/Q5_1, Q3_K, Q6_K and the IQ formats;
+// the others when the pipelined loop is off or the rows' alignment does not allow it) stages the tokens' Q8 blocks
+// in shared memory MQ_KB blocks at a time ([block][token][12 ints]: 8 of quants, d, s; the 12-int stride keeps the B
+// loads off each other's banks) and reads the weights straight into the A fragments; mq_core_pipe (below) copies
+// weights and tokens into shared memory while the previous blocks multiply. The Q8_0/Q4_0/Q4_1/Q4_K/Q5_K kernels take
+// their shared memory as dynamic shared memory of the size the host's mq_smem gives (both loops' staging; the
+// others' is static).
 // Grid: (ceil(rows / MQ_BM), ceil(t / MQ_BN)).
 #define MQ_WARPS 4
 #define MQ_BM (16 * MQ_WARPS)
@@ -871,7 +920,10 @@ __device__ __forceinline__ void mq_load_a(const u8* row, int ib, int tg, int& lo
         // d: the first 16 values' scale, d1 the second's (SUB_HALVES), m the minimum (SUB_MIN == 1)
         int s;
         const u8* b = sub_base<FMT>(row, ib, s);
-        const SubScales sc = sub_scales<FMT>(b, s);
+        // Q4_K/Q5_K: the header in one 16-byte load where the super-blocks are 16-byte aligned
+        const SubScales sc = (FMT == FMT_Q4_K || FMT == FMT_Q5_K) && ((size_t)b & 15) == 0
+                                 ? kq_scales(*(const uint4*)b, s)
+                                 : sub_scales<FMT>(b, s);
         lo = sub_word<FMT>(b, s, tg);
         hi = sub_word<FMT>(b, s, tg + 4);
         d = sc.d0;
@@ -1005,22 +1057,28 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
     }
 }
 
-// The pipelined MMA loop (Q8_0, Q4_0, Q4_1; STRATA_MMQ_PIPE, on unless compiled with 0): the weight rows' blocks
-// and the tokens' Q8 blocks of MQ_KB blocks at a time are copied into shared memory by cp.async (sm_80+) while the
+// The pipelined MMA loop (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K; STRATA_MMQ_PIPE, on unless compiled with 0): the weight
+// rows' blocks and the tokens' Q8 blocks of MQ_KB blocks at a time (a K-quant super-block) are copied into shared
+// memory by cp.async (sm_80+) while the
 // previous MQ_KB blocks are multiplied, two stages in dynamic shared memory ([stage][NR rows × MQ_SA bytes | MQ_KB ×
 // MQ_BN × MQ_XS ints]; NR = MQ_BM, or 2·MQ_BM gate and up rows for GATED). The weights are copied as they are in
 // memory (16-byte pieces when every row and stage starts 16-byte aligned, else 4-byte ones) and read from shared
 // memory into the fragments as mq_load_a reads them from global memory; a Q8 block as its 40 bytes (d, s, qs at
-// ints 0, 1, 2..9 of its 12). Arithmetic as mq_core's, in the same order: the same bits.
+// ints 0, 1, 2..9 of its 12; for Q4_K/Q5_K its s is then replaced by d·Σq, mq_core's value). Arithmetic as
+// mq_core's, in the same order: the same bits.
 // rowp (shared, NR entries, written and synced by the caller): row i's first byte; mode: 16 or 4 (mq_pipe_mode).
 #ifndef STRATA_MMQ_PIPE
 #define STRATA_MMQ_PIPE 1
 #endif
-#define MQ_PIPE_FMT(F) ((F) == FMT_Q8_0 || (F) == FMT_Q4_0 || (F) == FMT_Q4_1)
-// bytes per block, and the shared row stride of MQ_KB blocks: a multiple of 16 bytes whose word count is 4 times an
-// odd number, so that the fragment reads of the 8 rows × 4 lanes of a warp fall on 32 different banks
-#define MQ_BB(F) ((F) == FMT_Q8_0 ? 34 : (F) == FMT_Q4_0 ? 18 : 20)
-#define MQ_SA(F) ((F) == FMT_Q8_0 ? 272 : (F) == FMT_Q4_0 ? 144 : 176)
+#define MQ_PIPE_FMT(F) \
+    ((F) == FMT_Q8_0 || (F) == FMT_Q4_0 || (F) == FMT_Q4_1 || (F) == FMT_Q4_K || (F) == FMT_Q5_K)
+// bytes per 32-value block (Q4_K, Q5_K: an eighth of a super-block; a stage of MQ_KB blocks is one super-block), and
+// the shared row stride of MQ_KB blocks: a multiple of 16 bytes whose word count is 4 times an odd number, so that the
+// fragment reads of the 8 rows × 4 lanes of a warp fall on 32 different banks
+#define MQ_BB(F) ((F) == FMT_Q8_0 ? 34 : (F) == FMT_Q4_0 ? 18 : (F) == FMT_Q4_K ? 18 : (F) == FMT_Q5_K ? 22 : 20)
+#define MQ_SA(F) ((F) == FMT_Q8_0 ? 272 : (F) == FMT_Q4_0 || (F) == FMT_Q4_K ? 144 : 176)
+// the K-quants' minimum term takes the exact d·Σq of each token block (as mq_core stages it)
+#define MQ_EXACT_S(F) ((F) == FMT_Q4_K || (F) == FMT_Q5_K)
 #define MQ_XBYTES (MQ_KB * MQ_BN * MQ_XS * 4)
 #define MQ_STAGE(F, NR) ((NR) * MQ_SA(F) + MQ_XBYTES)
 
@@ -1112,13 +1170,26 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
     mq_pipe_load<FMT, GATED>(rowp, mode, 0, nb, xq, xb, xrow, smem);
     cp_async_commit();
     for (int st = 0; st < ns; st++) {
-        if (st + 1 < ns) mq_pipe_load<FMT, GATED>(rowp, mode, (st + 1) * MQ_KB, nb, xq, xb, xrow, smem + ((st + 1) & 1) * STAGE);
+        if (st + 1 < ns)
+            mq_pipe_load<FMT, GATED>(rowp, mode, (st + 1) * MQ_KB, nb, xq, xb, xrow, smem + ((st + 1) & 1) * STAGE);
         cp_async_commit();
         cp_async_wait<1>();  // this thread's copies of stage st are done
         __syncthreads();     // and everyone's
         const u8* as = smem + (st & 1) * STAGE;
         const int* xk0 = (const int*)(as + NR * SA);
         const int kn = min(MQ_KB, nb - st * MQ_KB);
+        if constexpr (MQ_EXACT_S(FMT)) {
+            // each token block's s becomes d·Σq, the value mq_core stages (zero for the padding columns)
+            int* xw = (int*)(as + NR * SA);
+            for (int i = threadIdx.x; i < kn * MQ_BN; i += 32 * MQ_WARPS) {
+                int* x = xw + i * MQ_XS;
+                int sx = 0;
+#pragma unroll
+                for (int q = 0; q < 8; q++) sx = __dp4a(0x01010101, x[2 + q], sx);
+                x[1] = __float_as_int(__int_as_float(x[0]) * (float)sx);
+            }
+            __syncthreads();
+        }
 #pragma unroll
         for (int kb = 0; kb < MQ_KB; kb++) {
             if (kb >= kn) break;

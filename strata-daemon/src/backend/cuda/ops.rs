@@ -259,15 +259,15 @@ const MQ_XBYTES: usize = MQ_KB * MQ_BN * MQ_XS * 4;
 pub const MQ_PIPE_MAX_SMEM: usize = 2 * (2 * MQ_BM * 272 + MQ_XBYTES);
 
 /// Dynamic shared memory (bytes) of the tensor-core product kernels of `ty` (`gated`: an expert's gate and up rows)
-/// for Q8_0, Q4_0 and Q4_1: with the pipelined loop (`pipe`, see [`super::kernels::mmq_pipe_on`]) two stages of
-/// MQ_KB blocks — the weight rows (64, or 128 when `gated`, at the format's shared row stride `MQ_SA`: 272, 144,
-/// 176 bytes) and the tokens' Q8 blocks ([`MQ_XBYTES`]) — else one stage of the Q8 blocks; 0 for the other formats
-/// (their kernels' shared memory is static).
+/// for Q8_0, Q4_0, Q4_1, Q4_K and Q5_K: with the pipelined loop (`pipe`, see [`super::kernels::mmq_pipe_on`]) two
+/// stages of MQ_KB blocks — the weight rows (64, or 128 when `gated`, at the format's shared row stride `MQ_SA`:
+/// 272, 144, 176, 144, 176 bytes; a K-quant stage is one super-block) and the tokens' Q8 blocks ([`MQ_XBYTES`]) —
+/// else one stage of the Q8 blocks; 0 for the other formats (their kernels' shared memory is static).
 pub fn mq_smem(ty: GgmlType, gated: bool, pipe: bool) -> u32 {
     let sa = match ty {
         GgmlType::Q8_0 => 272,
-        GgmlType::Q4_0 => 144,
-        GgmlType::Q4_1 => 176,
+        GgmlType::Q4_0 | GgmlType::Q4_K => 144,
+        GgmlType::Q4_1 | GgmlType::Q5_K => 176,
         _ => return 0,
     };
     if !pipe {
@@ -964,14 +964,14 @@ mod tests {
         // the largest stage pair: Q8_0 gate and up rows, two stages of 128 × 272 bytes + 24 KiB of Q8 blocks
         assert_eq!(mq_smem(GgmlType::Q8_0, true, true) as usize, MQ_PIPE_MAX_SMEM);
         assert_eq!(MQ_PIPE_MAX_SMEM, 118_784);
-        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4_K, GgmlType::Q5_K] {
             for gated in [false, true] {
                 assert!(mq_smem(ty, gated, true) as usize <= MQ_PIPE_MAX_SMEM);
                 // without the pipeline the loop stages one set of Q8 blocks (as stop 25's static array)
                 assert_eq!(mq_smem(ty, gated, false), 8 * 64 * 12 * 4);
             }
         }
-        assert_eq!(mq_smem(GgmlType::Q4_K, true, true), 0, "static shared memory");
+        assert_eq!(mq_smem(GgmlType::Q6_K, true, true), 0, "static shared memory");
         if std::env::var_os("STRATA_GPU_MMQ_PIPE").is_none() {
             assert!(crate::backend::cuda::kernels::mmq_pipe_on(232_448)); // H100/H200 opt-in
             assert!(crate::backend::cuda::kernels::mmq_pipe_on(166_912)); // A100
