@@ -1059,13 +1059,12 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
 
 // The pipelined MMA loop (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K; STRATA_MMQ_PIPE, on unless compiled with 0): the weight
 // rows' blocks and the tokens' Q8 blocks of MQ_KB blocks at a time (a K-quant super-block) are copied into shared
-// memory by cp.async (sm_80+) while the
-// previous MQ_KB blocks are multiplied, two stages in dynamic shared memory ([stage][NR rows × MQ_SA bytes | MQ_KB ×
-// MQ_BN × MQ_XS ints]; NR = MQ_BM, or 2·MQ_BM gate and up rows for GATED). The weights are copied as they are in
-// memory (16-byte pieces when every row and stage starts 16-byte aligned, else 4-byte ones) and read from shared
-// memory into the fragments as mq_load_a reads them from global memory; a Q8 block as its 40 bytes (d, s, qs at
-// ints 0, 1, 2..9 of its 12; for Q4_K/Q5_K its s is then replaced by d·Σq, mq_core's value). Arithmetic as
-// mq_core's, in the same order: the same bits.
+// memory by cp.async (sm_80+) while the previous MQ_KB blocks are multiplied, two stages in dynamic shared memory
+// ([stage][NR rows × MQ_SA bytes | MQ_KB × MQ_BN × MQ_XS ints]; NR = MQ_BM, or 2·MQ_BM gate and up rows for GATED).
+// The weights are copied as they are in memory (16-byte pieces when every row and stage starts 16-byte aligned, else
+// 4-byte ones) and read from shared memory into the fragments as mq_load_a reads them from global memory; a Q8 block
+// as its 40 bytes (d, s, qs at ints 0, 1, 2..9 of its 12; for Q4_K/Q5_K its s is then replaced by d·Σq, mq_core's
+// value). Arithmetic as mq_core's, in the same order: the same bits.
 // rowp (shared, NR entries, written and synced by the caller): row i's first byte; mode: 16 or 4 (mq_pipe_mode).
 #ifndef STRATA_MMQ_PIPE
 #define STRATA_MMQ_PIPE 1
@@ -1115,6 +1114,7 @@ __device__ __forceinline__ void cp_async_wait() {
 template <int FMT>
 __device__ __forceinline__ int mq_pipe_mode(unsigned long long base_or, int nb) {
     if (!STRATA_MMQ_PIPE || !MQ_PIPE_FMT(FMT)) return 0;
+    if (SUB_QK(FMT) == 256 && nb % MQ_KB != 0) return 0;  // a stage is a whole super-block
     if ((base_or & 15) == 0 && nb % MQ_KB == 0) return 16;
     if ((base_or & 3) == 0 && ((nb % MQ_KB) * MQ_BB(FMT)) % 4 == 0) return 4;
     return 0;
