@@ -218,6 +218,44 @@ __device__ __forceinline__ int q3k_scale(const u8* sc, int k) {
     return lo | (((sc[8 + (k & 3)] >> (2 * (k >> 2))) & 3) << 4);
 }
 
+// The first 16 bytes of a Q4_K/Q5_K super-block at b (d and dmin as f16, then the 12 bytes of 6-bit scales and
+// minimums): one 16-byte load where b is 16-byte aligned, else four aligned words (the rows of these formats start
+// 4-byte aligned and their super-blocks, 144 and 176 bytes, keep that).
+__device__ __forceinline__ uint4 kq_header(const u8* b) {
+    if (((size_t)b & 15) == 0) return *(const uint4*)b;
+    const u32* w = (const u32*)b;
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Q4_K's and Q5_K's scales of sub-block s from the super-block's first 16 bytes h (kq_header): the scale d·sc and the
+// minimum −dmin·m of ggml's get_scale_min_k4.
+__device__ __forceinline__ SubScales kq_scales(const uint4 h, int s) {
+    const int k = 8 * (s & 3);
+    const u32 by = (h.y >> k) & 0xFF, bz = (h.z >> k) & 0xFF, bw = (h.w >> k) & 0xFF;  // bytes s & 3, 4 + .., 8 + ..
+    const u32 sc = s < 4 ? by & 63 : (bw & 0xF) | ((by >> 6) << 4);
+    const u32 m = s < 4 ? bz & 63 : (bw >> 4) | ((bz >> 6) << 4);
+    SubScales r;
+    r.d0 = r.d1 = half_to_float((u16)(h.x & 0xFFFF)) * (float)sc;
+    r.m0 = r.m1 = -half_to_float((u16)(h.x >> 16)) * (float)m;
+    return r;
+}
+
+// The eight words of Q4_K/Q5_K sub-block s (its low four bits) from the 32 quant bytes of its pair (a, b), as
+// sub_word.
+__device__ __forceinline__ void kq_words(const uint4 a, const uint4 b, int s, int (&w)[8]) {
+    const int sh = 4 * (s & 1);
+    const u32 v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 8; j++) w[j] = (int)((v[j] >> sh) & 0x0F0F0F0Fu);
+}
+
+// Q5_K's fifth bits of sub-block s (bit s of each of the 32 high-bit bytes a, b) added to its words, as sub_word.
+__device__ __forceinline__ void q5k_high(const uint4 a, const uint4 b, int s, int (&w)[8]) {
+    const u32 v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 8; j++) w[j] |= (int)(((v[j] >> s) & 0x01010101u) << 4);
+}
+
 // The lattice formats' words and scales, defined with the grids (after strata_iq_grids.h, below) and instantiated
 // only for modules holding a lattice format.
 template <int F>
@@ -275,17 +313,7 @@ __device__ __forceinline__ SubScales sub_scales(const u8* b, int s) {
     } else if (F == FMT_MXFP4) {
         r.d0 = r.d1 = e8m0_half(b[0]);
     } else if (F == FMT_Q4_K || F == FMT_Q5_K) {
-        const u8* q = b + 4;
-        int sc, m;
-        if (s < 4) {
-            sc = q[s] & 63;
-            m = q[s + 4] & 63;
-        } else {
-            sc = (q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4);
-            m = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
-        }
-        r.d0 = r.d1 = h2f(b) * (float)sc;
-        r.m0 = r.m1 = -h2f(b + 2) * (float)m;
+        return kq_scales(kq_header(b), s);
     } else if (F == FMT_Q6_K) {
         const float d = h2f(b + 208);
         const signed char* sc = (const signed char*)(b + 192);
@@ -310,33 +338,19 @@ __device__ __forceinline__ SubScales sub_scales(const u8* b, int s) {
     return r;
 }
 
-// Q4_K's and Q5_K's scales of sub-block s from the super-block's first 16 bytes h (d and dmin as f16, then the 12
-// bytes of 6-bit scales and minimums), as sub_scales reads them from memory (the same arithmetic).
-__device__ __forceinline__ SubScales kq_scales(const uint4 h, int s) {
-    const int k = 8 * (s & 3);
-    const u32 by = (h.y >> k) & 0xFF, bz = (h.z >> k) & 0xFF, bw = (h.w >> k) & 0xFF;  // bytes s & 3, 4 + .., 8 + ..
-    const u32 sc = s < 4 ? by & 63 : (bw & 0xF) | ((by >> 6) << 4);
-    const u32 m = s < 4 ? bz & 63 : (bw >> 4) | ((bz >> 6) << 4);
-    SubScales r;
-    r.d0 = r.d1 = half_to_float((u16)(h.x & 0xFFFF)) * (float)sc;
-    r.m0 = r.m1 = -half_to_float((u16)(h.x >> 16)) * (float)m;
-    return r;
-}
-
-// The eight words of Q4_K/Q5_K sub-block s (its low four bits) from the 32 quant bytes of its pair (a, b), as
-// sub_word.
-__device__ __forceinline__ void kq_words(const uint4 a, const uint4 b, int s, int (&w)[8]) {
-    const int sh = 4 * (s & 1);
-    const u32 v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+// Sub-block s of the block at b: its eight words into w (sub_word's values; the quants of a Q4_K/Q5_K super-block
+// that starts 16-byte aligned in 16-byte loads) and its scales.
+template <int F>
+__device__ __forceinline__ SubScales sub_block(const u8* b, int s, int (&w)[8]) {
+    if ((F == FMT_Q4_K || F == FMT_Q5_K) && ((size_t)b & 15) == 0) {
+        const uint4* qp = (const uint4*)(b + (F == FMT_Q4_K ? 16 : 48) + 32 * (s >> 1));
+        kq_words(qp[0], qp[1], s, w);
+        if (F == FMT_Q5_K) q5k_high(((const uint4*)(b + 16))[0], ((const uint4*)(b + 16))[1], s, w);
+    } else {
 #pragma unroll
-    for (int j = 0; j < 8; j++) w[j] = (int)((v[j] >> sh) & 0x0F0F0F0Fu);
-}
-
-// Q5_K's fifth bits of sub-block s (bit s of each of the 32 high-bit bytes a, b) added to its words, as sub_word.
-__device__ __forceinline__ void q5k_high(const uint4 a, const uint4 b, int s, int (&w)[8]) {
-    const u32 v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-    for (int j = 0; j < 8; j++) w[j] |= (int)(((v[j] >> s) & 0x01010101u) << 4);
+        for (int j = 0; j < 8; j++) w[j] = sub_word<F>(b, s, j);
+    }
+    return sub_scales<F>(b, s);
 }
 
 // The dot product of a decoded sub-block (w, sc) with one Q8 activation block.
@@ -400,34 +414,13 @@ __device__ __forceinline__ void row_dot(const u8* row, int cols, const Q8* const
         return;
     }
     const int nb = cols / 32;
-    if constexpr (FMT == FMT_Q4_K || FMT == FMT_Q5_K) {
-        if (((size_t)row & 15) == 0) {
-            // super-blocks 16-byte aligned (144 and 176 bytes): a sub-block's header, quants (and Q5_K's high
-            // bits) in 16-byte loads instead of sub_scales' and sub_word's byte and word loads; the same words,
-            // scales and sums
-            for (int ib = lane; ib < nb; ib += 32) {
-                const int s = ib & 7;
-                const u8* b = row + (size_t)(ib >> 3) * SUB_BYTES(FMT);
-                const SubScales sc = kq_scales(*(const uint4*)b, s);
-                const uint4* qp = (const uint4*)(b + (FMT == FMT_Q4_K ? 16 : 48) + 32 * (s >> 1));
-                int w[8];
-                kq_words(qp[0], qp[1], s, w);
-                if constexpr (FMT == FMT_Q5_K) q5k_high(((const uint4*)(b + 16))[0], ((const uint4*)(b + 16))[1], s, w);
-#pragma unroll
-                for (int t = 0; t < NT; t++) acc[t] += sub_dot<FMT>(w, sc, xq[t][ib]);
-            }
-            return;
-        }
-    }
     if constexpr (IS_SUB(FMT)) {
         // each lane one 32-value sub-block at a time
         for (int ib = lane; ib < nb; ib += 32) {
             int s;
             const u8* b = sub_base<FMT>(row, ib, s);
-            const SubScales sc = sub_scales<FMT>(b, s);
             int w[8];
-#pragma unroll
-            for (int j = 0; j < 8; j++) w[j] = sub_word<FMT>(b, s, j);
+            const SubScales sc = sub_block<FMT>(b, s, w);
 #pragma unroll
             for (int t = 0; t < NT; t++) acc[t] += sub_dot<FMT>(w, sc, xq[t][ib]);
         }
@@ -920,10 +913,7 @@ __device__ __forceinline__ void mq_load_a(const u8* row, int ib, int tg, int& lo
         // d: the first 16 values' scale, d1 the second's (SUB_HALVES), m the minimum (SUB_MIN == 1)
         int s;
         const u8* b = sub_base<FMT>(row, ib, s);
-        // Q4_K/Q5_K: the header in one 16-byte load where the super-blocks are 16-byte aligned
-        const SubScales sc = (FMT == FMT_Q4_K || FMT == FMT_Q5_K) && ((size_t)b & 15) == 0
-                                 ? kq_scales(*(const uint4*)b, s)
-                                 : sub_scales<FMT>(b, s);
+        const SubScales sc = sub_scales<FMT>(b, s);
         lo = sub_word<FMT>(b, s, tg);
         hi = sub_word<FMT>(b, s, tg + 4);
         d = sc.d0;
@@ -1174,12 +1164,12 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
             mq_pipe_load<FMT, GATED>(rowp, mode, (st + 1) * MQ_KB, nb, xq, xb, xrow, smem + ((st + 1) & 1) * STAGE);
         cp_async_commit();
         cp_async_wait<1>();  // this thread's copies of stage st are done
-        __syncthreads();     // and everyone's
         const u8* as = smem + (st & 1) * STAGE;
         const int* xk0 = (const int*)(as + NR * SA);
         const int kn = min(MQ_KB, nb - st * MQ_KB);
         if constexpr (MQ_EXACT_S(FMT)) {
-            // each token block's s becomes d·Σq, the value mq_core stages (zero for the padding columns)
+            // each token block's s becomes d·Σq, the value mq_core stages (zero for the padding columns); each thread
+            // takes the blocks it copied or zeroed itself (mq_pipe_load's mapping), visible to it after its wait
             int* xw = (int*)(as + NR * SA);
             for (int i = threadIdx.x; i < kn * MQ_BN; i += 32 * MQ_WARPS) {
                 int* x = xw + i * MQ_XS;
@@ -1188,8 +1178,8 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
                 for (int q = 0; q < 8; q++) sx = __dp4a(0x01010101, x[2 + q], sx);
                 x[1] = __float_as_int(__int_as_float(x[0]) * (float)sx);
             }
-            __syncthreads();
         }
+        __syncthreads();  // everyone's copies (and fixed sums) are done
 #pragma unroll
         for (int kb = 0; kb < MQ_KB; kb++) {
             if (kb >= kn) break;
