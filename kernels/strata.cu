@@ -876,13 +876,13 @@ MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 // (m16n8k32, s32 accumulation) whose integer sums are scaled per block as the one-row kernels do (Q8_0: d·dx·Σ;
 // Q4_0: d·dx·Σ(q − 8)·qx, the same integer as their Σ − 8·Σqx; Q4_1: d·dx·Σ + m·sx); the blocks' scaled sums are
 // added in another order than theirs, so results differ by rounding only. Block: MQ_WARPS warps, MQ_BM = 16 rows
-// per warp by MQ_BN tokens (8 MMA column tiles). Two loops: mq_core (Q5_0/Q5_1, Q3_K, Q6_K and the IQ formats;
-// the others when the pipelined loop is off or the rows' alignment does not allow it) stages the tokens' Q8 blocks
+// per warp by MQ_BN tokens (8 MMA column tiles). Two loops: mq_core (MXFP4; the others when the pipelined loop is
+// off or the rows' alignment does not allow it) stages the tokens' Q8 blocks
 // in shared memory MQ_KB blocks at a time ([block][token][12 ints]: 8 of quants, d, s; the 12-int stride keeps the B
 // loads off each other's banks) and reads the weights straight into the A fragments; mq_core_pipe (below) copies
-// weights and tokens into shared memory while the previous blocks multiply. The Q8_0/Q4_0/Q4_1/Q4_K/Q5_K kernels take
-// their shared memory as dynamic shared memory of the size the host's mq_smem gives (both loops' staging; the
-// others' is static).
+// weights and tokens into shared memory while the previous blocks multiply. The kernels of the pipelined formats
+// (MQ_PIPE_FMT) take their shared memory as dynamic shared memory of the size the host's mq_smem gives (both loops'
+// staging; MXFP4's is static).
 // Grid: (ceil(rows / MQ_BM), ceil(t / MQ_BN)).
 #define MQ_WARPS 4
 #define MQ_BM (16 * MQ_WARPS)
@@ -1047,25 +1047,36 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
     }
 }
 
-// The pipelined MMA loop (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K; STRATA_MMQ_PIPE, on unless compiled with 0): the weight
-// rows' blocks and the tokens' Q8 blocks of MQ_KB blocks at a time (a K-quant super-block) are copied into shared
-// memory by cp.async (sm_80+) while the previous MQ_KB blocks are multiplied, two stages in dynamic shared memory
-// ([stage][NR rows × MQ_SA bytes | MQ_KB × MQ_BN × MQ_XS ints]; NR = MQ_BM, or 2·MQ_BM gate and up rows for GATED).
-// The weights are copied as they are in memory (16-byte pieces when every row and stage starts 16-byte aligned, else
-// 4-byte ones) and read from shared memory into the fragments as mq_load_a reads them from global memory; a Q8 block
+// The pipelined MMA loop (the tensor-core formats but MXFP4, whose 17-byte blocks have no aligned words, and the
+// lattice IQ formats, whose grid lookups ran 8-10% slower with it: IQ2_XS prefill on an H100, stop 50;
+// STRATA_MMQ_PIPE, on unless compiled with 0): the weight rows' blocks and the tokens' Q8 blocks of MQ_KB blocks at a
+// time (a super-block of the 256-value formats) are copied into shared memory by cp.async (sm_80+) while the previous
+// MQ_KB blocks are multiplied, two stages in dynamic shared memory ([stage][NR rows × MQ_SA bytes | MQ_KB × MQ_BN ×
+// MQ_XS ints]; NR = MQ_BM, or 2·MQ_BM gate and up rows for GATED). The weights are copied as they are in memory
+// (mq_pipe_mode: 16-byte pieces, 4-byte ones, or — rows that start 2-byte aligned — the 4-byte words around each
+// row's span, read from the row's offset in its first word) and read from shared memory into the fragments as
+// mq_load_a reads them from global memory (an address keeps its remainder mod 4, so the same loads apply); a Q8 block
 // as its 40 bytes (d, s, qs at ints 0, 1, 2..9 of its 12; for Q4_K/Q5_K its s is then replaced by d·Σq, mq_core's
 // value). Arithmetic as mq_core's, in the same order: the same bits.
-// rowp (shared, NR entries, written and synced by the caller): row i's first byte; mode: 16 or 4 (mq_pipe_mode).
+// rowp (shared, NR entries, written and synced by the caller): row i's first byte; mode: mq_pipe_mode's.
 #ifndef STRATA_MMQ_PIPE
 #define STRATA_MMQ_PIPE 1
 #endif
 #define MQ_PIPE_FMT(F) \
-    ((F) == FMT_Q8_0 || (F) == FMT_Q4_0 || (F) == FMT_Q4_1 || (F) == FMT_Q4_K || (F) == FMT_Q5_K)
-// bytes per 32-value block (Q4_K, Q5_K: an eighth of a super-block; a stage of MQ_KB blocks is one super-block), and
-// the shared row stride of MQ_KB blocks: a multiple of 16 bytes whose word count is 4 times an odd number, so that the
-// fragment reads of the 8 rows × 4 lanes of a warp fall on 32 different banks
-#define MQ_BB(F) ((F) == FMT_Q8_0 ? 34 : (F) == FMT_Q4_0 ? 18 : (F) == FMT_Q4_K ? 18 : (F) == FMT_Q5_K ? 22 : 20)
-#define MQ_SA(F) ((F) == FMT_Q8_0 ? 272 : (F) == FMT_Q4_0 || (F) == FMT_Q4_K ? 144 : 176)
+    ((F) == FMT_Q8_0 || (F) == FMT_Q4_0 || (F) == FMT_Q4_1 ||                                                  \
+     (IS_SUB(F) && !IS_IQ(F) && (F) != FMT_MXFP4 && (F) != FMT_Q2_K))
+// bytes per 32-value block of the formats of 32-value blocks (a stage of MQ_KB blocks may be cut short at a row's end)
+#define MQ_BB(F) ((F) == FMT_Q8_0 ? 34 : (F) == FMT_Q4_0 ? 18 : (F) == FMT_Q4_1 ? 20 : SUB_BYTES(F))
+// bytes of a whole stage of one row: MQ_KB blocks, or one super-block
+#define MQ_SPAN(F) (SUB_QK(F) == 256 ? SUB_BYTES(F) : MQ_KB * MQ_BB(F))
+// the shared row stride of a stage: at least the span (plus 2 where rows may start 2-byte aligned), a multiple of 16
+// bytes whose word count is 4 times an odd number, so that the fragment reads of the 8 rows × 4 lanes of a warp fall
+// on 32 different banks
+#define MQ_SA(F)                                                                                               \
+    ((F) == FMT_Q8_0 ? 272 : (F) == FMT_Q6_K ? 240 : (F) == FMT_Q5_0 || (F) == FMT_Q5_1 ? 208                  \
+     : (F) == FMT_Q4_1 || (F) == FMT_Q5_K || (F) == FMT_IQ4_NL ? 176 : 144)
+// rows that start 2-byte aligned fit the stride with their offset
+#define MQ_SHIFT_OK(F) (((MQ_SPAN(F) + 2 + 3) & ~3) <= MQ_SA(F))
 // the K-quants' minimum term takes the exact d·Σq of each token block (as mq_core stages it)
 #define MQ_EXACT_S(F) ((F) == FMT_Q4_K || (F) == FMT_Q5_K)
 #define MQ_XBYTES (MQ_KB * MQ_BN * MQ_XS * 4)
@@ -1099,34 +1110,52 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // How the pipelined loop may copy rows whose starts are all congruent to `base_or` (the OR of the row bases and
-// the row stride) modulo 16, nb blocks long: 16 (16-byte pieces: aligned and whole stages), 4 (4-byte pieces: each
-// stage's span of every row a whole number of aligned words), 0 (not pipelined: mq_core).
+// the row stride) modulo 16, nb blocks long: 16 (16-byte pieces: aligned, whole stages of whole pieces), 4 (4-byte
+// pieces: each stage's span of every row a whole number of aligned words), 2 (rows 2-byte aligned: the words around
+// each span, read from its offset), 0 (not pipelined: mq_core).
 template <int FMT>
 __device__ __forceinline__ int mq_pipe_mode(unsigned long long base_or, int nb) {
     if (!STRATA_MMQ_PIPE || !MQ_PIPE_FMT(FMT)) return 0;
     if (SUB_QK(FMT) == 256 && nb % MQ_KB != 0) return 0;  // a stage is a whole super-block
-    if ((base_or & 15) == 0 && nb % MQ_KB == 0) return 16;
-    if ((base_or & 3) == 0 && ((nb % MQ_KB) * MQ_BB(FMT)) % 4 == 0) return 4;
+    if ((base_or & 15) == 0 && nb % MQ_KB == 0 && MQ_SPAN(FMT) % 16 == 0) return 16;
+    if ((base_or & 3) == 0 && MQ_SPAN(FMT) % 4 == 0 && ((nb % MQ_KB) * MQ_BB(FMT)) % 4 == 0) return 4;
+    if ((base_or & 1) == 0 && MQ_SHIFT_OK(FMT)) return 2;
     return 0;
+}
+
+// Byte offset in a row of the stage starting at block kb0 (a multiple of MQ_KB).
+template <int FMT>
+__device__ __forceinline__ size_t mq_stage_off(int kb0) {
+    return (size_t)(kb0 / MQ_KB) * MQ_SPAN(FMT);
 }
 
 template <int FMT, bool GATED>
 __device__ __forceinline__ void mq_pipe_load(const u8* const* rowp, int mode, int kb0, int nb, const Q8* xq, int xb,
                                              const int* xrow, u8* stage) {
-    constexpr int NR = GATED ? 2 * MQ_BM : MQ_BM, BB = MQ_BB(FMT), SA = MQ_SA(FMT), NT = 32 * MQ_WARPS;
+    constexpr int NR = GATED ? 2 * MQ_BM : MQ_BM, SA = MQ_SA(FMT), NT = 32 * MQ_WARPS;
     const int kn = min(MQ_KB, nb - kb0);
-    const int span = kn * BB;  // bytes of each row in this stage
+    const int span = SUB_QK(FMT) == 256 ? MQ_SPAN(FMT) : kn * MQ_BB(FMT);  // bytes of each row in this stage
+    const size_t off = mq_stage_off<FMT>(kb0);
     if (mode == 16) {
         const int ch = span / 16;
         for (int i = threadIdx.x; i < NR * ch; i += NT) {
             const int r = i / ch, c = i - r * ch;
-            cp_async<16>(stage + r * SA + c * 16, rowp[r] + (size_t)kb0 * BB + c * 16);
+            cp_async<16>(stage + r * SA + c * 16, rowp[r] + off + c * 16);
         }
-    } else {
+    } else if (mode == 4) {
         const int ch = span / 4;
         for (int i = threadIdx.x; i < NR * ch; i += NT) {
             const int r = i / ch, c = i - r * ch;
-            cp_async<4>(stage + r * SA + c * 4, rowp[r] + (size_t)kb0 * BB + c * 4);
+            cp_async<4>(stage + r * SA + c * 4, rowp[r] + off + c * 4);
+        }
+    } else {
+        // the aligned words that hold each row's span (it starts 0 or 2 bytes into its first word): no byte outside
+        // them is read, and every word holds a byte of the row
+        const int ch = (span + 2 + 3) / 4;
+        for (int i = threadIdx.x; i < NR * ch; i += NT) {
+            const int r = i / ch, c = i - r * ch;
+            const size_t src = (size_t)(rowp[r] + off);
+            if (c * 4 < (int)(src & 3) + span) cp_async<4>(stage + r * SA + c * 4, (const u8*)(src & ~(size_t)3) + c * 4);
         }
     }
     int* xs = (int*)(stage + NR * SA);
@@ -1167,6 +1196,13 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
         const u8* as = smem + (st & 1) * STAGE;
         const int* xk0 = (const int*)(as + NR * SA);
         const int kn = min(MQ_KB, nb - st * MQ_KB);
+        // a row's bytes start where its first byte sits in its first word (mode 2), else at the row's stride
+        const size_t off = mq_stage_off<FMT>(st * MQ_KB);
+        const auto row_at = [&](int r) { return as + r * SA + (mode == 2 ? (int)((size_t)(rowp[r] + off) & 3) : 0); };
+        const u8* ra0 = row_at(la);
+        const u8* rb0 = row_at(lb);
+        const u8* ru0 = GATED ? row_at(MQ_BM + la) : ra0;
+        const u8* ru1 = GATED ? row_at(MQ_BM + lb) : rb0;
         if constexpr (MQ_EXACT_S(FMT)) {
             // each token block's s becomes d·Σq, the value mq_core stages (zero for the padding columns); each thread
             // takes the blocks it copied or zeroed itself (mq_pipe_load's mapping), visible to it after its wait
@@ -1186,11 +1222,11 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
             int a[4], au[4];
             float da, db, ma = 0.f, mb = 0.f, dua = 0.f, dub = 0.f, mua = 0.f, mub = 0.f;
             float da1 = 0.f, db1 = 0.f, dua1 = 0.f, dub1 = 0.f;
-            mq_load_a<FMT>(as + la * SA, kb, tg, a[0], a[2], da, ma, da1);
-            mq_load_a<FMT>(as + lb * SA, kb, tg, a[1], a[3], db, mb, db1);
+            mq_load_a<FMT>(ra0, kb, tg, a[0], a[2], da, ma, da1);
+            mq_load_a<FMT>(rb0, kb, tg, a[1], a[3], db, mb, db1);
             if (GATED) {
-                mq_load_a<FMT>(as + (MQ_BM + la) * SA, kb, tg, au[0], au[2], dua, mua, dua1);
-                mq_load_a<FMT>(as + (MQ_BM + lb) * SA, kb, tg, au[1], au[3], dub, mub, dub1);
+                mq_load_a<FMT>(ru0, kb, tg, au[0], au[2], dua, mua, dua1);
+                mq_load_a<FMT>(ru1, kb, tg, au[1], au[3], dub, mub, dub1);
             }
             const int* xk = xk0 + kb * MQ_BN * MQ_XS;
 #pragma unroll

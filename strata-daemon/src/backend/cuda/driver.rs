@@ -126,11 +126,13 @@ unsafe impl Send for DevBuf {}
 unsafe impl Sync for DevBuf {}
 
 impl DevBuf {
-    /// Allocates `bytes` (at least 1) of device memory (contents undefined). Errors: out of memory.
+    /// Allocates `bytes` (at least 1) of device memory (contents undefined). The allocation is rounded up to 16
+    /// bytes, so a kernel may read a whole aligned word or 16-byte piece that holds a buffer's last byte (the
+    /// pipelined tensor-core loop copies rows that start 2-byte aligned as whole words). Errors: out of memory.
     pub fn alloc(bytes: usize) -> Result<DevBuf, GpuError> {
         let mut ptr = 0;
         // SAFETY: valid out-pointer; size > 0.
-        unsafe { check("cuMemAlloc", sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)))? };
+        unsafe { check("cuMemAlloc", sys::cuMemAlloc_v2(&mut ptr, bytes.max(1).next_multiple_of(16)))? };
         LIVE_BYTES.fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(DevBuf { ptr, bytes })
     }

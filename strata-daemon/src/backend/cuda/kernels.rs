@@ -553,7 +553,7 @@ impl Kernels {
         k.attention.set_max_smem(max_smem_optin - 1024)?;
         k.attention_q8.set_max_smem(max_smem_optin - 1024)?;
         // the tensor-core products' dynamic shared memory (pipeline stages: up to 116 KiB, Q8_0 gate and up rows)
-        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4_K, GgmlType::Q5_K] {
+        for ty in crate::quant::format::REGISTRY.iter().map(|f| f.ty).filter(|&t| super::ops::mq_pipe_sa(t).is_some()) {
             let i = fmt_index(ty)?;
             for (f, gated) in [(k.mmq[i], false), (k.gate_up_mmq[i], true), (k.down_mmq[i], false)] {
                 if let Some(f) = f {

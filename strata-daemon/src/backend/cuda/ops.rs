@@ -259,22 +259,34 @@ const MQ_XBYTES: usize = MQ_KB * MQ_BN * MQ_XS * 4;
 pub const MQ_PIPE_MAX_SMEM: usize = 2 * (2 * MQ_BM * 272 + MQ_XBYTES);
 
 /// Dynamic shared memory (bytes) of the tensor-core product kernels of `ty` (`gated`: an expert's gate and up rows)
-/// for Q8_0, Q4_0, Q4_1, Q4_K and Q5_K: with the pipelined loop (`pipe`, see [`super::kernels::mmq_pipe_on`]) two
-/// stages of MQ_KB blocks — the weight rows (64, or 128 when `gated`, at the format's shared row stride `MQ_SA`:
-/// 272, 144, 176, 144, 176 bytes; a K-quant stage is one super-block) and the tokens' Q8 blocks ([`MQ_XBYTES`]) —
-/// else one stage of the Q8 blocks; 0 for the other formats (their kernels' shared memory is static).
+/// for the formats of the pipelined loop ([`mq_pipe_sa`]): with that loop (`pipe`, see
+/// [`super::kernels::mmq_pipe_on`]) two stages of MQ_KB blocks — the weight rows (64, or 128 when `gated`, at the
+/// format's shared row stride; a stage of the 256-value formats is one super-block) and the tokens' Q8 blocks
+/// ([`MQ_XBYTES`]) — else one stage of the Q8 blocks; 0 for the other formats (their kernels' shared memory is
+/// static).
 pub fn mq_smem(ty: GgmlType, gated: bool, pipe: bool) -> u32 {
-    let sa = match ty {
-        GgmlType::Q8_0 => 272,
-        GgmlType::Q4_0 | GgmlType::Q4_K => 144,
-        GgmlType::Q4_1 | GgmlType::Q5_K => 176,
-        _ => return 0,
-    };
+    let Some(sa) = mq_pipe_sa(ty) else { return 0 };
     if !pipe {
         return MQ_XBYTES as u32;
     }
     let rows = if gated { 2 * MQ_BM } else { MQ_BM };
     (2 * (rows * sa + MQ_XBYTES)) as u32
+}
+
+/// The shared row stride in bytes (`MQ_SA` in strata.cu) of a stage of the pipelined tensor-core loop for `ty`: at
+/// least a stage's bytes of one row (8 blocks of 32 values, or one super-block; plus 2 where rows may start 2-byte
+/// aligned), a multiple of 16 whose word count is 4 times an odd number. None: a format without that loop (MXFP4,
+/// Q2_K, the lattice IQ formats — 8-10% slower with it on IQ2_XS, stop 50 — and the float formats).
+pub fn mq_pipe_sa(ty: GgmlType) -> Option<usize> {
+    use GgmlType as T;
+    Some(match ty {
+        T::Q8_0 => 272,
+        T::Q6_K => 240,
+        T::Q5_0 | T::Q5_1 => 208,
+        T::Q4_1 | T::Q5_K | T::IQ4_NL => 176,
+        T::Q4_0 | T::Q4_K | T::Q3_K | T::IQ4_XS => 144,
+        _ => return None,
+    })
 }
 
 /// Rows and tokens per block of the tiled float-format prefill product (`MF_BM`, `MF_BN`; 256 threads).
@@ -904,8 +916,8 @@ impl Ops<'_> {
 #[cfg(test)]
 mod tests {
     use super::{
-        att_decode_cut, att_decode_smem, down_quantizes, mf_split_count, mq_smem, split_part_floats, Combine, GgmlType,
-        ATT_CHUNK, MQ_PIPE_MAX_SMEM,
+        att_decode_cut, att_decode_smem, down_quantizes, mf_split_count, mq_pipe_sa, mq_smem, split_part_floats,
+        Combine, GgmlType, ATT_CHUNK, MQ_PIPE_MAX_SMEM,
     };
 
     #[test]
@@ -964,14 +976,26 @@ mod tests {
         // the largest stage pair: Q8_0 gate and up rows, two stages of 128 × 272 bytes + 24 KiB of Q8 blocks
         assert_eq!(mq_smem(GgmlType::Q8_0, true, true) as usize, MQ_PIPE_MAX_SMEM);
         assert_eq!(MQ_PIPE_MAX_SMEM, 118_784);
-        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4_K, GgmlType::Q5_K] {
+        let mut pipelined = 0;
+        for f in crate::quant::format::REGISTRY {
+            let Some(sa) = mq_pipe_sa(f.ty) else { continue };
+            pipelined += 1;
+            // a stage of one row (8 blocks or a super-block), with room for a start 2 bytes into its first word
+            let span = f.ty.type_size() * (256 / f.ty.block_size()).min(8);
+            assert!(span <= sa && sa % 16 == 0 && (sa / 4) % 8 == 4, "{}: stride {sa} for {span} bytes", f.name);
+            if span % 4 != 0 {
+                assert!((span + 2).div_ceil(4) * 4 <= sa, "{}", f.name);
+            }
             for gated in [false, true] {
-                assert!(mq_smem(ty, gated, true) as usize <= MQ_PIPE_MAX_SMEM);
+                assert!(mq_smem(f.ty, gated, true) as usize <= MQ_PIPE_MAX_SMEM);
                 // without the pipeline the loop stages one set of Q8 blocks (as stop 25's static array)
-                assert_eq!(mq_smem(ty, gated, false), 8 * 64 * 12 * 4);
+                assert_eq!(mq_smem(f.ty, gated, false), 8 * 64 * 12 * 4);
             }
         }
-        assert_eq!(mq_smem(GgmlType::Q6_K, true, true), 0, "static shared memory");
+        assert_eq!(pipelined, 11, "the tensor-core formats but MXFP4 and the lattice IQ formats");
+        assert_eq!(mq_smem(GgmlType::MXFP4, true, true), 0, "static shared memory");
+        assert_eq!(mq_smem(GgmlType::IQ2_XS, true, true), 0, "static shared memory");
+        assert_eq!(mq_smem(GgmlType::Q6_K, false, true), 2 * (64 * 240 + 8 * 64 * 12 * 4));
         if std::env::var_os("STRATA_GPU_MMQ_PIPE").is_none() {
             assert!(crate::backend::cuda::kernels::mmq_pipe_on(232_448)); // H100/H200 opt-in
             assert!(crate::backend::cuda::kernels::mmq_pipe_on(166_912)); // A100
