@@ -1,5 +1,6 @@
-//! `strata-tools bench-attention`: the CPU decode attention on its own — one query row (`n_head` heads) over
-//! `ctx` positions of an f16 KV cache, as a decode token runs it per layer. `layers` separate caches are
+//! `strata-tools bench-attention`: the CPU attention on its own — one query row (`n_head` heads) over `ctx`
+//! positions of an f16 KV cache, as a decode token runs it per layer, or (`--rows N`) the last N rows of a prompt
+//! of `ctx` tokens, each over the positions up to its own, as a prompt chunk runs it. `layers` separate caches are
 //! walked in turn, as a token walks its layers, so the K/V rows come from RAM rather than the caches. Prints µs per
 //! layer and the K/V read rate (GB/s) beside the host RAM read rate of the same run. Needs no model.
 
@@ -38,6 +39,9 @@ pub struct BenchAttentionArgs {
     /// Pool threads (default: every core).
     #[arg(long)]
     threads: Option<usize>,
+    /// Query rows per call: 1 is a decode token; more is a prompt chunk (rows `ctx − rows .. ctx`, causal).
+    #[arg(long, default_value_t = 1)]
+    rows: usize,
 }
 
 /// Runs the benchmark and prints its figures. Errors: shapes that do not fit (`heads` not a multiple of
@@ -46,8 +50,8 @@ pub fn run(a: BenchAttentionArgs) -> Result<()> {
     if a.heads == 0 || a.kv_heads == 0 || a.heads % a.kv_heads != 0 {
         bail!("--heads must be a positive multiple of --kv-heads");
     }
-    if a.ctx == 0 || a.layers == 0 || a.head_dim == 0 {
-        bail!("--ctx, --layers and --head-dim must be positive");
+    if a.ctx == 0 || a.layers == 0 || a.head_dim == 0 || a.rows == 0 || a.rows > a.ctx {
+        bail!("--ctx, --layers, --head-dim and --rows must be positive, --rows at most --ctx");
     }
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let pool = WorkerPool::new(threads)?;
@@ -66,15 +70,15 @@ pub fn run(a: BenchAttentionArgs) -> Result<()> {
         })
         .collect();
     let h = Heads { n_head: a.heads, n_head_kv: a.kv_heads, head_dim: a.head_dim };
-    let q0 = vals(a.heads * a.head_dim);
+    let q0 = vals(a.rows * a.heads * a.head_dim);
     let mut q = q0.clone();
-    let mut out = vec![0f32; a.heads * a.head_dim];
+    let mut out = vec![0f32; a.rows * a.heads * a.head_dim];
     let scale = 1.0 / (a.head_dim as f32).sqrt();
     let token = |q: &mut Vec<f32>, out: &mut Vec<f32>| {
         for (k, v) in &caches {
             // attend rounds the query to f16 in place: each layer starts from the same one
             q.copy_from_slice(&q0);
-            attend(&pool, q, KvRows::F16(k), KvRows::F16(v), h, (a.ctx - 1, 1), scale, 0, None, out);
+            attend(&pool, q, KvRows::F16(k), KvRows::F16(v), h, (a.ctx - a.rows, a.rows), scale, 0, None, out);
         }
     };
     token(&mut q, &mut out);
@@ -96,12 +100,24 @@ pub fn run(a: BenchAttentionArgs) -> Result<()> {
         a.ctx,
         a.layers
     );
-    println!(
-        "decode attention: {per_layer_us:.1} µs per layer ({:.2} ms per token), K/V read at {:.1} GB/s; host RAM read \
-         {ram:.1} GB/s",
-        per_layer_us * a.layers as f64 / 1000.0,
-        kv_bytes / (per_layer_us * 1e-6) / 1e9
-    );
+    if a.rows == 1 {
+        println!(
+            "decode attention: {per_layer_us:.1} µs per layer ({:.2} ms per token), K/V read at {:.1} GB/s; host RAM \
+             read {ram:.1} GB/s",
+            per_layer_us * a.layers as f64 / 1000.0,
+            kv_bytes / (per_layer_us * 1e-6) / 1e9
+        );
+    } else {
+        // (row, position) pairs of one head per second: the causal rows attend to ctx − rows + 1 .. ctx positions
+        let pairs = (a.rows * (2 * a.ctx - a.rows + 1) / 2 * a.heads) as f64;
+        println!(
+            "prompt attention, {} rows: {per_layer_us:.1} µs per layer ({:.2} ms per chunk), {:.2} G head-position \
+             pairs/s",
+            a.rows,
+            per_layer_us * a.layers as f64 / 1000.0,
+            pairs / (per_layer_us * 1e-6) / 1e9
+        );
+    }
     // a digest of the output, so that builds whose arithmetic must agree can be compared
     let d = out.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, x| (h ^ x.to_bits() as u64).wrapping_mul(0x100_0000_01b3));
     println!("output digest {d:016x}");

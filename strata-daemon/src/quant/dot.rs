@@ -602,6 +602,74 @@ pub(super) mod avx2 {
         [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
     }
 
+    /// One Q4_1 row times four tokens' activations (prefill products: the row's nibbles unpacked once and its
+    /// bytes read once for the four); each result bit for bit [`dot_q4_1`]'s for that token.
+    /// SAFETY (callers): the CPU has avx2, fma and f16c; the row holds `x[t].len()` Q4_1 blocks for every `t`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1_t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut summs = [0f32; 4];
+        let ones = _mm256_set1_epi16(1);
+        let p = row.as_ptr();
+        for i in 0..x[0].len() {
+            let b = p.add(i * 20);
+            let d = h2f(b);
+            let m = h2f(b.add(2));
+            let qw = nibbles(b.add(4));
+            for t in 0..4 {
+                let xb = &x[t][i];
+                summs[t] += m * xb.s;
+                let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), s, acc[t]);
+            }
+        }
+        [hsum(acc[0]) + summs[0], hsum(acc[1]) + summs[1], hsum(acc[2]) + summs[2], hsum(acc[3]) + summs[3]]
+    }
+
+    /// One Q4_0 row times four tokens' activations (the row's codes unpacked once, as signed `q − 8`); each result
+    /// bit for bit [`dot_q4_0`]'s: the sign trick gives the same eight integer sums Σ(q − 8)·x as its
+    /// [`mul_sum_q4`] (pairs of at most 2 × 8 × 127, for `x` in −127..=127 as the quantizer makes them).
+    /// SAFETY (callers): the CPU has avx2, fma and f16c; the row holds `x[t].len()` Q4_0 blocks for every `t`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_0_t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+        signed_t4(row, x, 18, |b| _mm256_sub_epi8(nibbles(b.add(2)), _mm256_set1_epi8(8)))
+    }
+
+    /// One Q8_0 row times four tokens' activations (the row's bytes read once for the four); each result bit for
+    /// bit [`dot_q8_0`]'s ([`mul_sum_i8`] with the row's absolute values taken once).
+    /// SAFETY (callers): the CPU has avx2, fma and f16c; the row holds `x[t].len()` Q8_0 blocks for every `t`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0_t4(row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+        signed_t4(row, x, 34, |b| _mm256_loadu_si256(b.add(2) as *const __m256i))
+    }
+
+    /// The four-token product of a format of `bs`-byte blocks, each an f16 scale then codes that `codes` gives as
+    /// 32 signed bytes (from the block's address): per block and token, [`mul_sum_i8`]'s integers with the row's
+    /// absolute values taken once, scaled by `d · dx` into one fused multiply-add chain per token.
+    /// SAFETY (callers): the CPU has avx2, fma and f16c; the row holds `x[t].len()` blocks for every `t`; `codes`
+    /// reads inside the block it is given.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn signed_t4(row: &[u8], x: [&[BlockQ8]; 4], bs: usize, codes: impl Fn(*const u8) -> __m256i) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let ones = _mm256_set1_epi16(1);
+        let p = row.as_ptr();
+        for i in 0..x[0].len() {
+            let b = p.add(i * bs);
+            let d = h2f(b);
+            let w = codes(b);
+            let aw = _mm256_sign_epi8(w, w);
+            for t in 0..4 {
+                let xb = &x[t][i];
+                let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(qx, w)), ones));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), s, acc[t]);
+            }
+        }
+        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+    }
+
     /// Quantizes 32-value blocks like [`super::quantize_q8`] (same rounding: ties to even).
     /// SAFETY (callers): the CPU has avx2, fma and f16c; `x.len() == out.len() * 32`.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -808,6 +876,68 @@ mod tests {
                 (a, b)
             };
             assert_eq!(a, b, "w {w:?} x {x:?}");
+        }
+    }
+
+    /// The four-token kernels of Q4_0, Q4_1 and Q8_0 give each token the one-row kernel's bits: random rows and
+    /// rows of extreme codes (nibbles 0 and 15, bytes ±127), four different activation rows with blocks at ±127,
+    /// rows of 1, 2 and 18 blocks.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn four_token_kernels_give_each_token_the_one_row_bits() {
+        if !simd_level().avx2() {
+            return;
+        }
+        let mut seed = 13u64;
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let k = q8_kernels(ty);
+            let t4 = k.avx2_t4.expect("a four-token kernel");
+            let bs = ty.type_size();
+            for nb in [1usize, 2, 18] {
+                for extreme in [0u8, 1, 2] {
+                    let mut row = vec![0u8; nb * bs];
+                    for b in row.iter_mut() {
+                        *b = match extreme {
+                            0 => (lcg(&mut seed) * 127.0) as i8 as u8,
+                            1 => 0xff, // nibbles 15, Q8_0 codes −1
+                            _ => {
+                                if ty == GgmlType::Q8_0 {
+                                    0x81
+                                } else {
+                                    0x00
+                                }
+                            } // −127, nibbles 0
+                        };
+                    }
+                    for blk in row.chunks_exact_mut(bs) {
+                        let d = half::f16::from_f32(0.01 * (1.5 + lcg(&mut seed))).to_bits().to_le_bytes();
+                        blk[0..2].copy_from_slice(&d);
+                        if ty == GgmlType::Q4_1 {
+                            blk[2..4]
+                                .copy_from_slice(&half::f16::from_f32(-0.05 * lcg(&mut seed)).to_bits().to_le_bytes());
+                        }
+                    }
+                    let xs: Vec<Vec<BlockQ8>> = (0..4)
+                        .map(|t| {
+                            let mut v: Vec<f32> = (0..nb * 32).map(|_| lcg(&mut seed) * 4.0).collect();
+                            if t == 3 {
+                                v.iter_mut().enumerate().for_each(|(i, a)| *a = if i % 3 == 0 { -4.0 } else { 4.0 });
+                            }
+                            let mut q = vec![BlockQ8::default(); nb];
+                            quantize_q8(&v, &mut q);
+                            q
+                        })
+                        .collect();
+                    let x4 = [&xs[0][..], &xs[1][..], &xs[2][..], &xs[3][..]];
+                    // SAFETY: AVX2/FMA/F16C detected above; the row holds nb whole blocks of each x.
+                    let got = unsafe { t4(&row, x4) };
+                    for (t, g) in got.iter().enumerate() {
+                        // SAFETY: as above.
+                        let one = unsafe { (k.avx2)(&row, &xs[t]) };
+                        assert_eq!(g.to_bits(), one.to_bits(), "{ty:?} x{nb} extreme {extreme} token {t}");
+                    }
+                }
+            }
         }
     }
 

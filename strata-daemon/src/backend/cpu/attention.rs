@@ -187,7 +187,13 @@ impl ChunkKernel {
     /// One head's softmax over its scores `segs` (its span in position order): each score becomes
     /// `e^(s − M)` ([`softmax_exps`]); returns `1 / L` ([`softmax_inv`]).
     fn softmax(self, segs: &mut [&mut [f32]], sink: Option<f32>) -> f32 {
-        let m = match self {
+        let m = self.exps(segs, sink);
+        softmax_inv(segs, m, sink)
+    }
+
+    /// One head's exponentials: each score of `segs` becomes `e^(s − M)` ([`softmax_exps`]); returns `M`.
+    fn exps(self, segs: &mut [&mut [f32]], sink: Option<f32>) -> f32 {
+        match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the width was detected on this CPU (`for_head`).
             ChunkKernel::X86(w) => unsafe { x86::exps_f16(w, segs, sink) },
@@ -195,8 +201,7 @@ impl ChunkKernel {
             // SAFETY: FMA was detected (`for_head` gives `true` only where the SIMD level includes it).
             ChunkKernel::Portable(true) => unsafe { softmax_exps_fma(segs, sink) },
             _ => softmax_exps(segs, sink),
-        };
-        softmax_inv(segs, m, sink)
+        }
     }
 
     /// Pass two for the heads of `invs` (see [`chunk_values`]); `p` holds `invs.len() · CHUNK` values.
@@ -342,7 +347,7 @@ fn prompt_f16(pool: &WorkerPool, q: &[f32], k: &[u16], v: &[u16], r: &Call<'_>, 
                     for c in 0..nc {
                         kern.scores(qv, k, sp, js(c), r.scale, &mut sc[c * group * CHUNK..], CHUNK);
                     }
-                    let invs: Vec<f32> = (0..group)
+                    let ms: Vec<f32> = (0..group)
                         .map(|g| {
                             let mut segs: Vec<&mut [f32]> = sc[..nc * group * CHUNK]
                                 .chunks_mut(CHUNK)
@@ -351,9 +356,10 @@ fn prompt_f16(pool: &WorkerPool, q: &[f32], k: &[u16], v: &[u16], r: &Call<'_>, 
                                 .enumerate()
                                 .map(|(c, s)| &mut s[..js(c).len()])
                                 .collect();
-                            kern.softmax(&mut segs, r.sinks.map(|s| s[h0 + g]))
+                            kern.exps(&mut segs, r.sinks.map(|s| s[h0 + g]))
                         })
                         .collect();
+                    let invs = softmax_invs(&sc[..nc * group * CHUNK], (nc, len), &ms, |g| r.sinks.map(|s| s[h0 + g]));
                     for c in 0..nc {
                         let part = &mut parts[c * group * hd..(c + 1) * group * hd];
                         kern.values(&sc[c * group * CHUNK..], CHUNK, v, sp, js(c), &invs, p, part);
@@ -414,6 +420,50 @@ fn softmax_inv(segs: &[&mut [f32]], m: f32, sink: Option<f32>) -> f32 {
         l += exp(s - m);
     }
     1.0 / l
+}
+
+/// [`softmax_inv`] of each of the `ms.len()` heads whose exponentials lie chunk after chunk at
+/// `e[(c · heads + g) · CHUNK ..]` (`nc` chunks of [`CHUNK`] positions, the last one short of `len`; `ms[g]` the
+/// head's `M`, `sink(g)` its sink): the same sums in the same order, so the same bits, the heads' sums running side
+/// by side (up to four independent chains instead of one after another).
+fn softmax_invs(e: &[f32], (nc, len): (usize, usize), ms: &[f32], sink: impl Fn(usize) -> Option<f32>) -> Vec<f32> {
+    let heads = ms.len();
+    assert!(e.len() >= nc * heads * CHUNK && len <= nc * CHUNK, "softmax sums");
+    let mut invs = vec![0f32; heads];
+    let mut g0 = 0;
+    while g0 < heads {
+        let l = match heads - g0 {
+            1 => sums_side_by_side::<1>(e, heads, g0, (nc, len)).to_vec(),
+            2 => sums_side_by_side::<2>(e, heads, g0, (nc, len)).to_vec(),
+            3 => sums_side_by_side::<3>(e, heads, g0, (nc, len)).to_vec(),
+            _ => sums_side_by_side::<4>(e, heads, g0, (nc, len)).to_vec(),
+        };
+        for (h, mut l) in l.into_iter().enumerate() {
+            let g = g0 + h;
+            if let Some(s) = sink(g) {
+                l += exp(s - ms[g]);
+            }
+            invs[g] = 1.0 / l;
+        }
+        g0 += 4;
+    }
+    invs
+}
+
+/// Heads `g0 .. g0 + H`'s sums of [`softmax_invs`], each one at a time in position order.
+#[inline(always)]
+fn sums_side_by_side<const H: usize>(e: &[f32], heads: usize, g0: usize, (nc, len): (usize, usize)) -> [f32; H] {
+    let mut l = [0f32; H];
+    for c in 0..nc {
+        let n = (len - c * CHUNK).min(CHUNK);
+        let rows: [&[f32]; H] = std::array::from_fn(|h| &e[(c * heads + g0 + h) * CHUNK..][..n]);
+        for j in 0..n {
+            for h in 0..H {
+                l[h] += rows[h][j];
+            }
+        }
+    }
+    l
 }
 
 /// Pass two of a chunk for the heads of `invs` (`1 / L` each, from [`softmax_inv`]): head `g`'s probabilities
@@ -959,6 +1009,8 @@ mod tests {
             (2, 1, 64, 40, 20, 33, false),
             (8, 2, 64, 126, 3, 0, true),
             (6, 2, 64, 300, 1, 200, false),
+            // six heads per K/V head in a prompt chunk: the softmax sums four heads side by side, then two
+            (12, 2, 32, 290, 10, 0, true),
         ] {
             let (qd, kvd, n) = (nh * hd, nkv * hd, pos0 + t);
             let (k, v) = kv_rows(&mut r, n, kvd);

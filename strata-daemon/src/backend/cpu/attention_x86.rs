@@ -111,6 +111,15 @@ pub(super) unsafe fn exps_f16(w: Width, segs: &mut [&mut [f32]], sink: Option<f3
 fn exps_ymm(s: &mut [f32], m: f32) {
     let mv = _mm256_set1_ps(m);
     let mut i = 0;
+    while i + 8 <= s.len() {
+        // SAFETY: i + 8 <= s.len().
+        unsafe {
+            let e = super::exp::exp8(_mm256_sub_ps(_mm256_loadu_ps(s.as_ptr().add(i)), mv));
+            _mm256_storeu_ps(s.as_mut_ptr().add(i), e);
+        }
+        i += 8;
+    }
+    // the tail through a padded register
     while i < s.len() {
         let r = (s.len() - i).min(8);
         let mut x = [0f32; 8];
@@ -204,6 +213,16 @@ unsafe fn probabilities(w: Width, e: &[f32], inv: f32, p: &mut [f32]) {
         // SAFETY: AVX-512 F (w); equal lengths (asserted).
         i = unsafe { probabilities_zmm(e, inv, p) };
     }
+    while i + 8 <= e.len() {
+        // SAFETY: i + 8 <= both lengths (asserted equal).
+        unsafe {
+            let y = _mm256_mul_ps(_mm256_loadu_ps(e.as_ptr().add(i)), iv);
+            let y = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(y));
+            _mm256_storeu_ps(p.as_mut_ptr().add(i), y);
+        }
+        i += 8;
+    }
+    // the tail through a padded register
     while i < e.len() {
         let r = (e.len() - i).min(8);
         let mut x = [0f32; 8];

@@ -19,7 +19,7 @@ pub const FORMAT: Format = Format {
         #[cfg(target_arch = "x86_64")]
         avx2_x4: crate::quant::dot::avx2::dot_q4_1_x4,
         #[cfg(target_arch = "x86_64")]
-        avx2_t4: None,
+        avx2_t4: Some(crate::quant::dot::avx2::dot_q4_1_t4),
         wide: true,
         #[cfg(target_arch = "x86_64")]
         avx512: None,
