@@ -872,17 +872,17 @@ MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Prefill products on tensor cores (MMQ): out[t, r] (+)= Σ_c W[r, c] x[t, c] for the stacked rows of up to three
-// block-format matrices (Q8_0, Q4_0, Q4_1) and a chunk of tokens' Q8 rows, each 32-value block one int8 MMA
-// (m16n8k32, s32 accumulation) whose integer sums are scaled per block as the one-row kernels do (Q8_0: d·dx·Σ;
+// block-format matrices (Q8_0, Q4_0, Q4_1 and the sub-block formats but Q2_K) and a chunk of tokens' Q8 rows, each
+// 32-value block one int8 MMA (m16n8k32, s32 accumulation) whose integer sums are scaled per block as the one-row kernels do (Q8_0: d·dx·Σ;
 // Q4_0: d·dx·Σ(q − 8)·qx, the same integer as their Σ − 8·Σqx; Q4_1: d·dx·Σ + m·sx); the blocks' scaled sums are
 // added in another order than theirs, so results differ by rounding only. Block: MQ_WARPS warps, MQ_BM = 16 rows
-// per warp by MQ_BN tokens (8 MMA column tiles). Two loops: mq_core (MXFP4; the others when the pipelined loop is
-// off or the rows' alignment does not allow it) stages the tokens' Q8 blocks
+// per warp by MQ_BN tokens (8 MMA column tiles). Two loops: mq_core (MXFP4 and the lattice IQ formats; the others
+// when the pipelined loop is off or the rows' alignment does not allow it) stages the tokens' Q8 blocks
 // in shared memory MQ_KB blocks at a time ([block][token][12 ints]: 8 of quants, d, s; the 12-int stride keeps the B
 // loads off each other's banks) and reads the weights straight into the A fragments; mq_core_pipe (below) copies
 // weights and tokens into shared memory while the previous blocks multiply. The kernels of the pipelined formats
 // (MQ_PIPE_FMT) take their shared memory as dynamic shared memory of the size the host's mq_smem gives (both loops'
-// staging; MXFP4's is static).
+// staging; MXFP4's and the lattice IQ formats' is static).
 // Grid: (ceil(rows / MQ_BM), ceil(t / MQ_BN)).
 #define MQ_WARPS 4
 #define MQ_BM (16 * MQ_WARPS)
@@ -1065,13 +1065,15 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
 #define MQ_PIPE_FMT(F) \
     ((F) == FMT_Q8_0 || (F) == FMT_Q4_0 || (F) == FMT_Q4_1 ||                                                  \
      (IS_SUB(F) && !IS_IQ(F) && (F) != FMT_MXFP4 && (F) != FMT_Q2_K))
-// bytes per 32-value block of the formats of 32-value blocks (a stage of MQ_KB blocks may be cut short at a row's end)
+// bytes per block: a 32-value block (a stage of MQ_KB of them may be cut short at a row's end), or a super-block of
+// the 256-value formats
 #define MQ_BB(F) ((F) == FMT_Q8_0 ? 34 : (F) == FMT_Q4_0 ? 18 : (F) == FMT_Q4_1 ? 20 : SUB_BYTES(F))
 // bytes of a whole stage of one row: MQ_KB blocks, or one super-block
 #define MQ_SPAN(F) (SUB_QK(F) == 256 ? SUB_BYTES(F) : MQ_KB * MQ_BB(F))
 // the shared row stride of a stage: at least the span (plus 2 where rows may start 2-byte aligned), a multiple of 16
 // bytes whose word count is 4 times an odd number, so that the fragment reads of the 8 rows × 4 lanes of a warp fall
-// on 32 different banks
+// on 32 different banks (where the rows share their offset in the first word; rows 2 bytes apart there, as mode 2's
+// alternating rows, can meet two to a bank in the upper halves of their 2-byte-aligned loads)
 #define MQ_SA(F)                                                                                               \
     ((F) == FMT_Q8_0 ? 272 : (F) == FMT_Q6_K ? 240 : (F) == FMT_Q5_0 || (F) == FMT_Q5_1 ? 208                  \
      : (F) == FMT_Q4_1 || (F) == FMT_Q5_K || (F) == FMT_IQ4_NL ? 176 : 144)

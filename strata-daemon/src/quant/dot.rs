@@ -406,15 +406,17 @@ impl Q8T4 {
 }
 
 /// The four-token kernel of `ty` where the format has one and the CPU runs it (looked up once per product, not per
-/// row); `None` otherwise (prefill products then unpack a row per token).
+/// row); `None` otherwise (prefill products then unpack a row per token). Where the CPU runs the AVX-512 VNNI kernel
+/// of a wide format (Q4_0, Q4_1: [`super::q4_wide`], whose sums run in another order than the AVX2 kernels'),
+/// `None` too: [`dot_q8`] gives that kernel's bits there, and so must every token of a product.
 pub fn q8_t4(ty: GgmlType) -> Option<Q8T4> {
     #[cfg(target_arch = "x86_64")]
     if simd_level().avx2() {
-        return super::format::lookup(ty).and_then(|f| f.q8).and_then(|k| k.avx2_t4).map(|f| Q8T4 {
-            ty,
-            checked: false,
-            f,
-        });
+        let k = super::format::lookup(ty).and_then(|f| f.q8)?;
+        if k.wide && simd_level() == SimdLevel::Avx512 {
+            return None;
+        }
+        return k.avx2_t4.map(|f| Q8T4 { ty, checked: false, f });
     }
     let _ = ty;
     None
@@ -880,8 +882,9 @@ mod tests {
     }
 
     /// The four-token kernels of Q4_0, Q4_1 and Q8_0 give each token the one-row kernel's bits: random rows and
-    /// rows of extreme codes (nibbles 0 and 15, bytes ±127), four different activation rows with blocks at ±127,
-    /// rows of 1, 2 and 18 blocks.
+    /// rows of extreme codes (nibbles 0 and 15; Q8_0 bytes −1 and −127), four different activation rows with blocks
+    /// at ±127, rows of 1, 2 and 18 blocks. And a product's tokens all get [`dot_q8`]'s bits through
+    /// [`q8_t4`] at this CPU's level (none for the wide formats where the AVX-512 kernel serves them).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn four_token_kernels_give_each_token_the_one_row_bits() {
@@ -935,6 +938,12 @@ mod tests {
                         // SAFETY: as above.
                         let one = unsafe { (k.avx2)(&row, &xs[t]) };
                         assert_eq!(g.to_bits(), one.to_bits(), "{ty:?} x{nb} extreme {extreme} token {t}");
+                    }
+                    if let Some(k4) = q8_t4(ty) {
+                        for (t, g) in k4.dot(&row, x4).iter().enumerate() {
+                            let want = dot_q8(ty, &row, &xs[t]);
+                            assert_eq!(g.to_bits(), want.to_bits(), "{ty:?} x{nb} q8_t4 token {t}");
+                        }
                     }
                 }
             }

@@ -423,22 +423,24 @@ fn softmax_inv(segs: &[&mut [f32]], m: f32, sink: Option<f32>) -> f32 {
 }
 
 /// [`softmax_inv`] of each of the `ms.len()` heads whose exponentials lie chunk after chunk at
-/// `e[(c · heads + g) · CHUNK ..]` (`nc` chunks of [`CHUNK`] positions, the last one short of `len`; `ms[g]` the
+/// `e[(c · heads + g) · CHUNK ..]` (`nc = ⌈len / CHUNK⌉` chunks of [`CHUNK`] positions, `len` in all; `ms[g]` the
 /// head's `M`, `sink(g)` its sink): the same sums in the same order, so the same bits, the heads' sums running side
 /// by side (up to four independent chains instead of one after another).
 fn softmax_invs(e: &[f32], (nc, len): (usize, usize), ms: &[f32], sink: impl Fn(usize) -> Option<f32>) -> Vec<f32> {
     let heads = ms.len();
-    assert!(e.len() >= nc * heads * CHUNK && len <= nc * CHUNK, "softmax sums");
+    assert!(e.len() >= nc * heads * CHUNK && nc == len.div_ceil(CHUNK), "softmax sums");
     let mut invs = vec![0f32; heads];
     let mut g0 = 0;
     while g0 < heads {
-        let l = match heads - g0 {
-            1 => sums_side_by_side::<1>(e, heads, g0, (nc, len)).to_vec(),
-            2 => sums_side_by_side::<2>(e, heads, g0, (nc, len)).to_vec(),
-            3 => sums_side_by_side::<3>(e, heads, g0, (nc, len)).to_vec(),
-            _ => sums_side_by_side::<4>(e, heads, g0, (nc, len)).to_vec(),
-        };
-        for (h, mut l) in l.into_iter().enumerate() {
+        let mut l = [0f32; 4];
+        let hs = (heads - g0).min(4);
+        match hs {
+            1 => l[..1].copy_from_slice(&sums_side_by_side::<1>(e, heads, g0, (nc, len))),
+            2 => l[..2].copy_from_slice(&sums_side_by_side::<2>(e, heads, g0, (nc, len))),
+            3 => l[..3].copy_from_slice(&sums_side_by_side::<3>(e, heads, g0, (nc, len))),
+            _ => l = sums_side_by_side::<4>(e, heads, g0, (nc, len)),
+        }
+        for (h, mut l) in l.into_iter().take(hs).enumerate() {
             let g = g0 + h;
             if let Some(s) = sink(g) {
                 l += exp(s - ms[g]);

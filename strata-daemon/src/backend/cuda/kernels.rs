@@ -315,8 +315,9 @@ pub fn mmq_wanted() -> bool {
     !std::env::var("STRATA_GPU_MMQ").is_ok_and(|v| v == "0")
 }
 
-/// Whether the tensor-core products of Q8_0, Q4_0, Q4_1, Q4_K and Q5_K copy their operands into shared memory while
-/// they multiply the previous ones (`mq_core_pipe`, cp.async): on a card whose blocks may opt into
+/// Whether the tensor-core products of the pipelined formats ([`super::ops::mq_pipe_sa`]: Q8_0, Q4_0, Q4_1, Q5_0,
+/// Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) copy their operands into shared memory while they multiply the
+/// previous ones (`mq_core_pipe`, cp.async): on a card whose blocks may opt into
 /// `max_smem_optin` bytes of shared memory, when the largest pipeline ([`super::ops::MQ_PIPE_MAX_SMEM`], plus the
 /// kernels' static shared memory) fits — the H100/H200 and A100 (227 / 163 KiB) yes, cards of 99 KiB (RTX 30-50,
 /// L4, L40S) no — and unless `STRATA_GPU_MMQ_PIPE=0` (for A/B measurements). Otherwise `mq_core`, which reads the
