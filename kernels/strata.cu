@@ -873,13 +873,13 @@ MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 // ---------------------------------------------------------------------------------------------------------------
 // Prefill products on tensor cores (MMQ): out[t, r] (+)= Σ_c W[r, c] x[t, c] for the stacked rows of up to three
 // block-format matrices (Q8_0, Q4_0, Q4_1 and the sub-block formats but Q2_K) and a chunk of tokens' Q8 rows, each
-// 32-value block one int8 MMA (m16n8k32, s32 accumulation) whose integer sums are scaled per block as the one-row kernels do (Q8_0: d·dx·Σ;
-// Q4_0: d·dx·Σ(q − 8)·qx, the same integer as their Σ − 8·Σqx; Q4_1: d·dx·Σ + m·sx); the blocks' scaled sums are
-// added in another order than theirs, so results differ by rounding only. Block: MQ_WARPS warps, MQ_BM = 16 rows
+// 32-value block one int8 MMA (m16n8k32, s32 accumulation) whose integer sums are scaled per block as the one-row
+// kernels do (Q8_0: d·dx·Σ; Q4_0: d·dx·Σ(q − 8)·qx, the same integer as their Σ − 8·Σqx; Q4_1: d·dx·Σ + m·sx); the
+// blocks' scaled sums are added in another order than theirs, so results differ by rounding only. Block: MQ_WARPS warps, MQ_BM = 16 rows
 // per warp by MQ_BN tokens (8 MMA column tiles). Two loops: mq_core (MXFP4 and the lattice IQ formats; the others
-// when the pipelined loop is off or the rows' alignment does not allow it) stages the tokens' Q8 blocks
-// in shared memory MQ_KB blocks at a time ([block][token][12 ints]: 8 of quants, d, s; the 12-int stride keeps the B
-// loads off each other's banks) and reads the weights straight into the A fragments; mq_core_pipe (below) copies
+// when the pipelined loop is off or the rows' alignment does not allow it) stages the tokens' Q8 blocks in shared
+// memory MQ_KB blocks at a time ([block][token][12 ints]: 8 of quants, d, s; the 12-int stride keeps the B loads off
+// each other's banks) and reads the weights straight into the A fragments; mq_core_pipe (below) copies
 // weights and tokens into shared memory while the previous blocks multiply. The kernels of the pipelined formats
 // (MQ_PIPE_FMT) take their shared memory as dynamic shared memory of the size the host's mq_smem gives (both loops'
 // staging; MXFP4's and the lattice IQ formats' is static).
@@ -1157,7 +1157,8 @@ __device__ __forceinline__ void mq_pipe_load(const u8* const* rowp, int mode, in
         for (int i = threadIdx.x; i < NR * ch; i += NT) {
             const int r = i / ch, c = i - r * ch;
             const size_t src = (size_t)(rowp[r] + off);
-            if (c * 4 < (int)(src & 3) + span) cp_async<4>(stage + r * SA + c * 4, (const u8*)(src & ~(size_t)3) + c * 4);
+            if (c * 4 < (int)(src & 3) + span)
+                cp_async<4>(stage + r * SA + c * 4, (const u8*)(src & ~(size_t)3) + c * 4);
         }
     }
     int* xs = (int*)(stage + NR * SA);

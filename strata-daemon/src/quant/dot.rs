@@ -896,6 +896,8 @@ mod tests {
             let k = q8_kernels(ty);
             let t4 = k.avx2_t4.expect("a four-token kernel");
             let bs = ty.type_size();
+            // the extreme low codes: Q8_0 bytes −127, nibbles 0
+            let low = if ty == GgmlType::Q8_0 { 0x81 } else { 0x00 };
             for nb in [1usize, 2, 18] {
                 for extreme in [0u8, 1, 2] {
                     let mut row = vec![0u8; nb * bs];
@@ -903,13 +905,7 @@ mod tests {
                         *b = match extreme {
                             0 => (lcg(&mut seed) * 127.0) as i8 as u8,
                             1 => 0xff, // nibbles 15, Q8_0 codes −1
-                            _ => {
-                                if ty == GgmlType::Q8_0 {
-                                    0x81
-                                } else {
-                                    0x00
-                                }
-                            } // −127, nibbles 0
+                            _ => low,
                         };
                     }
                     for blk in row.chunks_exact_mut(bs) {

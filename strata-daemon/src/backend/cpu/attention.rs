@@ -430,42 +430,50 @@ fn softmax_invs(e: &[f32], (nc, len): (usize, usize), ms: &[f32], sink: impl Fn(
     let heads = ms.len();
     assert!(e.len() >= nc * heads * CHUNK && nc == len.div_ceil(CHUNK), "softmax sums");
     let mut invs = vec![0f32; heads];
-    let mut g0 = 0;
-    while g0 < heads {
-        let mut l = [0f32; 4];
-        let hs = (heads - g0).min(4);
-        match hs {
-            1 => l[..1].copy_from_slice(&sums_side_by_side::<1>(e, heads, g0, (nc, len))),
-            2 => l[..2].copy_from_slice(&sums_side_by_side::<2>(e, heads, g0, (nc, len))),
-            3 => l[..3].copy_from_slice(&sums_side_by_side::<3>(e, heads, g0, (nc, len))),
-            _ => l = sums_side_by_side::<4>(e, heads, g0, (nc, len)),
+    for g0 in (0..heads).step_by(4) {
+        let at = HeadSums { e, heads, g0, len };
+        match heads - g0 {
+            1 => at.invs::<1>(ms, &sink, &mut invs),
+            2 => at.invs::<2>(ms, &sink, &mut invs),
+            3 => at.invs::<3>(ms, &sink, &mut invs),
+            _ => at.invs::<4>(ms, &sink, &mut invs),
         }
-        for (h, mut l) in l.into_iter().take(hs).enumerate() {
-            let g = g0 + h;
+    }
+    invs
+}
+
+/// Up to four heads `g0 ..` of [`softmax_invs`]'s exponentials `e` (`heads` heads, `len` positions).
+#[derive(Clone, Copy)]
+struct HeadSums<'a> {
+    e: &'a [f32],
+    heads: usize,
+    g0: usize,
+    len: usize,
+}
+
+impl HeadSums<'_> {
+    /// Heads `g0 .. g0 + H`'s `1 / L` into `invs[g0 ..]`: each `L` one add at a time in position order, the `H`
+    /// sums side by side, then the sink's `e^(sink − M)`.
+    #[inline(always)]
+    fn invs<const H: usize>(self, ms: &[f32], sink: &impl Fn(usize) -> Option<f32>, invs: &mut [f32]) {
+        let mut l = [0f32; H];
+        for c in 0..self.len.div_ceil(CHUNK) {
+            let n = (self.len - c * CHUNK).min(CHUNK);
+            let rows: [&[f32]; H] = std::array::from_fn(|h| &self.e[(c * self.heads + self.g0 + h) * CHUNK..][..n]);
+            for j in 0..n {
+                for h in 0..H {
+                    l[h] += rows[h][j];
+                }
+            }
+        }
+        for (h, mut l) in l.into_iter().enumerate() {
+            let g = self.g0 + h;
             if let Some(s) = sink(g) {
                 l += exp(s - ms[g]);
             }
             invs[g] = 1.0 / l;
         }
-        g0 += 4;
     }
-    invs
-}
-
-/// Heads `g0 .. g0 + H`'s sums of [`softmax_invs`], each one at a time in position order.
-#[inline(always)]
-fn sums_side_by_side<const H: usize>(e: &[f32], heads: usize, g0: usize, (nc, len): (usize, usize)) -> [f32; H] {
-    let mut l = [0f32; H];
-    for c in 0..nc {
-        let n = (len - c * CHUNK).min(CHUNK);
-        let rows: [&[f32]; H] = std::array::from_fn(|h| &e[(c * heads + g0 + h) * CHUNK..][..n]);
-        for j in 0..n {
-            for h in 0..H {
-                l[h] += rows[h][j];
-            }
-        }
-    }
-    l
 }
 
 /// Pass two of a chunk for the heads of `invs` (`1 / L` each, from [`softmax_inv`]): head `g`'s probabilities
