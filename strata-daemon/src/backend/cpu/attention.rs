@@ -238,6 +238,111 @@ impl ChunkKernel {
     }
 }
 
+impl ChunkKernel {
+    /// Pass one of chunk `c` for several rows sharing `sp.first` (`qs[x]` row x's heads, `ends[x]` the end of its
+    /// positions in the chunk, span index; rows that end at or before the chunk's start skipped): row x's head
+    /// `g`'s scores to `sc[x · rstride + (c · heads + g) · CHUNK ..]` (see [`chunk_scores`]). `sp` is the longest
+    /// row's span.
+    #[allow(clippy::too_many_arguments)]
+    fn scores_rows(
+        self,
+        qs: &[&[f32]],
+        k: &[u16],
+        sp: Span,
+        (c, ends): (usize, &[usize]),
+        scale: f32,
+        sc: &mut [f32],
+        rstride: usize,
+    ) {
+        let per = qs[0].len() / sp.hd;
+        let j0 = c * CHUNK;
+        let jend = ends.iter().copied().max().unwrap_or(j0).max(j0);
+        assert!(
+            sp.first + jend <= sp.n && sp.n * sp.kvd <= k.len() && sp.off + sp.hd <= sp.kvd && jend - j0 <= CHUNK,
+            "attention chunk rows"
+        );
+        assert!(
+            qs.len() == ends.len()
+                && qs.iter().all(|q| q.len() == per * sp.hd)
+                && (qs.len() - 1) * rstride + (c + 1) * per * CHUNK <= sc.len(),
+            "attention chunk scores"
+        );
+        let at = |x: usize| x * rstride + c * per * CHUNK;
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            ChunkKernel::X86(w) => {
+                let base = sc.as_mut_ptr();
+                let rows: Vec<x86::ScoreRow<'_>> = (0..qs.len())
+                    .filter(|&x| ends[x] > j0)
+                    // SAFETY: row x's scores of this chunk lie inside sc (asserted).
+                    .map(|x| x86::ScoreRow { q: qs[x], end: ends[x], sc: unsafe { base.add(at(x)) } })
+                    .collect();
+                // SAFETY: the width was detected on this CPU (`for_head`); the rows' positions lie inside k and
+                // their scores inside sc (asserted), one row's apart from another's (rstride >= the chunk's).
+                unsafe { x86::rows_scores_f16(w, &rows, k, sp, j0..jend, scale, CHUNK) }
+            }
+            _ => {
+                for (x, q) in qs.iter().enumerate().filter(|&(x, _)| ends[x] > j0) {
+                    let dst = &mut sc[at(x)..at(x) + per * CHUNK];
+                    self.scores(q, k, sp, j0..ends[x], scale, dst, CHUNK);
+                }
+            }
+        }
+    }
+
+    /// Pass two of chunk `c` for the rows of [`ChunkKernel::scores_rows`] (`ns[x]` row x's positions in the chunk,
+    /// nondecreasing; `invs[x · heads + g]` its heads' `1 / L`): row x's head `g`'s V product to
+    /// `part[(x · heads + g) · hd ..]` (see [`chunk_values`]); `p` holds `ns.len() · heads · CHUNK` values.
+    #[allow(clippy::too_many_arguments)]
+    fn values_rows(
+        self,
+        (e, rstride): (&[f32], usize),
+        v: &[u16],
+        sp: Span,
+        (c, ns): (usize, &[usize]),
+        invs: &[f32],
+        p: &mut [f32],
+        part: &mut [f32],
+    ) {
+        let (nr, hd) = (ns.len(), sp.hd);
+        let per = invs.len() / nr;
+        let j0 = c * CHUNK;
+        assert!(
+            ns.iter().all(|&n| n <= CHUNK && (n == 0 || sp.first + j0 + n <= sp.n))
+                && ns.windows(2).all(|x| x[0] <= x[1])
+                && sp.n * sp.kvd <= v.len()
+                && sp.off + hd <= sp.kvd,
+            "attention chunk rows"
+        );
+        assert!(
+            invs.len() == nr * per
+                && (nr - 1) * rstride + (c + 1) * per * CHUNK <= e.len()
+                && p.len() >= nr * per * CHUNK
+                && part.len() >= nr * per * hd,
+            "attention chunk exponentials"
+        );
+        let at = |x: usize| x * rstride + c * per * CHUNK;
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            ChunkKernel::X86(w) => {
+                let rows: Vec<x86::ValueRow<'_>> = (0..nr)
+                    .map(|x| x86::ValueRow { e: e[at(x)..].as_ptr(), n: ns[x], invs: &invs[x * per..(x + 1) * per] })
+                    .collect();
+                // SAFETY: the width was detected on this CPU (`for_head`); the rows' positions lie inside v, their
+                // exponentials inside e and their outputs inside part (asserted).
+                unsafe { x86::rows_values_f16(w, &rows, per, v, sp, j0, p, part.as_mut_ptr()) }
+            }
+            _ => {
+                for (x, &n) in ns.iter().enumerate().filter(|&(_, &n)| n > 0) {
+                    let nm = &invs[x * per..(x + 1) * per];
+                    let o = &mut part[x * per * hd..(x + 1) * per * hd];
+                    self.values(&e[at(x)..], CHUNK, v, sp, j0..j0 + n, nm, p, o);
+                }
+            }
+        }
+    }
+}
+
 /// [`attend`] over f16 rows (`q` already rounded), over chunks of [`CHUNK`] positions (module doc). A few rows
 /// (decode): the scores and the V products as one task per (row, chunk) — per (row, chunk, K/V head) when that
 /// leaves the pool short of tasks — each reading the chunk's K (then V) rows once for all heads; the softmax as
@@ -325,53 +430,100 @@ fn attend_f16(pool: &WorkerPool, q: &[f32], k: &[u16], v: &[u16], r: &Call<'_>, 
     PARTS.with(|c| *c.borrow_mut() = parts);
 }
 
-/// [`attend_f16`] for many rows: one task per row and K/V head, its chunks in order.
+/// Most consecutive query rows of a prompt one task takes per K/V head ([`prompt_f16`]).
+const BLOCK_ROWS: usize = 4;
+
+/// [`attend_f16`] for many rows: one task per block of up to [`BLOCK_ROWS`] consecutive rows and K/V head (fewer
+/// rows per block where the pool would be short of tasks); the block's rows that share a span start (all of them
+/// unless a sliding window moves it) run their chunks together ([`prompt_rows`]).
 fn prompt_f16(pool: &WorkerPool, q: &[f32], k: &[u16], v: &[u16], r: &Call<'_>, kern: ChunkKernel, out: &mut [f32]) {
-    let (nh, nkv, hd, t) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim, r.t);
-    let (qd, group) = (nh * hd, nh / nkv);
-    let out_ptr = SyncPtr(out.as_mut_ptr());
-    pool.run(t * nkv, |idx| {
-        let (i, kh) = (idx / nkv, idx % nkv);
-        let (sp, h0) = (r.span(i, kh), kh * group);
-        let len = sp.n - sp.first;
-        let nc = len.div_ceil(CHUNK);
-        let js = |c: usize| c * CHUNK..((c + 1) * CHUNK).min(len);
-        let qv = &q[i * qd + h0 * hd..i * qd + (h0 + group) * hd];
-        SCORES.with_borrow_mut(|sc| {
-            PARTS.with_borrow_mut(|parts| {
-                PROBS.with_borrow_mut(|p| {
-                    // chunk c, head g: scores at sc[(c·group + g)·CHUNK ..], V product at parts[(c·group + g)·hd ..]
-                    sc.resize(sc.len().max(nc * group * CHUNK), 0.0);
-                    parts.resize(parts.len().max(nc * group * hd), 0.0);
-                    p.resize(p.len().max(group * CHUNK), 0.0);
-                    for c in 0..nc {
-                        kern.scores(qv, k, sp, js(c), r.scale, &mut sc[c * group * CHUNK..], CHUNK);
-                    }
+    let (nkv, t) = (r.h.n_head_kv, r.t);
+    let rows = (t * nkv / (4 * pool.threads())).clamp(1, BLOCK_ROWS);
+    let blocks = t.div_ceil(rows);
+    let out = SyncPtr(out.as_mut_ptr());
+    pool.run(blocks * nkv, |idx| {
+        let (b, kh) = (idx / nkv, idx % nkv);
+        let (mut a, end) = (b * rows, ((b + 1) * rows).min(t));
+        while a < end {
+            let first = r.span(a, kh).first;
+            let e = (a + 1..end).find(|&i| r.span(i, kh).first != first).unwrap_or(end);
+            // SAFETY: rows a .. e of K/V head kh: this task's alone (tasks differ in block or K/V head), inside the
+            // t rows `out` holds.
+            unsafe { prompt_rows(q, k, v, r, kern, (a..e, kh), out) };
+            a = e;
+        }
+    });
+}
+
+/// Rows `rows` (sharing one span start) of K/V head `kh` of [`attend_f16`]: per chunk the scores of every row
+/// (each K row converted once for all where the kernels allow), per row and head the softmax, per chunk the V
+/// products (each V row converted once for all), per row and head the chunks' sum into `out`.
+///
+/// # Safety
+/// `out` points at `t · n_head · hd` values; rows `rows`' heads of K/V head `kh` are this call's alone.
+unsafe fn prompt_rows(
+    q: &[f32],
+    k: &[u16],
+    v: &[u16],
+    r: &Call<'_>,
+    kern: ChunkKernel,
+    (rows, kh): (std::ops::Range<usize>, usize),
+    out: SyncPtr,
+) {
+    let (nh, nkv, hd) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim);
+    let (qd, group, nr) = (nh * hd, nh / nkv, rows.len());
+    let h0 = kh * group;
+    // the rows' spans grow by one position per row: the last is the longest
+    let sp = r.span(rows.end - 1, kh);
+    let lens: Vec<usize> = rows.clone().map(|i| r.span(i, kh).n - sp.first).collect();
+    let ncs: Vec<usize> = lens.iter().map(|l| l.div_ceil(CHUNK)).collect();
+    let nc = ncs[nr - 1];
+    let qs: Vec<&[f32]> = rows.clone().map(|i| &q[i * qd + h0 * hd..i * qd + (h0 + group) * hd]).collect();
+    let js = |c: usize, len: usize| (c * CHUNK).min(len)..((c + 1) * CHUNK).min(len);
+    let sink = |g: usize| r.sinks.map(|s| s[h0 + g]);
+    // row x, chunk c, head g: scores at sc[((x·nc + c)·group + g)·CHUNK ..]; V products of chunk c at
+    // parts[((c·nr + x)·group + g)·hd ..]
+    let rstride = nc * group * CHUNK;
+    SCORES.with_borrow_mut(|sc| {
+        PARTS.with_borrow_mut(|parts| {
+            PROBS.with_borrow_mut(|p| {
+                sc.resize(sc.len().max(nr * rstride), 0.0);
+                parts.resize(parts.len().max(nc * nr * group * hd), 0.0);
+                p.resize(p.len().max(nr * group * CHUNK), 0.0);
+                for c in 0..nc {
+                    let ends: Vec<usize> = lens.iter().map(|&l| js(c, l).end).collect();
+                    kern.scores_rows(&qs, k, sp, (c, &ends), r.scale, &mut sc[..nr * rstride], rstride);
+                }
+                let mut invs = vec![0f32; nr * group];
+                for x in 0..nr {
+                    let scx = &mut sc[x * rstride..x * rstride + ncs[x] * group * CHUNK];
                     let ms: Vec<f32> = (0..group)
                         .map(|g| {
-                            let mut segs: Vec<&mut [f32]> = sc[..nc * group * CHUNK]
+                            let mut segs: Vec<&mut [f32]> = scx
                                 .chunks_mut(CHUNK)
                                 .skip(g)
                                 .step_by(group)
                                 .enumerate()
-                                .map(|(c, s)| &mut s[..js(c).len()])
+                                .map(|(c, s)| &mut s[..js(c, lens[x]).len()])
                                 .collect();
-                            kern.exps(&mut segs, r.sinks.map(|s| s[h0 + g]))
+                            kern.exps(&mut segs, sink(g))
                         })
                         .collect();
-                    let invs = softmax_invs(&sc[..nc * group * CHUNK], (nc, len), &ms, |g| r.sinks.map(|s| s[h0 + g]));
-                    for c in 0..nc {
-                        let part = &mut parts[c * group * hd..(c + 1) * group * hd];
-                        kern.values(&sc[c * group * CHUNK..], CHUNK, v, sp, js(c), &invs, p, part);
-                    }
+                    let iv = softmax_invs(scx, (ncs[x], lens[x]), &ms, sink);
+                    invs[x * group..(x + 1) * group].copy_from_slice(&iv);
+                }
+                for c in 0..nc {
+                    let ns: Vec<usize> = lens.iter().map(|&l| js(c, l).len()).collect();
+                    let part = &mut parts[c * nr * group * hd..(c + 1) * nr * group * hd];
+                    kern.values_rows((&sc[..nr * rstride], rstride), v, sp, (c, &ns), &invs, p, part);
+                }
+                for (x, i) in rows.clone().enumerate() {
                     for g in 0..group {
-                        // SAFETY: task (i, kh) writes only row i's heads h0 .. h0 + group, inside `out` (t · qd
-                        // values); tasks are disjoint and `out` outlives `run`.
-                        let o =
-                            unsafe { std::slice::from_raw_parts_mut({ out_ptr }.0.add((i * nh + h0 + g) * hd), hd) };
-                        sum_chunks(&parts[g * hd..], group * hd, nc, o);
+                        // SAFETY: row i's head h0 + g, this call's alone (contract), inside `out`.
+                        let o = unsafe { std::slice::from_raw_parts_mut({ out }.0.add((i * nh + h0 + g) * hd), hd) };
+                        sum_chunks(&parts[(x * group + g) * hd..], nr * group * hd, ncs[x], o);
                     }
-                });
+                }
             });
         });
     });
@@ -1021,6 +1173,13 @@ mod tests {
             (6, 2, 64, 300, 1, 200, false),
             // six heads per K/V head in a prompt chunk: the softmax sums four heads side by side, then two
             (12, 2, 32, 290, 10, 0, true),
+            // prompt blocks of rows whose last chunks differ (rows 121 .. 133 cross a chunk's end; 13 rows: a
+            // last block of one row), with eight heads per K/V head (more V products than one pass holds)
+            (9, 3, 64, 120, 13, 0, false),
+            (16, 2, 128, 250, 11, 0, true),
+            (8, 1, 40, 127, 9, 0, false),
+            // a window that moves the span start inside a block (rows with and without a full window)
+            (6, 2, 64, 95, 12, 100, true),
         ] {
             let (qd, kvd, n) = (nh * hd, nkv * hd, pos0 + t);
             let (k, v) = kv_rows(&mut r, n, kvd);

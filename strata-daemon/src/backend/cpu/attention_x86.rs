@@ -68,8 +68,43 @@ pub(super) unsafe fn chunk_scores_f16(
 ) {
     let hd = sp.hd;
     assert!(js.len() <= CHUNK && hd.is_multiple_of(8) && hd <= MAX_HD, "attention chunk of a head of {hd}");
+    let row = ScoreRow { q: qv, end: js.end, sc };
     // SAFETY: the contract.
-    unsafe { scores_f16(w, qv, k, sp, scale, js, sc, stride) };
+    unsafe { scores_f16(w, &[row], k, sp, scale, js, stride) };
+}
+
+/// One query row of [`rows_scores_f16`]: its heads' queries (`per · hd` values, rounded to f16), the end of its
+/// positions (span index, exclusive) and where its scores go (head `g`'s score of span position `j` at
+/// `sc + g · stride + j − js.start`).
+#[derive(Clone, Copy)]
+pub(super) struct ScoreRow<'a> {
+    pub(super) q: &'a [f32],
+    pub(super) end: usize,
+    pub(super) sc: *mut f32,
+}
+
+/// [`chunk_scores_f16`] for several query rows of one K/V head over span positions `js` (`js.end` the largest
+/// row end): each block of K rows converted once for every row, a row's scores only for its positions
+/// (`j < row.end`); each score has the bits of the one-row kernel.
+///
+/// # Safety
+/// As [`chunk_scores_f16`], for every row: its queries `per · hd` values (`per` equal for all), `row.end <=
+/// js.end`, its scores valid for writes and no one else touching them meanwhile.
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(super) unsafe fn rows_scores_f16(
+    w: Width,
+    rows: &[ScoreRow<'_>],
+    k: &[u16],
+    sp: Span,
+    js: std::ops::Range<usize>,
+    scale: f32,
+    stride: usize,
+) {
+    let hd = sp.hd;
+    assert!(js.len() <= CHUNK && hd.is_multiple_of(8) && hd <= MAX_HD, "attention chunk of a head of {hd}");
+    assert!(rows.iter().all(|r| r.end <= js.end && r.q.len() == rows[0].q.len()), "attention rows");
+    // SAFETY: the contract.
+    unsafe { scores_f16(w, rows, k, sp, scale, js, stride) };
 }
 
 /// The softmax's exponentials of one head (the portable `softmax_exps`' bits): the largest of the scores of
@@ -186,18 +221,106 @@ pub(super) unsafe fn chunk_values_f16(
         let heads = (per - g0).min(4);
         // SAFETY: head g0 + g's output at part[(g0 + g)·hd ..][..hd], inside part (asserted above).
         let o = unsafe { part.as_mut_ptr().add(g0 * hd) };
-        let at = Pv { p: p[g0 * CHUNK..].as_ptr(), n, v, sp, j0: js.start, o, stride: hd };
+        let at = Pv { p: p[g0 * CHUNK..].as_ptr(), from: 0, n, v, sp, j0: js.start, o, stride: hd };
         // SAFETY: the contract's CPU features; `heads` heads of probabilities (CHUNK apart, n each) and outputs.
         unsafe {
             match heads {
-                1 => pv::<1>(w, at),
-                2 => pv::<2>(w, at),
-                3 => pv::<3>(w, at),
-                _ => pv::<4>(w, at),
+                1 => pv::<1, 4>(w, at),
+                2 => pv::<2, 4>(w, at),
+                3 => pv::<3, 4>(w, at),
+                _ => pv::<4, 4>(w, at),
             }
         }
         g0 += 4;
     }
+}
+
+/// One query row of [`rows_values_f16`]: its heads' exponentials of the chunk (head `g`'s at `e + g · CHUNK`),
+/// how many positions of the chunk it attends to (`n`, 0 for none) and its heads' `1 / L`.
+#[derive(Clone, Copy)]
+pub(super) struct ValueRow<'a> {
+    pub(super) e: *const f32,
+    pub(super) n: usize,
+    pub(super) invs: &'a [f32],
+}
+
+/// Pass two of a chunk (span positions from `j0`) for several query rows of one K/V head (`per` heads each, rows
+/// in order of their `n`): row `r` head `g`'s probabilities into `p[(r · per + g) · CHUNK ..]`, its V product
+/// (`o = Σ_j p_j · v_j` over its `n` positions) to `part + (r · per + g) · hd` — each value the fused multiply-add
+/// chain in position order from 0 of [`chunk_values_f16`]. Each V row is converted once for every (row, head)
+/// pair that reaches it (up to 12 pairs' accumulators in AVX-512 registers, 6 in AVX2 ones): the positions all
+/// the rows reach first, then each longer row's further positions continuing its accumulators.
+///
+/// # Safety
+/// AVX2 + FMA + F16C (AVX-512 F + VL for [`Width::Avx512`]); `sp.hd % 8 == 0`, `sp.hd <= MAX_HD`; every `n <=
+/// CHUNK`, its positions `j0 .. j0 + n` inside the span and its rows inside `v`; each row's `per` heads'
+/// exponentials valid for reads and `invs.len() == per`; `p.len() >= rows.len() · per · CHUNK`; `part` valid for
+/// writes of `rows.len() · per · hd` values, no one else touching them meanwhile.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,f16c,fma")]
+pub(super) unsafe fn rows_values_f16(
+    w: Width,
+    rows: &[ValueRow<'_>],
+    per: usize,
+    v: &[u16],
+    sp: Span,
+    j0: usize,
+    p: &mut [f32],
+    part: *mut f32,
+) {
+    let hd = sp.hd;
+    assert!(hd.is_multiple_of(8) && hd <= MAX_HD && p.len() >= rows.len() * per * CHUNK, "attention rows shapes");
+    assert!(rows.iter().all(|r| r.n <= CHUNK && r.invs.len() == per), "attention rows");
+    assert!(rows.windows(2).all(|x| x[0].n <= x[1].n), "attention rows in order of their positions");
+    for (r, row) in rows.iter().enumerate().filter(|(_, r)| r.n > 0) {
+        for (g, &inv) in row.invs.iter().enumerate() {
+            // SAFETY: head g's n exponentials (contract).
+            let s = unsafe { std::slice::from_raw_parts(row.e.add(g * CHUNK), row.n) };
+            let at = (r * per + g) * CHUNK;
+            // SAFETY: the contract's CPU features.
+            unsafe { probabilities(w, s, inv, &mut p[at..at + row.n]) };
+        }
+    }
+    let most = if w == Width::Avx512 { 12 } else { 6 };
+    let mut from = 0;
+    for (r, row) in rows.iter().enumerate() {
+        if row.n <= from {
+            continue;
+        }
+        // positions from .. row.n for the pairs of rows r .. (all reach them), `most` pairs at a time
+        let mut q = r * per;
+        while q < rows.len() * per {
+            let count = (rows.len() * per - q).min(most);
+            // SAFETY: pair q's outputs at part + q·hd, inside the contract's rows.len()·per·hd values.
+            let o = unsafe { part.add(q * hd) };
+            let at = Pv { p: p[q * CHUNK..].as_ptr(), from, n: row.n, v, sp, j0, o, stride: hd };
+            // SAFETY: the contract's CPU features; `count` pairs of probabilities (CHUNK apart, written above for
+            // positions up to each row's n >= row.n) and outputs (hd apart).
+            unsafe { pv_many(w, at, count) };
+            q += count;
+        }
+        from = row.n;
+    }
+}
+
+/// [`pv`] for `count` (1 to 12) heads with two registers of columns per head at a time (the accumulators of up to
+/// 12 heads in AVX-512 registers, 6 in AVX2 ones).
+///
+/// # Safety
+/// As [`pv`]'s.
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn pv_many(w: Width, at: Pv<'_>, count: usize) {
+    macro_rules! by_count {
+        ($($g:literal)*) => {
+            match count {
+                $($g => pv::<$g, 2>,)*
+                _ => panic!("{count} heads of V products at once"),
+            }
+        };
+    }
+    let f: unsafe fn(Width, Pv<'_>) = by_count!(1 2 3 4 5 6 7 8 9 10 11 12);
+    // SAFETY: as this function's contract.
+    unsafe { f(w, at) }
 }
 
 /// `p[j]` = f16(`e[j] · inv`) (rounded to nearest even, kept as f32), eight or sixteen at a time.
@@ -258,10 +381,12 @@ unsafe fn probabilities_zmm(e: &[f32], inv: f32, p: &mut [f32]) -> usize {
 }
 
 /// Where [`pv`] reads and writes: `G` heads' probabilities from `p` (head `g`'s `n` at `p + g · CHUNK`), V rows of
-/// span positions `j0 ..`, outputs from `o` (head `g`'s `hd` values at `o + g · stride`).
+/// span positions `j0 ..`, outputs from `o` (head `g`'s `hd` values at `o + g · stride`). Positions `from .. n`
+/// of the chunk: from 0 the accumulators start at zero, else from the outputs (a chain continued).
 #[derive(Clone, Copy)]
 struct Pv<'a> {
     p: *const f32,
+    from: usize,
     n: usize,
     v: &'a [u16],
     sp: Span,
@@ -271,20 +396,20 @@ struct Pv<'a> {
 }
 
 /// `o_g[x]` = `Σ_j p_g[j] · V[first + j0 + j][x]` for `G` heads, each value a fused multiply-add chain in position
-/// order from 0 (the portable `chunk_values`'), the V row converted once for the `G` heads: 64 columns at a
-/// time in AVX-512 registers, 32 in AVX2 ones, then 16 and 8.
+/// order from 0 (the portable `chunk_values`'), the V row converted once for the `G` heads: `16N` columns at a
+/// time in AVX-512 registers (`8N` in AVX2 ones), then 16 and 8.
 ///
 /// # Safety
 /// As [`chunk_values_f16`]'s; `at` inside the buffers as [`Pv`] says, `G` heads.
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn pv<const G: usize>(w: Width, at: Pv<'_>) {
+unsafe fn pv<const G: usize, const N: usize>(w: Width, at: Pv<'_>) {
     let hd = at.sp.hd;
     let mut x = 0;
     if w == Width::Avx512 {
-        while x + 64 <= hd {
-            // SAFETY: columns x .. x + 64 of the head (contract).
-            unsafe { pv_zmm::<G, 4>(at, x) };
-            x += 64;
+        while x + 16 * N <= hd {
+            // SAFETY: columns x .. x + 16N of the heads (contract).
+            unsafe { pv_zmm::<G, N>(at, x) };
+            x += 16 * N;
         }
         while x + 16 <= hd {
             // SAFETY: as above, 16 columns.
@@ -292,10 +417,11 @@ unsafe fn pv<const G: usize>(w: Width, at: Pv<'_>) {
             x += 16;
         }
     }
-    while x + 32 <= hd {
-        // SAFETY: as above, 32 columns.
-        unsafe { pv_ymm::<G, 4>(at, x) };
-        x += 32;
+    // (after the AVX-512 passes fewer than 16 columns are left)
+    while x + 8 * N <= hd {
+        // SAFETY: as above, 8N columns.
+        unsafe { pv_ymm::<G, N>(at, x) };
+        x += 8 * N;
     }
     while x + 8 <= hd {
         // SAFETY: as above, 8 columns.
@@ -312,7 +438,15 @@ unsafe fn pv<const G: usize>(w: Width, at: Pv<'_>) {
 #[target_feature(enable = "avx512f,avx2,f16c,fma")]
 unsafe fn pv_zmm<const G: usize, const N: usize>(at: Pv<'_>, x: usize) {
     let mut acc = [[_mm512_setzero_ps(); N]; G];
-    for j in 0..at.n {
+    if at.from > 0 {
+        for (g, a) in acc.iter_mut().enumerate() {
+            for (u, r) in a.iter_mut().enumerate() {
+                // SAFETY: head g's output columns x + 16u .. + 16 (contract), holding the chain so far.
+                *r = unsafe { _mm512_loadu_ps(at.o.add(g * at.stride + x + 16 * u)) };
+            }
+        }
+    }
+    for j in at.from..at.n {
         let row = at.sp.row(at.sp.first + at.j0 + j);
         prefetch_ahead(at.v, at.sp, at.sp.first + at.j0 + j + PREFETCH, x..x + 16 * N);
         let r = &at.v[row.start + x..row.start + x + 16 * N];
@@ -344,7 +478,15 @@ unsafe fn pv_zmm<const G: usize, const N: usize>(at: Pv<'_>, x: usize) {
 #[target_feature(enable = "avx2,f16c,fma")]
 unsafe fn pv_ymm<const G: usize, const N: usize>(at: Pv<'_>, x: usize) {
     let mut acc = [[_mm256_setzero_ps(); N]; G];
-    for j in 0..at.n {
+    if at.from > 0 {
+        for (g, a) in acc.iter_mut().enumerate() {
+            for (u, r) in a.iter_mut().enumerate() {
+                // SAFETY: head g's output columns x + 8u .. + 8 (contract), holding the chain so far.
+                *r = unsafe { _mm256_loadu_ps(at.o.add(g * at.stride + x + 8 * u)) };
+            }
+        }
+    }
+    for j in at.from..at.n {
         let row = at.sp.row(at.sp.first + at.j0 + j);
         prefetch_ahead(at.v, at.sp, at.sp.first + at.j0 + j + PREFETCH, x..x + 8 * N);
         let r = &at.v[row.start + x..row.start + x + 8 * N];
@@ -368,47 +510,49 @@ unsafe fn pv_ymm<const G: usize, const N: usize>(at: Pv<'_>, x: usize) {
     }
 }
 
-/// The scores of span positions `js` (indices from `sp.first`) for `qv.len() / sp.hd` query heads: head `g`'s
-/// score of span position `j` to `sc[g · stride + j − js.start]`, scaled by `scale`.
+/// The scores of span positions `js` (indices from `sp.first`) for each row of `rows` (`row.q.len() / sp.hd`
+/// query heads): head `g`'s score of span position `j < row.end` to `row.sc + g · stride + j − js.start`, scaled
+/// by `scale`; each block of K rows converted once for all rows.
 ///
 /// # Safety
 /// The CPU must run `w`; `sp.hd % 8 == 0`, `sp.hd <= MAX_HD`; `js` inside `0..sp.n - sp.first`, its rows inside
-/// `k`; `sc` valid for writes of those elements and no one else touching them meanwhile.
+/// `k`; every `row.end <= js.end`; the scores valid for writes and no one else touching them meanwhile.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn scores_f16(
     w: Width,
-    qv: &[f32],
+    rows: &[ScoreRow<'_>],
     k: &[u16],
     sp: Span,
     scale: f32,
     js: std::ops::Range<usize>,
-    sc: *mut f32,
     stride: usize,
 ) {
-    let (hd, per) = (sp.hd, qv.len() / sp.hd);
+    let hd = sp.hd;
     KT.with_borrow_mut(|kt| {
         for j0 in js.clone().step_by(BLK) {
             let nb = BLK.min(js.end - j0);
             // SAFETY: the CPU runs AVX2 + F16C (contract); rows j0..j0+nb of the span lie inside k.
             unsafe { k_tile(k, sp, j0, nb, kt) };
-            for g in 0..per {
-                let q = &qv[g * hd..(g + 1) * hd];
-                let s = match w {
-                    // SAFETY: the contract's CPU features; q holds hd values, the tile hd / 8 chunks.
-                    Width::Avx2 => unsafe { scores8_avx2(q, kt, scale) },
-                    // SAFETY: as above, with AVX-512 F + VL (the contract for this width).
-                    Width::Avx512 => unsafe { scores8_avx512(q, kt, scale) },
-                };
-                // SAFETY: g · stride + j0 − js.start + nb is inside the elements this call owns (contract).
-                unsafe {
-                    let dst = sc.add(g * stride + j0 - js.start);
-                    if nb == BLK {
-                        _mm256_storeu_ps(dst, s);
-                    } else {
-                        let mut x = [0f32; BLK];
-                        _mm256_storeu_ps(x.as_mut_ptr(), s);
-                        std::ptr::copy_nonoverlapping(x.as_ptr(), dst, nb);
+            for row in rows.iter().filter(|r| r.end > j0) {
+                let nr = nb.min(row.end - j0);
+                for (g, q) in row.q.chunks_exact(hd).enumerate() {
+                    let s = match w {
+                        // SAFETY: the contract's CPU features; q holds hd values, the tile hd / 8 chunks.
+                        Width::Avx2 => unsafe { scores8_avx2(q, kt, scale) },
+                        // SAFETY: as above, with AVX-512 F + VL (the contract for this width).
+                        Width::Avx512 => unsafe { scores8_avx512(q, kt, scale) },
+                    };
+                    // SAFETY: g · stride + j0 − js.start + nr is inside the elements this call owns (contract).
+                    unsafe {
+                        let dst = row.sc.add(g * stride + j0 - js.start);
+                        if nr == BLK {
+                            _mm256_storeu_ps(dst, s);
+                        } else {
+                            let mut x = [0f32; BLK];
+                            _mm256_storeu_ps(x.as_mut_ptr(), s);
+                            std::ptr::copy_nonoverlapping(x.as_ptr(), dst, nr);
+                        }
                     }
                 }
             }
