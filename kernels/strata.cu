@@ -2201,9 +2201,10 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
 //
 // Block (x, h): query rows [x * FA_BQ, x * FA_BQ + FA_BQ) of head h (FA_WARPS warps of 16 rows), walking the KV
 // cache in tiles of FA_BK positions up to the block's last causal position; per tile, S = Q·Kᵀ on f16 MMA
-// (m16n8k16, f32 accumulation; q rounded to f16 as it is packed, the cache f16), s = S * scale, positions past a row's
-// own masked, online softmax (running max m and sum l per row, in f32), then P·V with the probabilities exp(s − m)
-// rounded to f16 (f32 accumulation); out = acc / l at the end. The arithmetic differs from `attention` (which
+// (m16n8k16, f32 accumulation; q rounded to f16 as it is packed, the cache f16; K and V fragments by ldmatrix, a
+// step's fragments all loaded before its products), s = S · scale · log2 e, positions past a row's own masked
+// (tiles that every row of a warp sees whole unmasked), online softmax in base 2 (running max m and sum l per row,
+// in f32), then P·V with the probabilities 2^(s − m) rounded to f16 (f32 accumulation); out = acc / l at the end. The arithmetic differs from `attention` (which
 // rounds the normalised probabilities to f16 and sums in position order) by rounding only. Head size HD (a multiple
 // of 16, at most 128); K/V rows are read 16 bytes at a time (kvd % 8 == 0 and 16-byte aligned caches). Grid:
 // (ceil(t / FA_BQ), n_head); block: 32 * FA_WARPS threads. The Q8 rows of out are a separate quantize launch.
@@ -2212,6 +2213,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
 #define FA_WARPS 4
 #define FA_BQ (16 * FA_WARPS)
 #define FA_BK 64
+#define LOG2E 1.4426950408889634f
 
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
     return (u32)float_to_half(lo) | ((u32)float_to_half(hi) << 16);
@@ -2221,7 +2223,7 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
 // mma_s8_16832).
 __device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1) {
 #if __CUDA_ARCH__ >= 800
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -2285,16 +2287,40 @@ __device__ __forceinline__ void fa_rescale(float (*acc)[4], float a0, float a1) 
     }
 }
 
+// Four 8×8 matrices of 16-bit values from shared memory (ldmatrix, sm_75+): lane l gives the address of row l % 8 of
+// matrix l / 8 (16 bytes, 16-byte aligned); r[m] gets matrix m's row lane / 4, values 2·(lane % 4) and the next
+// (TRANS: its rows 2·(lane % 4) and the next of column lane / 4), the layout of an m16n8k16 B fragment register.
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(u32* r, const u16* p) {
+#if __CUDA_ARCH__ >= 750
+    const u32 a = smem_u32(p);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+#else
+    __trap();
+#endif
+}
+
 // acc += P·V over 16 positions: pa the A fragments of P (16 rows × 16 positions), v0 the f16 V tile (rows LD halves
-// apart) at the first of the 16 positions' row 2·tg, column g.
+// apart) at the first of the 16 positions; the B fragments of two 8-column slices per ldmatrix (transposed: matrices
+// positions 0-7 and 8-15 of slice j, then of slice j + 1).
 template <int HD, int LD>
-__device__ __forceinline__ void fa_pv(float (*acc)[4], const u32* pa, const u16* v0) {
+__device__ __forceinline__ void fa_pv(float (*acc)[4], const u32* pa, const u16* v0, int lane) {
+    const int m = lane >> 3;
+    const u16* vl = v0 + ((m & 1) * 8 + (lane & 7)) * LD + (m >> 1) * 8;
+    u32 b[HD / 16][4];
 #pragma unroll
-    for (int j = 0; j < HD / 8; j++) {
-        const u16* vp = v0 + j * 8;
-        const u32 b0 = (u32)vp[0] | ((u32)vp[LD] << 16);
-        const u32 b1 = (u32)vp[8 * LD] | ((u32)vp[9 * LD] << 16);
-        mma_16816(acc[j], pa, b0, b1);
+    for (int jj = 0; jj < HD / 16; jj++) ldsm_x4<true>(b[jj], vl + jj * 16);
+#pragma unroll
+    for (int jj = 0; jj < HD / 16; jj++) {
+        mma_16816(acc[2 * jj], pa, b[jj][0], b[jj][1]);
+        mma_16816(acc[2 * jj + 1], pa, b[jj][2], b[jj][3]);
     }
 }
 
@@ -2326,6 +2352,8 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
     float acc[HD / 8][4];
 #pragma unroll
     for (int j = 0; j < HD / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    // the scores in base-2 units (s · scale · log2 e), so that each exponential is one exp2
+    const float sl2 = scale * LOG2E;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
     for (int p0 = p_first; p0 < n_blk; p0 += FA_BK) {
         __syncthreads();  // the previous tile's readers are done
@@ -2352,30 +2380,55 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
         float s[FA_BK / 8][4];
 #pragma unroll
         for (int j = 0; j < FA_BK / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        {
+            // the B fragments of two 8-position slices per ldmatrix: matrices (slice j, values 0-7), (j, 8-15),
+            // (j + 1, 0-7), (j + 1, 8-15)
+            const int m = lane >> 3;
+            const u16* kl = ks + ((m >> 1) * 8 + (lane & 7)) * LD + (m & 1) * 8;
 #pragma unroll
-        for (int kt = 0; kt < HD / 16; kt++) {
+            for (int kt = 0; kt < HD / 16; kt++) {
+                // the step's fragments first, then its products (the loads' latency paid once per step)
+                u32 b[FA_BK / 16][4];
 #pragma unroll
-            for (int j = 0; j < FA_BK / 8; j++) {
-                const u16* kr = ks + (j * 8 + g) * LD + kt * 16 + 2 * tg;
-                mma_16816(s[j], qa[kt], *(const u32*)kr, *(const u32*)(kr + 8));
+                for (int jj = 0; jj < FA_BK / 16; jj++) ldsm_x4<false>(b[jj], kl + jj * 16 * LD + kt * 16);
+#pragma unroll
+                for (int jj = 0; jj < FA_BK / 16; jj++) {
+                    mma_16816(s[2 * jj], qa[kt], b[jj][0], b[jj][1]);
+                    mma_16816(s[2 * jj + 1], qa[kt], b[jj][2], b[jj][3]);
+                }
             }
         }
         float mx0 = -INFINITY, mx1 = -INFINITY;
+        // a tile every row of the warp sees whole (its last position at or before the warp's first row, and inside
+        // the last row's window) needs no mask
+        const int wr0 = pos0 + qb + warp * 16;
+        if (p0 + FA_BK - 1 <= wr0 && (window <= 0 || p0 >= wr0 + 15 - window + 1)) {
 #pragma unroll
-        for (int j = 0; j < FA_BK / 8; j++) {
-            const int p = p0 + j * 8 + 2 * tg;
-            s[j][0] = p <= qp0 && p >= lo0 ? s[j][0] * scale : -INFINITY;
-            s[j][1] = p + 1 <= qp0 && p + 1 >= lo0 ? s[j][1] * scale : -INFINITY;
-            s[j][2] = p <= qp1 && p >= lo1 ? s[j][2] * scale : -INFINITY;
-            s[j][3] = p + 1 <= qp1 && p + 1 >= lo1 ? s[j][3] * scale : -INFINITY;
-            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+            for (int j = 0; j < FA_BK / 8; j++) {
+                s[j][0] *= sl2;
+                s[j][1] *= sl2;
+                s[j][2] *= sl2;
+                s[j][3] *= sl2;
+                mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < FA_BK / 8; j++) {
+                const int p = p0 + j * 8 + 2 * tg;
+                s[j][0] = p <= qp0 && p >= lo0 ? s[j][0] * sl2 : -INFINITY;
+                s[j][1] = p + 1 <= qp0 && p + 1 >= lo0 ? s[j][1] * sl2 : -INFINITY;
+                s[j][2] = p <= qp1 && p >= lo1 ? s[j][2] * sl2 : -INFINITY;
+                s[j][3] = p + 1 <= qp1 && p + 1 >= lo1 ? s[j][3] * sl2 : -INFINITY;
+                mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+            }
         }
         fa_quad_max(mx0, mx1);
         // without a window every row has position 0 in the first tile, so its running max is finite from then on;
         // with one a row may have no position in a tile yet (max −inf: nothing to rescale, nothing to add)
         const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
-        const float a0 = nm0 == -INFINITY ? 1.f : expf(m0 - nm0), a1 = nm1 == -INFINITY ? 1.f : expf(m1 - nm1);
+        const float a0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0), a1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
         m0 = nm0;
         m1 = nm1;
         const float e0 = m0 == -INFINITY ? 0.f : m0, e1 = m1 == -INFINITY ? 0.f : m1;
@@ -2384,10 +2437,10 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
         fa_rescale<HD>(acc, a0, a1);
 #pragma unroll
         for (int j = 0; j < FA_BK / 8; j++) {
-            s[j][0] = expf(s[j][0] - e0);
-            s[j][1] = expf(s[j][1] - e0);
-            s[j][2] = expf(s[j][2] - e1);
-            s[j][3] = expf(s[j][3] - e1);
+            s[j][0] = exp2f(s[j][0] - e0);
+            s[j][1] = exp2f(s[j][1] - e0);
+            s[j][2] = exp2f(s[j][2] - e1);
+            s[j][3] = exp2f(s[j][3] - e1);
             l0 += s[j][0] + s[j][1];
             l1 += s[j][2] + s[j][3];
         }
@@ -2396,7 +2449,7 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
             const u32 pa[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
                                pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            fa_pv<HD, LD>(acc, pa, vs + (kk * 16 + 2 * tg) * LD + g);
+            fa_pv<HD, LD>(acc, pa, vs + kk * 16 * LD, lane);
         }
     }
 #pragma unroll
@@ -2406,12 +2459,13 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
     }
     float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
     if (sinks) {
-        // the sink joins each row's softmax: with M = max(m, sink), out = acc·e^(m−M) / (l·e^(m−M) + e^(sink−M))
-        const float sk = sinks[h];
+        // the sink joins each row's softmax: with M = max(m, sink), out = acc·2^(m−M) / (l·2^(m−M) + 2^(sink−M))
+        // (m, M and the sink in base-2 units)
+        const float sk = sinks[h] * LOG2E;
         const float M0 = fmaxf(m0, sk), M1 = fmaxf(m1, sk);
-        const float f0 = expf(m0 - M0), f1 = expf(m1 - M1);
-        inv0 = f0 / (l0 * f0 + expf(sk - M0));
-        inv1 = f1 / (l1 * f1 + expf(sk - M1));
+        const float f0 = exp2f(m0 - M0), f1 = exp2f(m1 - M1);
+        inv0 = f0 / (l0 * f0 + exp2f(sk - M0));
+        inv1 = f1 / (l1 * f1 + exp2f(sk - M1));
     }
 #pragma unroll
     for (int j = 0; j < HD / 8; j++) {
@@ -2614,7 +2668,7 @@ __device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc
             }
             const u32 pa[4] = {pack_half2(s[0][0], s[0][1]), pack_half2(s[0][2], s[0][3]),
                                pack_half2(s[1][0], s[1][1]), pack_half2(s[1][2], s[1][3])};
-            fa_pv<HD, LD>(acc, pa, vs + (w0 + 2 * tg) * LD + g);
+            fa_pv<HD, LD>(acc, pa, vs + w0 * LD, lane);
         }
         __syncthreads();
         if (t + NST < ntile) issue(t + NST);
