@@ -2204,10 +2204,11 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
 // (m16n8k16, f32 accumulation; q rounded to f16 as it is packed, the cache f16; K and V fragments by ldmatrix, a
 // step's fragments all loaded before its products), s = S · scale · log2 e, positions past a row's own masked
 // (tiles that every row of a warp sees whole unmasked), online softmax in base 2 (running max m and sum l per row,
-// in f32), then P·V with the probabilities 2^(s − m) rounded to f16 (f32 accumulation); out = acc / l at the end. The arithmetic differs from `attention` (which
-// rounds the normalised probabilities to f16 and sums in position order) by rounding only. Head size HD (a multiple
-// of 16, at most 128); K/V rows are read 16 bytes at a time (kvd % 8 == 0 and 16-byte aligned caches). Grid:
-// (ceil(t / FA_BQ), n_head); block: 32 * FA_WARPS threads. The Q8 rows of out are a separate quantize launch.
+// in f32), then P·V with the probabilities 2^(s − m) rounded to f16 (f32 accumulation); out = acc / l at the end.
+// The arithmetic differs from `attention` (which rounds the normalised probabilities to f16 and sums in position
+// order) by rounding only. Head size HD (a multiple of 16, at most 128); K/V rows are read 16 bytes at a time (kvd %
+// 8 == 0 and 16-byte aligned caches). Grid: (ceil(t / FA_BQ), n_head); block: 32 * FA_WARPS threads. The Q8 rows
+// of out are a separate quantize launch.
 // window > 0: a row attends to its last `window` positions (the walk starts at the tile of the block's first row's
 // first one); sinks != null: each head's sink logit joins the softmax at the end.
 #define FA_WARPS 4

@@ -10,7 +10,8 @@
 //!   it: a few rows (decode) run the chunk passes as one task per (row, chunk) — per (row, chunk, K/V head) when
 //!   the pool would be short of tasks — each reading its chunk's K (then V) rows once for every head that shares
 //!   them, the softmax as one task per (row, head), the sums on the calling thread; a prompt chunk runs one task
-//!   per row and K/V head. The x86 kernels ([`super::attention_x86`]) give the bits of the portable
+//!   per block of up to [`BLOCK_ROWS`] consecutive rows and K/V head, each K and V row converted once for the
+//!   block's rows. The x86 kernels ([`super::attention_x86`]) give the bits of the portable
 //!   `chunk_scores`, `softmax_exps` and `chunk_values`, whose scores ([`crate::quant::f16`]) give those of f32
 //!   products over the same values. Neither the thread count nor the number of rows changes a bit.
 //! - Q8_0 rows (`--kv-type q8_0`): as llama.cpp's flash attention over a Q8_0 cache (query quantized to Q8_0,
@@ -46,7 +47,7 @@ pub struct Heads {
 pub(super) const CHUNK: usize = 128;
 
 thread_local! {
-    /// A task's scores (one per attended position and head).
+    /// A task's scores (one per attended position and head, of each of its rows).
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// [`split_passes`]' (or a decode split of f16 rows') scores of every row and head, kept by the calling thread
     /// between calls (a decode token would otherwise allocate and zero one per layer).
@@ -130,8 +131,9 @@ fn attend_f32(pool: &WorkerPool, q: &[f32], k: &[f32], v: &[f32], r: &Call<'_>, 
 }
 
 /// The chunk kernels of the f16 definition this CPU runs: the x86 ones ([`x86::chunk_scores_f16`],
-/// [`x86::exps_f16`], [`x86::chunk_values_f16`]) where the head fits them, else the portable ones (with fused
-/// multiply-adds in hardware where the CPU has them).
+/// [`x86::exps_f16`], [`x86::chunk_values_f16`]; for a block of rows [`x86::rows_scores_f16`] and
+/// [`x86::rows_values_f16`]) where the head fits them, else the portable ones (with fused multiply-adds in hardware
+/// where the CPU has them).
 #[derive(Clone, Copy)]
 enum ChunkKernel {
     #[cfg(target_arch = "x86_64")]
@@ -264,6 +266,7 @@ impl ChunkKernel {
         assert!(
             qs.len() == ends.len()
                 && qs.iter().all(|q| q.len() == per * sp.hd)
+                && (qs.len() == 1 || rstride >= (c + 1) * per * CHUNK)
                 && (qs.len() - 1) * rstride + (c + 1) * per * CHUNK <= sc.len(),
             "attention chunk scores"
         );
@@ -346,7 +349,8 @@ impl ChunkKernel {
 /// [`attend`] over f16 rows (`q` already rounded), over chunks of [`CHUNK`] positions (module doc). A few rows
 /// (decode): the scores and the V products as one task per (row, chunk) — per (row, chunk, K/V head) when that
 /// leaves the pool short of tasks — each reading the chunk's K (then V) rows once for all heads; the softmax as
-/// one task per (row, head); the chunks' sums on the calling thread. More rows: one task per row and K/V head.
+/// one task per (row, head); the chunks' sums on the calling thread. More rows: one task per block of up to
+/// [`BLOCK_ROWS`] rows and K/V head ([`prompt_f16`]).
 fn attend_f16(pool: &WorkerPool, q: &[f32], k: &[u16], v: &[u16], r: &Call<'_>, out: &mut [f32]) {
     let (nh, nkv, hd, t) = (r.h.n_head, r.h.n_head_kv, r.h.head_dim, r.t);
     let (qd, group) = (nh * hd, nh / nkv);
@@ -1173,9 +1177,10 @@ mod tests {
             (6, 2, 64, 300, 1, 200, false),
             // six heads per K/V head in a prompt chunk: the softmax sums four heads side by side, then two
             (12, 2, 32, 290, 10, 0, true),
-            // prompt blocks of rows whose last chunks differ (rows 121 .. 133 cross a chunk's end; 13 rows: a
-            // last block of one row), with eight heads per K/V head (more V products than one pass holds)
-            (9, 3, 64, 120, 13, 0, false),
+            // prompt blocks of rows whose last chunks differ (rows of 123 .. 135 positions: the block of 127 ..
+            // 130 crosses a chunk's end with one thread and with two; 13 rows: a last block of one row), with eight
+            // heads per K/V head (more V products than one pass holds)
+            (9, 3, 64, 122, 13, 0, false),
             (16, 2, 128, 250, 11, 0, true),
             (8, 1, 40, 127, 9, 0, false),
             // a window that moves the span start inside a block (rows with and without a full window)

@@ -1,5 +1,6 @@
 //! The x86-64 kernels of [`super::attention`]'s f16 definition: one chunk of positions for the query heads that
-//! share one K/V head, each K and V row converted to f32 once for all of them — the scores of eight positions at a
+//! share one K/V head, of one query row or of a block of them ([`rows_scores_f16`], [`rows_values_f16`]), each K
+//! and V row converted to f32 once for all of them — the scores of eight positions at a
 //! time (eight independent accumulation chains instead of one), the exponentials eight or sixteen lanes at a time,
 //! the products with V accumulated in registers with fused multiply-adds. Every value has the bits of the portable
 //! path (`chunk_scores`, `softmax_exps` and `chunk_values` in [`super::attention`]): a score is eight lanes of
