@@ -93,6 +93,35 @@ impl Act {
             self.qk.clear();
         }
     }
+    /// [`Act::quantize`] with the rows split over `pool` (a prompt's rows; few rows run on the calling thread).
+    /// Each block is quantized on its own, so the blocks are the same whichever way the rows are split.
+    pub fn quantize_on(&mut self, pool: &WorkerPool) {
+        let (t, n, nb) = (self.t, self.n, self.n / 32);
+        if !n.is_multiple_of(32) || t < 2 * pool.threads() {
+            self.quantize();
+            return;
+        }
+        self.q.resize(t * nb, BlockQ8::default());
+        let q8k = self.with_q8k && n.is_multiple_of(256);
+        if q8k {
+            self.qk.resize(t * nb, BlockQ8::default());
+        } else {
+            self.qk.clear();
+        }
+        let (q, qk) = (SyncBlocks(self.q.as_mut_ptr()), SyncBlocks(self.qk.as_mut_ptr()));
+        let f = &self.f;
+        par_rows(pool, t, |rows| {
+            let (b0, nbs) = (rows.start * nb, rows.len() * nb);
+            let x = &f[rows.start * n..rows.end * n];
+            // SAFETY: this task's rows' blocks b0 .. b0 + nbs of the t·nb just sized; tasks' row ranges are
+            // disjoint and the buffers outlive `par_rows`.
+            quantize_q8(x, unsafe { std::slice::from_raw_parts_mut({ q }.0.add(b0), nbs) });
+            if q8k {
+                // SAFETY: as above, in `qk` (sized t·nb when q8k).
+                crate::quant::quantize_q8_k(x, unsafe { std::slice::from_raw_parts_mut({ qk }.0.add(b0), nbs) });
+            }
+        });
+    }
     /// Row `i` of the quantized blocks.
     pub fn qrow(&self, i: usize) -> &[BlockQ8] {
         let nb = self.n / 32;
@@ -152,6 +181,21 @@ impl Act {
 /// A raw output pointer shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
 pub struct SyncPtr(pub *mut f32);
+
+/// [`SyncPtr`] for quantized blocks: tasks write disjoint blocks through it.
+#[derive(Clone, Copy)]
+struct SyncBlocks(*mut BlockQ8);
+// SAFETY: users write disjoint blocks through this pointer (each block by one task).
+unsafe impl Send for SyncBlocks {}
+// SAFETY: as above.
+unsafe impl Sync for SyncBlocks {}
+
+/// Runs `f` over rows `0 .. t` split into contiguous ranges, up to two per pool thread (`t` at least 1).
+pub fn par_rows(pool: &WorkerPool, t: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    let tasks = (2 * pool.threads()).min(t).max(1);
+    let per = t.div_ceil(tasks);
+    pool.run(t.div_ceil(per), |k| f(k * per..((k + 1) * per).min(t)));
+}
 // SAFETY: users write disjoint index sets through this pointer (each element by one task).
 unsafe impl Send for SyncPtr {}
 // SAFETY: as above; no two tasks touch the same element.
@@ -871,6 +915,31 @@ mod tests {
         }
         assert_eq!(v.len(), rows * cols / 32 * bb);
         v
+    }
+
+    /// Quantizing a prompt's rows on the pool gives the blocks of the one-thread pass (Q8_0 and Q8_K), for row
+    /// counts that split evenly and not, and a row width that has no Q8_K blocks.
+    #[test]
+    fn quantizing_rows_on_the_pool_gives_the_same_blocks() {
+        let pool = WorkerPool::new(2).expect("pool");
+        for (t, n) in [(4usize, 512usize), (7, 256), (13, 1024), (9, 96)] {
+            let mut a = Act { with_q8k: true, ..Act::default() };
+            a.resize(t, n);
+            for (i, v) in a.f.iter_mut().enumerate() {
+                *v = ((i * 7919 % 1000) as f32 - 500.0) / 37.0;
+            }
+            let mut b = a.clone();
+            a.quantize();
+            b.quantize_on(&pool);
+            let same = |x: &[BlockQ8], y: &[BlockQ8]| {
+                x.len() == y.len()
+                    && x.iter()
+                        .zip(y)
+                        .all(|(x, y)| x.d.to_bits() == y.d.to_bits() && x.qs == y.qs && x.s.to_bits() == y.s.to_bits())
+            };
+            assert!(same(&a.q, &b.q) && same(&a.qk, &b.qk), "{t} rows of {n}");
+            assert_eq!(b.qk.is_empty(), n % 256 != 0, "{t} rows of {n}");
+        }
     }
 
     #[test]

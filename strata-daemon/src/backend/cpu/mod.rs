@@ -98,6 +98,15 @@ struct CpuPass<'p, 'm> {
     logits: Vec<f32>,
 }
 
+/// `f` over rows `0 .. t`: split over the pool for a prompt's rows, on the calling thread for a few (decode).
+fn rows_on(pool: &crate::pool::WorkerPool, t: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    if t >= 2 * pool.threads() {
+        par_rows(pool, t, f);
+    } else {
+        f(0..t);
+    }
+}
+
 /// `out = w · x` on the pool in the model's arithmetic.
 fn mm(m: &ModelRef<'_>, w: &Weight, x: &Act, out: &mut [f32]) {
     matmul_with(m.pool, m.mat(w), x, out, m.precision)
@@ -142,13 +151,20 @@ impl CpuPass<'_, '_> {
     /// `xn = rms_norm(x rows row0 .. row0 + rows) · w`, quantized.
     fn norm_rows(&mut self, w: &[f32], row0: usize, rows: usize) {
         let e = self.m.cfg.n_embd;
+        let (pool, eps) = (self.m.pool, self.m.cfg.rms_eps);
         let s = &mut *self.s;
         s.xn.resize(rows, e);
-        for j in 0..rows {
-            let i = row0 + j;
-            rms_norm(&s.x[i * e..(i + 1) * e], w, self.m.cfg.rms_eps, &mut s.xn.f[j * e..(j + 1) * e]);
-        }
-        s.xn.quantize();
+        let (x, out) = (&s.x, SyncPtr(s.xn.f.as_mut_ptr()));
+        rows_on(pool, rows, |js| {
+            for j in js {
+                let i = row0 + j;
+                // SAFETY: row j of xn (rows · e values, sized above), written by this task alone (the tasks' row
+                // ranges are disjoint).
+                let o = unsafe { std::slice::from_raw_parts_mut({ out }.0.add(j * e), e) };
+                rms_norm(&x[i * e..(i + 1) * e], w, eps, o);
+            }
+        });
+        s.xn.quantize_on(pool);
     }
 
     /// A dense gated FFN of the normalized, quantized activations `s.xn` into `s.tmp` (`t × n_embd`):
@@ -162,8 +178,15 @@ impl CpuPass<'_, '_> {
         mm(m, gate, &s.xn, &mut s.gate);
         mm(m, up, &s.xn, &mut s.up);
         s.h.resize(t, ff);
-        GluAct::of(m.cfg.spec.def.act, m.precision).apply(&s.gate, &s.up, None, &mut s.h.f);
-        s.h.quantize();
+        let act = GluAct::of(m.cfg.spec.def.act, m.precision);
+        let (g, u, h) = (&s.gate, &s.up, SyncPtr(s.h.f.as_mut_ptr()));
+        rows_on(m.pool, t, |rs| {
+            let at = rs.start * ff..rs.end * ff;
+            // SAFETY: rows rs of h (t · ff values, sized above), written by this task alone (disjoint ranges).
+            let o = unsafe { std::slice::from_raw_parts_mut({ h }.0.add(at.start), at.len()) };
+            act.apply(&g[at.clone()], &u[at], None, o);
+        });
+        s.h.quantize_on(m.pool);
         s.tmp.resize(t * e, 0.0);
         mm(m, down, &s.h, &mut s.tmp);
     }
@@ -253,7 +276,7 @@ impl Ops for CpuPass<'_, '_> {
         let sinks = self.m.weights.blocks[l].attn_sinks.as_deref();
         let (span, scale) = ((pos0, t), cfg.attn_scale);
         attention::attend(self.m.pool, &mut s.q, keys, values, heads, span, scale, window, sinks, &mut s.attn.f);
-        s.attn.quantize();
+        s.attn.quantize_on(self.m.pool);
         Ok(())
     }
 
