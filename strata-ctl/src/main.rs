@@ -19,6 +19,47 @@ use tonic::transport::{Channel, Endpoint, Uri};
 
 mod watch;
 
+/// Writes one line to standard output, as `println!` does, but ends the process quietly with status 0 when the
+/// reader has gone (`strata-ctl generate ... | head`) instead of panicking.
+macro_rules! outln {
+    () => {
+        $crate::out_line(format_args!(""))
+    };
+    ($($arg:tt)*) => {
+        $crate::out_line(format_args!($($arg)*))
+    };
+}
+pub(crate) use outln;
+
+/// The body of [`outln!`]: the formatted line and a newline under one lock of standard output.
+///
+/// A closed pipe ends the process with status 0 (the reader asked for no more); any other write error ends it
+/// with status 1 and one line on standard error.
+pub(crate) fn out_line(args: std::fmt::Arguments<'_>) {
+    let mut o = std::io::stdout().lock();
+    if let Err(e) = o.write_fmt(args).and_then(|()| o.write_all(b"\n")) {
+        closed_stdout(e);
+    }
+}
+
+/// Writes streamed text to standard output and flushes it; ends the process as [`out_line`] does on error.
+pub(crate) fn out_text(text: &[u8]) {
+    let mut o = std::io::stdout().lock();
+    if let Err(e) = o.write_all(text).and_then(|()| o.flush()) {
+        closed_stdout(e);
+    }
+}
+
+/// Ends the process after a failed write to standard output: quietly for a reader that has gone, with one line
+/// on standard error otherwise.
+fn closed_stdout(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(0);
+    }
+    eprintln!("strata-ctl: writing to standard output: {e}");
+    std::process::exit(1);
+}
+
 #[derive(Parser, Debug)]
 #[command(
     name = "strata-ctl",
@@ -350,7 +391,6 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 stop,
             };
             let mut stream = client.generate(req).await.map_err(status_err)?.into_inner();
-            let mut out = std::io::stdout();
             let mut printed = false;
             loop {
                 let ev = match stream.message().await {
@@ -358,7 +398,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                     Ok(None) => break,
                     Err(e) => {
                         if printed {
-                            println!(); // keep the error off the streamed text's line
+                            outln!(); // keep the error off the streamed text's line
                         }
                         return Err(status_err(e));
                     }
@@ -366,18 +406,17 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 match ev.event {
                     Some(pb::generate_event::Event::Token(t)) => {
                         if !cli.json {
-                            let _ = out.write_all(t.text.as_bytes());
-                            let _ = out.flush();
+                            out_text(t.text.as_bytes());
                             printed |= !t.text.is_empty();
                         }
                     }
                     Some(pb::generate_event::Event::Done(d)) => {
                         let c = d.counters.unwrap_or_default();
                         if cli.json {
-                            println!("{}", json!({ "text": d.text, "counters": counters_json(&c) }));
+                            outln!("{}", json!({ "text": d.text, "counters": counters_json(&c) }));
                         } else {
-                            let _ = out.write_all(d.tail.as_bytes());
-                            println!();
+                            out_text(d.tail.as_bytes());
+                            outln!();
                             eprintln!("{}", counters_line(&c));
                             if c.expert_lookups > 0 || c.prefill_file_blob_reads > 0 {
                                 eprintln!("{}", tiers_line(&c));
@@ -395,7 +434,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
             let m = s.model.clone().unwrap_or_default();
             let t = s.totals.clone().unwrap_or_default();
             if cli.json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::to_string_pretty(&json!({
                         "version": s.version,
@@ -432,7 +471,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 } else {
                     "dense".into()
                 };
-                println!(
+                outln!(
                     "strata-daemon {}   up {:.0} s   {}   queued {}   RSS {:.1} MiB",
                     s.version,
                     s.uptime_s,
@@ -440,9 +479,9 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                     s.queued,
                     s.rss_bytes as f64 / 1048576.0
                 );
-                println!("model        {} ({})", m.name, m.path);
-                println!("             {} {}, {} layers, n_embd {}, heads {}/{} kv, vocab {}, {:.1} M params, {} ({:.1} MiB)", m.architecture, experts, m.n_layers, m.n_embd, m.n_head, m.n_head_kv, m.n_vocab, m.n_params as f64 / 1e6, m.file_type, m.file_bytes as f64 / 1048576.0);
-                println!(
+                outln!("model        {} ({})", m.name, m.path);
+                outln!("             {} {}, {} layers, n_embd {}, heads {}/{} kv, vocab {}, {:.1} M params, {} ({:.1} MiB)", m.architecture, experts, m.n_layers, m.n_embd, m.n_head, m.n_head_kv, m.n_vocab, m.n_params as f64 / 1e6, m.file_type, m.file_bytes as f64 / 1048576.0);
+                outln!(
                     "context      {} tokens (trained {}), {} KV cache, {} CPU threads, {} backend",
                     m.n_ctx,
                     m.n_ctx_train,
@@ -450,17 +489,19 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                     m.threads,
                     m.backend
                 );
-                println!(
+                outln!(
                     "requests     {} finished (of which {} cancelled), {} rejected",
-                    t.requests, t.cancelled, t.rejected
+                    t.requests,
+                    t.cancelled,
+                    t.rejected
                 );
-                println!(
+                outln!(
                     "prompt       {} in {:.1} ms ({:.1} tok/s)",
                     count(t.prompt_tokens, "token"),
                     t.prompt_ms,
                     rate(t.prompt_tokens, t.prompt_ms)
                 );
-                println!(
+                outln!(
                     "decode       {} in {:.1} ms ({:.1} tok/s), {}",
                     count(t.generated_tokens, "token"),
                     t.decode_ms,
@@ -470,12 +511,12 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 if m.n_expert > 0 {
                     let per = |a: u64| if t.generated_tokens > 0 { a as f64 / t.generated_tokens as f64 } else { 0.0 };
                     let decode_mib = t.file_bytes_read.saturating_sub(t.prefill_file_bytes_read) as f64 / 1048576.0;
-                    println!(
+                    outln!(
                         "experts      {} lookups, {} VRAM hits, {} swaps into VRAM, {} RAM reads, {} file blob reads ({:.2} per token, {:.1} MiB)",
                         t.expert_lookups, t.vram_hits, t.swaps, t.ram_reads, t.file_blob_reads, per(t.file_blob_reads),
                         decode_mib
                     );
-                    println!(
+                    outln!(
                         "             prefill: {} file blob reads ({:.1} MiB); {} RAM promotions ({:.1} MiB, {} refused)",
                         t.prefill_file_blob_reads,
                         t.prefill_file_bytes_read as f64 / 1048576.0,
@@ -484,16 +525,16 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                         t.promotions_refused
                     );
                     if m.backend == "cuda" || t.pcie_entries > 0 || t.prefetched > 0 {
-                        println!(
+                        outln!(
                             "             GPU: {}",
                             gpu_clause(t.pcie_entries, t.prefetched, t.prefetch_hits, t.prefetch_wasted_bytes)
                         );
                     }
                 }
                 if let Some(c) = &s.last_request {
-                    println!("last request #{}: {}", c.request_id, counters_line(c));
+                    outln!("last request #{}: {}", c.request_id, counters_line(c));
                     if m.n_expert > 0 {
-                        println!("             {}", tiers_line(c));
+                        outln!("             {}", tiers_line(c));
                     }
                 }
             }
@@ -502,7 +543,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
         Cmd::Set { knob, value } => {
             let r = client.set_knob(pb::SetKnobRequest { name: knob, value }).await.map_err(status_err)?.into_inner();
             if cli.json {
-                println!(
+                outln!(
                     "{}",
                     json!({"name": r.name, "old_value": r.old_value, "new_value": r.new_value, "active": r.active, "inactive_reason": r.inactive_reason})
                 );
@@ -512,7 +553,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 let knobs = client.get_knobs(pb::GetKnobsRequest {}).await.map_err(status_err)?.into_inner().knobs;
                 let range = knobs.iter().find(|k| k.name == r.name).map_or("", |k| k.range.as_str());
                 let (old, new) = (knob_value_text(range, r.old_value), knob_value_text(range, r.new_value));
-                println!("{}: {old} -> {new}{note}", r.name);
+                outln!("{}: {old} -> {new}{note}", r.name);
             }
             Ok(())
         }
@@ -529,17 +570,11 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                     .iter()
                     .map(|k| json!({"name": k.name, "value": k.value, "default": k.default_value, "range": k.range, "active": k.active, "inactive_reason": k.inactive_reason, "doc": k.doc}))
                     .collect();
-                println!("{}", serde_json::to_string_pretty(&v).unwrap());
+                outln!("{}", serde_json::to_string_pretty(&v).unwrap());
             } else {
                 for k in list {
                     let act = if k.active { String::new() } else { format!("  (inactive: {})", k.inactive_reason) };
-                    println!(
-                        "{:<26} {:>8}   {:<16} {}{act}",
-                        k.name,
-                        knob_value_text(&k.range, k.value),
-                        k.range,
-                        k.doc
-                    );
+                    outln!("{:<26} {:>8}   {:<16} {}{act}", k.name, knob_value_text(&k.range, k.value), k.range, k.doc);
                 }
             }
             Ok(())
@@ -560,7 +595,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
             if cli.json {
                 let layers: Vec<_> = r.layers.iter().map(|l| json!({"layer": l.layer, "vram_experts": l.vram_experts, "ram_experts": l.ram_experts, "file_experts": l.file_experts, "vram_bytes": l.vram_bytes, "ram_bytes": l.ram_bytes, "file_bytes": l.file_bytes, "stage": l.stage})).collect();
                 let experts: Vec<_> = r.experts.iter().map(|e| json!({"layer": e.layer, "expert": e.expert, "tier": tier(e.tier), "usage": e.usage, "heat": e.heat})).collect();
-                println!(
+                outln!(
                     "{}",
                     serde_json::to_string_pretty(
                         &json!({"mode": r.mode, "ram_locked": r.ram_locked, "layers": layers, "experts": experts})
@@ -570,7 +605,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 return Ok(());
             }
             let mib = |b: u64| b as f64 / 1048576.0;
-            println!("RAM copy: mode {}, {}", r.mode, if r.ram_locked { "locked (mlock)" } else { "pageable" });
+            outln!("RAM copy: mode {}, {}", r.mode, if r.ram_locked { "locked (mlock)" } else { "pageable" });
             // a layer split: which stage (card) holds each layer's VRAM experts, and each stage's totals
             let split = r.layers.iter().any(|l| l.stage > 0);
             if split {
@@ -580,10 +615,10 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                     let (first, last) = (of.first().map_or(0, |l| l.layer), of.last().map_or(0, |l| l.layer));
                     let (v, vb): (u32, u64) =
                         (of.iter().map(|l| l.vram_experts).sum(), of.iter().map(|l| l.vram_bytes).sum());
-                    println!("stage {s}: layers {first}..={last}, {v} experts in VRAM ({:.1} MiB)", mib(vb));
+                    outln!("stage {s}: layers {first}..={last}, {v} experts in VRAM ({:.1} MiB)", mib(vb));
                 }
             }
-            println!("layer {}  vram    ram   file   vram MiB    ram MiB   file MiB", if split { "stage" } else { "" });
+            outln!("layer {}  vram    ram   file   vram MiB    ram MiB   file MiB", if split { "stage" } else { "" });
             // --top N: the N layers holding the most bytes outside VRAM (file first), in layer order
             let mut shown: Vec<&pb::LayerResidency> = r.layers.iter().collect();
             if top > 0 && shown.len() > top as usize {
@@ -593,7 +628,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
             }
             for l in &shown {
                 let stage = if split { format!("{:>5} ", l.stage) } else { String::new() };
-                println!(
+                outln!(
                     "{:>5} {stage}{:>6} {:>6} {:>6} {:>10.1} {:>10.1} {:>10.1}",
                     l.layer,
                     l.vram_experts,
@@ -605,7 +640,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 );
             }
             let sum = |f: fn(&pb::LayerResidency) -> u64| r.layers.iter().map(f).sum::<u64>();
-            println!(
+            outln!(
                 "{:>5} {}{:>6} {:>6} {:>6} {:>10.1} {:>10.1} {:>10.1}{}",
                 "all",
                 if split { "      " } else { "" },
@@ -622,9 +657,9 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 }
             );
             if !r.experts.is_empty() {
-                println!("\nhottest experts\nlayer expert  tier     usage       heat");
+                outln!("\nhottest experts\nlayer expert  tier     usage       heat");
                 for e in &r.experts {
-                    println!("{:>5} {:>6}  {:<5} {:>8.2} {:>10.1}", e.layer, e.expert, tier(e.tier), e.usage, e.heat);
+                    outln!("{:>5} {:>6}  {:<5} {:>8.2} {:>10.1}", e.layer, e.expert, tier(e.tier), e.usage, e.heat);
                 }
             }
             Ok(())
@@ -636,16 +671,16 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                 .map_err(status_err)?
                 .into_inner();
             if cli.json {
-                println!("{}", json!({"path": r.path, "ranked": r.ranked}));
+                outln!("{}", json!({"path": r.path, "ranked": r.ranked}));
             } else {
-                println!("saved {} ranked experts to {}", r.ranked, r.path);
+                outln!("saved {} ranked experts to {}", r.ranked, r.path);
             }
             Ok(())
         }
         Cmd::Verify => {
             let r = client.verify_tiers(pb::VerifyTiersRequest {}).await.map_err(status_err)?.into_inner();
             if cli.json {
-                println!(
+                outln!(
                     "{}",
                     json!({"ram_experts": r.ram_experts, "vram_slots_per_stage": r.vram_slots_per_stage,
                         "faults": r.faults, "elapsed_ms": r.elapsed_ms})
@@ -660,9 +695,9 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                     }
                 };
                 for f in &r.faults {
-                    println!("fault: {f}");
+                    outln!("fault: {f}");
                 }
-                println!(
+                outln!(
                     "checked {} RAM places{slots} against the file in {:.0} ms: {}",
                     r.ram_experts,
                     r.elapsed_ms,
@@ -680,12 +715,8 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
 }
 
 fn main() -> ExitCode {
-    // Writing to a closed pipe (`strata-ctl generate ... | head`) ends the process quietly, as other CLI tools do,
-    // instead of panicking in println!.
-    // SAFETY: restoring the default disposition of SIGPIPE at start, before any thread exists.
-    unsafe {
-        let _ = nix::sys::signal::signal(nix::sys::signal::Signal::SIGPIPE, nix::sys::signal::SigHandler::SigDfl);
-    }
+    // SIGPIPE stays ignored (Rust's default): a write to the daemon's socket after the daemon stopped is then an
+    // error that says so, and a closed standard output is handled by `outln!`/`out_text`.
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,

@@ -7,7 +7,7 @@
 mod terminal;
 pub mod view;
 
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 
 use serde_json::json;
 use strata_proto::v1 as pb;
@@ -15,7 +15,7 @@ use strata_proto::v1::strata_client::StrataClient;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
-use crate::{counters_json, status_err};
+use crate::{counters_json, outln, status_err};
 
 /// The one line `watch` ends with when the daemon stops (after `strata-ctl: `).
 pub const STOPPED: &str = "the daemon stopped";
@@ -122,7 +122,7 @@ fn plain_line(running: bool, c: &pb::RequestCounters) -> String {
 async fn lines(client: &mut StrataClient<Channel>, json: bool, count: u32) -> Result<(), (u8, String)> {
     let mut stream = client.watch_counters(pb::WatchRequest {}).await.map_err(status_err)?.into_inner();
     if !json {
-        println!("{}", plain_header());
+        outln!("{}", plain_header());
     }
     let mut finished = 0u32;
     loop {
@@ -133,11 +133,10 @@ async fn lines(client: &mut StrataClient<Channel>, json: bool, count: u32) -> Re
         };
         let Some(c) = &u.counters else { continue };
         if json {
-            println!("{}", json!({"running": u.running, "counters": counters_json(c)}));
+            outln!("{}", json!({"running": u.running, "counters": counters_json(c)}));
         } else {
-            println!("{}", plain_line(u.running, c));
+            outln!("{}", plain_line(u.running, c));
         }
-        let _ = std::io::stdout().flush();
         if !u.running {
             finished += 1;
             if count > 0 && finished >= count {
