@@ -440,6 +440,7 @@ fn run() -> Result<()> {
         kv_type = model.kv_type().name(),
         threads,
         simd = ?strata::quant::simd_level(),
+        amx = strata::quant::amx::enabled(),
         load_ms = t0.elapsed().as_millis() as u64,
         "model loaded"
     );

@@ -39,7 +39,8 @@ pub enum SimdLevel {
     /// Q5_0 and Q8_0 rows of products whose tasks hold 32+ rows through [`super::dot512`]; products of 8+ tokens
     /// of the formats with a [`super::gemm512`] (Q5_0, Q8_0, the K-quants, IQ4_XS, the lattice IQs) through it. The
     /// K- and IQ-quants' products of fewer tokens stay on the AVX2 kernels, but for IQ2_XS's and IQ2_S's AVX-512
-    /// row kernels (`quant::dot_k`).
+    /// row kernels (`quant::dot_k`). On CPUs with AMX-INT8, `STRATA_AMX=1` sends prompt products of 8+ tokens of Q4_0,
+    /// Q4_1, Q5_0 and Q8_0 through [`super::amx`] (not batch invariant: see there).
     Avx512,
 }
 
@@ -147,6 +148,12 @@ pub fn gemm512_of(ty: GgmlType) -> Option<super::gemm512::Gemm512> {
     }
     let _ = ty;
     None
+}
+
+/// Whether prompt products of `ty` go through the AMX tiles ([`super::amx`]): Q4_0, Q4_1, Q5_0 and Q8_0 at
+/// [`SimdLevel::Avx512`] on a CPU with AMX-INT8, when asked for (`STRATA_AMX=1`, [`super::amx::enabled`]).
+pub fn amx_rows(ty: GgmlType) -> bool {
+    super::amx::takes(ty) && simd_level() == SimdLevel::Avx512 && super::amx::enabled()
 }
 
 /// Whether rows of `ty` go through the AVX-512 kernel ([`super::q4_wide`]): Q4_0 and Q4_1 at

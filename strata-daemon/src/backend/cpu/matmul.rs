@@ -11,6 +11,7 @@ use crate::pool::WorkerPool;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use crate::quant::amx::WTile;
 use crate::quant::dot512::X512;
 use crate::quant::gemm512::{Gemm512, WRows, XTile};
 use crate::quant::q4_wide::Q8Quads;
@@ -240,11 +241,21 @@ pub struct MatJob<'a> {
 
 /// Row chunking of one product for `threads` threads: (rows per chunk, chunks). Enough chunks to balance, each
 /// big enough to amortize task overhead.
-fn chunking(threads: usize, w: &MatRef<'_>) -> (usize, usize) {
+/// `tiled`: the product runs on the AMX tiles ([`tiled`]), so chunks are whole groups of 16 rows where the matrix
+/// has them (the same values either way: each row is computed on its own).
+fn chunking(threads: usize, w: &MatRef<'_>, tiled: bool) -> (usize, usize) {
     let rows = w.rows;
     let min_rows = (4096 / w.cols.max(1)).clamp(4, 256);
-    let chunk = rows.div_ceil(threads * 4).max(min_rows).min(rows.max(1));
+    let mut chunk = rows.div_ceil(threads * 4).max(min_rows).min(rows.max(1));
+    if tiled {
+        chunk = chunk.next_multiple_of(crate::quant::amx::TILE).min(rows.max(1));
+    }
     (chunk, rows.div_ceil(chunk))
+}
+
+/// Whether a product of `ty` weights with `t` tokens runs on the AMX tiles ([`rows_amx`]).
+fn tiled(ty: GgmlType, t: usize, precision: Precision) -> bool {
+    precision == Precision::Q8Activations && t >= AMX_TOKENS && crate::quant::amx_rows(ty)
 }
 
 /// Several independent products in one fork-join of `pool` (one task per row chunk of each product, chunked
@@ -263,7 +274,7 @@ pub fn matmul_batch(pool: &WorkerPool, jobs: &mut [MatJob<'_>], precision: Preci
         if q8 {
             assert_eq!(x.q.len(), x.t * x.n / 32, "matmul: activations not quantized");
         }
-        let (chunk, n) = chunking(threads, w);
+        let (chunk, n) = chunking(threads, w, tiled(w.ty, x.t, precision));
         plan.push((tasks, chunk, SyncPtr(j.out.as_mut_ptr()), j.w, j.x));
         tasks += n;
     }
@@ -456,7 +467,7 @@ pub fn experts_batch(pool: &WorkerPool, jobs: &mut [ExpertJob<'_>], precision: P
         if w.ty.uses_q8_activations() && precision != Precision::F32 {
             assert_eq!(w.cols % 32, 0, "experts: h ({} wide) cannot be quantized for {:?} down weights", w.cols, w.ty);
         }
-        downs.push((chunking(threads, w), j.down, SyncPtr(j.out.as_mut_ptr())));
+        downs.push((chunking(threads, w, tiled(w.ty, t, precision)), j.down, SyncPtr(j.out.as_mut_ptr())));
     }
     let mut glu: Vec<GluJob<'_>> = jobs
         .iter_mut()
@@ -579,7 +590,7 @@ impl<'a> GluPlan<'a> {
                 j.h.qk.clear();
             }
             // whole Q8 blocks (Q8_K super-blocks) per task when h is quantized
-            let chunk = chunking(threads, g).0;
+            let chunk = chunking(threads, g, tiled(g.ty, x.t, precision)).0;
             let unit = if q8k { 256 } else { 32 };
             let chunk = if rows % 32 == 0 { chunk.next_multiple_of(unit).min(rows) } else { chunk }.max(1);
             let n = rows.div_ceil(chunk);
@@ -656,7 +667,12 @@ thread_local! {
     static X512S: RefCell<Vec<X512>> = const { RefCell::new(Vec::new()) };
     /// A pool thread's activation tiles and unpacked rows for the AVX-512 GEMM.
     static GEMM: RefCell<(Vec<XTile>, WRows)> = RefCell::new((Vec::new(), WRows::default()));
+    /// A pool thread's zero-padded last 16 tokens and unpacked rows for the AMX kernels.
+    static AMX: RefCell<(Vec<BlockQ8>, WTile)> = RefCell::new((Vec::new(), WTile::default()));
 }
+
+/// Tokens from which products of the AMX formats go through the tiles ([`rows_amx`]) where the CPU has them.
+const AMX_TOKENS: usize = 8;
 
 /// Rows `r0..r1` of several products of the same activations (each output `x.t × w.rows`, written through its
 /// pointer) (gate and up) into their outputs: each token's
@@ -664,6 +680,18 @@ thread_local! {
 /// of a lone product's rows.
 fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1: usize, precision: Precision) {
     let simd = precision == Precision::Q8Activations;
+    if simd && x.t >= AMX_TOKENS && mats.iter().any(|(w, _)| crate::quant::amx_rows(w.ty)) {
+        if mats.iter().all(|(w, _)| crate::quant::amx_rows(w.ty)) {
+            rows_amx(mats, x, r0, r1);
+        } else {
+            // formats that differ (a gate and an up of two formats): each product on its own path, with the bits
+            // it has alone
+            for m in mats {
+                rows_into_each(std::slice::from_ref(m), x, r0, r1, precision);
+            }
+        }
+        return;
+    }
     if simd && mats.iter().all(|(w, _)| wide(w.ty)) {
         // the same bits as dot_q8 / dot_q8_x4 there, with the activations rearranged once per token, not per call
         QUADS.with(|q| {
@@ -681,6 +709,49 @@ fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1
     for &(w, p) in mats {
         rows_general(w, x, p, r0, r1, precision);
     }
+}
+
+/// Rows `r0..r1` of products of the same activations through the AMX tiles ([`crate::quant::amx`]): per product,
+/// each group of 16 rows unpacked once and multiplied with every 16 tokens (read in place; a short last group through
+/// a zero-padded copy). Every output has the bits of the scalar dot product.
+fn rows_amx(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1: usize) {
+    use crate::quant::amx::{Tiles, TILE};
+    AMX.with(|b| {
+        let (tail, wt) = &mut *b.borrow_mut();
+        let nb = x.n / 32;
+        let full = x.t / TILE;
+        if x.t % TILE != 0 {
+            tail.clear();
+            tail.extend_from_slice(&x.q[full * TILE * nb..x.t * nb]);
+            tail.resize(TILE * nb, BlockQ8::default());
+        }
+        let tiles = Tiles::configure();
+        let mut out = [[0f32; TILE]; TILE];
+        for &(w, p) in mats {
+            let mut r = r0;
+            while r < r1 {
+                let re = (r + TILE).min(r1);
+                let mut rows: [&[u8]; TILE] = [&[]; TILE];
+                for (k, row) in rows.iter_mut().enumerate().take(re - r) {
+                    *row = w.row(r + k);
+                }
+                wt.unpack(w.ty, &rows[..re - r], nb);
+                for i in 0..x.t.div_ceil(TILE) {
+                    let xs = if i < full { &x.q[i * TILE * nb..(i + 1) * TILE * nb] } else { &tail[..] };
+                    tiles.times(wt, xs, &mut out);
+                    for (j, o) in out.iter().enumerate().take((x.t - i * TILE).min(TILE)) {
+                        // SAFETY: token i·16 + j < t and rows r..re inside the matrix, so the range lies inside `out`
+                        // (`t × rows`, asserted where the job was planned); each (token, row) is written by exactly
+                        // one task (row ranges are disjoint).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(o.as_ptr(), p.0.add((i * TILE + j) * w.rows + r), re - r)
+                        };
+                    }
+                }
+                r = re;
+            }
+        }
+    })
 }
 
 /// One product's rows through [`crate::quant::dot_q8_x4`] / [`crate::quant::dot_q8`] (or the scalar and f32
@@ -993,6 +1064,51 @@ mod tests {
         }
         x.quantize();
         x
+    }
+
+    /// The AMX rows of a task (the tiles, a short last group of tokens and of rows, two products of one activation
+    /// set, row ranges that start inside a group) give every (token, row) the bits of the scalar dot product, on a CPU
+    /// with AMX whether or not `STRATA_AMX=1` asks the matmul for them; the matmul routes products there only when
+    /// asked. Elsewhere the tiles cannot run, which the test states and checks.
+    #[test]
+    fn amx_rows_give_the_scalar_bits() {
+        if !crate::quant::amx::available() {
+            assert!(!crate::quant::amx_rows(GgmlType::Q4_0), "tiles asked for without the hardware");
+            eprintln!("no AMX on this CPU: the tile rows are not run here");
+            return;
+        }
+        let mut seed = 7u64;
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
+            let (rows, cols) = (37, 96);
+            let src = if ty == GgmlType::Q4_0 { ty } else { GgmlType::Q8_0 };
+            let mut data = random_blocks(src, rows, cols, &mut seed);
+            if ty == GgmlType::Q4_1 {
+                // 34-byte blocks cut to Q4_1's 20: their scale, the minimum −1/32 (f16 0xa800), 16 bytes of nibbles
+                data = data.chunks_exact(34).flat_map(|b| [&b[..2], &[0x00, 0xa8][..], &b[2..18]].concat()).collect();
+            }
+            if ty == GgmlType::Q5_0 {
+                // 34-byte blocks cut to Q5_0's 22: scale, 32 fifth bits, 16 bytes of nibbles
+                data = data.chunks_exact(34).flat_map(|b| b[..22].to_vec()).collect();
+            }
+            let w = mat(&data, ty, rows, cols);
+            for t in [8, 20, 33] {
+                let x = act(t, cols, t);
+                let (mut a, mut b) = (vec![0f32; t * rows], vec![0f32; t * rows]);
+                let (pa, pb) = (SyncPtr(a.as_mut_ptr()), SyncPtr(b.as_mut_ptr()));
+                // rows 0..21 of two products at once, then rows 21..37 of the first alone
+                rows_amx(&[(&w, pa), (&w, pb)], &x.view(), 0, 21);
+                rows_amx(&[(&w, pa)], &x.view(), 21, rows);
+                for ti in 0..t {
+                    for r in 0..rows {
+                        let want = dot_q8_scalar(ty, w.row(r), x.qrow(ti)).to_bits();
+                        assert_eq!(a[ti * rows + r].to_bits(), want, "{ty:?} t {t} token {ti} row {r}");
+                        if r < 21 {
+                            assert_eq!(b[ti * rows + r].to_bits(), want, "{ty:?} t {t} token {ti} row {r}, second");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
