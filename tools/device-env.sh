@@ -1,0 +1,11 @@
+# Sourced by the device scripts under docs/data/scripts-stop*/ (bash, run by the `run` tool in the repository root on
+# the GPU machine): unpacks .dev/*.xz binaries (unxz_to SRC DST), puts the CUDA and NVRTC libraries on
+# LD_LIBRARY_PATH, unpacks the prebuilt kernels of .dev/kc-*.tar.xz into STRATA_KERNEL_CACHE (/tmp/sk) and appends
+# the machine's GPU, cores, CPU, date and kernel count to "$L" (the script's log, set before sourcing).
+unxz_to() { python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],"wb"))' "$1" "$2"; chmod +x "$2"; }
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $(python3 -c 'import nvidia,os;print(" ".join(os.path.join(p,"cu13","lib") for p in nvidia.__path__))' 2>/dev/null); do
+  [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+export STRATA_KERNEL_CACHE=/tmp/sk; mkdir -p $STRATA_KERNEL_CACHE
+for k in .dev/kc-*.tar.xz; do [ -f "$k" ] && tar xJf "$k" -C $STRATA_KERNEL_CACHE; done
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; grep -m1 'model name' /proc/cpuinfo; date; ls $STRATA_KERNEL_CACHE | wc -l; } >> "$L"
