@@ -79,19 +79,31 @@ impl Act {
     pub fn row(&self, i: usize) -> &[f32] {
         &self.f[i * self.n..(i + 1) * self.n]
     }
-    /// Quantizes every row to 8-bit blocks (`n` must be a multiple of 32).
-    pub fn quantize(&mut self) {
+    /// Sizes the blocks for `t` rows: `q` always, `qk` where Q8_K blocks are wanted ([`Act::with_q8k`] and whole
+    /// super-blocks; else emptied). Returns (the blocks are to be filled: `n` a multiple of 32, `qk` is); with a
+    /// width that is not whole blocks `qk` is left as it was.
+    fn size_blocks(&mut self) -> (bool, bool) {
         let nb = self.n / 32;
         self.q.resize(self.t * nb, BlockQ8::default());
-        if self.n % 32 != 0 {
-            return;
+        if !self.n.is_multiple_of(32) {
+            return (false, false);
         }
-        quantize_q8(&self.f, &mut self.q);
-        if self.with_q8k && self.n % 256 == 0 {
+        let q8k = self.with_q8k && self.n.is_multiple_of(256);
+        if q8k {
             self.qk.resize(self.t * nb, BlockQ8::default());
-            crate::quant::quantize_q8_k(&self.f, &mut self.qk);
         } else {
             self.qk.clear();
+        }
+        (true, q8k)
+    }
+    /// Quantizes every row to 8-bit blocks (`n` must be a multiple of 32).
+    pub fn quantize(&mut self) {
+        let (fill, q8k) = self.size_blocks();
+        if fill {
+            quantize_q8(&self.f, &mut self.q);
+            if q8k {
+                crate::quant::quantize_q8_k(&self.f, &mut self.qk);
+            }
         }
     }
     /// [`Act::quantize`] with the rows split over `pool` (a prompt's rows; few rows run on the calling thread).
@@ -102,13 +114,7 @@ impl Act {
             self.quantize();
             return;
         }
-        self.q.resize(t * nb, BlockQ8::default());
-        let q8k = self.with_q8k && n.is_multiple_of(256);
-        if q8k {
-            self.qk.resize(t * nb, BlockQ8::default());
-        } else {
-            self.qk.clear();
-        }
+        let (_, q8k) = self.size_blocks();
         let (q, qk) = (SyncBlocks(self.q.as_mut_ptr()), SyncBlocks(self.qk.as_mut_ptr()));
         let f = &self.f;
         par_rows(pool, t, |rows| {
@@ -720,7 +726,7 @@ fn rows_amx(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1: usiz
         let (tail, wt) = &mut *b.borrow_mut();
         let nb = x.n / 32;
         let full = x.t / TILE;
-        if x.t % TILE != 0 {
+        if !x.t.is_multiple_of(TILE) {
             tail.clear();
             tail.extend_from_slice(&x.q[full * TILE * nb..x.t * nb]);
             tail.resize(TILE * nb, BlockQ8::default());
