@@ -1,4 +1,4 @@
-# Sourced by the device scripts under docs/data/scripts-stop*/ (bash, run by the `run` tool in the repository root on
+# Sourced by the device scripts from stop 52 on (docs/data/scripts-stop52/s52a.sh; bash, run by the `run` tool in the repository root on
 # the GPU machine): unpacks .dev/*.xz binaries (unxz_to SRC DST), puts the CUDA and NVRTC libraries on
 # LD_LIBRARY_PATH, unpacks the prebuilt kernels of .dev/kc-*.tar.xz into STRATA_KERNEL_CACHE (/tmp/sk) and appends
 # the machine's GPU, cores, CPU, date and kernel count to "$L" (the script's log, set before sourcing).

@@ -38,7 +38,7 @@ pub(crate) use outln;
 pub(crate) fn out_line(args: std::fmt::Arguments<'_>) {
     let mut o = std::io::stdout().lock();
     if let Err(e) = o.write_fmt(args).and_then(|()| o.write_all(b"\n")) {
-        closed_stdout(e);
+        stdout_failed(e);
     }
 }
 
@@ -46,13 +46,13 @@ pub(crate) fn out_line(args: std::fmt::Arguments<'_>) {
 pub(crate) fn out_text(text: &[u8]) {
     let mut o = std::io::stdout().lock();
     if let Err(e) = o.write_all(text).and_then(|()| o.flush()) {
-        closed_stdout(e);
+        stdout_failed(e);
     }
 }
 
 /// Ends the process after a failed write to standard output: quietly for a reader that has gone, with one line
 /// on standard error otherwise.
-fn closed_stdout(e: std::io::Error) -> ! {
+fn stdout_failed(e: std::io::Error) -> ! {
     if e.kind() == std::io::ErrorKind::BrokenPipe {
         std::process::exit(0);
     }

@@ -16,8 +16,8 @@
 //! (`quant::dot_q8_scalar`), whichever tile or task computed it.
 //!
 //! The results therefore depend on the number of tokens: a prompt's products of 8+ tokens (the CPU matmul's
-//! threshold) give the scalar bits, while one-token decode keeps the AVX-512 row kernels' order (`quant::q4_wide`,
-//! `quant::dot512`), which agrees with them to rounding. The CPU path is otherwise batch invariant (a token's
+//! threshold) give the scalar bits, while one-token decode keeps the SIMD row kernels' order (`quant::q4_wide`,
+//! `quant::dot512`, the AVX2 kernels), which agrees with them to rounding. The CPU path is otherwise batch invariant (a token's
 //! values do not depend on how many tokens shared its products), which prefix reuse relies on for identical
 //! replies; so the tiles are used only when asked for ([`enabled`], `STRATA_AMX=1`).
 //!
@@ -46,12 +46,23 @@ pub fn available() -> bool {
 
 /// Whether prompt products use the AMX kernels: asked for with `STRATA_AMX=1` and [`available`]. Off by default
 /// because it gives up batch invariance: prompt products of 8+ tokens then have the scalar kernels' bits while
-/// fewer tokens (decode, the rest of a prompt whose prefix was reused) keep the AVX-512 row kernels' order, so the
+/// fewer tokens (decode, the rest of a prompt whose prefix was reused) keep the SIMD row kernels' order, so the
 /// same tokens can differ in their last bits, and a greedy reply in a token, with how they were batched. Decided
 /// once per process.
 pub fn enabled() -> bool {
     static S: OnceLock<bool> = OnceLock::new();
-    *S.get_or_init(|| std::env::var("STRATA_AMX").is_ok_and(|v| v == "1") && available())
+    *S.get_or_init(|| match std::env::var("STRATA_AMX").as_deref() {
+        Ok("1") if available() => true,
+        Ok("1") => {
+            tracing::warn!("STRATA_AMX=1: this CPU or kernel gives no AMX tiles (STRATA_LOG=debug says why); not used");
+            false
+        }
+        Ok("0") | Ok("") | Err(_) => false,
+        Ok(v) => {
+            tracing::warn!("STRATA_AMX={v}: only 1 turns the AMX tiles on; not used");
+            false
+        }
+    })
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -109,7 +120,6 @@ pub fn takes(ty: GgmlType) -> bool {
 pub struct WTile {
     ty: Option<GgmlType>,
     nb: usize,
-    rows: usize,
     /// `nb × 8 × 16` words: word `k` of block `b` of row `n` at `(b·8 + k)·16 + n`.
     words: Vec<u32>,
     /// `nb × TILE`: block `b`'s scale of row `n` at `b·TILE + n`.
@@ -127,7 +137,6 @@ impl WTile {
         assert!((1..=TILE).contains(&rows.len()), "WTile: 1..=16 rows");
         self.ty = Some(ty);
         self.nb = nb;
-        self.rows = rows.len();
         self.words.clear();
         self.words.resize(nb * 8 * TILE, 0);
         self.d.clear();
@@ -175,11 +184,6 @@ impl WTile {
                 }
             }
         }
-    }
-
-    /// Rows unpacked.
-    pub fn rows(&self) -> usize {
-        self.rows
     }
 }
 
@@ -461,7 +465,7 @@ mod tests {
     }
 
     /// Every (row, token) of every tile has the bits of the scalar dot product, for tiles with fewer rows and
-    /// tokens than 16, on CPUs with AMX; elsewhere the kernels cannot run and `supported` says so.
+    /// tokens than 16, on CPUs with AMX; elsewhere the kernels cannot run (the emulated test covers the layout).
     #[test]
     fn tile_products_give_the_scalar_bits() {
         if !available() {

@@ -80,8 +80,8 @@ impl Act {
         &self.f[i * self.n..(i + 1) * self.n]
     }
     /// Sizes the blocks for `t` rows: `q` always, `qk` where Q8_K blocks are wanted ([`Act::with_q8k`] and whole
-    /// super-blocks; else emptied). Returns (the blocks are to be filled: `n` a multiple of 32, `qk` is); with a
-    /// width that is not whole blocks `qk` is left as it was.
+    /// super-blocks; else emptied). Returns (fill `q`: `n` is a multiple of 32, fill `qk`); with a width that is not
+    /// whole blocks `qk` is left as it was.
     fn size_blocks(&mut self) -> (bool, bool) {
         let nb = self.n / 32;
         self.q.resize(self.t * nb, BlockQ8::default());
@@ -247,13 +247,13 @@ pub struct MatJob<'a> {
 
 /// Row chunking of one product for `threads` threads: (rows per chunk, chunks). Enough chunks to balance, each
 /// big enough to amortize task overhead.
-/// `tiled`: the product runs on the AMX tiles ([`tiled`]), so chunks are whole groups of 16 rows where the matrix
+/// `amx`: the product runs on the AMX tiles ([`tiled`]), so chunks are whole groups of 16 rows where the matrix
 /// has them (the same values either way: each row is computed on its own).
-fn chunking(threads: usize, w: &MatRef<'_>, tiled: bool) -> (usize, usize) {
+fn chunking(threads: usize, w: &MatRef<'_>, amx: bool) -> (usize, usize) {
     let rows = w.rows;
     let min_rows = (4096 / w.cols.max(1)).clamp(4, 256);
     let mut chunk = rows.div_ceil(threads * 4).max(min_rows).min(rows.max(1));
-    if tiled {
+    if amx {
         chunk = chunk.next_multiple_of(crate::quant::amx::TILE).min(rows.max(1));
     }
     (chunk, rows.div_ceil(chunk))
@@ -690,8 +690,8 @@ fn rows_into_each(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1
         if mats.iter().all(|(w, _)| crate::quant::amx_rows(w.ty)) {
             rows_amx(mats, x, r0, r1);
         } else {
-            // formats that differ (a gate and an up of two formats): each product on its own path, with the bits
-            // it has alone
+            // formats that differ (defensive: GluPlan asserts that a gate and its up agree): each product on its own
+            // path, with the bits it has alone
             for m in mats {
                 rows_into_each(std::slice::from_ref(m), x, r0, r1, precision);
             }
@@ -1114,6 +1114,24 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Products go to the AMX tiles only when `STRATA_AMX=1` asked for them on a CPU that has them, only with 8+
+    /// tokens, only for their formats and the default precision (the test suite runs without the variable: there
+    /// no product goes there, whatever the CPU).
+    #[test]
+    fn products_take_the_amx_tiles_only_when_asked() {
+        let asked = std::env::var("STRATA_AMX").is_ok_and(|v| v == "1");
+        assert_eq!(crate::quant::amx::enabled(), asked && crate::quant::amx::available());
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K] {
+            let on = crate::quant::amx::enabled()
+                && ty != GgmlType::Q4_K
+                && crate::quant::simd_level() == crate::quant::SimdLevel::Avx512;
+            assert_eq!(tiled(ty, 16, Precision::Q8Activations), on, "{ty:?}");
+            assert_eq!(tiled(ty, 8, Precision::Q8Activations), on, "{ty:?}");
+            assert!(!tiled(ty, 7, Precision::Q8Activations), "{ty:?}: 7 tokens");
+            assert!(!tiled(ty, 16, Precision::Q8Scalar) && !tiled(ty, 16, Precision::F32), "{ty:?}: references");
         }
     }
 
