@@ -137,18 +137,27 @@ impl WTile {
         assert!((1..=TILE).contains(&rows.len()), "WTile: 1..=16 rows");
         self.ty = Some(ty);
         self.nb = nb;
-        self.words.clear();
+        // every entry of the unpacked rows is written below; only the rows past them are zeroed here (a full group
+        // of 16 rows, the common case, writes nothing twice)
         self.words.resize(nb * 8 * TILE, 0);
-        self.d.clear();
         self.d.resize(nb * TILE, 0.0);
-        self.m.clear();
         self.m.resize(nb * TILE, 0.0);
+        for n in rows.len()..TILE {
+            for b in 0..nb {
+                for k in 0..8 {
+                    self.words[(b * 8 + k) * TILE + n] = 0;
+                }
+                self.d[b * TILE + n] = 0.0;
+                self.m[b * TILE + n] = 0.0;
+            }
+        }
         let bb = ty.row_bytes(32);
         let word = |b: &[u8], i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         for (n, row) in rows.iter().enumerate() {
             assert_eq!(row.len(), nb * bb, "WTile: row length");
             for (b, blk) in row.chunks_exact(bb).enumerate() {
                 self.d[b * TILE + n] = f16_to_f32(rd16(blk, 0));
+                self.m[b * TILE + n] = 0.0; // Q4_1's minimum below
                 let w = &mut self.words[b * 8 * TILE..(b + 1) * 8 * TILE];
                 match ty {
                     GgmlType::Q4_0 => {
@@ -428,11 +437,12 @@ mod tests {
     #[test]
     fn emulated_tile_products_give_the_scalar_bits() {
         let mut seed = 0x2545_f491_4f6c_dd1du64;
+        // one buffer for every case, as a pool thread reuses it: fewer rows after more, another format after Q4_1
+        let mut wt = WTile::default();
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
-            for (nb, nrows, t) in [(1usize, 16usize, 5usize), (3, 5, 17), (18, 16, 9)] {
+            for (nb, nrows, t) in [(3usize, 16usize, 5usize), (3, 5, 17), (18, 16, 9), (3, 2, 8)] {
                 let w = rows(ty, nrows, nb, &mut seed);
                 let x = acts(t, nb, &mut seed);
-                let mut wt = WTile::default();
                 wt.unpack(ty, &w.iter().map(|r| r.as_slice()).collect::<Vec<_>>(), nb);
                 for tok in 0..t {
                     for r in 0..TILE {
