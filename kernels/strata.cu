@@ -891,14 +891,20 @@ MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 #define MQ_XS 12
 #define MQ_GPT (MQ_BN / MAX_NT)  // expert groups per tile of the tensor-core expert kernels
 
-// D = A·B + D for one m16n8k32 int8 tile (sm_80+; the host loads the kernels that use it only there, and older
-// architectures compile a trap instead).
-__device__ __forceinline__ void mma_s8_16832(int* d, const int* a, int b0, int b1) {
+// The bias of mma_s8_16832_biased: 1.5 · 2^23 as a float's bits. A float with these bits plus an integer c,
+// |c| < 2^22, is 1.5 · 2^23 + c exactly (its last mantissa bit is worth 1).
+#define MQ_BIAS 0x4B400000
+
+// D = A·B + MQ_BIAS (each of the four sums) for one m16n8k32 int8 tile (sm_80+; the host loads the kernels that use
+// it only there, and older architectures compile a trap instead): the sums come out as the bits of floats
+// 1.5 · 2^23 + Σ (|Σ| < 2^22: an int8 MMA's sum over one block is at most 32 · 128 · 127), so that a float
+// subtraction (mq_f) turns them into exact floats; the bias is the MMA's own accumulator input, kept in registers
+// across the loop, where an integer add per sum did that before (same values).
+__device__ __forceinline__ void mma_s8_16832_biased(int* d, const int* a, int b0, int b1) {
 #if __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(MQ_BIAS));
 #else
     __trap();
 #endif
@@ -940,10 +946,8 @@ __device__ __forceinline__ void mq_load_a(const u8* row, int ib, int tg, int& lo
     }
 }
 
-// (float)c for |c| < 2^22 (an int8 MMA's sum over one block: at most 32 · 128 · 127), exactly, in an integer add
-// and a float subtraction (1.5 · 2^23 + c is a float whose last mantissa bit is worth 1) instead of the
-// quarter-rate conversion instruction (four per MMA per thread).
-__device__ __forceinline__ float i2f_small(int c) { return __int_as_float(0x4B400000 + c) - 12582912.0f; }
+// The exact float of a biased MMA sum (mma_s8_16832_biased): one float subtraction.
+__device__ __forceinline__ float mq_f(int c) { return __int_as_float(c) - 12582912.0f; }
 
 // One block's MMA into acc (this thread's rows g, g + 8 × columns 2·tg, 2·tg + 1 of one column tile), its integer
 // sums scaled by the rows' d (da, db) and the columns' dx, plus Q4_1's m·sx.
@@ -954,23 +958,23 @@ __device__ __forceinline__ void mq_mma_scaled(float* acc, const int* a, int b0, 
                                               float mb, float da1, float db1, float dx0, float dx1, float sx0,
                                               float sx1) {
     static_assert(!IS_SUB(FMT) || SUB_MIN(FMT) < 2, "no tensor-core product for per-16 minimums");
-    int c[4] = {0, 0, 0, 0};
+    int c[4];
     if constexpr (IS_SUB(FMT) && SUB_HALVES(FMT)) {
         const int alo[4] = {a[0], a[1], 0, 0}, ahi[4] = {0, 0, a[2], a[3]};
-        int c1[4] = {0, 0, 0, 0};
-        mma_s8_16832(c, alo, b0, b1);
-        mma_s8_16832(c1, ahi, b0, b1);
-        acc[0] += dx0 * (da * i2f_small(c[0]) + da1 * i2f_small(c1[0]));
-        acc[1] += dx1 * (da * i2f_small(c[1]) + da1 * i2f_small(c1[1]));
-        acc[2] += dx0 * (db * i2f_small(c[2]) + db1 * i2f_small(c1[2]));
-        acc[3] += dx1 * (db * i2f_small(c[3]) + db1 * i2f_small(c1[3]));
+        int c1[4];
+        mma_s8_16832_biased(c, alo, b0, b1);
+        mma_s8_16832_biased(c1, ahi, b0, b1);
+        acc[0] += dx0 * (da * mq_f(c[0]) + da1 * mq_f(c1[0]));
+        acc[1] += dx1 * (da * mq_f(c[1]) + da1 * mq_f(c1[1]));
+        acc[2] += dx0 * (db * mq_f(c[2]) + db1 * mq_f(c1[2]));
+        acc[3] += dx1 * (db * mq_f(c[3]) + db1 * mq_f(c1[3]));
         return;
     }
-    mma_s8_16832(c, a, b0, b1);
-    acc[0] += da * dx0 * i2f_small(c[0]);
-    acc[1] += da * dx1 * i2f_small(c[1]);
-    acc[2] += db * dx0 * i2f_small(c[2]);
-    acc[3] += db * dx1 * i2f_small(c[3]);
+    mma_s8_16832_biased(c, a, b0, b1);
+    acc[0] += da * dx0 * mq_f(c[0]);
+    acc[1] += da * dx1 * mq_f(c[1]);
+    acc[2] += db * dx0 * mq_f(c[2]);
+    acc[3] += db * dx1 * mq_f(c[3]);
     if (FMT == FMT_Q4_1 || (IS_SUB(FMT) && SUB_MIN(FMT) == 1)) {
         acc[0] += ma * sx0;
         acc[1] += ma * sx1;
@@ -1020,6 +1024,10 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
             }
         }
         __syncthreads();
+        // this thread's B words (token g of a column tile, words tg and tg + 4) and its columns' d and s (tokens
+        // 2·tg, 2·tg + 1)
+        const int* xbt = xs + g * MQ_XS + tg;
+        const int* xdt = xs + 2 * tg * MQ_XS;
         for (int kb = 0; kb < kn; kb++) {
             int a[4], au[4];
             float da, db, ma = 0.f, mb = 0.f, dua = 0.f, dub = 0.f, mua = 0.f, mub = 0.f;
@@ -1030,15 +1038,14 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
                 mq_load_a<FMT>(ru[0], kb0 + kb, tg, au[0], au[2], dua, mua, dua1);
                 mq_load_a<FMT>(ru[1], kb0 + kb, tg, au[1], au[3], dub, mub, dub1);
             }
-            const int* xk = xs + kb * MQ_BN * MQ_XS;
 #pragma unroll
             for (int j = 0; j < MQ_BN / 8; j++) {
-                const int* xb0 = xk + (j * 8 + g) * MQ_XS;
-                const int b0 = xb0[tg], b1 = xb0[tg + 4];
-                // this thread's outputs: rows g (c0, c1) and g + 8 (c2, c3), columns j·8 + 2·tg and + 1
-                const int* x0 = xk + (j * 8 + 2 * tg) * MQ_XS;
-                const float dx0 = __int_as_float(x0[8]), dx1 = __int_as_float(x0[MQ_XS + 8]);
-                const float sx0 = __int_as_float(x0[9]), sx1 = __int_as_float(x0[MQ_XS + 9]);
+                // offsets from this thread's words (constants of the unrolled loop but kb's); its outputs: rows g
+                // (c0, c1) and g + 8 (c2, c3), columns j·8 + 2·tg and + 1
+                const int o = (kb * MQ_BN + j * 8) * MQ_XS;
+                const int b0 = xbt[o], b1 = xbt[o + 4];
+                const float dx0 = __int_as_float(xdt[o + 8]), dx1 = __int_as_float(xdt[o + MQ_XS + 8]);
+                const float sx0 = __int_as_float(xdt[o + 9]), sx1 = __int_as_float(xdt[o + MQ_XS + 9]);
                 mq_mma_scaled<FMT>(acc[j], a, b0, b1, da, db, ma, mb, da1, db1, dx0, dx1, sx0, sx1);
                 if (GATED)
                     mq_mma_scaled<FMT>(accu[j], au, b0, b1, dua, dub, mua, mub, dua1, dub1, dx0, dx1, sx0, sx1);
@@ -1206,6 +1213,10 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
         const u8* rb0 = row_at(lb);
         const u8* ru0 = GATED ? row_at(MQ_BM + la) : ra0;
         const u8* ru1 = GATED ? row_at(MQ_BM + lb) : rb0;
+        // this thread's B words (token g of a column tile, words tg and tg + 4 of its quants) and its columns'
+        // d and s (tokens 2·tg, 2·tg + 1)
+        const int* xbt = xk0 + g * MQ_XS + 2 + tg;
+        const int* xdt = xk0 + 2 * tg * MQ_XS;
         if constexpr (MQ_EXACT_S(FMT)) {
             // each token block's s becomes d·Σq, the value mq_core stages (zero for the padding columns); each thread
             // takes the blocks it copied or zeroed itself (mq_pipe_load's mapping), visible to it after its wait
@@ -1231,14 +1242,13 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
                 mq_load_a<FMT>(ru0, kb, tg, au[0], au[2], dua, mua, dua1);
                 mq_load_a<FMT>(ru1, kb, tg, au[1], au[3], dub, mub, dub1);
             }
-            const int* xk = xk0 + kb * MQ_BN * MQ_XS;
 #pragma unroll
             for (int j = 0; j < MQ_BN / 8; j++) {
-                const int* xb0 = xk + (j * 8 + g) * MQ_XS;
-                const int b0 = xb0[2 + tg], b1 = xb0[6 + tg];
-                const int* x0 = xk + (j * 8 + 2 * tg) * MQ_XS;
-                const float dx0 = __int_as_float(x0[0]), dx1 = __int_as_float(x0[MQ_XS]);
-                const float sx0 = __int_as_float(x0[1]), sx1 = __int_as_float(x0[MQ_XS + 1]);
+                // offsets from this thread's words: constants of the unrolled loops
+                const int o = (kb * MQ_BN + j * 8) * MQ_XS;
+                const int b0 = xbt[o], b1 = xbt[o + 4];
+                const float dx0 = __int_as_float(xdt[o]), dx1 = __int_as_float(xdt[o + MQ_XS]);
+                const float sx0 = __int_as_float(xdt[o + 1]), sx1 = __int_as_float(xdt[o + MQ_XS + 1]);
                 mq_mma_scaled<FMT>(acc[j], a, b0, b1, da, db, ma, mb, da1, db1, dx0, dx1, sx0, sx1);
                 if (GATED)
                     mq_mma_scaled<FMT>(accu[j], au, b0, b1, dua, dub, mua, mub, dua1, dub1, dx0, dx1, sx0, sx1);
@@ -1250,47 +1260,55 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
 }
 
 
-template <int FMT>
+// WIDE: 2·MQ_BM rows per block, each warp's 16 rows and the 16 rows MQ_BM below them against the same token
+// fragments (the expert gate/up kernels' two matrices, here two row ranges of one): half the B loads per MMA, half the
+// blocks. Each output's arithmetic as the narrow kernel's: the same bits.
+template <int FMT, bool WIDE>
 __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
                          const Q8* xq, int x_stride, int nt, float* out, int out_stride, int accumulate) {
+    constexpr int BM = WIDE ? 2 * MQ_BM : MQ_BM;
     __shared__ int xrow[MQ_BN];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
     const int rows = rows0 + rows1 + rows2;
-    const int ra = blockIdx.x * MQ_BM + warp * 16 + g, rb = ra + 8;  // this thread's two rows
+    const int ra = blockIdx.x * BM + warp * 16 + g, rb = ra + 8;  // this thread's two rows (WIDE: and + MQ_BM)
     const int t0 = blockIdx.y * MQ_BN;
     const size_t rbytes = row_bytes(FMT, cols);
-    const u8* rp[2] = {stacked_row(w0, w1, w2, rows0, rows1, min(ra, rows - 1), rbytes),
-                       stacked_row(w0, w1, w2, rows0, rows1, min(rb, rows - 1), rbytes)};
+    const auto row = [&](int r) { return stacked_row(w0, w1, w2, rows0, rows1, min(r, rows - 1), rbytes); };
+    const u8* rp[2] = {row(ra), row(rb)};
+    const u8* ru[2] = {WIDE ? row(ra + MQ_BM) : rp[0], WIDE ? row(rb + MQ_BM) : rp[1]};
     for (int c = threadIdx.x; c < MQ_BN; c += 32 * MQ_WARPS) xrow[c] = t0 + c < nt ? t0 + c : -1;
-    float acc[MQ_BN / 8][4], unused[MQ_BN / 8][4];
+    float acc[MQ_BN / 8][4], accu[MQ_BN / 8][4];
     pdl_trigger();
     pdl_wait();
     if constexpr (MQ_PIPE_FMT(FMT)) {
         extern __shared__ __align__(16) int mq_dyn[];
-        __shared__ const u8* rowp[MQ_BM];
+        __shared__ const u8* rowp[BM];
         const int mode = mq_pipe_mode<FMT>((unsigned long long)w0 | (unsigned long long)w1 |
                                                (unsigned long long)w2 | (unsigned long long)rbytes,
                                            cols / 32);
         if (mode) {
-            for (int i = threadIdx.x; i < MQ_BM; i += 32 * MQ_WARPS)
-                rowp[i] = stacked_row(w0, w1, w2, rows0, rows1, min(blockIdx.x * MQ_BM + i, rows - 1), rbytes);
+            for (int i = threadIdx.x; i < BM; i += 32 * MQ_WARPS) rowp[i] = row(blockIdx.x * BM + i);
             __syncthreads();
-            mq_core_pipe<FMT, false>(rowp, mode, cols / 32, xq, x_stride / 32, xrow, (u8*)mq_dyn, acc, unused);
+            mq_core_pipe<FMT, WIDE>(rowp, mode, cols / 32, xq, x_stride / 32, xrow, (u8*)mq_dyn, acc, accu);
         } else {
-            mq_core<FMT, false>(rp, rp, cols / 32, xq, x_stride / 32, xrow, mq_dyn, acc, unused);
+            mq_core<FMT, WIDE>(rp, ru, cols / 32, xq, x_stride / 32, xrow, mq_dyn, acc, accu);
         }
     } else {
         __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
-        mq_core<FMT, false>(rp, rp, cols / 32, xq, x_stride / 32, xrow, xs, acc, unused);
+        mq_core<FMT, WIDE>(rp, ru, cols / 32, xq, x_stride / 32, xrow, xs, acc, accu);
     }
 #pragma unroll
-    for (int j = 0; j < MQ_BN / 8; j++) {
+    for (int h = 0; h < (WIDE ? 2 : 1); h++) {
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int r = e < 2 ? ra : rb, tok = t0 + j * 8 + 2 * tg + (e & 1);
-            if (r < rows && tok < nt) {
-                float* o = out + (size_t)tok * out_stride + r;
-                *o = accumulate ? *o + acc[j][e] : acc[j][e];
+        for (int j = 0; j < MQ_BN / 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = (e < 2 ? ra : rb) + h * MQ_BM, tok = t0 + j * 8 + 2 * tg + (e & 1);
+                if (r < rows && tok < nt) {
+                    float* o = out + (size_t)tok * out_stride + r;
+                    const float v = h ? accu[j][e] : acc[j][e];
+                    *o = accumulate ? *o + v : v;
+                }
             }
         }
     }
@@ -1419,7 +1437,13 @@ extern "C" __global__ void mmf_sum_split(const float* part, int nz, int nt, int 
         const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2, int rows0, int rows1,    \
         int rows2, int cols, const Q8* xq, const float* xf, int x_stride, int nt, float* out, int out_stride,      \
         int accumulate) {                                                                                        \
-        mmq_body<FMT>(w0, w1, w2, rows0, rows1, rows2, cols, xq, x_stride, nt, out, out_stride, accumulate);      \
+        mmq_body<FMT, false>(w0, w1, w2, rows0, rows1, rows2, cols, xq, x_stride, nt, out, out_stride, accumulate); \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * MQ_WARPS) NAME##_w(                                        \
+        const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2, int rows0, int rows1,    \
+        int rows2, int cols, const Q8* xq, const float* xf, int x_stride, int nt, float* out, int out_stride,      \
+        int accumulate) {                                                                                        \
+        mmq_body<FMT, true>(w0, w1, w2, rows0, rows1, rows2, cols, xq, x_stride, nt, out, out_stride, accumulate); \
     }
 MMQ_KERNEL(mmq_q8_0, FMT_Q8_0)
 MMQ_KERNEL(mmq_q4_0, FMT_Q4_0)
@@ -2221,7 +2245,7 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
 }
 
 // D = A·B + D for one m16n8k16 tile (A row-major f16 16×16, B column-major f16 16×8, D f32 16×8; sm_80+, as
-// mma_s8_16832).
+// mma_s8_16832_biased).
 __device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1) {
 #if __CUDA_ARCH__ >= 800
     asm(

@@ -231,6 +231,9 @@ pub struct Kernels {
     /// The prefill products: tensor-core `mmq_*` for formats of [`Prefill::Mmq`], the tiled f32 `mmf_*` for the
     /// float formats (None: off, see [`mmq_wanted`], or a format of [`Prefill::Rows`]).
     mmq: [Option<Func>; N],
+    /// The wide tensor-core prefill products (`mmq_*_w`: 2 × MQ_BM rows per block; None: off, see
+    /// [`mmq_wide_wanted`]).
+    mmq_w: [Option<Func>; N],
     /// The float formats' prefill products for matrices of few rows (`mmf_*_r16`: 16 rows per block).
     mmf16: [Option<Func>; N],
     /// The float formats' split-K prefill products (`mmf_split_*`: a router over a prefill chunk).
@@ -313,6 +316,13 @@ pub fn cluster_norm_wanted(cc: (i32, i32)) -> bool {
 /// `STRATA_GPU_MMQ=0` (then the row kernels over groups of up to MAX_NT tokens; for A/B measurements).
 pub fn mmq_wanted() -> bool {
     !std::env::var("STRATA_GPU_MMQ").is_ok_and(|v| v == "0")
+}
+
+/// Whether dense prefill products run the wide tensor-core kernels (`mmq_*_w`: each warp's 16 rows and 16 more
+/// against the same token fragments, 128 rows per block): with `STRATA_GPU_MMQ_WIDE=1` (A/B measurements; the same
+/// bits either way).
+pub fn mmq_wide_wanted() -> bool {
+    std::env::var("STRATA_GPU_MMQ_WIDE").is_ok_and(|v| v == "1")
 }
 
 /// Whether the tensor-core products of the pipelined formats ([`super::ops::mq_pipe_sa`]: Q8_0, Q4_0, Q4_1, Q5_0,
@@ -489,6 +499,9 @@ impl Kernels {
                 Prefill::Float => Some(format!("mmf_{}", f.suffix)),
                 Prefill::Rows => None,
             })?,
+            mmq_w: prefill_per(&|f| {
+                (f.prefill == Prefill::Mmq && mmq_wide_wanted()).then(|| tc("mmq_")(f)).flatten().map(|n| n + "_w")
+            })?,
             mmf16: prefill_per(&|f| (f.prefill == Prefill::Float).then(|| format!("mmf_{}_r16", f.suffix)))?,
             mmf_split: prefill_per(&|f| {
                 (f.prefill == Prefill::Float && mmf_split_wanted()).then(|| format!("mmf_split_{}", f.suffix))
@@ -556,7 +569,8 @@ impl Kernels {
         // the tensor-core products' dynamic shared memory (pipeline stages: up to 116 KiB, Q8_0 gate and up rows)
         for ty in crate::quant::format::REGISTRY.iter().map(|f| f.ty).filter(|&t| super::ops::mq_pipe_sa(t).is_some()) {
             let i = fmt_index(ty)?;
-            for (f, gated) in [(k.mmq[i], false), (k.gate_up_mmq[i], true), (k.down_mmq[i], false)] {
+            for (f, gated) in [(k.mmq[i], false), (k.mmq_w[i], true), (k.gate_up_mmq[i], true), (k.down_mmq[i], false)]
+            {
                 if let Some(f) = f {
                     f.set_max_smem(super::ops::mq_smem(ty, gated, mmq_pipe) as i32)?;
                 }
@@ -584,6 +598,11 @@ impl Kernels {
     /// the format has one (Q2_K has none: [`Prefill::Rows`]).
     pub fn mmq(&self, ty: GgmlType) -> Option<Func> {
         fmt_index(ty).ok().and_then(|i| self.mmq[i])
+    }
+    /// The wide tensor-core prefill product for `ty` (2 × MQ_BM rows per block, the dynamic shared memory of a gated
+    /// expert kernel), if it is on ([`mmq_wide_wanted`]) and the format has one.
+    pub fn mmq_wide(&self, ty: GgmlType) -> Option<Func> {
+        fmt_index(ty).ok().and_then(|i| self.mmq_w[i])
     }
     /// The float formats' prefill product of 16 rows per block (for matrices of few rows), if it is on.
     pub fn mmf_r16(&self, ty: GgmlType) -> Option<Func> {

@@ -364,6 +364,12 @@ impl Ops<'_> {
             // the tiled one (MF_BM × MF_BN, 256 threads)
             let args = mmv_args(mats, xq, xf, t, out, out_stride, accumulate);
             return if block {
+                if let Some(fw) = self.k.mmq_wide(m0.ty) {
+                    // 2 · MQ_BM rows per block: the dynamic shared memory of a gated expert kernel
+                    let smem = mq_smem(m0.ty, true, self.k.mmq_pipe);
+                    let grid = (total.div_ceil(2 * MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, 1);
+                    return fw.launch(self.s, grid, 32 * WARPS, smem, args);
+                }
                 let smem = mq_smem(m0.ty, false, self.k.mmq_pipe);
                 f.launch(self.s, (total.div_ceil(MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, 1), 32 * WARPS, smem, args)
             } else {
