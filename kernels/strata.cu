@@ -875,15 +875,16 @@ MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 // block-format matrices (Q8_0, Q4_0, Q4_1 and the sub-block formats but Q2_K) and a chunk of tokens' Q8 rows, each
 // 32-value block one int8 MMA (m16n8k32, s32 accumulation) whose integer sums are scaled per block as the one-row
 // kernels do (Q8_0: d·dx·Σ; Q4_0: d·dx·Σ(q − 8)·qx, the same integer as their Σ − 8·Σqx; Q4_1: d·dx·Σ + m·sx); the
-// blocks' scaled sums are added in another order than theirs, so results differ by rounding only. Block: MQ_WARPS warps, MQ_BM = 16 rows
-// per warp by MQ_BN tokens (8 MMA column tiles). Two loops: mq_core (MXFP4 and the lattice IQ formats; the others
+// blocks' scaled sums are added in another order than theirs, so results differ by rounding only. Block: MQ_WARPS
+// warps, MQ_BM = 16 rows per warp by MQ_BN tokens (8 MMA column tiles); the wide kernels (`_w`) 2·MQ_BM, each warp's
+// 16 rows and the 16 rows MQ_BM below them. Two loops: mq_core (MXFP4 and the lattice IQ formats; the others
 // when the pipelined loop is off or the rows' alignment does not allow it) stages the tokens' Q8 blocks in shared
 // memory MQ_KB blocks at a time ([block][token][12 ints]: 8 of quants, d, s; the 12-int stride keeps the B loads off
 // each other's banks) and reads the weights straight into the A fragments; mq_core_pipe (below) copies
 // weights and tokens into shared memory while the previous blocks multiply. The kernels of the pipelined formats
 // (MQ_PIPE_FMT) take their shared memory as dynamic shared memory of the size the host's mq_smem gives (both loops'
 // staging; MXFP4's and the lattice IQ formats' is static).
-// Grid: (ceil(rows / MQ_BM), ceil(t / MQ_BN)).
+// Grid: (ceil(rows / MQ_BM), ceil(t / MQ_BN)); the wide kernels ceil(rows / (2·MQ_BM)).
 #define MQ_WARPS 4
 #define MQ_BM (16 * MQ_WARPS)
 #define MQ_BN 64
@@ -897,7 +898,7 @@ MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 
 // D = A·B + MQ_BIAS (each of the four sums) for one m16n8k32 int8 tile (sm_80+; the host loads the kernels that use
 // it only there, and older architectures compile a trap instead): the sums come out as the bits of floats
-// 1.5 · 2^23 + Σ (|Σ| < 2^22: an int8 MMA's sum over one block is at most 32 · 128 · 127), so that a float
+// 1.5 · 2^23 + Σ (|Σ| < 2^22: an int8 MMA's sum over one block is at most 32 · 128 · 128 in size), so that a float
 // subtraction (mq_f) turns them into exact floats; the bias is the MMA's own accumulator input, kept in registers
 // across the loop, where an integer add per sum did that before (same values).
 __device__ __forceinline__ void mma_s8_16832_biased(int* d, const int* a, int b0, int b1) {
@@ -983,7 +984,7 @@ __device__ __forceinline__ void mq_mma_scaled(float* acc, const int* a, int b0, 
     }
 }
 
-// The MMA loop of the tensor-core products: acc[j][·] (and, GATED, accu: a second matrix's rows, the up rows of an
+// The MMA loop of the tensor-core products: acc[j][·] (and, GATED, accu: a second set of rows, the up rows of an
 // expert's gate/up) over nb blocks of this thread's rows rp[0] (row g of the warp's 16) and rp[1] (row g + 8),
 // against the Q8 rows xq + xrow[c] · xb (one per tile column c; xrow[c] < 0: a column of zeros). `xrow` is in
 // shared memory, written and synced by the caller; `xs` is the block's staging.
@@ -1059,7 +1060,7 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
 // STRATA_MMQ_PIPE, on unless compiled with 0): the weight rows' blocks and the tokens' Q8 blocks of MQ_KB blocks at a
 // time (a super-block of the 256-value formats) are copied into shared memory by cp.async (sm_80+) while the previous
 // MQ_KB blocks are multiplied, two stages in dynamic shared memory ([stage][NR rows × MQ_SA bytes | MQ_KB × MQ_BN ×
-// MQ_XS ints]; NR = MQ_BM, or 2·MQ_BM gate and up rows for GATED). The weights are copied as they are in memory
+// MQ_XS ints]; NR = MQ_BM, or 2·MQ_BM gate and up rows, or the wide kernels' two row ranges, for GATED). The weights are copied as they are in memory
 // (mq_pipe_mode: 16-byte pieces, 4-byte ones, or — rows that start 2-byte aligned — the 4-byte words around each
 // row's span, read from the row's offset in its first word) and read from shared memory into the fragments as
 // mq_load_a reads them from global memory (an address keeps its remainder mod 4, so the same loads apply); a Q8 block

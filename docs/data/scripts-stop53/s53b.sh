@@ -53,4 +53,8 @@ left=$((560 - SECONDS)); echo "sanitizer with ${left}s left" >> "$L"
 [ $left -gt 40 ] && { env "$NEW" timeout $left compute-sanitizer --tool memcheck --print-limit 10 --kernel-name kns=mmq \
   /tmp/cur gpu-check > /tmp/san.txt 2>&1; echo "memcheck mmq kernels rc=$? $(date +%T)" >> "$L"
   grep -E "ERROR SUMMARY|Invalid" /tmp/san.txt | head -5 >> "$L"; }
+left=$((575 - SECONDS)); echo "wide sanitizer with ${left}s left" >> "$L"
+[ $left -gt 40 ] && { env "$WIDE" timeout $left compute-sanitizer --tool memcheck --print-limit 10 --kernel-name regex:mmq_.*_w \
+  /tmp/cur gpu-check > /tmp/sanw.txt 2>&1; echo "memcheck wide mmq kernels rc=$? $(date +%T)" >> "$L"
+  grep -E "ERROR SUMMARY|Invalid" /tmp/sanw.txt | head -5 >> "$L"; }
 date >> "$L"

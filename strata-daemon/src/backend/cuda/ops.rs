@@ -245,7 +245,7 @@ pub fn gating_mode(def: &crate::arch::ArchDef) -> Option<i32> {
 pub const TILE_BYTES: usize = 8;
 
 /// Weight rows and tokens per block of the tensor-core prefill product (`MQ_BM`, `MQ_BN` in strata.cu; its
-/// blocks have [`WARPS`] warps).
+/// blocks have [`WARPS`] warps; the wide kernels `mmq_*_w` take 2 · MQ_BM rows).
 pub const MQ_BM: usize = 64;
 /// See [`MQ_BM`].
 pub const MQ_BN: usize = 64;
@@ -258,7 +258,8 @@ const MQ_XBYTES: usize = MQ_KB * MQ_BN * MQ_XS * 4;
 /// The largest dynamic shared memory of the pipelined loop (Q8_0 gate and up rows: 118,784 bytes).
 pub const MQ_PIPE_MAX_SMEM: usize = 2 * (2 * MQ_BM * 272 + MQ_XBYTES);
 
-/// Dynamic shared memory (bytes) of the tensor-core product kernels of `ty` (`gated`: an expert's gate and up rows)
+/// Dynamic shared memory (bytes) of the tensor-core product kernels of `ty` (`gated`: an expert's gate and up rows,
+/// or the wide dense kernels' two row ranges)
 /// for the formats of the pipelined loop ([`mq_pipe_sa`]): with that loop (`pipe`, see
 /// [`super::kernels::mmq_pipe_on`]) two stages of MQ_KB blocks — the weight rows (64, or 128 when `gated`, at the
 /// format's shared row stride; a stage of the 256-value formats is one super-block) and the tokens' Q8 blocks
