@@ -950,6 +950,11 @@ __device__ __forceinline__ void mq_load_a(const u8* row, int ib, int tg, int& lo
 // The exact float of a biased MMA sum (mma_s8_16832_biased): one float subtraction.
 __device__ __forceinline__ float mq_f(int c) { return __int_as_float(c) - 12582912.0f; }
 
+// The column tiles (8 columns) that the tensor-core loops stage and multiply for `cols` leading columns that may
+// hold tokens (1 ≤ cols ≤ MQ_BN): whole pairs of tiles, so that the loops check once per pair; the columns past
+// `cols` are zeros (xrow < 0).
+__device__ __forceinline__ int mq_live_tiles(int cols) { return min(MQ_BN / 8, 2 * ((cols + 15) / 16)); }
+
 // One block's MMA into acc (this thread's rows g, g + 8 × columns 2·tg, 2·tg + 1 of one column tile), its integer
 // sums scaled by the rows' d (da, db) and the columns' dx, plus Q4_1's m·sx.
 // Formats of two scales per block (SUB_HALVES: da1, db1 scale the second 16 values) take two MMAs, each with the
@@ -987,10 +992,13 @@ __device__ __forceinline__ void mq_mma_scaled(float* acc, const int* a, int b0, 
 // The MMA loop of the tensor-core products: acc[j][·] (and, GATED, accu: a second set of rows, the up rows of an
 // expert's gate/up) over nb blocks of this thread's rows rp[0] (row g of the warp's 16) and rp[1] (row g + 8),
 // against the Q8 rows xq + xrow[c] · xb (one per tile column c; xrow[c] < 0: a column of zeros). `xrow` is in
-// shared memory, written and synced by the caller; `xs` is the block's staging.
-template <int FMT, bool GATED>
+// shared memory, written and synced by the caller; `xs` is the block's staging. Only the first nj column tiles
+// (mq_live_tiles) are staged, and with SKIP (the expert kernels, whose tiles of fewer than MQ_GPT groups leave
+// column tiles without tokens) only they are multiplied, the later acc entries staying zero; the dense kernels
+// multiply every tile (their tiles are full but the last; a check per pair cost them ~5% more instructions).
+template <int FMT, bool GATED, bool SKIP>
 __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* const (&ru)[2], int nb, const Q8* xq,
-                                        int xb, const int* xrow, int* xs, float (&acc)[MQ_BN / 8][4],
+                                        int xb, const int* xrow, int nj, int* xs, float (&acc)[MQ_BN / 8][4],
                                         float (&accu)[MQ_BN / 8][4]) {
     const int lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
 #pragma unroll
@@ -1003,6 +1011,7 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
         // the columns' Q8 blocks kb0 .. kb0 + kn into shared memory
         for (int i = threadIdx.x; i < kn * MQ_BN; i += 32 * MQ_WARPS) {
             const int kb = i / MQ_BN, c = i % MQ_BN;
+            if (c >= 8 * nj) continue;
             int* dst = xs + (kb * MQ_BN + c) * MQ_XS;
             const int xr = xrow[c];
             if (xr >= 0) {
@@ -1041,6 +1050,7 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
             }
 #pragma unroll
             for (int j = 0; j < MQ_BN / 8; j++) {
+                if (SKIP && j % 2 == 0 && j > 0 && j >= nj) break;  // (nj is even: a check per pair of tiles)
                 // offsets from this thread's words (constants of the unrolled loop but kb's); its outputs: rows g
                 // (c0, c1) and g + 8 (c2, c3), columns j·8 + 2·tg and + 1
                 const int o = (kb * MQ_BN + j * 8) * MQ_XS;
@@ -1141,7 +1151,7 @@ __device__ __forceinline__ size_t mq_stage_off(int kb0) {
 
 template <int FMT, bool GATED>
 __device__ __forceinline__ void mq_pipe_load(const u8* const* rowp, int mode, int kb0, int nb, const Q8* xq, int xb,
-                                             const int* xrow, u8* stage) {
+                                             const int* xrow, int nj, u8* stage) {
     constexpr int NR = GATED ? 2 * MQ_BM : MQ_BM, SA = MQ_SA(FMT), NT = 32 * MQ_WARPS;
     const int kn = min(MQ_KB, nb - kb0);
     const int span = SUB_QK(FMT) == 256 ? MQ_SPAN(FMT) : kn * MQ_BB(FMT);  // bytes of each row in this stage
@@ -1172,6 +1182,7 @@ __device__ __forceinline__ void mq_pipe_load(const u8* const* rowp, int mode, in
     int* xs = (int*)(stage + NR * SA);
     for (int i = threadIdx.x; i < kn * MQ_BN; i += NT) {
         const int kb = i / MQ_BN, c = i % MQ_BN;
+        if (c >= 8 * nj) continue;  // a column tile without tokens: neither staged nor multiplied
         int* dst = xs + (kb * MQ_BN + c) * MQ_XS;
         const int xr = xrow[c];
         if (xr >= 0) {
@@ -1185,9 +1196,9 @@ __device__ __forceinline__ void mq_pipe_load(const u8* const* rowp, int mode, in
     }
 }
 
-template <int FMT, bool GATED>
+template <int FMT, bool GATED, bool SKIP>
 __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, int nb, const Q8* xq, int xb,
-                                             const int* xrow, u8* smem, float (&acc)[MQ_BN / 8][4],
+                                             const int* xrow, int nj, u8* smem, float (&acc)[MQ_BN / 8][4],
                                              float (&accu)[MQ_BN / 8][4]) {
     constexpr int NR = GATED ? 2 * MQ_BM : MQ_BM, SA = MQ_SA(FMT), STAGE = MQ_STAGE(FMT, NR);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
@@ -1197,11 +1208,12 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[j][e] = accu[j][e] = 0.f;
     const int ns = (nb + MQ_KB - 1) / MQ_KB;
-    mq_pipe_load<FMT, GATED>(rowp, mode, 0, nb, xq, xb, xrow, smem);
+    mq_pipe_load<FMT, GATED>(rowp, mode, 0, nb, xq, xb, xrow, nj, smem);
     cp_async_commit();
     for (int st = 0; st < ns; st++) {
         if (st + 1 < ns)
-            mq_pipe_load<FMT, GATED>(rowp, mode, (st + 1) * MQ_KB, nb, xq, xb, xrow, smem + ((st + 1) & 1) * STAGE);
+            mq_pipe_load<FMT, GATED>(rowp, mode, (st + 1) * MQ_KB, nb, xq, xb, xrow, nj,
+                                     smem + ((st + 1) & 1) * STAGE);
         cp_async_commit();
         cp_async_wait<1>();  // this thread's copies of stage st are done
         const u8* as = smem + (st & 1) * STAGE;
@@ -1223,6 +1235,7 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
             // takes the blocks it copied or zeroed itself (mq_pipe_load's mapping), visible to it after its wait
             int* xw = (int*)(as + NR * SA);
             for (int i = threadIdx.x; i < kn * MQ_BN; i += 32 * MQ_WARPS) {
+                if (i % MQ_BN >= 8 * nj) continue;  // not staged
                 int* x = xw + i * MQ_XS;
                 int sx = 0;
 #pragma unroll
@@ -1245,6 +1258,7 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
             }
 #pragma unroll
             for (int j = 0; j < MQ_BN / 8; j++) {
+                if (SKIP && j % 2 == 0 && j > 0 && j >= nj) break;  // (nj is even: a check per pair of tiles)
                 // offsets from this thread's words: constants of the unrolled loops
                 const int o = (kb * MQ_BN + j * 8) * MQ_XS;
                 const int b0 = xbt[o], b1 = xbt[o + 4];
@@ -1273,6 +1287,7 @@ __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     const int rows = rows0 + rows1 + rows2;
     const int ra = blockIdx.x * BM + warp * 16 + g, rb = ra + 8;  // this thread's two rows (WIDE: and + MQ_BM)
     const int t0 = blockIdx.y * MQ_BN;
+    const int nj = MQ_BN / 8;  // every column tile staged (the loop multiplies all of them: no SKIP)
     const size_t rbytes = row_bytes(FMT, cols);
     const auto row = [&](int r) { return stacked_row(w0, w1, w2, rows0, rows1, min(r, rows - 1), rbytes); };
     const u8* rp[2] = {row(ra), row(rb)};
@@ -1290,13 +1305,14 @@ __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
         if (mode) {
             for (int i = threadIdx.x; i < BM; i += 32 * MQ_WARPS) rowp[i] = row(blockIdx.x * BM + i);
             __syncthreads();
-            mq_core_pipe<FMT, WIDE>(rowp, mode, cols / 32, xq, x_stride / 32, xrow, (u8*)mq_dyn, acc, accu);
+            mq_core_pipe<FMT, WIDE, false>(rowp, mode, cols / 32, xq, x_stride / 32, xrow, nj, (u8*)mq_dyn, acc,
+                                           accu);
         } else {
-            mq_core<FMT, WIDE>(rp, ru, cols / 32, xq, x_stride / 32, xrow, mq_dyn, acc, accu);
+            mq_core<FMT, WIDE, false>(rp, ru, cols / 32, xq, x_stride / 32, xrow, nj, mq_dyn, acc, accu);
         }
     } else {
         __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
-        mq_core<FMT, WIDE>(rp, ru, cols / 32, xq, x_stride / 32, xrow, xs, acc, accu);
+        mq_core<FMT, WIDE, false>(rp, ru, cols / 32, xq, x_stride / 32, xrow, nj, xs, acc, accu);
     }
 #pragma unroll
     for (int h = 0; h < (WIDE ? 2 : 1); h++) {
@@ -3292,6 +3308,7 @@ __device__ void expert_gate_up_mmq_body(const Group* groups, const int2* tiles, 
     const u8* rp[2] = {blob + (size_t)min(ra, ff - 1) * rbytes, blob + (size_t)min(rb, ff - 1) * rbytes};
     const u8* ru[2] = {rp[0] + (size_t)ff * rbytes, rp[1] + (size_t)ff * rbytes};
     mq_tile_cols(groups, tl, false, xrow, prow);
+    const int nj = mq_live_tiles(tl.y * MAX_NT);
     float acc[MQ_BN / 8][4], accu[MQ_BN / 8][4];
     if constexpr (MQ_PIPE_FMT(FMT)) {
         extern __shared__ __align__(16) int mq_dyn[];
@@ -3303,13 +3320,13 @@ __device__ void expert_gate_up_mmq_body(const Group* groups, const int2* tiles, 
                 rowp[MQ_BM + i] = rowp[i] + (size_t)ff * rbytes;
             }
             __syncthreads();
-            mq_core_pipe<FMT, true>(rowp, mode, e / 32, xq, e / 32, xrow, (u8*)mq_dyn, acc, accu);
+            mq_core_pipe<FMT, true, true>(rowp, mode, e / 32, xq, e / 32, xrow, nj, (u8*)mq_dyn, acc, accu);
         } else {
-            mq_core<FMT, true>(rp, ru, e / 32, xq, e / 32, xrow, mq_dyn, acc, accu);
+            mq_core<FMT, true, true>(rp, ru, e / 32, xq, e / 32, xrow, nj, mq_dyn, acc, accu);
         }
     } else {
         __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
-        mq_core<FMT, true>(rp, ru, e / 32, xq, e / 32, xrow, xs, acc, accu);
+        mq_core<FMT, true, true>(rp, ru, e / 32, xq, e / 32, xrow, nj, xs, acc, accu);
     }
 #pragma unroll
     for (int j = 0; j < MQ_BN / 8; j++) {
@@ -3336,6 +3353,7 @@ __device__ void expert_down_mmq_body(const Group* groups, const int2* tiles, con
     const u8* down = slots + (size_t)groups[tl.x].slot * slot_bytes + down_off;
     const u8* rp[2] = {down + (size_t)min(ra, e - 1) * down_rb, down + (size_t)min(rb, e - 1) * down_rb};
     mq_tile_cols(groups, tl, true, xrow, prow);
+    const int nj = mq_live_tiles(tl.y * MAX_NT);
     float acc[MQ_BN / 8][4], unused[MQ_BN / 8][4];
     if constexpr (MQ_PIPE_FMT(FMT)) {
         extern __shared__ __align__(16) int mq_dyn[];
@@ -3345,13 +3363,13 @@ __device__ void expert_down_mmq_body(const Group* groups, const int2* tiles, con
             for (int i = threadIdx.x; i < MQ_BM; i += 32 * MQ_WARPS)
                 rowp[i] = down + (size_t)min(blockIdx.x * MQ_BM + i, e - 1) * down_rb;
             __syncthreads();
-            mq_core_pipe<FMT, false>(rowp, mode, ff / 32, hq, ff / 32, xrow, (u8*)mq_dyn, acc, unused);
+            mq_core_pipe<FMT, false, true>(rowp, mode, ff / 32, hq, ff / 32, xrow, nj, (u8*)mq_dyn, acc, unused);
         } else {
-            mq_core<FMT, false>(rp, rp, ff / 32, hq, ff / 32, xrow, mq_dyn, acc, unused);
+            mq_core<FMT, false, true>(rp, rp, ff / 32, hq, ff / 32, xrow, nj, mq_dyn, acc, unused);
         }
     } else {
         __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
-        mq_core<FMT, false>(rp, rp, ff / 32, hq, ff / 32, xrow, xs, acc, unused);
+        mq_core<FMT, false, true>(rp, rp, ff / 32, hq, ff / 32, xrow, nj, xs, acc, unused);
     }
 #pragma unroll
     for (int j = 0; j < MQ_BN / 8; j++) {

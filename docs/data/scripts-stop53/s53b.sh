@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # stop 53 call 2: the tensor-core products with the MMA's accumulator input as the float bias (no integer add per
-# sum) and the shared-memory offsets of the token words as constants, and the wide dense products (128 rows per block,
-# STRATA_GPU_MMQ_WIDE=1) (issue 18). One binary (this stop's build), HEAD's kernels (STRATA_KERNEL_SOURCE=
+# sum), the shared-memory offsets of the token words as constants, the expert kernels skipping the column tiles of
+# tiles with fewer than 8 groups, and the wide dense products (128 rows per block, STRATA_GPU_MMQ_WIDE=1) (issue 18). One binary (this stop's build), HEAD's kernels (STRATA_KERNEL_SOURCE=
 # .dev/strata-old.cu) against the new ones (embedded; both prebuilt in .dev/kc-*): gpu-check of the new kernels, narrow
 # and wide (rows against stop 51's, which HEAD's kernels give), bench-gpu --prompt 4096 / 512 --gen 32 on the Q4_0
 # qwen3moe file (Qwen3-30B-A3B geometry, every expert in VRAM) alternating old, new and wide, per-call GPU times of
