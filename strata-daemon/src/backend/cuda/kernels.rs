@@ -318,11 +318,11 @@ pub fn mmq_wanted() -> bool {
     !std::env::var("STRATA_GPU_MMQ").is_ok_and(|v| v == "0")
 }
 
-/// Whether dense prefill products run the wide tensor-core kernels (`mmq_*_w`: each warp's 16 rows and 16 more
-/// against the same token fragments, 128 rows per block): with `STRATA_GPU_MMQ_WIDE=1` (A/B measurements; the same
-/// bits either way).
+/// Whether dense prefill products may run the wide tensor-core kernels (`mmq_*_w`: each warp's 16 rows and 16 more
+/// against the same token fragments, 128 rows per block) in the formats that suit them
+/// ([`super::ops::mq_wide_fits`]): unless `STRATA_GPU_MMQ_WIDE=0` (A/B measurements; the same bits either way).
 pub fn mmq_wide_wanted() -> bool {
-    std::env::var("STRATA_GPU_MMQ_WIDE").is_ok_and(|v| v == "1")
+    !std::env::var("STRATA_GPU_MMQ_WIDE").is_ok_and(|v| v == "0")
 }
 
 /// Whether the tensor-core products of the pipelined formats ([`super::ops::mq_pipe_sa`]: Q8_0, Q4_0, Q4_1, Q5_0,
@@ -600,7 +600,8 @@ impl Kernels {
         fmt_index(ty).ok().and_then(|i| self.mmq[i])
     }
     /// The wide tensor-core prefill product for `ty` (2 × MQ_BM rows per block, the dynamic shared memory of a gated
-    /// expert kernel), if it is on ([`mmq_wide_wanted`]) and the format has one.
+    /// expert kernel), if it is on ([`mmq_wide_wanted`]) and the format has one (whether it suits the format:
+    /// [`super::ops::mq_wide_fits`]).
     pub fn mmq_wide(&self, ty: GgmlType) -> Option<Func> {
         fmt_index(ty).ok().and_then(|i| self.mmq_w[i])
     }

@@ -274,6 +274,19 @@ pub fn mq_smem(ty: GgmlType, gated: bool, pipe: bool) -> u32 {
     (2 * (rows * sa + MQ_XBYTES)) as u32
 }
 
+/// The most dynamic shared memory a wide dense prefill kernel (`mmq_*_w`) may take: two blocks of it per SM of an
+/// H100/H200 (227 KiB each, less the blocks' static shared memory and the driver's 1 KiB per block).
+const MQ_WIDE_MAX_SMEM: usize = 112 * 1024;
+
+/// Whether a dense prefill product of `ty` runs the wide kernel (2 × MQ_BM rows per block; see
+/// [`super::kernels::mmq_wide_wanted`]): with the pipelined loop (`pipe`; cards of ~100 KiB of shared memory per block
+/// keep the narrow one) and a format whose wide stages leave two blocks per SM — every pipelined format but Q8_0, whose
+/// 118,784 bytes leave one (the narrow kernel keeps two). Measured on Q4_0 (stop 53: prefill 512 and 4,096 tokens
+/// 3–5% faster on an H100); the other formats share its loop and occupancy.
+pub fn mq_wide_fits(ty: GgmlType, pipe: bool) -> bool {
+    pipe && mq_smem(ty, true, true) > 0 && mq_smem(ty, true, true) as usize <= MQ_WIDE_MAX_SMEM
+}
+
 /// The shared row stride in bytes (`MQ_SA` in strata.cu) of a stage of the pipelined tensor-core loop for `ty`: at
 /// least a stage's bytes of one row (8 blocks of 32 values, or one super-block; plus 2 where rows may start 2-byte
 /// aligned), a multiple of 16 whose word count is 4 times an odd number. None: a format without that loop (MXFP4,
@@ -365,7 +378,7 @@ impl Ops<'_> {
             // the tiled one (MF_BM × MF_BN, 256 threads)
             let args = mmv_args(mats, xq, xf, t, out, out_stride, accumulate);
             return if block {
-                if let Some(fw) = self.k.mmq_wide(m0.ty) {
+                if let Some(fw) = self.k.mmq_wide(m0.ty).filter(|_| mq_wide_fits(m0.ty, self.k.mmq_pipe)) {
                     // 2 · MQ_BM rows per block: the dynamic shared memory of a gated expert kernel
                     let smem = mq_smem(m0.ty, true, self.k.mmq_pipe);
                     let grid = (total.div_ceil(2 * MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, 1);
@@ -923,8 +936,8 @@ impl Ops<'_> {
 #[cfg(test)]
 mod tests {
     use super::{
-        att_decode_cut, att_decode_smem, down_quantizes, mf_split_count, mq_pipe_sa, mq_smem, split_part_floats,
-        Combine, GgmlType, ATT_CHUNK, MQ_PIPE_MAX_SMEM,
+        att_decode_cut, att_decode_smem, down_quantizes, mf_split_count, mq_pipe_sa, mq_smem, mq_wide_fits,
+        split_part_floats, Combine, GgmlType, ATT_CHUNK, MQ_PIPE_MAX_SMEM,
     };
 
     #[test]
@@ -1003,6 +1016,14 @@ mod tests {
         assert_eq!(mq_smem(GgmlType::MXFP4, true, true), 0, "static shared memory");
         assert_eq!(mq_smem(GgmlType::IQ2_XS, true, true), 0, "static shared memory");
         assert_eq!(mq_smem(GgmlType::Q6_K, false, true), 2 * (64 * 240 + 8 * 64 * 12 * 4));
+        // the wide dense kernels: the pipelined formats whose two stages of 128 rows leave two blocks per SM
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+            assert!(mq_wide_fits(ty, true), "{ty:?}");
+            assert!(!mq_wide_fits(ty, false), "{ty:?} without the pipelined loop");
+        }
+        for ty in [GgmlType::Q8_0, GgmlType::MXFP4, GgmlType::IQ2_XS, GgmlType::F32] {
+            assert!(!mq_wide_fits(ty, true), "{ty:?}");
+        }
         if std::env::var_os("STRATA_GPU_MMQ_PIPE").is_none() {
             assert!(crate::backend::cuda::kernels::mmq_pipe_on(232_448)); // H100/H200 opt-in
             assert!(crate::backend::cuda::kernels::mmq_pipe_on(166_912)); // A100
