@@ -954,6 +954,8 @@ __device__ __forceinline__ float mq_f(int c) { return __int_as_float(c) - 125829
 // hold tokens (1 ≤ cols ≤ MQ_BN): whole pairs of tiles, so that the loops check once per pair; the columns past
 // `cols` are zeros (xrow < 0).
 __device__ __forceinline__ int mq_live_tiles(int cols) { return min(MQ_BN / 8, 2 * ((cols + 15) / 16)); }
+static_assert(MAX_NT == 8 && MQ_GPT * MAX_NT == MQ_BN && (MQ_BN / 8) % 2 == 0,
+              "an expert tile's group is one column tile of 8, and the tiles come in pairs");
 
 // One block's MMA into acc (this thread's rows g, g + 8 × columns 2·tg, 2·tg + 1 of one column tile), its integer
 // sums scaled by the rows' d (da, db) and the columns' dx, plus Q4_1's m·sx.

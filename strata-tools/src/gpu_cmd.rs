@@ -939,6 +939,7 @@ fn check_kernels(
             strata::backend::cuda::kernels::cluster_norm_wanted(dev.cc),
             narrow_down,
             strata::backend::cuda::kernels::tensor_cores_ok(dev.cc),
+            strata::backend::cuda::kernels::mmq_wide_wanted(dev.cc),
         )
     };
     let k = load_kernels(true)?;

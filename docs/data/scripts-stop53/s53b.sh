@@ -5,7 +5,9 @@
 # .dev/strata-old.cu) against the new ones (embedded; both prebuilt in .dev/kc-*): gpu-check of the new kernels, narrow
 # and wide (rows against stop 51's, which HEAD's kernels give), bench-gpu --prompt 4096 / 512 --gen 32 on the Q4_0
 # qwen3moe file (Qwen3-30B-A3B geometry, every expert in VRAM) alternating old, new and wide, per-call GPU times of
-# each at 4,096, Nsight Compute sections of the main prefill kernels (new), memcheck of the mmq kernels.
+# each at 4,096, Nsight Compute sections of the main prefill kernels (new), memcheck of the mmq kernels. (Run with
+# 6b15c3b's build, where the wide kernels were opt-in; from 011aad1 on they are the default on compute capability 9.0,
+# so a rerun's "new" arm needs STRATA_GPU_MMQ_WIDE=0 to stay narrow.)
 set -u
 O=${OUT:?}; mkdir -p "$O"; L="$O/log.txt"
 . tools/device-env.sh

@@ -320,9 +320,11 @@ pub fn mmq_wanted() -> bool {
 
 /// Whether dense prefill products may run the wide tensor-core kernels (`mmq_*_w`: each warp's 16 rows and 16 more
 /// against the same token fragments, 128 rows per block) in the formats that suit them
-/// ([`super::ops::mq_wide_fits`]): unless `STRATA_GPU_MMQ_WIDE=0` (A/B measurements; the same bits either way).
-pub fn mmq_wide_wanted() -> bool {
-    !std::env::var("STRATA_GPU_MMQ_WIDE").is_ok_and(|v| v == "0")
+/// ([`super::ops::mq_wide_fits`]): on cards of compute capability 9.0 or newer (228 KiB of shared memory per SM: two
+/// wide blocks fit, where an A100's 164 KiB holds one; measured on the H100) unless `STRATA_GPU_MMQ_WIDE=0` (A/B
+/// measurements; the same bits either way).
+pub fn mmq_wide_wanted(cc: (i32, i32)) -> bool {
+    cc.0 >= 9 && !std::env::var("STRATA_GPU_MMQ_WIDE").is_ok_and(|v| v == "0")
 }
 
 /// Whether the tensor-core products of the pipelined formats ([`super::ops::mq_pipe_sa`]: Q8_0, Q4_0, Q4_1, Q5_0,
@@ -415,7 +417,9 @@ impl Kernels {
     /// programmatic dependent launch (see [`pdl_wanted`]); `cluster_norm`: use the cluster norm (see
     /// [`cluster_norm_wanted`]); `narrow`: use the narrow expert kernels (see [`narrow_wanted`]); `tensor_cores`:
     /// the card has them (see [`tensor_cores_ok`]; without, the prefill keeps the row kernels); `mmq_pipe`: the
-    /// image was compiled with the pipelined tensor-core loop (the `mmq_pipe` given to [`cubin`]).
+    /// image was compiled with the pipelined tensor-core loop (the `mmq_pipe` given to [`cubin`]); `mmq_wide`: look
+    /// up the wide dense prefill kernels of the formats that suit them (see [`mmq_wide_wanted`]; a format whose
+    /// module lacks them, as a `STRATA_KERNEL_SOURCE` of an earlier build, keeps the narrow ones).
     #[allow(clippy::too_many_arguments)]
     pub fn load(
         image: &[u8],
@@ -426,6 +430,7 @@ impl Kernels {
         cluster_norm: bool,
         narrow: bool,
         tensor_cores: bool,
+        mmq_wide: bool,
     ) -> Result<Kernels, GpuError> {
         let mut module = std::ptr::null_mut();
         // SAFETY: image is a complete CUBIN produced by NVRTC (checked ELF magic or just compiled).
@@ -499,9 +504,19 @@ impl Kernels {
                 Prefill::Float => Some(format!("mmf_{}", f.suffix)),
                 Prefill::Rows => None,
             })?,
-            mmq_w: prefill_per(&|f| {
-                (f.prefill == Prefill::Mmq && mmq_wide_wanted()).then(|| tc("mmq_")(f)).flatten().map(|n| n + "_w")
-            })?,
+            mmq_w: {
+                let mut v = [None; N];
+                if mmq_wide && mmq_wanted() && tensor_cores {
+                    for f in formats.iter().filter(|f| f.prefill == Prefill::Mmq) {
+                        let fits = crate::quant::format::by_name(f.suffix)
+                            .is_some_and(|g| super::ops::mq_wide_fits(g.ty, mmq_pipe));
+                        if fits {
+                            v[f.index] = get(leak(format!("mmq_{}_w", f.suffix))).ok();
+                        }
+                    }
+                }
+                v
+            },
             mmf16: prefill_per(&|f| (f.prefill == Prefill::Float).then(|| format!("mmf_{}_r16", f.suffix)))?,
             mmf_split: prefill_per(&|f| {
                 (f.prefill == Prefill::Float && mmf_split_wanted()).then(|| format!("mmf_split_{}", f.suffix))

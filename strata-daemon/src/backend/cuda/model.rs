@@ -535,6 +535,7 @@ pub(super) fn load_kernels(model: &ModelRef<'_>, dev: &Device, img: &[u8]) -> Re
         super::kernels::cluster_norm_wanted(dev.cc),
         super::kernels::narrow_wanted(),
         super::kernels::tensor_cores_ok(dev.cc),
+        super::kernels::mmq_wide_wanted(dev.cc),
     )
 }
 

@@ -275,14 +275,14 @@ pub fn mq_smem(ty: GgmlType, gated: bool, pipe: bool) -> u32 {
 }
 
 /// The most dynamic shared memory a wide dense prefill kernel (`mmq_*_w`) may take: two blocks of it per SM of an
-/// H100/H200 (227 KiB each, less the blocks' static shared memory and the driver's 1 KiB per block).
-const MQ_WIDE_MAX_SMEM: usize = 112 * 1024;
+/// H100/H200 (228 KiB per SM, less each block's ~1.3 KiB of static shared memory and the driver's 1 KiB).
+const MQ_WIDE_MAX_SMEM: usize = 111 * 1024;
 
 /// Whether a dense prefill product of `ty` runs the wide kernel (2 × MQ_BM rows per block; see
 /// [`super::kernels::mmq_wide_wanted`]): with the pipelined loop (`pipe`; cards of ~100 KiB of shared memory per block
 /// keep the narrow one) and a format whose wide stages leave two blocks per SM — every pipelined format but Q8_0, whose
 /// 118,784 bytes leave one (the narrow kernel keeps two). Measured on Q4_0 (stop 53: prefill 512 and 4,096 tokens
-/// 3–5% faster on an H100); the other formats share its loop and occupancy.
+/// 0.7–5% faster than the narrow kernel on an H100); the other formats share its loop and occupancy.
 pub fn mq_wide_fits(ty: GgmlType, pipe: bool) -> bool {
     pipe && mq_smem(ty, true, true) > 0 && mq_smem(ty, true, true) as usize <= MQ_WIDE_MAX_SMEM
 }
@@ -1017,7 +1017,18 @@ mod tests {
         assert_eq!(mq_smem(GgmlType::IQ2_XS, true, true), 0, "static shared memory");
         assert_eq!(mq_smem(GgmlType::Q6_K, false, true), 2 * (64 * 240 + 8 * 64 * 12 * 4));
         // the wide dense kernels: the pipelined formats whose two stages of 128 rows leave two blocks per SM
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q3_K,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+            GgmlType::IQ4_NL,
+            GgmlType::IQ4_XS,
+        ] {
             assert!(mq_wide_fits(ty, true), "{ty:?}");
             assert!(!mq_wide_fits(ty, false), "{ty:?} without the pipelined loop");
         }
