@@ -1068,16 +1068,16 @@ __device__ __forceinline__ void mq_core(const u8* const (&rp)[2], const u8* cons
 }
 
 // The pipelined MMA loop (the tensor-core formats but MXFP4, whose 17-byte blocks have no aligned words, and the
-// lattice IQ formats, whose grid lookups ran 8-10% slower with it: IQ2_XS prefill on an H100, stop 50;
-// STRATA_MMQ_PIPE, on unless compiled with 0): the weight rows' blocks and the tokens' Q8 blocks of MQ_KB blocks at a
-// time (a super-block of the 256-value formats) are copied into shared memory by cp.async (sm_80+) while the previous
-// MQ_KB blocks are multiplied, two stages in dynamic shared memory ([stage][NR rows × MQ_SA bytes | MQ_KB × MQ_BN ×
-// MQ_XS ints]; NR = MQ_BM, or 2·MQ_BM gate and up rows, or the wide kernels' two row ranges, for GATED). The weights are copied as they are in memory
-// (mq_pipe_mode: 16-byte pieces, 4-byte ones, or — rows that start 2-byte aligned — the 4-byte words around each
-// row's span, read from the row's offset in its first word) and read from shared memory into the fragments as
-// mq_load_a reads them from global memory (an address keeps its remainder mod 4, so the same loads apply); a Q8 block
-// as its 40 bytes (d, s, qs at ints 0, 1, 2..9 of its 12; for Q4_K/Q5_K its s is then replaced by d·Σq, mq_core's
-// value). Arithmetic as mq_core's, in the same order: the same bits.
+// lattice IQ formats, whose grid lookups ran 8-10% slower with it: IQ2_XS prefill on an H100, stop 50; STRATA_MMQ_PIPE,
+// on unless compiled with 0): the weight rows' blocks and the tokens' Q8 blocks of MQ_KB blocks at a time (a
+// super-block of the 256-value formats) are copied into shared memory by cp.async (sm_80+) while the previous MQ_KB
+// blocks are multiplied, two stages in dynamic shared memory ([stage][NR rows × MQ_SA bytes | MQ_KB × MQ_BN × MQ_XS
+// ints]; NR = MQ_BM, or 2·MQ_BM gate and up rows, or the wide kernels' two row ranges, for GATED). The weights are
+// copied as they are in memory (mq_pipe_mode: 16-byte pieces, 4-byte ones, or — rows that start 2-byte aligned — the
+// 4-byte words around each row's span, read from the row's offset in its first word) and read from shared memory into
+// the fragments as mq_load_a reads them from global memory (an address keeps its remainder mod 4, so the same loads
+// apply); a Q8 block as its 40 bytes (d, s, qs at ints 0, 1, 2..9 of its 12; for Q4_K/Q5_K its s is then replaced by
+// d·Σq, mq_core's value). Arithmetic as mq_core's, in the same order: the same bits.
 // rowp (shared, NR entries, written and synced by the caller): row i's first byte; mode: mq_pipe_mode's.
 #ifndef STRATA_MMQ_PIPE
 #define STRATA_MMQ_PIPE 1

@@ -284,7 +284,8 @@ const MQ_WIDE_MAX_SMEM: usize = 111 * 1024;
 /// 118,784 bytes leave one (the narrow kernel keeps two). Measured on Q4_0 (stop 53: prefill 512 and 4,096 tokens
 /// 0.7–5% faster than the narrow kernel on an H100); the other formats share its loop and occupancy.
 pub fn mq_wide_fits(ty: GgmlType, pipe: bool) -> bool {
-    pipe && mq_smem(ty, true, true) > 0 && mq_smem(ty, true, true) as usize <= MQ_WIDE_MAX_SMEM
+    let smem = mq_smem(ty, true, true) as usize;
+    pipe && smem > 0 && smem <= MQ_WIDE_MAX_SMEM
 }
 
 /// The shared row stride in bytes (`MQ_SA` in strata.cu) of a stage of the pipelined tensor-core loop for `ty`: at
@@ -378,8 +379,9 @@ impl Ops<'_> {
             // the tiled one (MF_BM × MF_BN, 256 threads)
             let args = mmv_args(mats, xq, xf, t, out, out_stride, accumulate);
             return if block {
-                if let Some(fw) = self.k.mmq_wide(m0.ty).filter(|_| mq_wide_fits(m0.ty, self.k.mmq_pipe)) {
-                    // 2 · MQ_BM rows per block: the dynamic shared memory of a gated expert kernel
+                if let Some(fw) = self.k.mmq_wide(m0.ty) {
+                    // 2 · MQ_BM rows per block (loaded only where mq_wide_fits): a gated expert kernel's shared
+                    // memory
                     let smem = mq_smem(m0.ty, true, self.k.mmq_pipe);
                     let grid = (total.div_ceil(2 * MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, 1);
                     return fw.launch(self.s, grid, 32 * WARPS, smem, args);
