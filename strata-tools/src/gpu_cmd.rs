@@ -601,14 +601,16 @@ fn check_attention_tiled(
 /// RMSNorm + Q8 of `t` random rows of `n` values after a combine of `k` random expert rows per token (random
 /// flags and weights, plus a CPU sum): the device's kernel (the cluster one on sm_90+) against the CPU's
 /// arithmetic (combine in rank order, `rms_norm`, Q8). Returns the relative error of the normalized rows and
-/// of the written-back residual, and whether the Q8 bytes match.
+/// of the written-back residual, whether the Q8 bytes match, and where the cluster kernel is loaded whether it
+/// gives the same bytes (normalized rows, residual, Q8) as the kernel `rms_norm_q8` chose (`rms_norm_q8_rows` for
+/// more than 8 rows).
 fn check_norm(
     ops: &strata::backend::cuda::ops::Ops,
     n: usize,
     t: usize,
     k: usize,
     seed: &mut u64,
-) -> Result<(f64, f64, bool)> {
+) -> Result<(f64, f64, bool, Option<bool>)> {
     use strata::backend::cuda::driver::DevBuf;
     let mut r = |scale: f32| (rng(seed) % 20001) as f32 / 10000.0 * scale - scale / 2.0;
     let x: Vec<f32> = (0..t * n).map(|_| r(4.0)).collect();
@@ -650,7 +652,22 @@ fn check_norm(
     out.read_sync(0, &mut go)?;
     dx.read_sync(0, &mut gx)?;
     outq.read_sync(0, &mut gq)?;
-    Ok((rel_err(&go, &act.f), rel_err(&gx, &xr), gq == q))
+    // the cluster kernel on the same inputs (x again from the start: the combine writes it back)
+    let dx2 = DevBuf::from_slice(&x)?;
+    let out2 = DevBuf::from_slice(&vec![f32::NAN; t * n])?;
+    let outq2 = DevBuf::from_slice(&vec![0xFFu8; q.len()])?;
+    let same = if ops.rms_norm_q8_cluster(dx2.ptr, dw.ptr, 1e-6, n, t, out2.ptr, outq2.ptr, Some(comb))? {
+        ops.s.sync()?;
+        let (mut go2, mut gx2, mut gq2) = (vec![0f32; t * n], vec![0f32; t * n], vec![0u8; q.len()]);
+        out2.read_sync(0, &mut go2)?;
+        dx2.read_sync(0, &mut gx2)?;
+        outq2.read_sync(0, &mut gq2)?;
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+        Some(bits(&go2) == bits(&go) && bits(&gx2) == bits(&gx) && gq2 == gq)
+    } else {
+        None
+    };
+    Ok((rel_err(&go, &act.f), rel_err(&gx, &xr), gq == q, same))
 }
 
 /// One random expert (gate | up | down blob of `ty`, width `e`, hidden `ff`) in slot 1 of a two-slot arena, `t`
@@ -1088,19 +1105,36 @@ fn check_kernels(
                 "cols": cols, "t": t, "rel_err_vs_cpu": rc}));
         }
     }
-    // 1a. RMSNorm + Q8 after the MoE combine
+    // 1a. RMSNorm + Q8 after the MoE combine (more than 8 rows: the prefill chunks' kernel on sm_90+, which must give
+    // the cluster kernel's bytes)
     println!("{:<6} {:>6} {:>6} {:>3} {:>12} {:>12}", "norm", "n", "k", "t", "rel_err_out", "rel_err_x");
-    for &(n, k, t) in &[(576usize, 4usize, 1usize), (2048, 8, 1), (4096, 2, 3), (2048, 8, 5), (8192, 8, 1), (64, 4, 2)]
-    {
-        let (ro, rx, qm) = check_norm(&ops, n, t, k, &mut seed)?;
+    for &(n, k, t) in &[
+        (576usize, 4usize, 1usize),
+        (2048, 8, 1),
+        (4096, 2, 3),
+        (2048, 8, 5),
+        (8192, 8, 1),
+        (64, 4, 2),
+        (2048, 8, 512),
+        (576, 4, 33),
+        (8192, 8, 9),
+        (4096, 2, 130),
+        (64, 4, 17),
+        (2880, 4, 100),
+    ] {
+        let (ro, rx, qm, same) = check_norm(&ops, n, t, k, &mut seed)?;
         worst = worst.max(ro).max(rx);
+        if same == Some(false) {
+            worst = f64::INFINITY;
+        }
         println!(
-            "{:<6} {n:>6} {k:>6} {t:>3} {ro:>12.2e} {rx:>12.2e}{}",
+            "{:<6} {n:>6} {k:>6} {t:>3} {ro:>12.2e} {rx:>12.2e}{}{}",
             "norm",
-            if qm { "" } else { "  (Q8 differs)" }
+            if qm { "" } else { "  (Q8 differs)" },
+            if same == Some(false) { "  (DIFFERS from the cluster kernel)" } else { "" }
         );
         kern.push(serde_json::json!({"kernel": "rms_norm_q8", "n": n, "k": k, "t": t, "rel_err_vs_cpu": ro,
-            "residual_rel_err_vs_cpu": rx, "q8_bytes_match": qm}));
+            "residual_rel_err_vs_cpu": rx, "q8_bytes_match": qm, "same_bytes_as_cluster": same}));
     }
     // 1a'. split-K attention over a long context against the one-block kernel (same scores; the one-block kernel
     // rounds the probabilities to f16, the split one rescales in f32)

@@ -90,6 +90,23 @@ impl Combine {
     }
 }
 
+/// The arguments of the norm kernels (`rms_norm_q8*`: see [`Ops::rms_norm_q8`]).
+fn norm_args(x: u64, w: u64, eps: f32, n: usize, out: u64, outq: u64, combine: Option<Combine>) -> Args {
+    let c = combine.unwrap_or(Combine { y: 0, w: 0, flag: 0, cpu: 0, k: 0 });
+    Args::new()
+        .ptr(x)
+        .ptr(w)
+        .f32(eps)
+        .i32(n as i32)
+        .ptr(out)
+        .ptr(outq)
+        .ptr(c.y)
+        .ptr(c.w)
+        .ptr(c.flag)
+        .ptr(c.cpu)
+        .i32(c.k as i32)
+}
+
 /// One layer's KV cache on the device: the K and V rows' addresses (`n_ctx` positions of `kvd` values each) and
 /// their type: f16 (`kvd` halves per position) or, `q8`, ggml Q8_0 (`kvd / 32` blocks of 34 bytes per position,
 /// `--kv-type q8_0`; head sizes that are multiples of 32).
@@ -461,7 +478,8 @@ impl Ops<'_> {
 
     /// RMSNorm of `t` rows of `n` values (`n % 32 == 0`, `n ≤ 8192`) with weights `w`, into f32 `out` and Q8
     /// `outq`; with `combine`, the previous MoE layer's outputs are first added into `x` (see [`Combine`]).
-    /// On sm_90+ a cluster of [`NORM_CLUSTER`] blocks per row, else one block per row.
+    /// On sm_90+ a cluster of [`NORM_CLUSTER`] blocks per row (`rms_norm_q8_rows` for more than [`MAX_NT`] rows:
+    /// the same bits from one block per row), else one block per row.
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_q8(
         &self,
@@ -474,23 +492,37 @@ impl Ops<'_> {
         outq: u64,
         combine: Option<Combine>,
     ) -> Result<(), GpuError> {
-        let c = combine.unwrap_or(Combine { y: 0, w: 0, flag: 0, cpu: 0, k: 0 });
-        let args = Args::new()
-            .ptr(x)
-            .ptr(w)
-            .f32(eps)
-            .i32(n as i32)
-            .ptr(out)
-            .ptr(outq)
-            .ptr(c.y)
-            .ptr(c.w)
-            .ptr(c.flag)
-            .ptr(c.cpu)
-            .i32(c.k as i32);
-        match &self.k.rms_norm_q8_cluster {
-            Some(f) => f.launch(self.s, (NORM_CLUSTER, t as u32, 1), NORM_CLUSTER_THREADS, 0, args),
-            None => self.k.rms_norm_q8.launch(self.s, (t as u32, 1, 1), NORM_THREADS, 0, args),
+        // (the rows kernel is loaded only where the cluster kernel is)
+        if let Some(f) = self.k.rms_norm_q8_rows.as_ref().filter(|_| t > MAX_NT) {
+            let args = norm_args(x, w, eps, n, out, outq, combine);
+            return f.launch(self.s, (t as u32, 1, 1), NORM_CLUSTER * NORM_CLUSTER_THREADS, 0, args);
         }
+        if self.rms_norm_q8_cluster(x, w, eps, n, t, out, outq, combine)? {
+            return Ok(());
+        }
+        let args = norm_args(x, w, eps, n, out, outq, combine);
+        self.k.rms_norm_q8.launch(self.s, (t as u32, 1, 1), NORM_THREADS, 0, args)
+    }
+
+    /// [`Ops::rms_norm_q8`] through the cluster kernel whatever `t` (its path for decode windows; gpu-check also
+    /// compares `rms_norm_q8_rows` with it). Returns false (nothing launched) where the cluster kernel is not loaded.
+    /// Errors: a launch failure.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_q8_cluster(
+        &self,
+        x: u64,
+        w: u64,
+        eps: f32,
+        n: usize,
+        t: usize,
+        out: u64,
+        outq: u64,
+        combine: Option<Combine>,
+    ) -> Result<bool, GpuError> {
+        let Some(f) = &self.k.rms_norm_q8_cluster else { return Ok(false) };
+        let args = norm_args(x, w, eps, n, out, outq, combine);
+        f.launch(self.s, (NORM_CLUSTER, t as u32, 1), NORM_CLUSTER_THREADS, 0, args)?;
+        Ok(true)
     }
 
     /// Biases and q/k RMSNorm of `t` rows of `qkv` in place before RoPE (see the kernel): `bias` (0 = none) is
