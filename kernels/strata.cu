@@ -2307,9 +2307,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_combine(const float*
 // The arithmetic differs from `attention` (which rounds the normalised probabilities to f16 and sums in position
 // order) by rounding only. Head size HD (a multiple of 16, at most 128); K/V rows are read 16 bytes at a time (kvd %
 // 8 == 0 and 16-byte aligned caches). Grid: (ceil(t / FA_BQ), n_head); block: 32 * FA_WARPS threads. The Q8 rows
-// of out are a separate quantize launch. attention_tiled_<hd> loads each tile's K and V rows before its products;
-// attention_tiled_p_<hd> (f16 caches) copies a tile's V rows by cp.async while its scores are computed and the next
-// tile's K rows while its P·V is (the same arithmetic: the same bits).
+// of out are a separate quantize launch.
 // window > 0: a row attends to its last `window` positions (the walk starts at the tile of the block's first row's
 // first one); sinks != null: each head's sink logit joins the softmax at the end.
 #define FA_WARPS 4
@@ -2426,26 +2424,9 @@ __device__ __forceinline__ void fa_pv(float (*acc)[4], const u32* pa, const u16*
     }
 }
 
-// PIPE (f16 caches only): K/V tile rows [p0, p0 + FA_BK) of KV head kh into `dst` (FA_BK rows, LD halves apart) by
-// cp.async, rows at or past n_blk zeros; one commit group.
-template <int HD, int LD>
-__device__ __forceinline__ void fa_copy_tile(u16* dst, const u16* cache, int p0, int n_blk, int kvd, int kh) {
-    constexpr int CH = HD / 8;  // 16-byte chunks per row
-    for (int c = threadIdx.x; c < FA_BK * CH; c += 32 * FA_WARPS) {
-        const int r = c / CH, off = (c % CH) * 8;
-        u16* d = dst + r * LD + off;
-        if (p0 + r < n_blk)
-            cp_async<16>(d, cache + (size_t)(p0 + r) * kvd + (size_t)kh * HD + off);
-        else
-            *(uint4*)d = make_uint4(0, 0, 0, 0);
-    }
-    cp_async_commit();
-}
-
-template <int HD, int KVQ, bool PIPE>
+template <int HD, int KVQ>
 __device__ void attention_tiled_body(const float* q, const void* kc, const void* vc, int n_head, int n_head_kv,
                                      int t, const int* pos, float scale, float* out, int window, const float* sinks) {
-    static_assert(!(PIPE && KVQ), "the pipelined copies are of f16 rows");
     const u16* kcache = (const u16*)kc;
     const u16* vcache = (const u16*)vc;
     constexpr int LD = HD + 8;  // shared row stride in halves: rows 4 banks apart, no conflicts in the B loads
@@ -2474,41 +2455,32 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
     // the scores in base-2 units (s · scale · log2 e), so that each exponential is one exp2
     const float sl2 = scale * LOG2E;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-    // PIPE: a tile's V rows are copied while its scores are computed, the next tile's K rows while its P·V is
-    // (one K and one V buffer; the same arithmetic as the loads below, so the same bits)
-    if (PIPE && p_first < n_blk) fa_copy_tile<HD, LD>(ks, kcache, p_first, n_blk, kvd, kh);
     for (int p0 = p_first; p0 < n_blk; p0 += FA_BK) {
         __syncthreads();  // the previous tile's readers are done
-        if constexpr (PIPE) {
-            fa_copy_tile<HD, LD>(vs, vcache, p0, n_blk, kvd, kh);
-            cp_async_wait<1>();  // this thread's copies of the tile's K rows are done
-        } else {
-            constexpr int CH = HD / 8;  // 16-byte chunks per row
-            for (int c = threadIdx.x; c < FA_BK * CH; c += 32 * FA_WARPS) {
-                const int r = c / CH, off = (c % CH) * 8;
-                uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-                if (p0 + r < n_blk) {
-                    if (KVQ) {
-                        const KvRows<1> kr(kc, kvd), vr(vc, kvd);
-                        kv = q8_row_half8(kr.at(p0 + r, kh, HD), off);
-                        vv = q8_row_half8(vr.at(p0 + r, kh, HD), off);
-                    } else {
-                        const size_t src = (size_t)(p0 + r) * kvd + (size_t)kh * HD + off;
-                        kv = *(const uint4*)(kcache + src);
-                        vv = *(const uint4*)(vcache + src);
-                    }
+        constexpr int CH = HD / 8;  // 16-byte chunks per row
+        for (int c = threadIdx.x; c < FA_BK * CH; c += 32 * FA_WARPS) {
+            const int r = c / CH, off = (c % CH) * 8;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (p0 + r < n_blk) {
+                if (KVQ) {
+                    const KvRows<1> kr(kc, kvd), vr(vc, kvd);
+                    kv = q8_row_half8(kr.at(p0 + r, kh, HD), off);
+                    vv = q8_row_half8(vr.at(p0 + r, kh, HD), off);
+                } else {
+                    const size_t src = (size_t)(p0 + r) * kvd + (size_t)kh * HD + off;
+                    kv = *(const uint4*)(kcache + src);
+                    vv = *(const uint4*)(vcache + src);
                 }
-                *(uint4*)(ks + r * LD + off) = kv;
-                *(uint4*)(vs + r * LD + off) = vv;
             }
+            *(uint4*)(ks + r * LD + off) = kv;
+            *(uint4*)(vs + r * LD + off) = vv;
         }
         __syncthreads();
-        // a warp whose rows all end before this tile only takes part in the copies and barriers
-        const bool live = p0 <= pos0 + min(qb + warp * 16 + 15, t - 1);
+        if (p0 > pos0 + min(qb + warp * 16 + 15, t - 1)) continue;  // the warp's rows all end before this tile
         float s[FA_BK / 8][4];
 #pragma unroll
         for (int j = 0; j < FA_BK / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        if (live) {
+        {
             // the B fragments of two 8-position slices per ldmatrix: matrices (slice j, values 0-7), (j, 8-15),
             // (j + 1, 0-7), (j + 1, 8-15)
             const int m = lane >> 3;
@@ -2525,66 +2497,59 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
                     mma_16816(s[2 * jj + 1], qa[kt], b[jj][2], b[jj][3]);
                 }
             }
-            float mx0 = -INFINITY, mx1 = -INFINITY;
-            // a tile every row of the warp sees whole (its last position at or before the warp's first row, and
-            // inside the last row's window) needs no mask
-            const int wr0 = pos0 + qb + warp * 16;
-            if (p0 + FA_BK - 1 <= wr0 && (window <= 0 || p0 >= wr0 + 15 - window + 1)) {
-#pragma unroll
-                for (int j = 0; j < FA_BK / 8; j++) {
-                    s[j][0] *= sl2;
-                    s[j][1] *= sl2;
-                    s[j][2] *= sl2;
-                    s[j][3] *= sl2;
-                    mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-                    mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < FA_BK / 8; j++) {
-                    const int p = p0 + j * 8 + 2 * tg;
-                    s[j][0] = p <= qp0 && p >= lo0 ? s[j][0] * sl2 : -INFINITY;
-                    s[j][1] = p + 1 <= qp0 && p + 1 >= lo0 ? s[j][1] * sl2 : -INFINITY;
-                    s[j][2] = p <= qp1 && p >= lo1 ? s[j][2] * sl2 : -INFINITY;
-                    s[j][3] = p + 1 <= qp1 && p + 1 >= lo1 ? s[j][3] * sl2 : -INFINITY;
-                    mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-                    mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-                }
-            }
-            fa_quad_max(mx0, mx1);
-            // without a window every row has position 0 in the first tile, so its running max is finite from then
-            // on; with one a row may have no position in a tile yet (max −inf: nothing to rescale, nothing to add)
-            const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
-            const float a0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0), a1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
-            m0 = nm0;
-            m1 = nm1;
-            const float e0 = m0 == -INFINITY ? 0.f : m0, e1 = m1 == -INFINITY ? 0.f : m1;
-            l0 *= a0;
-            l1 *= a1;
-            fa_rescale<HD>(acc, a0, a1);
+        }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+        // a tile every row of the warp sees whole (its last position at or before the warp's first row, and inside
+        // the last row's window) needs no mask
+        const int wr0 = pos0 + qb + warp * 16;
+        if (p0 + FA_BK - 1 <= wr0 && (window <= 0 || p0 >= wr0 + 15 - window + 1)) {
 #pragma unroll
             for (int j = 0; j < FA_BK / 8; j++) {
-                s[j][0] = exp2f(s[j][0] - e0);
-                s[j][1] = exp2f(s[j][1] - e0);
-                s[j][2] = exp2f(s[j][2] - e1);
-                s[j][3] = exp2f(s[j][3] - e1);
-                l0 += s[j][0] + s[j][1];
-                l1 += s[j][2] + s[j][3];
+                s[j][0] *= sl2;
+                s[j][1] *= sl2;
+                s[j][2] *= sl2;
+                s[j][3] *= sl2;
+                mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
             }
-        }
-        if constexpr (PIPE) {
-            cp_async_wait<0>();  // this thread's copies of the tile's V rows are done
-            __syncthreads();     // ... and everyone's; every warp's reads of ks are done
-            if (p0 + FA_BK < n_blk) fa_copy_tile<HD, LD>(ks, kcache, p0 + FA_BK, n_blk, kvd, kh);
-        }
-        if (live) {
+        } else {
 #pragma unroll
-            for (int kk = 0; kk < FA_BK / 16; kk++) {
-                const u32 pa[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
-                                   pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                   pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-                fa_pv<HD, LD>(acc, pa, vs + kk * 16 * LD, lane);
+            for (int j = 0; j < FA_BK / 8; j++) {
+                const int p = p0 + j * 8 + 2 * tg;
+                s[j][0] = p <= qp0 && p >= lo0 ? s[j][0] * sl2 : -INFINITY;
+                s[j][1] = p + 1 <= qp0 && p + 1 >= lo0 ? s[j][1] * sl2 : -INFINITY;
+                s[j][2] = p <= qp1 && p >= lo1 ? s[j][2] * sl2 : -INFINITY;
+                s[j][3] = p + 1 <= qp1 && p + 1 >= lo1 ? s[j][3] * sl2 : -INFINITY;
+                mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
             }
+        }
+        fa_quad_max(mx0, mx1);
+        // without a window every row has position 0 in the first tile, so its running max is finite from then on;
+        // with one a row may have no position in a tile yet (max −inf: nothing to rescale, nothing to add)
+        const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
+        const float a0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0), a1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
+        m0 = nm0;
+        m1 = nm1;
+        const float e0 = m0 == -INFINITY ? 0.f : m0, e1 = m1 == -INFINITY ? 0.f : m1;
+        l0 *= a0;
+        l1 *= a1;
+        fa_rescale<HD>(acc, a0, a1);
+#pragma unroll
+        for (int j = 0; j < FA_BK / 8; j++) {
+            s[j][0] = exp2f(s[j][0] - e0);
+            s[j][1] = exp2f(s[j][1] - e0);
+            s[j][2] = exp2f(s[j][2] - e1);
+            s[j][3] = exp2f(s[j][3] - e1);
+            l0 += s[j][0] + s[j][1];
+            l1 += s[j][2] + s[j][3];
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_BK / 16; kk++) {
+            const u32 pa[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                               pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                               pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            fa_pv<HD, LD>(acc, pa, vs + kk * 16 * LD, lane);
         }
     }
 #pragma unroll
@@ -2614,12 +2579,7 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
     extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) attention_tiled_##HD(                             \
         const float* q, const u16* kcache, const u16* vcache, int n_head, int n_head_kv, int t, const int* pos,   \
         float scale, float* out, int window, const float* sinks) {                                                \
-        attention_tiled_body<HD, 0, false>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out, window, sinks); \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) attention_tiled_p_##HD(                           \
-        const float* q, const u16* kcache, const u16* vcache, int n_head, int n_head_kv, int t, const int* pos,   \
-        float scale, float* out, int window, const float* sinks) {                                                \
-        attention_tiled_body<HD, 0, true>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out, window, sinks); \
+        attention_tiled_body<HD, 0>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out, window, sinks);    \
     }
 // over a Q8_0 cache: head sizes that are multiples of 32 (whole Q8_0 blocks per head)
 #define ATTENTION_TILED_Q8(HD)                                                                                    \
@@ -2627,7 +2587,7 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
     extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) attention_tiled_q8_##HD(                          \
         const float* q, const u8* kcache, const u8* vcache, int n_head, int n_head_kv, int t, const int* pos,     \
         float scale, float* out, int window, const float* sinks) {                                                \
-        attention_tiled_body<HD, 1, false>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out, window, sinks); \
+        attention_tiled_body<HD, 1>(q, kcache, vcache, n_head, n_head_kv, t, pos, scale, out, window, sinks);    \
     }
 ATTENTION_TILED(64)
 ATTENTION_TILED(80)

@@ -278,8 +278,7 @@ pub struct Kernels {
     attention_decode: [Option<Func>; DECODE_HEAD_SIZES.len()],
     /// `attention_decode_q8_<hd>` (over a Q8_0 KV cache).
     attention_decode_q8: [Option<Func>; DECODE_HEAD_SIZES.len()],
-    /// `attention_tiled_<hd>` for the head sizes of [`TILED_HEAD_SIZES`] (None: off, see [`tiled_attention_wanted`]),
-    /// or its pipelined `attention_tiled_p_<hd>` (see [`fa_pipe_wanted`]).
+    /// `attention_tiled_<hd>` for the head sizes of [`TILED_HEAD_SIZES`] (None: off, see [`tiled_attention_wanted`]).
     attention_tiled: [Option<Func>; TILED_HEAD_SIZES.len()],
     /// `attention_tiled_q8_<hd>` (over a Q8_0 KV cache; head sizes that are multiples of 32).
     attention_tiled_q8: [Option<Func>; TILED_HEAD_SIZES.len()],
@@ -385,13 +384,6 @@ pub fn decode_attention_wanted() -> bool {
 /// `STRATA_ATTN_TILED=0` (then the one-block kernel, the CPU's scores bit for bit; for A/B measurements).
 pub fn tiled_attention_wanted() -> bool {
     !std::env::var("STRATA_ATTN_TILED").is_ok_and(|v| v == "0")
-}
-
-/// Whether the tiled prefill attention over an f16 cache copies its K/V tiles ahead of their use
-/// (`attention_tiled_p_<hd>`: a tile's V rows while its scores are computed, the next tile's K rows while its P·V is;
-/// the same bits as `attention_tiled_<hd>`): unless `STRATA_GPU_FA_PIPE=0` (A/B measurements).
-pub fn fa_pipe_wanted() -> bool {
-    !std::env::var("STRATA_GPU_FA_PIPE").is_ok_and(|v| v == "0")
 }
 
 /// Whether one-token expert products of narrow experts use the `_t1n` kernels (gate/up: two indices per warp;
@@ -547,7 +539,8 @@ impl Kernels {
             quantize_q8: get("quantize_q8")?,
             rms_norm_q8: get("rms_norm_q8")?,
             rms_norm_q8_cluster: if cluster_norm { Some(get("rms_norm_q8_cluster")?) } else { None },
-            rms_norm_q8_rows: if cluster_norm && norm_rows_wanted() { Some(get("rms_norm_q8_rows")?) } else { None },
+            // (None where an older STRATA_KERNEL_SOURCE lacks it: the clusters then take every norm)
+            rms_norm_q8_rows: if cluster_norm && norm_rows_wanted() { get("rms_norm_q8_rows").ok() } else { None },
             qkv_prep: get("qkv_prep")?,
             rope_store: get("rope_store")?,
             rope_store_q8: get("rope_store_q8")?,
@@ -563,13 +556,7 @@ impl Kernels {
                 let mut v = [None; TILED_HEAD_SIZES.len()];
                 if tensor_cores && tiled_attention_wanted() {
                     for (f, hd) in v.iter_mut().zip(TILED_HEAD_SIZES) {
-                        // the pipelined copies where wanted and the module has them (an older
-                        // STRATA_KERNEL_SOURCE may not)
-                        let piped = fa_pipe_wanted().then(|| get(leak(format!("attention_tiled_p_{hd}"))).ok());
-                        *f = Some(match piped.flatten() {
-                            Some(p) => p,
-                            None => get(leak(format!("attention_tiled_{hd}")))?,
-                        });
+                        *f = Some(get(leak(format!("attention_tiled_{hd}")))?);
                     }
                 }
                 v
