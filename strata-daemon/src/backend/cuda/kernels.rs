@@ -308,8 +308,9 @@ pub fn pdl_wanted(cc: (i32, i32)) -> bool {
     cc.0 >= 9 && !std::env::var("STRATA_GPU_PDL").is_ok_and(|v| v == "0")
 }
 
-/// Whether the norms run as thread-block clusters of `NORM_CLUSTER` blocks per row (`rms_norm_q8_cluster`):
-/// compute capability 9.0 or newer unless `STRATA_GPU_NORM_CLUSTER=0` (then one block per row).
+/// Whether the norms run as thread-block clusters of `NORM_CLUSTER` blocks per row (`rms_norm_q8_cluster`; prefill
+/// chunks take `rms_norm_q8_rows`, its bits from one block per row, see [`norm_rows_wanted`]): compute capability 9.0
+/// or newer unless `STRATA_GPU_NORM_CLUSTER=0` (then one block per row).
 pub fn cluster_norm_wanted(cc: (i32, i32)) -> bool {
     cc.0 >= 9 && !std::env::var("STRATA_GPU_NORM_CLUSTER").is_ok_and(|v| v == "0")
 }
