@@ -1624,6 +1624,41 @@ extern "C" __global__ void rms_norm_q8(float* x, const float* w, float eps, int 
     quantize_block_thread(v, outq + (size_t)row * (n / 32) + tid);
 }
 
+// One slice of a row for the sliced norms (rms_norm_q8_cluster, rms_norm_q8_rows: both call these, so their bits
+// are the same): the slice's m values at xr (combined first where y != null, see combine4, and written back) copied to
+// xs, and this thread's sum of their squares (double; thread `tid` of `nthr` takes the 4-value groups 4·tid, 4·tid +
+// 4·nthr, ... in order) reduced over its warp by the butterfly. c0: the slice's first column in the row.
+__device__ __forceinline__ double norm_slice_sum(float* xr, float* xs, int m, int tid, int nthr, const float* y,
+                                                 const float* cpu, const int* fl, const float* cws, int row, int k,
+                                                 int n, int c0) {
+    double ss = 0.0;
+    for (int i = 4 * tid; i < m; i += 4 * nthr) {
+        const float4 a = *(const float4*)(xr + i);
+        float v[4] = {a.x, a.y, a.z, a.w};
+        if (y) {
+            combine4(v, y, cpu, fl, cws, row, k, n, c0 + i);
+            *(float4*)(xr + i) = make_float4(v[0], v[1], v[2], v[3]);
+        }
+        *(float4*)(xs + i) = make_float4(v[0], v[1], v[2], v[3]);
+#pragma unroll
+        for (int q = 0; q < 4; q++) ss += (double)v[q] * (double)v[q];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    return ss;
+}
+
+// The slice's output: its nblk Q8 blocks of normalized values (xs · scale · ws, 32 per block) into out (f32) and outq,
+// block j by warp j mod nwarps (quantize_block_warp).
+__device__ __forceinline__ void norm_slice_out(const float* xs, const float* ws, float scale, float* out, Q8* outq,
+                                               int nblk, int warp, int nwarps, int lane) {
+    for (int j = warp; j < nblk; j += nwarps) {
+        const float v = xs[32 * j + lane] * scale * ws[32 * j + lane];
+        out[32 * j + lane] = v;
+        quantize_block_warp(v, outq + j, lane);
+    }
+}
+
 // The same RMSNorm (+ combine) + Q8 over a cluster of NORM_CLUSTER blocks per row (sm_90+): one block cannot
 // use the card, and this small kernel sat on every layer's critical path twice. Block r of a row's cluster takes
 // Q8 blocks [r * nb / C, (r + 1) * nb / C) of the row (nb = n / 32): it does the combine of that slice, keeps
@@ -1682,21 +1717,8 @@ extern "C" __global__ void CLUSTER_DIMS rms_norm_q8_cluster(float* x, const floa
         *(float4*)(ws + i) = *(const float4*)(w + e0 + i);
     pdl_wait();
     load_combine_entries(y, cw, flag, row, k, fl, cws);
-    float* xr = x + (size_t)row * n + e0;
-    double ss = 0.0;
-    for (int i = 4 * tid; i < m; i += 4 * NORM_CLUSTER_THREADS) {
-        const float4 a = *(const float4*)(xr + i);
-        float v[4] = {a.x, a.y, a.z, a.w};
-        if (y) {
-            combine4(v, y, cpu, fl, cws, row, k, n, e0 + i);
-            *(float4*)(xr + i) = make_float4(v[0], v[1], v[2], v[3]);
-        }
-        *(float4*)(xs + i) = make_float4(v[0], v[1], v[2], v[3]);
-#pragma unroll
-        for (int q = 0; q < 4; q++) ss += (double)v[q] * (double)v[q];
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const double ss =
+        norm_slice_sum(x + (size_t)row * n + e0, xs, m, tid, NORM_CLUSTER_THREADS, y, cpu, fl, cws, row, k, n, e0);
     if (lane == 0) red[warp] = ss;
     __syncthreads();
     if (tid == 0) {
@@ -1711,21 +1733,18 @@ extern "C" __global__ void CLUSTER_DIMS rms_norm_q8_cluster(float* x, const floa
     for (int r = 0; r < NORM_CLUSTER; r++) tot += ld_cluster_f64(&part, r);
     cluster_sync_all();  // no block leaves while another still reads its `part`
     const float scale = 1.0f / sqrtf((float)(tot / (double)n) + eps);
-    for (int j = warp; j < b1 - b0; j += NORM_CLUSTER_THREADS / 32) {
-        const float v = xs[32 * j + lane] * scale * ws[32 * j + lane];
-        out[(size_t)row * n + e0 + 32 * j + lane] = v;
-        quantize_block_warp(v, outq + (size_t)row * nb + b0 + j, lane);
-    }
+    norm_slice_out(xs, ws, scale, out + (size_t)row * n + e0, outq + (size_t)row * nb + b0, b1 - b0, warp,
+                   NORM_CLUSTER_THREADS / 32, lane);
 #endif
 }
 
 // The cluster kernel's arithmetic on prefill chunks (more than 8 rows, the host's MAX_NT; sm_90+ where the cluster
 // kernel runs): the same bits from one block of NORM_CLUSTER · NORM_CLUSTER_THREADS threads per row. Thread
-// r · NORM_CLUSTER_THREADS + j does what thread j of the cluster's block r does (slice r of the row, its combine, its
-// sums of squares in the same order and the same warp reductions; the slices' sums added in rank order), through the
-// block's shared memory and barriers in place of the cluster's distributed shared memory and cluster barriers (a
-// chunk's norms took 2.5 ms where the 8 · t cluster blocks took 3.0, 48 layers of 512 rows on an H100). Grid: (t);
-// block: NORM_CLUSTER · NORM_CLUSTER_THREADS threads; n % 32 == 0, n <= NORM_MAX, rows 16-byte aligned.
+// r · NORM_CLUSTER_THREADS + j does what thread j of the cluster's block r does (slice r of the row through the same
+// norm_slice_sum and norm_slice_out; the slices' sums added in rank order), through the block's shared memory and
+// barriers in place of the cluster's distributed shared memory and cluster barriers (a chunk's norms took 2.5 ms
+// where the 8 · t cluster blocks took 3.0, 48 layers of 512 rows on an H100). Grid: (t); block: NORM_CLUSTER ·
+// NORM_CLUSTER_THREADS threads; n % 32 == 0, n <= NORM_MAX, rows 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(NORM_CLUSTER * NORM_CLUSTER_THREADS)
     rms_norm_q8_rows(float* x, const float* w, float eps, int n, float* out, Q8* outq, const float* y, const float* cw,
                      const int* flag, const float* cpu, int k) {
@@ -1741,21 +1760,8 @@ extern "C" __global__ void __launch_bounds__(NORM_CLUSTER * NORM_CLUSTER_THREADS
     const int e0 = 32 * b0, m = 32 * (b1 - b0);  // this slice's elements: [e0, e0 + m)
     pdl_wait();
     load_combine_entries(y, cw, flag, row, k, fl, cws);
-    float* xr = x + (size_t)row * n + e0;
-    double ss = 0.0;
-    for (int i = 4 * tid; i < m; i += 4 * NORM_CLUSTER_THREADS) {
-        const float4 a = *(const float4*)(xr + i);
-        float v[4] = {a.x, a.y, a.z, a.w};
-        if (y) {
-            combine4(v, y, cpu, fl, cws, row, k, n, e0 + i);
-            *(float4*)(xr + i) = make_float4(v[0], v[1], v[2], v[3]);
-        }
-        *(float4*)(xs + e0 + i) = make_float4(v[0], v[1], v[2], v[3]);
-#pragma unroll
-        for (int q = 0; q < 4; q++) ss += (double)v[q] * (double)v[q];
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const double ss =
+        norm_slice_sum(x + (size_t)row * n + e0, xs + e0, m, tid, NORM_CLUSTER_THREADS, y, cpu, fl, cws, row, k, n, e0);
     if (lane == 0) red[rank][warp] = ss;
     __syncthreads();
     double tot = 0.0;
@@ -1767,12 +1773,8 @@ extern "C" __global__ void __launch_bounds__(NORM_CLUSTER * NORM_CLUSTER_THREADS
         tot += part;
     }
     const float scale = 1.0f / sqrtf((float)(tot / (double)n) + eps);
-    for (int j = warp; j < b1 - b0; j += NORM_CLUSTER_THREADS / 32) {
-        const int e = e0 + 32 * j + lane;
-        const float v = xs[e] * scale * w[e];
-        out[(size_t)row * n + e] = v;
-        quantize_block_warp(v, outq + (size_t)row * nb + b0 + j, lane);
-    }
+    norm_slice_out(xs + e0, w + e0, scale, out + (size_t)row * n + e0, outq + (size_t)row * nb + b0, b1 - b0, warp,
+                   NORM_CLUSTER_THREADS / 32, lane);
 }
 
 // Before RoPE, for the architectures that have them (one block of QKV_PREP_THREADS threads per token row of
