@@ -1335,9 +1335,9 @@ __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
 
 // Prefill products of float-format matrices (F32, F16, BF16: routers, small dense weights): out[t, r] (+)=
 // Σ_c W[r, c] x[t, c] in f32 on CUDA cores, tiled MF_BM rows × MF_BN tokens per block of 256 threads through shared
-// memory MF_BK columns at a time (each thread RT rows × 4 tokens, 16 apart: MF_BM = 16 · RT rows per block; RT = 4,
-// or 1 in the `_r16` kernels for matrices of few rows). Sums in another order than the row kernel's: results differ
-// by rounding only. Grid: (ceil(rows / MF_BM), ceil(t / MF_BN)).
+// memory MF_BK columns at a time (each thread RT adjacent rows × 4 adjacent tokens, read from shared memory 16 bytes
+// at a time: MF_BM = 16 · RT rows per block; RT = 4, or 1 in the `_r16` kernels for matrices of few rows). Sums in
+// another order than the row kernel's: results differ by rounding only. Grid: (ceil(rows / MF_BM), ceil(t / MF_BN)).
 #define MF_BN 64
 #define MF_BK 32
 template <int FMT, int RT>
@@ -1345,9 +1345,13 @@ __device__ void mmf_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
                          const float* xf, int x_stride, int nt, float* out, int out_stride, int accumulate,
                          int kbeg = 0, int kend = 1 << 30) {
     kend = min(kend, cols);
-    constexpr int MF_BM = 16 * RT;  // rows per block: RT per thread, 16 apart
-    __shared__ float ws[MF_BK][MF_BM + 4];
-    __shared__ float xs[MF_BK][MF_BN + 4];
+    constexpr int MF_BM = 16 * RT;  // rows per block: RT adjacent ones per thread
+    // values per thread and column step: weights, then tokens (thread tid takes elements tid + 256·i)
+    constexpr int WN = MF_BM * MF_BK / 256, XN = MF_BN * MF_BK / 256;
+    static_assert(WN * 256 == MF_BM * MF_BK && XN * 256 == MF_BN * MF_BK, "whole elements per thread");
+    // rows 16-byte aligned: each thread reads its RT rows (RT = 4) and its 4 tokens as one 16-byte load each
+    __shared__ __align__(16) float ws[MF_BK][MF_BM + 4];
+    __shared__ __align__(16) float xs[MF_BK][MF_BN + 4];
     const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
     const int rows = rows0 + rows1 + rows2;
     const int r0 = blockIdx.x * MF_BM, t0 = blockIdx.y * MF_BN;
@@ -1357,12 +1361,13 @@ __device__ void mmf_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     for (int i = 0; i < RT; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++) acc[i][j] = 0.f;
-    pdl_trigger();
-    pdl_wait();
-    for (int k0 = kbeg; k0 < kend; k0 += MF_BK) {
-        __syncthreads();
-        for (int e = tid; e < MF_BM * MF_BK; e += 256) {
-            const int rr = e / MF_BK, c = e % MF_BK, r = r0 + rr, col = k0 + c;
+    // a column step's operands, loaded into registers one step ahead of their products (all loads of a step in
+    // flight at once; the products' order over the columns is unchanged)
+    float wv[WN], xv[XN];
+    auto fetch = [&](int k0) {
+#pragma unroll
+        for (int i = 0; i < WN; i++) {
+            const int e = tid + 256 * i, rr = e / MF_BK, c = e % MF_BK, r = r0 + rr, col = k0 + c;
             float v = 0.f;
             if (r < rows && col < kend) {
                 const u8* row = stacked_row(w0, w1, w2, rows0, rows1, r, rb);
@@ -1370,20 +1375,44 @@ __device__ void mmf_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
                 else if (FMT == FMT_F16) v = half_to_float(((const u16*)row)[col]);
                 else v = bf16_to_float(((const u16*)row)[col]);
             }
-            ws[c][rr] = v;
+            wv[i] = v;
         }
-        for (int e = tid; e < MF_BN * MF_BK; e += 256) {
-            const int tt = e / MF_BK, c = e % MF_BK, col = k0 + c;
-            xs[c][tt] = t0 + tt < nt && col < kend ? xf[(size_t)(t0 + tt) * x_stride + col] : 0.f;
+#pragma unroll
+        for (int i = 0; i < XN; i++) {
+            const int e = tid + 256 * i, tt = e / MF_BK, c = e % MF_BK, col = k0 + c;
+            xv[i] = t0 + tt < nt && col < kend ? xf[(size_t)(t0 + tt) * x_stride + col] : 0.f;
+        }
+    };
+    pdl_trigger();
+    pdl_wait();
+    if (kbeg < kend) fetch(kbeg);
+    for (int k0 = kbeg; k0 < kend; k0 += MF_BK) {
+        __syncthreads();  // the previous step's products are done with the tiles
+#pragma unroll
+        for (int i = 0; i < WN; i++) {
+            const int e = tid + 256 * i;
+            ws[e % MF_BK][e / MF_BK] = wv[i];
+        }
+#pragma unroll
+        for (int i = 0; i < XN; i++) {
+            const int e = tid + 256 * i;
+            xs[e % MF_BK][e / MF_BK] = xv[i];
         }
         __syncthreads();
+        if (k0 + MF_BK < kend) fetch(k0 + MF_BK);
 #pragma unroll 8
         for (int c = 0; c < MF_BK; c++) {
+            // this thread's rows ty·RT .. + RT − 1 and tokens 4·tx .. + 3 of the tile
             float a[RT], b[4];
+            if constexpr (RT == 4) {
+                const float4 av = *(const float4*)&ws[c][4 * ty];
+                a[0] = av.x, a[1] = av.y, a[2] = av.z, a[3] = av.w;
+            } else {
 #pragma unroll
-            for (int i = 0; i < RT; i++) a[i] = ws[c][ty + 16 * i];
-#pragma unroll
-            for (int j = 0; j < 4; j++) b[j] = xs[c][tx + 16 * j];
+                for (int i = 0; i < RT; i++) a[i] = ws[c][RT * ty + i];
+            }
+            const float4 bv = *(const float4*)&xs[c][4 * tx];
+            b[0] = bv.x, b[1] = bv.y, b[2] = bv.z, b[3] = bv.w;
 #pragma unroll
             for (int i = 0; i < RT; i++)
 #pragma unroll
@@ -1394,7 +1423,7 @@ __device__ void mmf_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     for (int i = 0; i < RT; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            const int r = r0 + ty + 16 * i, tok = t0 + tx + 16 * j;
+            const int r = r0 + RT * ty + i, tok = t0 + 4 * tx + j;
             if (r < rows && tok < nt) {
                 float* o = out + (size_t)tok * out_stride + r;
                 *o = accumulate ? *o + acc[i][j] : acc[i][j];
@@ -1491,11 +1520,50 @@ __device__ __forceinline__ void quantize_block_warp(float v, Q8* out, int lane) 
     }
 }
 
-extern "C" __global__ void quantize_q8(const float* x, Q8* out, int n_blocks) {
+// A Q8 block of 32 values held 4 per lane by 8 consecutive lanes (lane % 8 = sub holds values 4·sub .. 4·sub + 3) of
+// a warp whose lanes all call this (lanes with `live` false take part in the shuffles with zeros and write nothing):
+// quantize_block_warp's arithmetic (an exact maximum and integer sum), so its bytes.
+__device__ __forceinline__ void quantize_block_8(const float (&v)[4], bool live, Q8* out, int sub) {
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f;
+    const float id = amax != 0.f ? 127.0f / amax : 0.f;
+    int packed = 0, sum = 0;
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+        const int q = __float2int_rn(v[c] * id);
+        sum += q;
+        packed |= (q & 0xff) << (8 * c);
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (!live) return;
+    out->qs[sub] = packed;
+    if (sub == 0) {
+        out->d = f16_round(d);
+        out->s = f16_round(d * (float)sum);
+    }
+}
+
+// n_blocks Q8 blocks of x's values, 8 threads per block (thread i: values 4i .. 4i + 3, of block i / 8;
+// quantize_block_8), so that a warp takes four blocks with 16-byte loads. Grid: ceil(n_blocks / 32); block: 256.
+extern "C" __global__ void __launch_bounds__(256) quantize_q8(const float* x, Q8* out, int n_blocks) {
     pdl_entry();
-    const int warp = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (warp >= n_blocks) return;
-    quantize_block_warp(x[(size_t)warp * 32 + lane], out + warp, lane);
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t b = i / 8;
+    const bool live = b < (size_t)n_blocks;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (live) {
+        if (((size_t)x & 15) == 0) {
+            const float4 f = ((const float4*)x)[i];
+            v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+        } else {
+#pragma unroll
+            for (int c = 0; c < 4; c++) v[c] = x[4 * i + c];
+        }
+    }
+    quantize_block_8(v, live, out + (live ? b : 0), (int)(i % 8));
 }
 
 // Q8 block of 32 values held by one thread (the same arithmetic as quantize_block_warp).
@@ -1624,10 +1692,11 @@ extern "C" __global__ void rms_norm_q8(float* x, const float* w, float eps, int 
     quantize_block_thread(v, outq + (size_t)row * (n / 32) + tid);
 }
 
-// One slice of a row for the sliced norms (rms_norm_q8_cluster, rms_norm_q8_rows: both call these, so their bits
-// are the same): the slice's m values at xr (combined first where y != null, see combine4, and written back) copied to
-// xs, and this thread's sum of their squares (double; thread `tid` of `nthr` takes the 4-value groups 4·tid, 4·tid +
-// 4·nthr, ... in order) reduced over its warp by the butterfly. c0: the slice's first column in the row.
+// One slice of a row for the sliced norms (rms_norm_q8_cluster calls both, rms_norm_q8_warps norm_slice_sum, so
+// their sums are the same): the slice's m values at xr (combined first where y != null, see combine4, and written
+// back) copied to xs, and this thread's sum of their squares (double; thread `tid` of `nthr` takes the 4-value groups
+// 4·tid, 4·tid + 4·nthr, ... in order) reduced over its warp by the butterfly. c0: the slice's first column in the
+// row.
 __device__ __forceinline__ double norm_slice_sum(float* xr, float* xs, int m, int tid, int nthr, const float* y,
                                                  const float* cpu, const int* fl, const float* cws, int row, int k,
                                                  int n, int c0) {
@@ -1739,42 +1808,58 @@ extern "C" __global__ void CLUSTER_DIMS rms_norm_q8_cluster(float* x, const floa
 }
 
 // The cluster kernel's arithmetic on prefill chunks (more than 8 rows, the host's MAX_NT; sm_90+ where the cluster
-// kernel runs): the same bits from one block of NORM_CLUSTER · NORM_CLUSTER_THREADS threads per row. Thread
-// r · NORM_CLUSTER_THREADS + j does what thread j of the cluster's block r does (slice r of the row through the same
-// norm_slice_sum and norm_slice_out; the slices' sums added in rank order), through the block's shared memory and
-// barriers in place of the cluster's distributed shared memory and cluster barriers (a chunk's norms took 2.5 ms
-// where the 8 · t cluster blocks took 3.0, 48 layers of 512 rows on an H100). Grid: (t); block: NORM_CLUSTER ·
-// NORM_CLUSTER_THREADS threads; n % 32 == 0, n <= NORM_MAX, rows 16-byte aligned.
-extern "C" __global__ void __launch_bounds__(NORM_CLUSTER * NORM_CLUSTER_THREADS)
-    rms_norm_q8_rows(float* x, const float* w, float eps, int n, float* out, Q8* outq, const float* y, const float* cw,
-                     const int* flag, const float* cpu, int k) {
+// kernel runs): the same bits from one block of NORM_CLUSTER warps per row, warp r doing slice r. Lane l of warp r
+// plays thread 32·v + l of the cluster's block r for each of its NORM_CLUSTER_THREADS / 32 warps v in turn
+// (norm_slice_sum: the same groups, order and butterfly), the warp sums added in v order from zero and the slices'
+// sums in rank order; a virtual warp with no group in the slice adds an exact zero, so it is skipped. The output is
+// quantized 8 lanes per Q8 block (quantize_block_8: quantize_block_warp's bytes). A block of 256 threads and the row
+// in dynamic shared memory (4·n bytes) let eight rows share an SM, where `rms_norm_q8_rows` (stop 54; 1,024 threads
+// and a static 32 KiB buffer per row) ran one: 18 and 36 µs for a 512-row chunk's two norms on an H100 (stop 55), the
+// second one's MoE combine reading 8 expert rows per row at 1.2 TB/s. Grid: (t); block: NORM_CLUSTER · 32 threads;
+// dynamic shared memory 4·n bytes; n % 32 == 0, n <= NORM_MAX, rows 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(NORM_CLUSTER * 32)
+    rms_norm_q8_warps(float* x, const float* w, float eps, int n, float* out, Q8* outq, const float* y,
+                      const float* cw, const int* flag, const float* cpu, int k) {
     pdl_trigger();
-    __shared__ __align__(16) float xs[NORM_MAX];
-    __shared__ double red[NORM_CLUSTER][NORM_CLUSTER_THREADS / 32];
+    extern __shared__ __align__(16) float xs_dyn[];
+    __shared__ double parts[NORM_CLUSTER];
     __shared__ float cws[32];
     __shared__ int fl[32];
-    const int rank = threadIdx.x / NORM_CLUSTER_THREADS, tid = threadIdx.x % NORM_CLUSTER_THREADS;
-    const int warp = tid / 32, lane = tid % 32;
+    const int rank = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = blockIdx.x, nb = n / 32;
     const int b0 = rank * nb / NORM_CLUSTER, b1 = (rank + 1) * nb / NORM_CLUSTER;
     const int e0 = 32 * b0, m = 32 * (b1 - b0);  // this slice's elements: [e0, e0 + m)
+    float* xs = xs_dyn + e0;
     pdl_wait();
     load_combine_entries(y, cw, flag, row, k, fl, cws);
-    const double ss =
-        norm_slice_sum(x + (size_t)row * n + e0, xs + e0, m, tid, NORM_CLUSTER_THREADS, y, cpu, fl, cws, row, k, n, e0);
-    if (lane == 0) red[rank][warp] = ss;
+    double part = 0.0;
+#pragma unroll
+    for (int v = 0; v < NORM_CLUSTER_THREADS / 32; v++) {
+        if (4 * 32 * v >= m) break;  // this virtual warp and the later ones hold no group: their sums are zeros
+        part += norm_slice_sum(x + (size_t)row * n + e0, xs, m, 32 * v + lane, NORM_CLUSTER_THREADS, y, cpu, fl, cws,
+                               row, k, n, e0);
+    }
+    if (lane == 0) parts[rank] = part;
     __syncthreads();
     double tot = 0.0;
 #pragma unroll
-    for (int r = 0; r < NORM_CLUSTER; r++) {
-        double part = 0.0;
-#pragma unroll
-        for (int i = 0; i < NORM_CLUSTER_THREADS / 32; i++) part += red[r][i];
-        tot += part;
-    }
+    for (int r = 0; r < NORM_CLUSTER; r++) tot += parts[r];
     const float scale = 1.0f / sqrtf((float)(tot / (double)n) + eps);
-    norm_slice_out(xs + e0, w + e0, scale, out + (size_t)row * n + e0, outq + (size_t)row * nb + b0, b1 - b0, warp,
-                   NORM_CLUSTER_THREADS / 32, lane);
+    // the slice's Q8 blocks, four per pass of the warp: lane l takes values 4·(l % 8) .. + 3 of block l / 8 (every
+    // lane makes the same number of passes: the shuffles need the whole warp)
+    const int sub = lane % 8, nblk = b1 - b0;
+    for (int jb = lane / 8; jb < ((nblk + 3) & ~3); jb += 4) {
+        const bool live = jb < nblk;
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        if (live) {
+            const int c = 32 * jb + 4 * sub;
+            const float4 a = *(const float4*)(xs + c);
+            const float4 g = *(const float4*)(w + e0 + c);
+            v[0] = a.x * scale * g.x, v[1] = a.y * scale * g.y, v[2] = a.z * scale * g.z, v[3] = a.w * scale * g.w;
+            *(float4*)(out + (size_t)row * n + e0 + c) = make_float4(v[0], v[1], v[2], v[3]);
+        }
+        quantize_block_8(v, live, outq + (size_t)row * nb + b0 + (live ? jb : 0), sub);
+    }
 }
 
 // Before RoPE, for the architectures that have them (one block of QKV_PREP_THREADS threads per token row of
@@ -2536,7 +2621,9 @@ __device__ void attention_tiled_body(const float* q, const void* kc, const void*
         const float e0 = m0 == -INFINITY ? 0.f : m0, e1 = m1 == -INFINITY ? 0.f : m1;
         l0 *= a0;
         l1 *= a1;
-        fa_rescale<HD>(acc, a0, a1);
+        // deep in a context most tiles raise no row's maximum: factors of exactly 1 leave acc as it is, so the
+        // warp skips the HD / 2 multiplications per thread (the same bits)
+        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) fa_rescale<HD>(acc, a0, a1);
 #pragma unroll
         for (int j = 0; j < FA_BK / 8; j++) {
             s[j][0] = exp2f(s[j][0] - e0);

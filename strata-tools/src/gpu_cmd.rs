@@ -122,6 +122,16 @@ pub struct BenchArgs {
     /// The KV cache's type (the daemon's `--kv-type`: f16 or q8_0).
     #[arg(long, default_value = "f16")]
     kv_type: strata::backend::KvType,
+    /// Before each arm's timed prompt, run the same prompt once untimed on a KV cache of its own (as `llama-bench`
+    /// does before its repetitions): the first use of each kernel, of the staging buffers and of the weights' pages
+    /// stays out of the prompt rate. With the adaptive modes the warm-up's routing also counts as history.
+    #[arg(long)]
+    warmup: bool,
+    /// Timed prompt runs per arm, each on a fresh KV cache (`llama-bench -r`); the prompt rate printed is their
+    /// mean in tok/s, the spread goes to stderr and the JSON (`prompt_tok_s_runs`), and decode continues after the
+    /// last run's prompt.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    reps: u32,
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -600,9 +610,9 @@ fn check_attention_tiled(
 
 /// RMSNorm + Q8 of `t` random rows of `n` values after a combine of `k` random expert rows per token (random
 /// flags and weights, plus a CPU sum): the kernel `Ops::rms_norm_q8` chooses (on sm_90+ the cluster one, or
-/// `rms_norm_q8_rows` for more than `MAX_NT` rows) against the CPU's arithmetic (combine in rank order, `rms_norm`,
+/// `rms_norm_q8_warps` for more than `MAX_NT` rows) against the CPU's arithmetic (combine in rank order, `rms_norm`,
 /// Q8). Returns the relative error of the normalized rows and of the written-back residual, whether the Q8 bytes
-/// match, and where `rms_norm_q8_rows` ran whether the cluster kernel gives the same bytes (normalized rows,
+/// match, and where `rms_norm_q8_warps` ran whether the cluster kernel gives the same bytes (normalized rows,
 /// residual, Q8) on the same inputs (None where it did not run).
 fn check_norm(
     ops: &strata::backend::cuda::ops::Ops,
@@ -654,7 +664,7 @@ fn check_norm(
     outq.read_sync(0, &mut gq)?;
     // where the rows kernel ran: the cluster kernel on the same inputs (x again from the start: the combine writes it
     // back)
-    let rows_ran = t > strata::backend::cuda::ops::MAX_NT && ops.k.rms_norm_q8_rows.is_some();
+    let rows_ran = t > strata::backend::cuda::ops::MAX_NT && ops.k.rms_norm_q8_warps.is_some();
     let dx2 = DevBuf::from_slice(&x)?;
     let out2 = DevBuf::from_slice(&vec![f32::NAN; t * n])?;
     let outq2 = DevBuf::from_slice(&vec![0xFFu8; q.len()])?;
@@ -948,7 +958,7 @@ fn check_kernels(
     let every = strata::backend::cuda::kernels::FormatSet::all();
     let mmq_pipe = strata::backend::cuda::kernels::mmq_pipe_on(dev.max_smem_optin);
     let (img, _) = strata::backend::cuda::kernels::cubin(&dev.arch(), every, mmq_pipe)?;
-    let load_kernels = |narrow_down: bool| {
+    let load_kernels = |narrow_down: bool, mmq_wide: bool| {
         strata::backend::cuda::kernels::Kernels::load(
             &img,
             every,
@@ -958,12 +968,14 @@ fn check_kernels(
             strata::backend::cuda::kernels::cluster_norm_wanted(dev.cc),
             narrow_down,
             strata::backend::cuda::kernels::tensor_cores_ok(dev.cc),
-            strata::backend::cuda::kernels::mmq_wide_wanted(dev.cc),
+            mmq_wide,
         )
     };
-    let k = load_kernels(true)?;
-    // the one-token expert checks run through both down kernels of narrow experts
-    let k_wide = load_kernels(false)?;
+    // the one-token expert checks run through both down kernels of narrow experts; the dense prefill products run
+    // the wide kernel where the card takes it (`k`) and the narrow one (`k_wide`, named for its experts' wide
+    // one-token down kernel)
+    let k = load_kernels(true, strata::backend::cuda::kernels::mmq_wide_wanted(dev.cc))?;
+    let k_wide = load_kernels(false, false)?;
     let stream = strata::backend::cuda::driver::Stream::new()?;
     let ops = strata::backend::cuda::ops::Ops { k: &k, s: &stream };
     let ops_wide = strata::backend::cuda::ops::Ops { k: &k_wide, s: &stream };
@@ -1022,15 +1034,35 @@ fn check_kernels(
             let mut q2 = vec![0u8; xq_host.len()];
             xq2.read_sync(0, &mut q2)?;
             let qmatch = q2 == xq_host;
+            // a prefill chunk of a format with a wide kernel: the narrow one's bytes must be the same
+            let narrow_same = if t > strata::backend::cuda::ops::MAX_NT && k.mmq_wide(ty).is_some() {
+                out.write_sync(0, &vec![f32::NAN; t * rows])?;
+                ops_wide.mmv(&[&dm], xq.ptr, xf.ptr, t, out.ptr, rows, false)?;
+                stream.sync()?;
+                let mut narrow = vec![0f32; t * rows];
+                out.read_sync(0, &mut narrow)?;
+                Some(narrow.iter().zip(&gpu).all(|(a, b)| a.to_bits() == b.to_bits()))
+            } else {
+                None
+            };
             let (rc, rf) = (rel_err(&gpu, &cpu), rel_err(&gpu, &exact));
             worst = worst.max(rc);
+            if narrow_same == Some(false) {
+                worst = worst.max(1.0);
+            }
             println!(
-                "{:<6} {rows:>6} {cols:>6} {t:>3} {rc:>12.2e} {rf:>12.2e}{}",
+                "{:<6} {rows:>6} {cols:>6} {t:>3} {rc:>12.2e} {rf:>12.2e}{}{}",
                 format!("{ty:?}"),
-                if qmatch { "" } else { "  (Q8 quantization differs)" }
+                if qmatch { "" } else { "  (Q8 quantization differs)" },
+                match narrow_same {
+                    Some(false) => "  (NARROW KERNEL DIFFERS)",
+                    Some(true) => "  (wide = narrow)",
+                    None => "",
+                }
             );
             kern.push(serde_json::json!({"format": format!("{ty:?}"), "rows": rows, "cols": cols, "t": t,
-                "rel_err_vs_cpu": rc, "rel_err_vs_f64": rf, "q8_bytes_match": qmatch}));
+                "rel_err_vs_cpu": rc, "rel_err_vs_f64": rf, "q8_bytes_match": qmatch,
+                "narrow_bytes_match": narrow_same}));
         }
     }
     // 1. (cont.) a stack of mixed formats (Q4_K_M's q, k in Q4_K and v in Q6_K): one launch per run of a format
@@ -1777,13 +1809,31 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         } else {
             gpu_mut(&mut m).rebuild_cache(&st, CacheSize::Slots(n))?;
         }
-        let before = st.counters.totals();
-        let mut kv = m.new_kv(a.prompt + a.gen + 8);
         let mut s = Scratch::default();
-        m.drain()?;
-        let tp = Instant::now();
-        let mut logits = m.forward(&prompt, &mut kv, Logits::Last, &mut s);
-        let prompt_s = tp.elapsed().as_secs_f64();
+        if a.warmup {
+            let mut kv = m.new_kv(a.prompt + 8);
+            let _ = m.forward(&prompt, &mut kv, Logits::Last, &mut s);
+            m.drain()?;
+        }
+        let before = st.counters.totals();
+        // each timed run on a fresh KV cache; decode continues from the last one
+        let mut runs = Vec::with_capacity(a.reps as usize);
+        let (mut kv, mut logits) = (m.new_kv(a.prompt + a.gen + 8), Vec::new());
+        for r in 0..a.reps {
+            if r > 0 {
+                kv = m.new_kv(a.prompt + a.gen + 8);
+            }
+            m.drain()?;
+            let tp = Instant::now();
+            logits = m.forward(&prompt, &mut kv, Logits::Last, &mut s);
+            runs.push(a.prompt as f64 / tp.elapsed().as_secs_f64());
+        }
+        let mean_rate = runs.iter().sum::<f64>() / runs.len() as f64;
+        if runs.len() > 1 {
+            let (lo, hi) = runs.iter().fold((f64::MAX, 0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            eprintln!("prompt runs: {:.1} tok/s mean of {} ({lo:.1} .. {hi:.1})", mean_rate, runs.len());
+        }
+        let prompt_s = a.prompt as f64 / mean_rate;
         let td = Instant::now();
         let mut first_s = 0.0;
         let mut shift_seed = 0x5EED_u64;
@@ -1886,7 +1936,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "pcie_prefill": pcie_prefill, "batch": a.batch, "kv_type": a.kv_type.name(),
             "adaptive": mode, "policy": policy, "pcie_frac": pcie,
             "pcie_auto": auto,
-            "prompt_tok_s": pt, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,
+            "prompt_tok_s": pt, "prompt_tok_s_runs": runs, "warmup": a.warmup, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,
             "prefetched": d.prefetched, "prefetch_hits": d.prefetch_hits,
             "prefetch_wasted_bytes": d.prefetch_wasted_bytes,
             "prediction_accuracy": d.predicted_named as f64 / (d.predicted_routed.max(1)) as f64,

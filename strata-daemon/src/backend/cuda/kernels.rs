@@ -252,9 +252,9 @@ pub struct Kernels {
     pub rms_norm_q8: Func,
     /// `rms_norm_q8_cluster` where it applies (see [`cluster_norm_wanted`]).
     pub rms_norm_q8_cluster: Option<Func>,
-    /// `rms_norm_q8_rows` (the cluster kernel's bits from one block per row, for prefill chunks) where the cluster
-    /// kernel applies, unless `STRATA_GPU_NORM_ROWS=0` (see [`norm_rows_wanted`]).
-    pub rms_norm_q8_rows: Option<Func>,
+    /// `rms_norm_q8_warps` (the cluster kernel's bits from one warp per slice of a row, for prefill chunks) where
+    /// the cluster kernel applies, unless `STRATA_GPU_NORM_ROWS=0` (see [`norm_rows_wanted`]).
+    pub rms_norm_q8_warps: Option<Func>,
     /// `qkv_prep` (biases and q/k norms before RoPE).
     pub qkv_prep: Func,
     /// `rope_store`.
@@ -309,15 +309,15 @@ pub fn pdl_wanted(cc: (i32, i32)) -> bool {
 }
 
 /// Whether the norms run as thread-block clusters of `NORM_CLUSTER` blocks per row (`rms_norm_q8_cluster`; prefill
-/// chunks take `rms_norm_q8_rows`, its bits from one block per row, see [`norm_rows_wanted`]): compute capability 9.0
+/// chunks take `rms_norm_q8_warps`, its bits from one block per row, see [`norm_rows_wanted`]): compute capability 9.0
 /// or newer unless `STRATA_GPU_NORM_CLUSTER=0` (then one block per row).
 pub fn cluster_norm_wanted(cc: (i32, i32)) -> bool {
     cc.0 >= 9 && !std::env::var("STRATA_GPU_NORM_CLUSTER").is_ok_and(|v| v == "0")
 }
 
-/// Whether prefill chunks' norms (more than [`super::ops::MAX_NT`] rows) run `rms_norm_q8_rows` where the cluster
-/// norm runs (the same bits; one block of `NORM_CLUSTER` · 128 threads per row in place of a cluster of `NORM_CLUSTER`
-/// blocks): unless `STRATA_GPU_NORM_ROWS=0` (A/B measurements).
+/// Whether prefill chunks' norms (more than [`super::ops::MAX_NT`] rows) run `rms_norm_q8_warps` where the cluster
+/// norm runs (the same bits; one block of `NORM_CLUSTER` warps per row, each doing a cluster block's slice, in place
+/// of a cluster of `NORM_CLUSTER` blocks): unless `STRATA_GPU_NORM_ROWS=0` (A/B measurements).
 pub fn norm_rows_wanted() -> bool {
     !std::env::var("STRATA_GPU_NORM_ROWS").is_ok_and(|v| v == "0")
 }
@@ -541,7 +541,7 @@ impl Kernels {
             rms_norm_q8: get("rms_norm_q8")?,
             rms_norm_q8_cluster: if cluster_norm { Some(get("rms_norm_q8_cluster")?) } else { None },
             // (None where an older STRATA_KERNEL_SOURCE lacks it: the clusters then take every norm)
-            rms_norm_q8_rows: if cluster_norm && norm_rows_wanted() { get("rms_norm_q8_rows").ok() } else { None },
+            rms_norm_q8_warps: if cluster_norm && norm_rows_wanted() { get("rms_norm_q8_warps").ok() } else { None },
             qkv_prep: get("qkv_prep")?,
             rope_store: get("rope_store")?,
             rope_store_q8: get("rope_store_q8")?,

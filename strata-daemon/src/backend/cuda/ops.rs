@@ -473,13 +473,14 @@ impl Ops<'_> {
             return Ok(());
         }
         let args = Args::new().ptr(x).ptr(out).i32(n_blocks as i32);
-        self.k.quantize_q8.launch(self.s, (n_blocks.div_ceil(WARPS as usize) as u32, 1, 1), 32 * WARPS, 0, args)
+        // 8 threads per block (`quantize_q8`): 32 blocks per 256-thread launch block
+        self.k.quantize_q8.launch(self.s, (n_blocks.div_ceil(32) as u32, 1, 1), 256, 0, args)
     }
 
     /// RMSNorm of `t` rows of `n` values (`n % 32 == 0`, `n ≤ 8192`) with weights `w`, into f32 `out` and Q8
     /// `outq`; with `combine`, the previous MoE layer's outputs are first added into `x` (see [`Combine`]).
-    /// On sm_90+ a cluster of [`NORM_CLUSTER`] blocks per row (`rms_norm_q8_rows` for more than [`MAX_NT`] rows:
-    /// the same bits from one block per row), else one block per row.
+    /// On sm_90+ a cluster of [`NORM_CLUSTER`] blocks per row (`rms_norm_q8_warps` for more than [`MAX_NT`] rows:
+    /// the same bits from one block of [`NORM_CLUSTER`] warps per row), else one block per row.
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_q8(
         &self,
@@ -493,9 +494,10 @@ impl Ops<'_> {
         combine: Option<Combine>,
     ) -> Result<(), GpuError> {
         // (the rows kernel is loaded only where the cluster kernel is)
-        if let Some(f) = self.k.rms_norm_q8_rows.as_ref().filter(|_| t > MAX_NT) {
+        if let Some(f) = self.k.rms_norm_q8_warps.as_ref().filter(|_| t > MAX_NT) {
+            // a warp per slice, the row in dynamic shared memory
             let args = norm_args(x, w, eps, n, out, outq, combine);
-            return f.launch(self.s, (t as u32, 1, 1), NORM_CLUSTER * NORM_CLUSTER_THREADS, 0, args);
+            return f.launch(self.s, (t as u32, 1, 1), NORM_CLUSTER * 32, 4 * n as u32, args);
         }
         if self.rms_norm_q8_cluster(x, w, eps, n, t, out, outq, combine)? {
             return Ok(());
@@ -505,7 +507,7 @@ impl Ops<'_> {
     }
 
     /// [`Ops::rms_norm_q8`] through the cluster kernel whatever `t` (its path for decode windows; gpu-check also
-    /// compares `rms_norm_q8_rows` with it). Returns false (nothing launched) where the cluster kernel is not loaded.
+    /// compares `rms_norm_q8_warps` with it). Returns false (nothing launched) where the cluster kernel is not loaded.
     /// Errors: a launch failure.
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_q8_cluster(
