@@ -124,7 +124,8 @@ pub struct BenchArgs {
     kv_type: strata::backend::KvType,
     /// Before each arm's timed prompt, run the same prompt once untimed on a KV cache of its own (as `llama-bench`
     /// does before its repetitions): the first use of each kernel, of the staging buffers and of the weights' pages
-    /// stays out of the prompt rate. With the adaptive modes the warm-up's routing also counts as history.
+    /// stays out of the prompt rate. The tiers' history and counters record decode only, so a warm-up leaves them as
+    /// they were.
     #[arg(long)]
     warmup: bool,
     /// Timed prompt runs per arm, each on a fresh KV cache (`llama-bench -r`); the prompt rate printed is their
@@ -662,13 +663,13 @@ fn check_norm(
     out.read_sync(0, &mut go)?;
     dx.read_sync(0, &mut gx)?;
     outq.read_sync(0, &mut gq)?;
-    // where the rows kernel ran: the cluster kernel on the same inputs (x again from the start: the combine writes it
+    // where the warps kernel ran: the cluster kernel on the same inputs (x again from the start: the combine writes it
     // back)
-    let rows_ran = t > strata::backend::cuda::ops::MAX_NT && ops.k.rms_norm_q8_warps.is_some();
+    let warps_ran = t > strata::backend::cuda::ops::MAX_NT && ops.k.rms_norm_q8_warps.is_some();
     let dx2 = DevBuf::from_slice(&x)?;
     let out2 = DevBuf::from_slice(&vec![f32::NAN; t * n])?;
     let outq2 = DevBuf::from_slice(&vec![0xFFu8; q.len()])?;
-    let same = if rows_ran && ops.rms_norm_q8_cluster(dx2.ptr, dw.ptr, 1e-6, n, t, out2.ptr, outq2.ptr, Some(comb))? {
+    let same = if warps_ran && ops.rms_norm_q8_cluster(dx2.ptr, dw.ptr, 1e-6, n, t, out2.ptr, outq2.ptr, Some(comb))? {
         ops.s.sync()?;
         let (mut go2, mut gx2, mut gq2) = (vec![0f32; t * n], vec![0f32; t * n], vec![0u8; q.len()]);
         out2.read_sync(0, &mut go2)?;
@@ -971,14 +972,14 @@ fn check_kernels(
             mmq_wide,
         )
     };
-    // the one-token expert checks run through both down kernels of narrow experts; the dense prefill products run
-    // the wide kernel where the card takes it (`k`) and the narrow one (`k_wide`, named for its experts' wide
-    // one-token down kernel)
+    // `k`: the narrow one-token down kernel of narrow experts and the wide dense prefill kernels where the card takes
+    // them; `k_alt`: the general (wide) one-token down kernel and the narrow dense prefill kernels. The one-token
+    // expert checks run through both down kernels, the dense prefill checks through both dense kernels.
     let k = load_kernels(true, strata::backend::cuda::kernels::mmq_wide_wanted(dev.cc))?;
-    let k_wide = load_kernels(false, false)?;
+    let k_alt = load_kernels(false, false)?;
     let stream = strata::backend::cuda::driver::Stream::new()?;
     let ops = strata::backend::cuda::ops::Ops { k: &k, s: &stream };
-    let ops_wide = strata::backend::cuda::ops::Ops { k: &k_wide, s: &stream };
+    let ops_alt = strata::backend::cuda::ops::Ops { k: &k_alt, s: &stream };
     let pool = WorkerPool::new(4)?;
     let mut seed = 0x1234_5678_9abc_def1u64;
     let mut kern = Vec::new();
@@ -1037,7 +1038,7 @@ fn check_kernels(
             // a prefill chunk of a format with a wide kernel: the narrow one's bytes must be the same
             let narrow_same = if t > strata::backend::cuda::ops::MAX_NT && k.mmq_wide(ty).is_some() {
                 out.write_sync(0, &vec![f32::NAN; t * rows])?;
-                ops_wide.mmv(&[&dm], xq.ptr, xf.ptr, t, out.ptr, rows, false)?;
+                ops_alt.mmv(&[&dm], xq.ptr, xf.ptr, t, out.ptr, rows, false)?;
                 stream.sync()?;
                 let mut narrow = vec![0f32; t * rows];
                 out.read_sync(0, &mut narrow)?;
@@ -1339,7 +1340,7 @@ fn check_kernels(
             // one token, block formats: the narrow kernels where they apply (gate/up: e ≤ 2048, down: ff ≤ 1024)
             // and the others on the same data (same sums in the same order: the same bits)
             let (arms, names): (Vec<&strata::backend::cuda::ops::Ops>, &[&str]) = if t == 1 && ty != GgmlType::F16 {
-                (vec![&ops, &ops_wide], &["narrow", "wide"])
+                (vec![&ops, &ops_alt], &["narrow", "wide"])
             } else {
                 (vec![&ops], &[""])
             };
@@ -1398,7 +1399,7 @@ fn check_kernels(
     for ty in [GgmlType::MXFP4, GgmlType::Q8_0] {
         for &(e, ff, t) in &[(256usize, 512usize, 1usize), (2880, 2880, 1), (256, 512, 5)] {
             let (arms, names): (Vec<&strata::backend::cuda::ops::Ops>, &[&str]) =
-                if t == 1 { (vec![&ops, &ops_wide], &["narrow", "wide"]) } else { (vec![&ops], &[""]) };
+                if t == 1 { (vec![&ops, &ops_alt], &["narrow", "wide"]) } else { (vec![&ops], &[""]) };
             let (errs, same) = check_expert(&arms, &pool, ty, e, ff, t, false, true, &mut seed)?;
             for (&rc, &kernel) in errs.iter().zip(names) {
                 worst = worst.max(rc);
@@ -1936,7 +1937,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "pcie_prefill": pcie_prefill, "batch": a.batch, "kv_type": a.kv_type.name(),
             "adaptive": mode, "policy": policy, "pcie_frac": pcie,
             "pcie_auto": auto,
-            "prompt_tok_s": pt, "prompt_tok_s_runs": runs, "warmup": a.warmup, "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,
+            "prompt_tok_s": pt, "prompt_tok_s_runs": runs, "reps": a.reps, "warmup": a.warmup,
+            "decode_tok_s": dt, "hit_rate": hit, "swaps": d.swaps, "swap_bytes": d.swap_bytes,
             "prefetched": d.prefetched, "prefetch_hits": d.prefetch_hits,
             "prefetch_wasted_bytes": d.prefetch_wasted_bytes,
             "prediction_accuracy": d.predicted_named as f64 / (d.predicted_routed.max(1)) as f64,

@@ -493,7 +493,7 @@ impl Ops<'_> {
         outq: u64,
         combine: Option<Combine>,
     ) -> Result<(), GpuError> {
-        // (the rows kernel is loaded only where the cluster kernel is)
+        // (the warps kernel is loaded only where the cluster kernel is)
         if let Some(f) = self.k.rms_norm_q8_warps.as_ref().filter(|_| t > MAX_NT) {
             // a warp per slice, the row in dynamic shared memory
             let args = norm_args(x, w, eps, n, out, outq, combine);
