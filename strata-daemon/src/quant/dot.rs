@@ -369,34 +369,37 @@ impl Q8Rows<'_> {
     }
 }
 
-/// A format's four-token kernel on this CPU ([`q8_t4`]): one row of `ty` times four tokens' activations, each
+/// A format's N-token kernel on this CPU ([`q8_t4`], [`q8_t8`]): one row of `ty` times N tokens' activations, each
 /// result bit for bit [`dot_q8`]'s, the row unpacked once.
 #[derive(Clone, Copy)]
-pub struct Q8T4 {
+pub struct Q8Tn<const N: usize> {
     ty: GgmlType,
-    /// Made by [`Q8T4::takes`] for the activations `dot` is then called with.
+    /// Made by [`Q8Tn::takes`] for the activations `dot` is then called with.
     checked: bool,
     #[cfg(target_arch = "x86_64")]
-    f: unsafe fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4],
+    f: unsafe fn(&[u8], [&[BlockQ8]; N]) -> [f32; N],
 }
 
-impl Q8T4 {
-    /// This kernel for the four tokens `x` checked once ([`is_q8_k`] for the formats that pair with Q8_K): `dot` on
+/// The four-token kernel ([`q8_t4`]).
+pub type Q8T4 = Q8Tn<4>;
+
+impl<const N: usize> Q8Tn<N> {
+    /// This kernel for the N tokens `x` checked once ([`is_q8_k`] for the formats that pair with Q8_K): `dot` on
     /// these activations then skips the check per row. `None` where the SIMD kernel does not take them (the
-    /// caller computes those tokens one by one, [`dot_q8`]).
+    /// caller computes those tokens otherwise, [`dot_q8`]).
     #[inline]
-    pub fn takes(self, x: [&[BlockQ8]; 4]) -> Option<Q8T4> {
+    pub fn takes(self, x: [&[BlockQ8]; N]) -> Option<Self> {
         let k = q8_kernels(self.ty);
-        x.iter().all(|xt| simd_takes(&k, self.ty, xt)).then_some(Q8T4 { checked: true, ..self })
+        x.iter().all(|xt| simd_takes(&k, self.ty, xt)).then_some(Q8Tn { checked: true, ..self })
     }
 
-    /// `row` (`x[t].len() · 32` values of the format) times the four activation rows `x` (each as long as `x[0]`;
+    /// `row` (`x[t].len() · 32` values of the format) times the N activation rows `x` (each as long as `x[0]`;
     /// Q8_K for the formats that pair with it, as [`dot_q8`]: otherwise each token takes [`dot_q8`]). Panics when a
     /// length disagrees.
     #[inline]
-    pub fn dot(&self, row: &[u8], x: [&[BlockQ8]; 4]) -> [f32; 4] {
+    pub fn dot(&self, row: &[u8], x: [&[BlockQ8]; N]) -> [f32; N] {
         let rb = self.ty.row_bytes(x[0].len() * 32);
-        assert!(row.len() == rb && x.iter().all(|xt| xt.len() == x[0].len()), "dot_q8_t4: lengths");
+        assert!(row.len() == rb && x.iter().all(|xt| xt.len() == x[0].len()), "dot_q8_tn: lengths");
         if !self.checked {
             let k = q8_kernels(self.ty);
             if !x.iter().all(|xt| simd_takes(&k, self.ty, xt)) {
@@ -404,11 +407,11 @@ impl Q8T4 {
             }
         }
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a Q8T4 exists only where q8_t4 found AVX2/FMA/F16C; the row holds x[t].len() blocks for every t
-        // (asserted above).
+        // SAFETY: a Q8Tn exists only where q8_t4 / q8_t8 found AVX2/FMA/F16C; the row holds x[t].len() blocks for
+        // every t (asserted above).
         return unsafe { (self.f)(row, x) };
         #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("no four-token kernels off x86-64")
+        unreachable!("no N-token kernels off x86-64")
     }
 }
 
@@ -424,6 +427,20 @@ pub fn q8_t4(ty: GgmlType) -> Option<Q8T4> {
             return None;
         }
         return k.avx2_t4.map(|f| Q8T4 { ty, checked: false, f });
+    }
+    let _ = ty;
+    None
+}
+
+/// The eight-token kernel of `ty` (see [`q8_t4`]: the same conditions), where the format has one.
+pub fn q8_t8(ty: GgmlType) -> Option<Q8Tn<8>> {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level().avx2() {
+        let k = super::format::lookup(ty).and_then(|f| f.q8)?;
+        if k.wide && simd_level() == SimdLevel::Avx512 {
+            return None;
+        }
+        return k.avx2_t8.map(|f| Q8Tn { ty, checked: false, f });
     }
     let _ = ty;
     None

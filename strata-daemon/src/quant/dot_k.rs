@@ -120,6 +120,14 @@ pub mod avx2 {
         dot_q6_k, dot_q6_k_t4 => q6_k_n, "Q6_K row (super-blocks of 210 bytes, one per 8 `x` blocks)";
     );
 
+    /// One Q5_0 row with eight tokens' activations, each result bit for bit [`dot_q5_0`]'s (the row unpacked once
+    /// for the eight: its fifth bits' expansion is the dearest part of a block). SAFETY (callers): as
+    /// [`dot_q5_0`], for every `x[t]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q5_0_t8(row: &[u8], x: [&[BlockQ8]; 8]) -> [f32; 8] {
+        q5_0_n::<8>(row, x)
+    }
+
     /// A K-quant's one-row, four-row and four-token kernels: the rows over its `R`-row kernel (activations loaded
     /// once for the four rows), the tokens over its `N`-token one; every entry gives the same bits per (row, token).
     macro_rules! k_rows {
@@ -1459,5 +1467,44 @@ pub(super) mod tests {
             }
         }
         assert_eq!(seen, 4, "Q5_0, Q4_K, Q5_K and Q6_K have four-token kernels");
+    }
+
+    /// The eight-token kernels give each token the single-row kernel's bits (random and saturating rows, eight
+    /// different activation rows, 1..5 blocks).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn eight_token_kernels_give_each_token_the_single_row_bits() {
+        if !crate::quant::simd_level().avx2() {
+            return;
+        }
+        let mut seed = 0x7E8u64;
+        let mut seen = 0;
+        for f in crate::quant::format::REGISTRY {
+            let Some(k) = f.q8 else { continue };
+            let Some(t8) = k.avx2_t8 else { continue };
+            let ty = f.ty;
+            seen += 1;
+            for n_blocks in [1usize, 2, 5] {
+                for extreme in [false, true] {
+                    let n = n_blocks * ty.block_size();
+                    let r = row(ty, n_blocks, extreme, &mut seed);
+                    let xs: Vec<Vec<BlockQ8>> = (0..8)
+                        .map(|_| {
+                            let v: Vec<f32> = (0..n).map(|_| (next(&mut seed) % 2001) as f32 / 500.0 - 2.0).collect();
+                            quantize_for(ty, &v)
+                        })
+                        .collect();
+                    let x8: [&[BlockQ8]; 8] = std::array::from_fn(|t| &xs[t][..]);
+                    // SAFETY: AVX2/FMA/F16C detected above; the row holds n_blocks whole blocks of each x.
+                    let got = unsafe { t8(&r, x8) };
+                    for (t, g) in got.iter().enumerate() {
+                        // SAFETY: as above.
+                        let one = unsafe { (k.avx2)(&r, &xs[t]) };
+                        assert_eq!(g.to_bits(), one.to_bits(), "{ty:?} x{n_blocks} extreme {extreme} token {t}");
+                    }
+                }
+            }
+        }
+        assert_eq!(seen, 1, "Q5_0 has an eight-token kernel");
     }
 }

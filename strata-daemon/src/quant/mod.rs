@@ -20,8 +20,8 @@ mod types;
 
 pub use dequant::{bf16_to_f32, dequantize_row, f16_to_f32};
 pub use dot::{
-    amx_rows, dot_q8, dot_q8_scalar, dot_q8_x4, gemm512_of, is_q8_k, k512, q8_rows, q8_t4, quantize_q8, quantize_q8_k,
-    simd_level, vec_dot_f32_row, wide, BlockQ8, Q8Rows, SimdLevel, K512, Q8T4,
+    amx_rows, dot_q8, dot_q8_scalar, dot_q8_x4, gemm512_of, is_q8_k, k512, q8_rows, q8_t4, q8_t8, quantize_q8,
+    quantize_q8_k, simd_level, vec_dot_f32_row, wide, BlockQ8, Q8Rows, Q8Tn, SimdLevel, K512, Q8T4,
 };
 pub use types::GgmlType;
 

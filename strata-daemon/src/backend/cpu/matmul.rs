@@ -774,9 +774,26 @@ fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize
         rows_512(w, x, p, r0, r1, k);
         return;
     }
-    // four tokens at a time where the format unpacks a row once for them (the same bits per token)
+    // eight, then four tokens at a time where the format unpacks a row once for them (the same bits per token)
     let mut t0 = 0;
-    if let Some(k) = crate::quant::q8_t4(w.ty).filter(|_| q8 && simd && x.t >= 4) {
+    if let Some(k) = crate::quant::q8_t8(w.ty).filter(|_| q8 && simd && x.t >= 8) {
+        while t0 + 8 <= x.t {
+            let xs: [&[crate::quant::BlockQ8]; 8] = std::array::from_fn(|j| x.qrow_for(w.ty, t0 + j));
+            // the activations checked once for the whole product, not per row
+            let Some(k) = k.takes(xs) else { break };
+            for r in r0..r1 {
+                let v = k.dot(w.row(r), xs);
+                for (j, v) in v.into_iter().enumerate() {
+                    // SAFETY: token t0 + j < t and row r in r0..r1 inside the matrix, so (t0 + j) * rows + r lies
+                    // inside `out` (`t × rows`, asserted where the job was planned); each (token, row) is written by
+                    // exactly one task (row ranges are disjoint).
+                    unsafe { *p.0.add((t0 + j) * w.rows + r) = v };
+                }
+            }
+            t0 += 8;
+        }
+    }
+    if let Some(k) = crate::quant::q8_t4(w.ty).filter(|_| q8 && simd && x.t >= t0 + 4) {
         while t0 + 4 <= x.t {
             let xs =
                 [x.qrow_for(w.ty, t0), x.qrow_for(w.ty, t0 + 1), x.qrow_for(w.ty, t0 + 2), x.qrow_for(w.ty, t0 + 3)];

@@ -23,6 +23,8 @@ pub const FORMAT: Format = Format {
         avx2_x4: crate::quant::dot_k::avx2::dot_mxfp4_x4,
         #[cfg(target_arch = "x86_64")]
         avx2_t4: None,
+        #[cfg(target_arch = "x86_64")]
+        avx2_t8: None,
         wide: false,
         #[cfg(target_arch = "x86_64")]
         avx512: None,

@@ -20,6 +20,8 @@ pub const FORMAT: Format = Format {
         avx2_x4: crate::quant::dot::avx2::dot_q4_1_x4,
         #[cfg(target_arch = "x86_64")]
         avx2_t4: Some(crate::quant::dot::avx2::dot_q4_1_t4),
+        #[cfg(target_arch = "x86_64")]
+        avx2_t8: None,
         wide: true,
         #[cfg(target_arch = "x86_64")]
         avx512: None,

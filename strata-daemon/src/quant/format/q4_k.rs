@@ -25,6 +25,8 @@ pub const FORMAT: Format = Format {
         avx2_x4: crate::quant::dot_k::avx2::dot_q4_k_x4,
         #[cfg(target_arch = "x86_64")]
         avx2_t4: Some(crate::quant::dot_k::avx2::dot_q4_k_t4),
+        #[cfg(target_arch = "x86_64")]
+        avx2_t8: None,
         wide: false,
         #[cfg(target_arch = "x86_64")]
         avx512: None,

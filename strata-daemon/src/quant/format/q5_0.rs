@@ -20,6 +20,8 @@ pub const FORMAT: Format = Format {
         avx2_x4: crate::quant::dot_k::avx2::dot_q5_0_x4,
         #[cfg(target_arch = "x86_64")]
         avx2_t4: Some(crate::quant::dot_k::avx2::dot_q5_0_t4),
+        #[cfg(target_arch = "x86_64")]
+        avx2_t8: Some(crate::quant::dot_k::avx2::dot_q5_0_t8),
         wide: false,
         #[cfg(target_arch = "x86_64")]
         avx512: Some(crate::quant::dot512::avx512::Q5_0),

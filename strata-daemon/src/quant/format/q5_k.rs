@@ -24,6 +24,8 @@ pub const FORMAT: Format = Format {
         avx2_x4: crate::quant::dot_k::avx2::dot_q5_k_x4,
         #[cfg(target_arch = "x86_64")]
         avx2_t4: Some(crate::quant::dot_k::avx2::dot_q5_k_t4),
+        #[cfg(target_arch = "x86_64")]
+        avx2_t8: None,
         wide: false,
         #[cfg(target_arch = "x86_64")]
         avx512: None,
