@@ -421,29 +421,34 @@ impl<const N: usize> Q8Tn<N> {
 /// `None` too: [`dot_q8`] gives that kernel's bits there, and so must every token of a product.
 pub fn q8_t4(ty: GgmlType) -> Option<Q8T4> {
     #[cfg(target_arch = "x86_64")]
-    if simd_level().avx2() {
-        let k = super::format::lookup(ty).and_then(|f| f.q8)?;
-        if k.wide && simd_level() == SimdLevel::Avx512 {
-            return None;
-        }
-        return k.avx2_t4.map(|f| Q8T4 { ty, checked: false, f });
+    return q8_tn_kernels(ty).and_then(|k| k.avx2_t4).map(|f| Q8Tn { ty, checked: false, f });
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        None
     }
-    let _ = ty;
-    None
 }
 
 /// The eight-token kernel of `ty` (see [`q8_t4`]: the same conditions), where the format has one.
 pub fn q8_t8(ty: GgmlType) -> Option<Q8Tn<8>> {
     #[cfg(target_arch = "x86_64")]
-    if simd_level().avx2() {
-        let k = super::format::lookup(ty).and_then(|f| f.q8)?;
-        if k.wide && simd_level() == SimdLevel::Avx512 {
-            return None;
-        }
-        return k.avx2_t8.map(|f| Q8Tn { ty, checked: false, f });
+    return q8_tn_kernels(ty).and_then(|k| k.avx2_t8).map(|f| Q8Tn { ty, checked: false, f });
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        None
     }
-    let _ = ty;
-    None
+}
+
+/// The format's Q8 kernels where its N-token kernels may serve on this CPU ([`q8_t4`], [`q8_t8`]): AVX2 present,
+/// and not a wide format at the AVX-512 level.
+#[cfg(target_arch = "x86_64")]
+fn q8_tn_kernels(ty: GgmlType) -> Option<super::format::Q8Dot> {
+    if !simd_level().avx2() {
+        return None;
+    }
+    let k = super::format::lookup(ty).and_then(|f| f.q8)?;
+    (!(k.wide && simd_level() == SimdLevel::Avx512)).then_some(k)
 }
 
 /// Scalar reference of [`dot_q8`] (each format's own, [`super::format`]).

@@ -15,7 +15,8 @@
 //! rows or bit masks on the activations, the scales broadcast (their vector pipes are the bound; the index arithmetic
 //! runs in integer registers beside them). IQ2_XS and IQ2_S run an AVX-512 VNNI version where the CPU has it (two
 //! sub-blocks per `vpdpbusd`, the signs as a mask; the same integer lanes, so the same bits). The four-token ones
-//! (`*_t4`: Q5_0 and the Q4_K_M family's K-quants) unpack a row's codes once for four tokens' activations. Every
+//! (`*_t4`: Q5_0 and the Q4_K_M family's K-quants) unpack a row's codes once for four tokens' activations, and
+//! `dot_q5_0_t8` once for eight. Every
 //! variant gives the single-row kernel's bits per (row, token): the integer lanes are exact whatever the order they
 //! were summed in, and the float steps are the same.
 //!
@@ -1497,10 +1498,16 @@ pub(super) mod tests {
                     let x8: [&[BlockQ8]; 8] = std::array::from_fn(|t| &xs[t][..]);
                     // SAFETY: AVX2/FMA/F16C detected above; the row holds n_blocks whole blocks of each x.
                     let got = unsafe { t8(&r, x8) };
+                    // and through the lookup the matrix product uses, against dot_q8
+                    let via = crate::quant::q8_t8(ty).and_then(|k8| k8.takes(x8)).map(|k8| k8.dot(&r, x8));
                     for (t, g) in got.iter().enumerate() {
                         // SAFETY: as above.
                         let one = unsafe { (k.avx2)(&r, &xs[t]) };
                         assert_eq!(g.to_bits(), one.to_bits(), "{ty:?} x{n_blocks} extreme {extreme} token {t}");
+                        if let Some(v) = via {
+                            let d = crate::quant::dot_q8(ty, &r, &xs[t]);
+                            assert_eq!(v[t].to_bits(), d.to_bits(), "{ty:?} q8_t8 token {t}");
+                        }
                     }
                 }
             }

@@ -760,8 +760,38 @@ fn rows_amx(mats: &[(&MatRef<'_>, SyncPtr)], x: &ActRef<'_>, r0: usize, r1: usiz
     })
 }
 
-/// One product's rows through [`crate::quant::dot_q8_x4`] / [`crate::quant::dot_q8`] (or the scalar and f32
-/// references).
+/// Rows `r0..r1` of the product for tokens `t0..`, N at a time through the N-token kernel `k` while whole groups of
+/// N remain and the kernel takes their activations; returns the first token not done (the caller does the rest).
+fn rows_tokens<const N: usize>(
+    k: crate::quant::Q8Tn<N>,
+    w: &MatRef<'_>,
+    x: &ActRef<'_>,
+    p: SyncPtr,
+    r0: usize,
+    r1: usize,
+    mut t0: usize,
+) -> usize {
+    while t0 + N <= x.t {
+        let xs: [&[crate::quant::BlockQ8]; N] = std::array::from_fn(|j| x.qrow_for(w.ty, t0 + j));
+        // the activations checked once for the whole product, not per row
+        let Some(k) = k.takes(xs) else { break };
+        for r in r0..r1 {
+            let v = k.dot(w.row(r), xs);
+            for (j, v) in v.into_iter().enumerate() {
+                // SAFETY: token t0 + j < t and row r in r0..r1 inside the matrix, so (t0 + j) * rows + r lies inside
+                // `out` (`t × rows`, asserted where the job was planned); each (token, row) is written by exactly one
+                // task (row ranges are disjoint).
+                unsafe { *p.0.add((t0 + j) * w.rows + r) = v };
+            }
+        }
+        t0 += N;
+    }
+    t0
+}
+
+/// One product's rows through the AVX-512 GEMM or row kernels where they apply, else eight and then four tokens at
+/// a time through [`crate::quant::q8_t8`] / [`crate::quant::q8_t4`] where the format has those kernels, and the rest
+/// through [`crate::quant::dot_q8_x4`] / [`crate::quant::dot_q8`] (or the scalar and f32 references).
 fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize, precision: Precision) {
     let q8 = w.ty.uses_q8_activations() && precision != Precision::F32;
     let simd = precision == Precision::Q8Activations;
@@ -776,39 +806,12 @@ fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize
     }
     // eight, then four tokens at a time where the format unpacks a row once for them (the same bits per token)
     let mut t0 = 0;
-    if let Some(k) = crate::quant::q8_t8(w.ty).filter(|_| q8 && simd && x.t >= 8) {
-        while t0 + 8 <= x.t {
-            let xs: [&[crate::quant::BlockQ8]; 8] = std::array::from_fn(|j| x.qrow_for(w.ty, t0 + j));
-            // the activations checked once for the whole product, not per row
-            let Some(k) = k.takes(xs) else { break };
-            for r in r0..r1 {
-                let v = k.dot(w.row(r), xs);
-                for (j, v) in v.into_iter().enumerate() {
-                    // SAFETY: token t0 + j < t and row r in r0..r1 inside the matrix, so (t0 + j) * rows + r lies
-                    // inside `out` (`t × rows`, asserted where the job was planned); each (token, row) is written by
-                    // exactly one task (row ranges are disjoint).
-                    unsafe { *p.0.add((t0 + j) * w.rows + r) = v };
-                }
-            }
-            t0 += 8;
+    if q8 && simd {
+        if let Some(k) = crate::quant::q8_t8(w.ty) {
+            t0 = rows_tokens(k, w, x, p, r0, r1, t0);
         }
-    }
-    if let Some(k) = crate::quant::q8_t4(w.ty).filter(|_| q8 && simd && x.t >= t0 + 4) {
-        while t0 + 4 <= x.t {
-            let xs =
-                [x.qrow_for(w.ty, t0), x.qrow_for(w.ty, t0 + 1), x.qrow_for(w.ty, t0 + 2), x.qrow_for(w.ty, t0 + 3)];
-            // the activations checked once for the whole product, not per row
-            let Some(k) = k.takes(xs) else { break };
-            for r in r0..r1 {
-                let v = k.dot(w.row(r), xs);
-                for (j, v) in v.into_iter().enumerate() {
-                    // SAFETY: token t0 + j < t and row r in r0..r1 inside the matrix, so (t0 + j) * rows + r lies
-                    // inside `out` (`t × rows`, asserted where the job was planned); each (token, row) is written by
-                    // exactly one task (row ranges are disjoint).
-                    unsafe { *p.0.add((t0 + j) * w.rows + r) = v };
-                }
-            }
-            t0 += 4;
+        if let Some(k) = crate::quant::q8_t4(w.ty) {
+            t0 = rows_tokens(k, w, x, p, r0, r1, t0);
         }
     }
     for ti in t0..x.t {

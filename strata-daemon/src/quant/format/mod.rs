@@ -82,7 +82,7 @@ pub struct Q8Dot {
     #[cfg(target_arch = "x86_64")]
     pub avx2_t4: Option<unsafe fn(&[u8], [&[BlockQ8]; 4]) -> [f32; 4]>,
     /// The same with eight tokens (the unpacking shared by eight): Q5_0, whose expansion of the fifth bits made its
-    /// prompt products half of Gemma 3 270M's prompt time with AVX2 (+18% prompt rate with it, stop 55; the same for
+    /// prompt products half of Gemma 3 270M's prompt time with AVX2 (+18–21% prompt rate with it, stop 55; the same for
     /// Q4_K, Q5_K and Q6_K measured no gain). `None`: the four-token kernel (or the row kernel) serves.
     #[cfg(target_arch = "x86_64")]
     pub avx2_t8: Option<unsafe fn(&[u8], [&[BlockQ8]; 8]) -> [f32; 8]>,
