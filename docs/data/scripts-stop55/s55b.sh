@@ -11,10 +11,7 @@ set -u
 O=${OUT:?}; mkdir -p "$O"; L="$O/log.txt"
 . tools/device-env.sh
 unxz_to .dev/strata-tools.xz /tmp/cur; unxz_to .dev/strata-tools-base.xz /tmp/base
-mkdir -p /tmp/lc && tar xJf .dev/llama-src.tar.xz -C /tmp/lc
-( cd /tmp/lc/llama.cpp && nice -n 19 cmake -S . -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
-  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF \
-  > /tmp/cmake.log 2>&1 && nice -n 19 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo "llama.cpp build rc=$? at ${SECONDS}s" >> "$L" ) &
+build_llama_bench &  # tools/device-env.sh
 BUILD=$!
 /tmp/cur synth-moe --preset qwen3-30b-a3b --type q4_0 --layers 4 --arch native --out /tmp/q4l.gguf 2>&1 | tail -1 >> "$L"
 ( /tmp/cur synth-moe --preset qwen3-30b-a3b --type q4_0 --arch native --out /tmp/q40.gguf 2>&1 | tail -1 >> "$L" ) &

@@ -18,10 +18,7 @@ SYN=$!
 timeout 150 stdbuf -oL /tmp/cur gpu-check > "$O/check.txt" 2>/tmp/check.log; echo "gpu-check rc=$? at ${SECONDS}s" >> "$L"
 grep -iE "worst|fail|panick|DIFFER" "$O/check.txt" /tmp/check.log | head -8 >> "$L"
 echo "wide = narrow rows: $(grep -c 'wide = narrow' "$O/check.txt"); norm rows: $(grep -c '^norm ' "$O/check.txt")" >> "$L"
-mkdir -p /tmp/lc && tar xJf .dev/llama-src.tar.xz -C /tmp/lc
-( cd /tmp/lc/llama.cpp && nice -n 19 cmake -S . -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
-  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF \
-  > /tmp/cmake.log 2>&1 && nice -n 19 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo "llama.cpp build rc=$? at ${SECONDS}s" >> "$L" ) &
+build_llama_bench &  # tools/device-env.sh
 BUILD=$!
 wait $SYN
 run() {  # bin tag args... (env before)
