@@ -55,7 +55,8 @@ fn each_architecture_reads_its_choices_from_the_file() {
 }
 
 /// KL(llama.cpp ‖ strata) within llama.cpp's own batch-vs-decode KL + 1e-3 and argmax agreement ≥ 98% with
-/// both of llama.cpp's paths, over the 324 teacher-forced positions of the four parity prompts.
+/// both of llama.cpp's paths (a near tie within llama.cpp's own logit noise counting as agreement:
+/// `assert_parity`), over the 324 teacher-forced positions of the four parity prompts.
 #[test]
 fn each_architecture_matches_llama_cpp() {
     for arch in ARCHS {
@@ -76,7 +77,10 @@ fn each_architecture_matches_llama_cpp() {
 /// The lattice IQ formats on files llama.cpp quantized (tests/data/iq/: a 256-wide random qwen3moe through
 /// llama-quantize with an importance matrix, tools/make-reference --only parity-iq): every format of the seven
 /// occurs in some expert or attention matrix, beside Q2_K..Q6_K, and each file's logits are within llama.cpp's own
-/// batch-vs-decode KL + 1e-3 with ≥ 98% argmax agreement, as the architectures' files.
+/// batch-vs-decode KL + 1e-3 with ≥ 98% argmax agreement, as the architectures' files. These random-weight files
+/// route on near ties: llama.cpp's own two paths differ by up to 0.19-0.25 in a logit and agree on 98.0-99.4% of
+/// the argmaxes, and strata's AVX2, AVX-512 and scalar kernels agree with each other on 98.3-98.6% of IQ2_XS's; a
+/// near tie (its top tokens within that noise) therefore counts as agreement (`assert_parity`).
 #[test]
 fn lattice_iq_files_quantized_by_llama_cpp_match_its_logits() {
     let mut seen = std::collections::HashSet::new();

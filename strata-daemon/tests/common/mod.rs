@@ -80,6 +80,43 @@ pub fn compare(all: &[f32], nv: usize, positions: &[serde_json::Value]) -> (f64,
     (kls.iter().sum::<f64>(), agree, kls)
 }
 
+/// Positions of `positions` where our argmax (in `all`, as [`compare`]) is the oracle's, or a near tie in the
+/// oracle's own logits: a token of its top list whose logit is within `tol` of its first.
+pub fn agree_or_tie(all: &[f32], nv: usize, positions: &[serde_json::Value], tol: f64) -> usize {
+    positions
+        .iter()
+        .enumerate()
+        .filter(|(i, pos)| {
+            let ours = strata::engine::sampler::argmax(&all[i * nv..(i + 1) * nv]) as u64;
+            let top = pos["top"].as_array().unwrap();
+            let first = top[0][1].as_f64().unwrap();
+            top.iter().any(|e| e[0].as_u64().unwrap() == ours && first - e[1].as_f64().unwrap() <= tol)
+        })
+        .count()
+}
+
+/// llama.cpp's own logit noise on `d`'s prompts: the largest difference, over every position and every token
+/// in both top lists, between its batch and its decode path's log-probabilities (logit − lse). Two tokens
+/// closer than this in its logits are ordered by rounding, not by the model.
+pub fn oracle_noise(d: &serde_json::Value) -> f64 {
+    let mut worst = 0f64;
+    for p in d["prompts"].as_array().unwrap() {
+        let (pb, pd) = (p["positions"].as_array().unwrap(), p["positions_decode"].as_array().unwrap());
+        for (b, dd) in pb.iter().zip(pd) {
+            let (lb, ld) = (b["lse"].as_f64().unwrap(), dd["lse"].as_f64().unwrap());
+            for eb in b["top"].as_array().unwrap() {
+                for ed in dd["top"].as_array().unwrap() {
+                    if eb[0] == ed[0] {
+                        let diff = (eb[1].as_f64().unwrap() - lb) - (ed[1].as_f64().unwrap() - ld);
+                        worst = worst.max(diff.abs());
+                    }
+                }
+            }
+        }
+    }
+    worst
+}
+
 /// The MoE fixture `smollm2-moe-{kind}.gguf` next to the SmolLM2 model (tools/fetch-model builds it); panics
 /// with the command when missing.
 pub fn fixture_path(kind: &str) -> PathBuf {
@@ -100,16 +137,18 @@ pub fn arch_fixture_path(arch: &str) -> PathBuf {
 /// forced in chunks of 64 tokens: mean KL(llama.cpp ‖ strata) within llama.cpp's own batch-vs-decode KL + 1e-3,
 /// and argmax agreement within one point of llama.cpp's own batch-vs-decode agreement (at most 99%), against
 /// both of llama.cpp's paths, over ≥ 200 positions. Prints the figures under `label`; returns the argmax
-/// agreement with llama.cpp's decode path (a share in 0..=1).
+/// agreement with llama.cpp's decode path (a share in 0..=1). Agreement counts a near tie as agreement (see
+/// [`Parity::tie_dec`]): on files where llama.cpp's own two paths order close tokens differently, which of two
+/// such tokens comes first is rounding (strata's AVX2 and AVX-512 kernels part there too), not a fault.
 pub fn assert_parity(label: &str, model: &Model, d: &serde_json::Value) -> f64 {
     let p = parity_stats(label, model, d);
     assert!(p.n >= 200);
     assert_within(label, &p, p.ag_self.min(0.99) - 0.01);
-    p.ag_dec
+    p.tie_dec
 }
 
 /// Asserts `p`'s KL against both of llama.cpp's paths within llama.cpp's own batch-vs-decode KL + 1e-3, and its
-/// argmax agreement with both at least `floor` (a share).
+/// argmax agreement with both (near ties counting as agreement: [`Parity::tie_dec`]) at least `floor` (a share).
 pub fn assert_within(label: &str, p: &Parity, floor: f64) {
     assert!(
         p.kl_dec <= p.self_kl + 1e-3 && p.kl_bat <= p.self_kl + 1e-3,
@@ -117,7 +156,13 @@ pub fn assert_within(label: &str, p: &Parity, floor: f64) {
         p.kl_dec,
         p.kl_bat
     );
-    assert!(p.ag_dec >= floor && p.ag_bat >= floor, "{label}: argmax {:.4} / {:.4} < {floor:.4}", p.ag_dec, p.ag_bat);
+    assert!(
+        p.tie_dec >= floor && p.tie_bat >= floor,
+        "{label}: argmax (near ties within {:.3} agreeing) {:.4} / {:.4} < {floor:.4}",
+        p.noise,
+        p.tie_dec,
+        p.tie_bat
+    );
 }
 
 /// What [`assert_parity`] measures (mean KL per position; argmax agreements as shares).
@@ -136,6 +181,14 @@ pub struct Parity {
     pub ag_bat: f64,
     /// llama.cpp's own batch-vs-decode agreement.
     pub ag_self: f64,
+    /// llama.cpp's own logit noise on this file ([`oracle_noise`]).
+    pub noise: f64,
+    /// Argmax agreement with llama.cpp's decode path where a near tie counts as agreement: our token in its top
+    /// list within [`Parity::noise`] of its first ([`agree_or_tie`]). Equal to `ag_dec` on files where its two
+    /// paths give the same logits.
+    pub tie_dec: f64,
+    /// The same with its batch path.
+    pub tie_bat: f64,
 }
 
 /// Runs `d`'s prompts through `model` (chunks of 64 tokens) and compares with llama.cpp's logits; prints the
@@ -143,7 +196,8 @@ pub struct Parity {
 pub fn parity_stats(label: &str, model: &Model, d: &serde_json::Value) -> Parity {
     let nv = model.cfg.n_vocab;
     let (mut kl_dec, mut kl_bat, mut self_kl, mut n, mut ag_dec, mut ag_bat) = (0f64, 0f64, 0f64, 0usize, 0, 0);
-    let mut self_agree = 0usize;
+    let (mut self_agree, mut tie_dec, mut tie_bat) = (0usize, 0usize, 0usize);
+    let noise = oracle_noise(d);
     for p in d["prompts"].as_array().unwrap() {
         let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         let mut kv = model.new_kv(512);
@@ -158,6 +212,8 @@ pub fn parity_stats(label: &str, model: &Model, d: &serde_json::Value) -> Parity
         let (k, a, _) = compare(&all, nv, p["positions"].as_array().unwrap());
         kl_bat += k;
         ag_bat += a;
+        tie_dec += agree_or_tie(&all, nv, p["positions_decode"].as_array().unwrap(), noise);
+        tie_bat += agree_or_tie(&all, nv, p["positions"].as_array().unwrap(), noise);
         self_kl += p["kl_batch_vs_decode"].as_f64().unwrap() * ids.len() as f64;
         let (pb, pd) = (p["positions"].as_array().unwrap(), p["positions_decode"].as_array().unwrap());
         self_agree += pb.iter().zip(pd).filter(|(b, d)| b["top"][0][0] == d["top"][0][0]).count();
@@ -172,16 +228,23 @@ pub fn parity_stats(label: &str, model: &Model, d: &serde_json::Value) -> Parity
         ag_dec: ag_dec as f64 / nf,
         ag_bat: ag_bat as f64 / nf,
         ag_self: self_agree as f64 / nf,
+        noise,
+        tie_dec: tie_dec as f64 / nf,
+        tie_bat: tie_bat as f64 / nf,
     };
     println!(
         "{label}: {n} positions: vs llama.cpp decode KL {:.3e}, argmax {:.2}%; vs batch KL {:.3e}, argmax {:.2}%; \
-         llama.cpp batch vs decode KL {:.3e}, argmax {:.2}%",
+         llama.cpp batch vs decode KL {:.3e}, argmax {:.2}%; near ties (within its logit noise {:.3}) counted as \
+         agreement: {:.2}% / {:.2}%",
         p.kl_dec,
         p.ag_dec * 100.0,
         p.kl_bat,
         p.ag_bat * 100.0,
         p.self_kl,
-        p.ag_self * 100.0
+        p.ag_self * 100.0,
+        p.noise,
+        p.tie_dec * 100.0,
+        p.tie_bat * 100.0
     );
     p
 }
