@@ -1277,9 +1277,21 @@ __device__ __forceinline__ void mq_core_pipe(const u8* const* rowp, int mode, in
 }
 
 
+// Blocks of 32 values per range of a split-K dense product over nb blocks in nz ranges (gridDim.z): whole stages
+// (MQ_KB blocks, a super-block of the 256-value formats). The host chooses nz so that every range holds blocks
+// ((nz − 1) · span < nb; ops.rs mq_kspan, mq_split_count).
+__device__ __forceinline__ int mq_kspan(int nb, int nz) {
+    const int per = (nb + nz - 1) / nz;
+    return (per + MQ_KB - 1) / MQ_KB * MQ_KB;
+}
+
 // WIDE: 2·MQ_BM rows per block, each warp's 16 rows and the 16 rows MQ_BM below them against the same token
 // fragments (the expert gate/up kernels' two matrices, here two row ranges of one): half the B loads per MMA, half the
 // blocks. Each output's arithmetic as the narrow kernel's: the same bits.
+// Split-K (gridDim.z = nz > 1; a grid of few blocks, see ops.rs mq_split_count): block z multiplies the column blocks
+// [z·span, (z + 1)·span) (span = mq_kspan) as the one-range kernel multiplies all of them, in the same order, and
+// writes its partial sums to out + z·nt·out_stride (the host passes the partials' scratch, out_stride = rows,
+// accumulate = 0; mmf_sum_split adds the nz partials in z order). nz = 1: the one-range kernel.
 template <int FMT, bool WIDE>
 __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, int rows1, int rows2, int cols,
                          const Q8* xq, int x_stride, int nt, float* out, int out_stride, int accumulate) {
@@ -1291,7 +1303,19 @@ __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     const int t0 = blockIdx.y * MQ_BN;
     const int nj = MQ_BN / 8;  // every column tile staged (the loop multiplies all of them: no SKIP)
     const size_t rbytes = row_bytes(FMT, cols);
-    const auto row = [&](int r) { return stacked_row(w0, w1, w2, rows0, rows1, min(r, rows - 1), rbytes); };
+    // this block's range of column blocks: all of them, or split-K range blockIdx.z (k0 a multiple of MQ_KB)
+    int k0 = 0, nb = cols / 32;
+    if (gridDim.z > 1) {
+        const int span = mq_kspan(nb, gridDim.z);
+        k0 = blockIdx.z * span;
+        nb = min(span, nb - k0);
+        out += (size_t)blockIdx.z * nt * out_stride;
+        xq += k0;
+    }
+    const size_t koff = mq_stage_off<FMT>(k0);  // bytes of a row before block k0
+    const auto row = [&](int r) {
+        return stacked_row(w0, w1, w2, rows0, rows1, min(r, rows - 1), rbytes) + koff;
+    };
     const u8* rp[2] = {row(ra), row(rb)};
     const u8* ru[2] = {WIDE ? row(ra + MQ_BM) : rp[0], WIDE ? row(rb + MQ_BM) : rp[1]};
     for (int c = threadIdx.x; c < MQ_BN; c += 32 * MQ_WARPS) xrow[c] = t0 + c < nt ? t0 + c : -1;
@@ -1302,19 +1326,19 @@ __device__ void mmq_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
         extern __shared__ __align__(16) int mq_dyn[];
         __shared__ const u8* rowp[BM];
         const int mode = mq_pipe_mode<FMT>((unsigned long long)w0 | (unsigned long long)w1 |
-                                               (unsigned long long)w2 | (unsigned long long)rbytes,
-                                           cols / 32);
+                                               (unsigned long long)w2 | (unsigned long long)rbytes |
+                                               (unsigned long long)koff,
+                                           nb);
         if (mode) {
             for (int i = threadIdx.x; i < BM; i += 32 * MQ_WARPS) rowp[i] = row(blockIdx.x * BM + i);
             __syncthreads();
-            mq_core_pipe<FMT, WIDE, false>(rowp, mode, cols / 32, xq, x_stride / 32, xrow, nj, (u8*)mq_dyn, acc,
-                                           accu);
+            mq_core_pipe<FMT, WIDE, false>(rowp, mode, nb, xq, x_stride / 32, xrow, nj, (u8*)mq_dyn, acc, accu);
         } else {
-            mq_core<FMT, WIDE, false>(rp, ru, cols / 32, xq, x_stride / 32, xrow, nj, mq_dyn, acc, accu);
+            mq_core<FMT, WIDE, false>(rp, ru, nb, xq, x_stride / 32, xrow, nj, mq_dyn, acc, accu);
         }
     } else {
         __shared__ __align__(16) int xs[MQ_KB * MQ_BN * MQ_XS];
-        mq_core<FMT, WIDE, false>(rp, ru, cols / 32, xq, x_stride / 32, xrow, nj, xs, acc, accu);
+        mq_core<FMT, WIDE, false>(rp, ru, nb, xq, x_stride / 32, xrow, nj, xs, acc, accu);
     }
 #pragma unroll
     for (int h = 0; h < (WIDE ? 2 : 1); h++) {

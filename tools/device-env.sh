@@ -19,3 +19,19 @@ build_llama_bench() {
     > /tmp/cmake.log 2>&1 && nice -n 19 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1
     echo "llama.cpp build rc=$? at ${SECONDS}s" >> "$L" )
 }
+# The Qwen3-30B-A3B-geometry Q4_0 files of the prefill comparisons, written by BIN (`synth_q4_0 BIN`): /tmp/q4l.gguf
+# (4 layers, for Nsight Compute) now, /tmp/q40.gguf (all 48) in the background; `wait $SYN` before using it.
+synth_q4_0() {
+  $1 synth-moe --preset qwen3-30b-a3b --type q4_0 --layers 4 --arch native --out /tmp/q4l.gguf 2>&1 | tail -1 >> "$L"
+  ( $1 synth-moe --preset qwen3-30b-a3b --type q4_0 --arch native --out /tmp/q40.gguf 2>&1 | tail -1 >> "$L" ) &
+  SYN=$!
+}
+# One bench-gpu arm on /tmp/q40.gguf, every expert in VRAM, 512-token chunks (`bench_arm BIN TAG [VAR=VALUE ...]`,
+# the variables set for it alone; "$EXTRA": the prompt arguments): output /tmp/b-TAG.txt and .log, a line of its
+# figures in "$L".
+bench_arm() {
+  local b=$1 tag=$2; shift 2
+  env "$@" timeout 90 "$b" bench-gpu --model /tmp/q40.gguf --fracs 1 --modes off --pcie 0 --batch 512 $EXTRA > /tmp/b-$tag.txt 2>/tmp/b-$tag.log; local rc=$?
+  echo "$tag rc=$rc at ${SECONDS}s: $(grep -E '^cache|decode after' /tmp/b-$tag.txt | tr -s ' ' | tr '\n' '|' | cut -c1-260) $(grep -h 'prompt runs' /tmp/b-$tag.log)" >> "$L"
+  grep -E "panicked|ERROR|error:" /tmp/b-$tag.log | head -2 >> "$L"
+}

@@ -1025,7 +1025,7 @@ fn check_kernels(
             let xq = strata::backend::cuda::driver::DevBuf::from_slice(&xq_host)?;
             // poison the output first: every element must be written
             let out = strata::backend::cuda::driver::DevBuf::from_slice(&vec![f32::NAN; t * rows])?;
-            ops.mmv(&[&dm], xq.ptr, xf.ptr, t, out.ptr, rows, false)?;
+            ops.mmv(&[&dm], xq.ptr, xf.ptr, t, out.ptr, rows, false, None)?;
             // the device's own Q8 quantization must match the CPU's
             let xq2 = strata::backend::cuda::driver::DevBuf::alloc(xq_host.len())?;
             ops.quantize(xf.ptr, xq2.ptr, t * cols / 32)?;
@@ -1038,7 +1038,7 @@ fn check_kernels(
             // a prefill chunk of a format with a wide kernel: the narrow one's bytes must be the same
             let narrow_same = if t > strata::backend::cuda::ops::MAX_NT && k.mmq_wide(ty).is_some() {
                 out.write_sync(0, &vec![f32::NAN; t * rows])?;
-                ops_alt.mmv(&[&dm], xq.ptr, xf.ptr, t, out.ptr, rows, false)?;
+                ops_alt.mmv(&[&dm], xq.ptr, xf.ptr, t, out.ptr, rows, false, None)?;
                 stream.sync()?;
                 let mut narrow = vec![0f32; t * rows];
                 out.read_sync(0, &mut narrow)?;
@@ -1046,24 +1046,48 @@ fn check_kernels(
             } else {
                 None
             };
+            // a prefill chunk of a tensor-core format: the split-K product over 2 and 3 column ranges (where each
+            // range holds blocks), against the CPU as the one-range kernel
+            let mut split = Vec::new();
+            if t > strata::backend::cuda::ops::MAX_NT && ty.block_size() > 1 && k.mmq(ty).is_some() {
+                let nb = cols / 32;
+                let part = strata::backend::cuda::driver::DevBuf::alloc(4 * 3 * t * rows)?;
+                for nz in [2usize, 3] {
+                    if (nz - 1) * strata::backend::cuda::ops::mq_kspan(nb, nz) >= nb {
+                        continue;
+                    }
+                    out.write_sync(0, &vec![f32::NAN; t * rows])?;
+                    ops.mmq_ranges(&[&dm], xq.ptr, t, out.ptr, rows, false, nz, part.ptr)?;
+                    stream.sync()?;
+                    let mut got = vec![0f32; t * rows];
+                    out.read_sync(0, &mut got)?;
+                    split.push((nz, rel_err(&got, &cpu)));
+                }
+            }
             let (rc, rf) = (rel_err(&gpu, &cpu), rel_err(&gpu, &exact));
             worst = worst.max(rc);
+            for &(_, e) in &split {
+                worst = worst.max(e);
+            }
             if narrow_same == Some(false) {
                 worst = worst.max(1.0);
             }
             println!(
-                "{:<6} {rows:>6} {cols:>6} {t:>3} {rc:>12.2e} {rf:>12.2e}{}{}",
+                "{:<6} {rows:>6} {cols:>6} {t:>3} {rc:>12.2e} {rf:>12.2e}{}{}{}",
                 format!("{ty:?}"),
                 if qmatch { "" } else { "  (Q8 quantization differs)" },
                 match narrow_same {
                     Some(false) => "  (NARROW KERNEL DIFFERS)",
                     Some(true) => "  (wide = narrow)",
                     None => "",
-                }
+                },
+                split.iter().map(|(nz, e)| format!("  (split {nz}: {e:.2e})")).collect::<String>()
             );
             kern.push(serde_json::json!({"format": format!("{ty:?}"), "rows": rows, "cols": cols, "t": t,
                 "rel_err_vs_cpu": rc, "rel_err_vs_f64": rf, "q8_bytes_match": qmatch,
-                "narrow_bytes_match": narrow_same}));
+                "narrow_bytes_match": narrow_same,
+                "split_rel_err_vs_cpu": split.iter().map(|(nz, e)| serde_json::json!({"ranges": nz, "rel_err": e}))
+                    .collect::<Vec<_>>()}));
         }
     }
     // 1. (cont.) a stack of mixed formats (Q4_K_M's q, k in Q4_K and v in Q6_K): one launch per run of a format
@@ -1099,7 +1123,7 @@ fn check_kernels(
         let xq = strata::backend::cuda::driver::DevBuf::from_slice(&q8_bytes(&x))?;
         let out = strata::backend::cuda::driver::DevBuf::from_slice(&vec![f32::NAN; t * rows])?;
         let refs: Vec<&strata::backend::cuda::ops::DMat> = mats.iter().collect();
-        ops.mmv(&refs, xq.ptr, xf.ptr, t, out.ptr, rows, false)?;
+        ops.mmv(&refs, xq.ptr, xf.ptr, t, out.ptr, rows, false, None)?;
         stream.sync()?;
         let mut gpu = vec![0f32; t * rows];
         out.read_sync(0, &mut gpu)?;

@@ -103,6 +103,20 @@ impl Drop for Device {
     }
 }
 
+/// Streaming multiprocessors of the device of the current context. Errors: no current context, the driver's.
+pub fn current_sms() -> Result<u32, GpuError> {
+    let (mut dev, mut v) = (0, 0);
+    // SAFETY: plain driver calls with valid out-pointers.
+    unsafe {
+        check("cuCtxGetDevice", sys::cuCtxGetDevice(&mut dev))?;
+        check(
+            "cuDeviceGetAttribute",
+            sys::cuDeviceGetAttribute(&mut v, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
+        )?;
+    }
+    Ok(v.max(0) as u32)
+}
+
 /// Bytes of every [`DevBuf`] of this process not yet freed (the sizes asked, before the driver's rounding).
 static LIVE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -605,6 +619,20 @@ impl Func {
                 ),
             )
         }
+    }
+
+    /// Blocks of `block` threads with `smem` bytes of dynamic shared memory each that one SM runs at once (the
+    /// driver's occupancy calculator: registers, shared memory, warps). Errors: the driver's.
+    pub fn blocks_per_sm(&self, block: u32, smem: u32) -> Result<u32, GpuError> {
+        let mut n = 0i32;
+        // SAFETY: live function handle and a valid out-pointer.
+        unsafe {
+            check(
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, self.f, block as i32, smem as usize),
+            )?
+        };
+        Ok(n.max(0) as u32)
     }
 
     /// Raises the kernel's dynamic shared memory limit to `bytes`.

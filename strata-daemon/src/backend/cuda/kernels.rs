@@ -234,6 +234,11 @@ pub struct Kernels {
     /// The wide tensor-core prefill products (`mmq_*_w`: 2 × MQ_BM rows per block; None: off, see
     /// [`mmq_wide_wanted`]).
     mmq_w: [Option<Func>; N],
+    /// Blocks the whole card runs at once of `mmq` (the SMs times the driver's blocks per SM at the launches'
+    /// shared memory; 0 where there is no kernel): the split-K choice of [`super::ops::mq_split_count`].
+    mmq_slots: [u32; N],
+    /// The same for `mmq_w`.
+    mmq_w_slots: [u32; N],
     /// The float formats' prefill products for matrices of few rows (`mmf_*_r16`: 16 rows per block).
     mmf16: [Option<Func>; N],
     /// The float formats' split-K prefill products (`mmf_split_*`: a router over a prefill chunk).
@@ -348,6 +353,13 @@ pub fn mmq_wide_wanted(cc: (i32, i32)) -> bool {
 pub fn mmq_pipe_on(max_smem_optin: i32) -> bool {
     max_smem_optin.max(0) as usize >= super::ops::MQ_PIPE_MAX_SMEM + 4096
         && !std::env::var("STRATA_GPU_MMQ_PIPE").is_ok_and(|v| v == "0")
+}
+
+/// Whether dense tensor-core prefill products of few blocks run split over their columns (`mmq_*` with a grid of
+/// several column ranges + `mmf_sum_split`; see [`super::ops::mq_split_count`]): unless `STRATA_GPU_MMQ_SPLIT=0`
+/// (then one range per block, for A/B measurements).
+pub fn mmq_split_wanted() -> bool {
+    !std::env::var("STRATA_GPU_MMQ_SPLIT").is_ok_and(|v| v == "0")
 }
 
 /// Whether a router's prefill product runs split over its columns (`mmf_split_*` + `mmf_sum_split`): unless
@@ -515,6 +527,8 @@ impl Kernels {
                 Prefill::Float => Some(format!("mmf_{}", f.suffix)),
                 Prefill::Rows => None,
             })?,
+            mmq_slots: [0; N],
+            mmq_w_slots: [0; N],
             mmq_w: {
                 let mut v = [None; N];
                 if mmq_wide && mmq_wanted() && tensor_cores {
@@ -604,7 +618,24 @@ impl Kernels {
                 }
             }
         }
+        // the dense tensor-core products' blocks at once on the card (their split-K choice)
+        let sms = super::driver::current_sms()?;
+        for ty in crate::quant::format::REGISTRY.iter().map(|f| f.ty) {
+            let Ok(i) = fmt_index(ty) else { continue };
+            for (f, gated, slots) in [(k.mmq[i], false, &mut k.mmq_slots[i]), (k.mmq_w[i], true, &mut k.mmq_w_slots[i])]
+            {
+                if let (Some(f), true) = (f, ty.block_size() > 1) {
+                    *slots = sms * f.blocks_per_sm(32 * super::ops::WARPS, super::ops::mq_smem(ty, gated, mmq_pipe))?;
+                }
+            }
+        }
         Ok(k)
+    }
+
+    /// Blocks of the dense tensor-core prefill product for `ty` (`wide`: `mmq_*_w`) that the card runs at once (0:
+    /// no such kernel).
+    pub fn mmq_slots(&self, ty: GgmlType, wide: bool) -> u32 {
+        fmt_index(ty).map_or(0, |i| if wide { self.mmq_w_slots[i] } else { self.mmq_slots[i] })
     }
 
     /// The dense product kernel for `ty` (`one`: the one-token variant).

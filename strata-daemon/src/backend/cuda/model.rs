@@ -106,6 +106,9 @@ pub(super) struct Bufs<B = DevBuf> {
     pub(super) rl: B,
     /// The split-K router product's partial outputs (`MF_SPLIT_MAX × t × n_expert` f32; see `Ops::mmf_split`).
     pub(super) rpart: B,
+    /// The split-K dense products' partial outputs (`MQ_SPLIT_MAX × t × max(q + k + v rows, n_embd)` f32; see
+    /// `Ops::mmv`); one float where chunks are decode windows only.
+    pub(super) mpart: B,
     pub(super) ids: B,
     pub(super) w: B,
     /// The next layer's predicted top-k of a one-token hybrid decode window (ids, weights; `k` each; see
@@ -386,6 +389,13 @@ pub(super) enum StageIn<'a> {
     Hidden(&'a [f32]),
 }
 
+impl Bufs {
+    /// The split-K dense products' scratch as [`super::ops::Ops::mmv`] takes it (address, f32 count).
+    pub(super) fn part(&self) -> Option<(u64, usize)> {
+        Some((self.mpart.ptr, self.mpart.bytes / 4))
+    }
+}
+
 /// The stage's scratch buffers for chunks of up to `cfg.max_chunk` tokens, each made by `alloc(bytes)`:
 /// [`DevBuf::alloc`] for the stage, or the size recorder of [`stage_sizes`]. `last`: the stage computes the logits;
 /// `float_router`: some router is a float matrix (the split product's partials). Errors: `alloc`'s.
@@ -418,6 +428,13 @@ pub(super) fn make_bufs<B>(
         // (only where a router is a float matrix: the split product's formats)
         rpart: alloc(
             4 * if float_router && t > super::ops::MAX_NT { super::ops::MF_SPLIT_MAX * t * c.n_expert } else { 1 },
+        )?,
+        mpart: alloc(
+            4 * if t > super::ops::MAX_NT && super::kernels::mmq_split_wanted() {
+                super::ops::MQ_SPLIT_MAX * t * (qd + 2 * kvd).max(e)
+            } else {
+                1
+            },
         )?,
         ids: alloc(4 * t * kk)?,
         w: alloc(4 * t * kk)?,
@@ -1148,7 +1165,7 @@ impl Stage {
         let (out_norm, output) = self.head.as_ref().expect("the output of the last stage");
         let pend = pend.map(|p| p.from_row(row0, e));
         ops.rms_norm_q8(b.x.at(row0 * e * 4), out_norm.ptr, c.rms_eps, e, rows, b.xn.ptr, b.xq.ptr, pend)?;
-        ops.mmv(&[output], b.xq.ptr, b.xn.ptr, rows, b.logits.ptr, c.n_vocab, false)
+        ops.mmv(&[output], b.xq.ptr, b.xn.ptr, rows, b.logits.ptr, c.n_vocab, false, None)
     }
 
     /// A stage's hand-off: the last MoE layer's pending combine added into `x` (rows `0 .. t`), by a norm whose
@@ -1168,10 +1185,10 @@ impl Stage {
         let Some(sh) = &g.shared else { return Ok(()) };
         let b = &self.b;
         let ff = sh.gate.rows;
-        ops.mmv(&[&sh.gate, &sh.up], b.xq.ptr, b.xn.ptr, t, b.gu.ptr, 2 * ff, false)?;
+        ops.mmv(&[&sh.gate, &sh.up], b.xq.ptr, b.xn.ptr, t, b.gu.ptr, 2 * ff, false, b.part())?;
         ops.swiglu(b.gu.ptr, ff, t, b.h.ptr)?;
         ops.quantize(b.h.ptr, b.hq.ptr, t * ff / 32)?;
-        ops.mmv(&[&sh.down], b.hq.ptr, b.h.ptr, t, b.sh.ptr, e, false)?;
+        ops.mmv(&[&sh.down], b.hq.ptr, b.h.ptr, t, b.sh.ptr, e, false, b.part())?;
         ops.gated_add(b.x.ptr, b.sh.ptr, sh.gate_inp.ptr, b.xn.ptr, e, t)
     }
 
@@ -1191,7 +1208,7 @@ impl Stage {
         let b = &self.b;
         let ne = router.rows;
         if !ops.mmf_split(router, b.xn.ptr, t, b.rl.ptr, ne, false, b.rpart.ptr)? {
-            ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false)?;
+            ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false, None)?;
         }
         let mode = (self.gating, bias.map_or(0, |b| b.router.ptr));
         ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, fast, win, mode)
@@ -1287,7 +1304,7 @@ impl Stage {
         let GFfn::Moe { router, bias, .. } = &g.ffn else { unreachable!("predicts() names MoE layers") };
         let (e, ne, kk) = (c.n_embd, c.n_expert, c.n_expert_used);
         ops.rms_norm_q8(b.x.ptr, g.ffn_norm.ptr, c.rms_eps, e, 1, b.h.ptr, b.hq.ptr, None)?;
-        ops.mmv(&[router], b.hq.ptr, b.h.ptr, 1, b.rl.ptr, ne, false)?;
+        ops.mmv(&[router], b.hq.ptr, b.h.ptr, 1, b.rl.ptr, ne, false, None)?;
         let mode = (self.gating, bias.as_ref().map_or(0, |b| b.router.ptr));
         ops.route_topk(b.rl.ptr, ne, kk, 1, b.pids.ptr, b.pw.ptr, None, 0, mode)
     }

@@ -321,6 +321,33 @@ pub fn mq_pipe_sa(ty: GgmlType) -> Option<usize> {
     })
 }
 
+/// Column ranges of a split-K dense tensor-core product at most (see [`mq_split_count`]; its scratch holds this many
+/// partial outputs of the widest stacked matrix the split applies to).
+pub const MQ_SPLIT_MAX: usize = 4;
+
+/// Blocks of 32 columns per range when `nb` of them are split into `nz` ranges: whole stages of [`MQ_KB`] blocks
+/// (`mq_kspan` in strata.cu, which the kernel computes from its grid).
+pub fn mq_kspan(nb: usize, nz: usize) -> usize {
+    nb.div_ceil(nz.max(1)).next_multiple_of(MQ_KB)
+}
+
+/// Column ranges for a dense tensor-core product of `tiles` blocks (row × token tiles) over `nb` blocks of 32
+/// columns, on a card that runs `slots` such blocks at once, with scratch for `max` ranges: the count in 1..=max that
+/// finishes first when each block's time is its range's blocks plus one stage (the pipeline's fill and the output),
+/// in waves of `slots` blocks; the fewest ranges among equals, and only counts whose every range holds blocks. One
+/// range where the grid fills the card evenly; more where a grid of few blocks leaves SMs idle (the attention output
+/// of Qwen3-30B-A3B over 512 tokens: 128 blocks of 128 columns for 264 slots of an H100 → 2 ranges).
+pub fn mq_split_count(tiles: usize, slots: usize, nb: usize, max: usize) -> usize {
+    if tiles == 0 || slots == 0 || nb == 0 {
+        return 1;
+    }
+    let cost = |nz: usize| (tiles * nz).div_ceil(slots) * (mq_kspan(nb, nz) + MQ_KB);
+    (1..=max.max(1))
+        .filter(|&nz| nz == 1 || (nz - 1) * mq_kspan(nb, nz) < nb)
+        .min_by_key(|&nz| (cost(nz), nz))
+        .unwrap_or(1)
+}
+
 /// Rows and tokens per block of the tiled float-format prefill product (`MF_BM`, `MF_BN`; 256 threads).
 pub const MF_BM: usize = 64;
 /// See [`MF_BM`].
@@ -371,7 +398,10 @@ impl Ops<'_> {
     /// `out[t*out_stride + r] (+)= Σ_c W[r, c] x[t, c]` for the stacked rows of up to three matrices of one
     /// width, `t` tokens (`xq`: Q8 blocks, `xf`: f32; the kernel reads the one its format uses). Matrices of one
     /// format share a launch; a stack of mixed formats (Q4_K_M's `attn_v` in Q6_K beside Q4_K `attn_q`/`attn_k`)
-    /// takes one launch per run of a format.
+    /// takes one launch per run of a format. `part`: scratch for split-K partials (address and f32 count), or None: a prefill chunk's tensor-core product
+    /// whose grid leaves the card's SMs idle runs over [`mq_split_count`] column ranges (where `part` holds that many
+    /// `t × rows` partials and [`super::kernels::mmq_split_wanted`]), added in range order by `mmf_sum_split`
+    /// (deterministic; rounding differs from one range's). Errors: a launch failure.
     #[allow(clippy::too_many_arguments)]
     pub fn mmv(
         &self,
@@ -382,43 +412,96 @@ impl Ops<'_> {
         out: u64,
         out_stride: usize,
         accumulate: bool,
+        part: Option<(u64, usize)>,
     ) -> Result<(), GpuError> {
         if let Some(at) = mats.iter().position(|m| m.ty != mats[0].ty) {
-            self.mmv(&mats[..at], xq, xf, t, out, out_stride, accumulate)?;
+            self.mmv(&mats[..at], xq, xf, t, out, out_stride, accumulate, part)?;
             let r0: usize = mats[..at].iter().map(|m| m.rows).sum();
-            return self.mmv(&mats[at..], xq, xf, t, out + 4 * r0 as u64, out_stride, accumulate);
+            return self.mmv(&mats[at..], xq, xf, t, out + 4 * r0 as u64, out_stride, accumulate, part);
         }
         let m0 = mats[0];
         let total: usize = mats.iter().map(|m| m.rows).sum();
         let block = m0.ty.block_size() > 1;
-        if let Some(f) = self.k.mmq(m0.ty).filter(|_| t > MAX_NT && (!block || m0.cols.is_multiple_of(32))) {
-            // a prefill chunk: the tensor-core kernel (MQ_BM rows × MQ_BN tokens per block), or for float formats
-            // the tiled one (MF_BM × MF_BN, 256 threads)
-            let args = mmv_args(mats, xq, xf, t, out, out_stride, accumulate);
-            return if block {
-                if let Some(fw) = self.k.mmq_wide(m0.ty) {
-                    // 2 · MQ_BM rows per block (loaded only where mq_wide_fits): a gated expert kernel's shared
-                    // memory
-                    let smem = mq_smem(m0.ty, true, self.k.mmq_pipe);
-                    let grid = (total.div_ceil(2 * MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, 1);
-                    return fw.launch(self.s, grid, 32 * WARPS, smem, args);
+        if self.k.mmq(m0.ty).is_some() && t > MAX_NT && block && m0.cols.is_multiple_of(32) {
+            // a prefill chunk of a block format: the tensor-core kernel, over column ranges where that helps
+            let nz = match part {
+                Some((_, floats)) if super::kernels::mmq_split_wanted() => {
+                    let wide = self.k.mmq_wide(m0.ty).is_some();
+                    let tiles = total.div_ceil(if wide { 2 * MQ_BM } else { MQ_BM }) * t.div_ceil(MQ_BN);
+                    let max = (floats / (t * total).max(1)).min(MQ_SPLIT_MAX);
+                    mq_split_count(tiles, self.k.mmq_slots(m0.ty, wide) as usize, m0.cols / 32, max)
                 }
-                let smem = mq_smem(m0.ty, false, self.k.mmq_pipe);
-                f.launch(self.s, (total.div_ceil(MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, 1), 32 * WARPS, smem, args)
-            } else {
-                // few rows (a router): 16 per block, so that the card has blocks enough
-                let (f, bm) = match self.k.mmf_r16(m0.ty) {
-                    Some(f16) if total <= MF_FEW_ROWS => (f16, 16),
-                    _ => (f, MF_BM),
-                };
-                f.launch(self.s, (total.div_ceil(bm) as u32, t.div_ceil(MF_BN) as u32, 1), 256, 0, args)
+                _ => 1,
             };
+            return self.mmq_ranges(mats, xq, t, out, out_stride, accumulate, nz, part.map_or(0, |p| p.0));
+        }
+        if let Some(f) = self.k.mmq(m0.ty).filter(|_| t > MAX_NT && !block) {
+            // a prefill chunk of a float format: the tiled kernel (MF_BM × MF_BN, 256 threads); few rows (a
+            // router): 16 per block, so that the card has blocks enough
+            let args = mmv_args(mats, xq, xf, t, out, out_stride, accumulate);
+            let (f, bm) = match self.k.mmf_r16(m0.ty) {
+                Some(f16) if total <= MF_FEW_ROWS => (f16, 16),
+                _ => (f, MF_BM),
+            };
+            return f.launch(self.s, (total.div_ceil(bm) as u32, t.div_ceil(MF_BN) as u32, 1), 256, 0, args);
         }
         let f = self.k.mmv(m0.ty, t == 1)?;
         let args = mmv_args(mats, xq, xf, t, out, out_stride, accumulate);
         // block formats: each warp RPW rows; float formats: each block RPW rows, its warps splitting the columns
         let per_block = if m0.ty.block_size() > 1 { WARPS as usize * RPW } else { RPW };
         f.launch(self.s, (total.div_ceil(per_block) as u32, 1, 1), 32 * WARPS, 0, args)
+    }
+
+    /// The tensor-core product of [`Ops::mmv`] for a prefill chunk of `t` > [`MAX_NT`] tokens of one block
+    /// format (every matrix `ty`'s, 32-multiple widths) over `nz` column ranges: the wide kernel where it is loaded,
+    /// else the narrow one (MQ_BM rows × MQ_BN tokens per block); `nz` > 1 writes `nz` partials to `part`
+    /// (`nz × t × rows` f32) and adds them into `out` with `mmf_sum_split`. `nz` must leave every range blocks
+    /// ((nz − 1) · [`mq_kspan`] < cols / 32; [`mq_split_count`]'s counts do). Errors: no tensor-core kernel for the
+    /// format, a launch failure.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mmq_ranges(
+        &self,
+        mats: &[&DMat],
+        xq: u64,
+        t: usize,
+        out: u64,
+        out_stride: usize,
+        accumulate: bool,
+        nz: usize,
+        part: u64,
+    ) -> Result<(), GpuError> {
+        let m0 = mats[0];
+        let total: usize = mats.iter().map(|m| m.rows).sum();
+        let nb = m0.cols / 32;
+        assert!(nz >= 1 && (nz - 1) * mq_kspan(nb, nz) < nb, "{nz} column ranges of {nb} blocks");
+        let Some(f) = self.k.mmq(m0.ty) else {
+            return Err(GpuError::Unsupported(format!("no tensor-core prefill kernel for {:?}", m0.ty)));
+        };
+        // split: each range's partials to part (out_stride = rows, no accumulation), added below
+        let (o, os, acc) = if nz > 1 { (part, total, false) } else { (out, out_stride, accumulate) };
+        let args = mmv_args(mats, xq, 0, t, o, os, acc);
+        if let Some(fw) = self.k.mmq_wide(m0.ty) {
+            // 2 · MQ_BM rows per block (loaded only where mq_wide_fits): a gated expert kernel's shared memory
+            let smem = mq_smem(m0.ty, true, self.k.mmq_pipe);
+            let grid = (total.div_ceil(2 * MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, nz as u32);
+            fw.launch(self.s, grid, 32 * WARPS, smem, args)?;
+        } else {
+            let smem = mq_smem(m0.ty, false, self.k.mmq_pipe);
+            let grid = (total.div_ceil(MQ_BM) as u32, t.div_ceil(MQ_BN) as u32, nz as u32);
+            f.launch(self.s, grid, 32 * WARPS, smem, args)?;
+        }
+        if nz > 1 {
+            let args = Args::new()
+                .ptr(part)
+                .i32(nz as i32)
+                .i32(t as i32)
+                .i32(total as i32)
+                .ptr(out)
+                .i32(out_stride as i32)
+                .i32(accumulate as i32);
+            self.k.mmf_sum_split.launch(self.s, ((t * total).div_ceil(256) as u32, 1, 1), 256, 0, args)?;
+        }
+        Ok(())
     }
 
     /// `out[t*out_stride + r] (+)= Σ_c W[r, c] x[t, c]` for a float-format matrix of few rows and a prefill chunk
@@ -972,9 +1055,34 @@ impl Ops<'_> {
 #[cfg(test)]
 mod tests {
     use super::{
-        att_decode_cut, att_decode_smem, down_quantizes, mf_split_count, mq_pipe_sa, mq_smem, mq_wide_fits,
-        split_part_floats, Combine, GgmlType, ATT_CHUNK, MQ_PIPE_MAX_SMEM,
+        att_decode_cut, att_decode_smem, down_quantizes, mf_split_count, mq_kspan, mq_pipe_sa, mq_smem, mq_split_count,
+        mq_wide_fits, split_part_floats, Combine, GgmlType, ATT_CHUNK, MQ_PIPE_MAX_SMEM,
     };
+
+    #[test]
+    fn dense_products_split_their_columns_only_where_the_grid_leaves_sms_idle() {
+        // whole stages of 8 blocks per range, every range holding blocks
+        assert_eq!((mq_kspan(128, 2), mq_kspan(64, 3), mq_kspan(72, 4), mq_kspan(8, 2)), (64, 24, 24, 8));
+        // Qwen3-30B-A3B over a 512-token chunk on an H100 (2 wide blocks per SM: 264 slots): the attention output
+        // (2,048 rows × 4,096 columns, 16 × 8 tiles) half the blocks' work each, on every SM; q/k/v (5,120 × 2,048:
+        // 320 tiles, 1.2 waves) three waves of half the work in place of two whole ones
+        assert_eq!(mq_split_count(128, 264, 128, 4), 2);
+        assert_eq!(mq_split_count(320, 264, 64, 4), 2);
+        // a grid of many waves (the experts' scale) and a grid that fills the card stay whole
+        assert_eq!(mq_split_count(2304, 264, 64, 4), 1);
+        assert_eq!(mq_split_count(264, 264, 64, 4), 1);
+        // no room for partials, one stage of columns, nothing to do
+        assert_eq!(mq_split_count(128, 264, 128, 1), 1);
+        assert_eq!(mq_split_count(16, 264, 8, 4), 1);
+        assert_eq!((mq_split_count(0, 264, 128, 4), mq_split_count(16, 0, 128, 4)), (1, 1));
+        // every count returned leaves each range blocks, whatever the shape
+        for tiles in [1, 7, 64, 130, 300] {
+            for nb in [8, 9, 16, 24, 40, 72, 200] {
+                let nz = mq_split_count(tiles, 132, nb, 4);
+                assert!((nz - 1) * mq_kspan(nb, nz) < nb, "{tiles} tiles, {nb} blocks: {nz}");
+            }
+        }
+    }
 
     #[test]
     fn a_combine_from_a_later_row_skips_whole_rows_and_keeps_no_cpu_as_none() {

@@ -118,7 +118,7 @@ impl GpuPass<'_, '_> {
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
         let (qd, kvd) = (nh * hd, nkv * hd);
         let k = self.launch();
-        k.mmv(&[&gl.q, &gl.k, &gl.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false)?;
+        k.mmv(&[&gl.q, &gl.k, &gl.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false, b.part())?;
         if let Some(pr) = &gl.prep {
             let bias = pr.bias.as_ref().map_or(0, |d| d.ptr);
             let (qn, kn) = pr.norm.as_ref().map_or((0, 0), |(q, k)| (q.ptr, k.ptr));
@@ -151,7 +151,7 @@ impl GpuPass<'_, '_> {
         let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
         let b = &g.b;
         let k = self.launch();
-        k.mmv(&[&g.layer(l).o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true)?;
+        k.mmv(&[&g.layer(l).o], b.attnq.ptr, b.attn.ptr, t, b.x.ptr, e, true, b.part())?;
         if let Some(bias) = &g.layer(l).o_bias {
             k.add_bias(b.x.ptr, bias.ptr, e, t)?;
         }
@@ -164,10 +164,10 @@ impl GpuPass<'_, '_> {
         let GFfn::Dense { gate, up, down } = &g.layer(l).ffn else { unreachable!("ffn() on an MoE block") };
         let ff = gate.rows;
         let k = self.launch();
-        k.mmv(&[gate, up], b.xq.ptr, b.xn.ptr, t, b.gu.ptr, 2 * ff, false)?;
+        k.mmv(&[gate, up], b.xq.ptr, b.xn.ptr, t, b.gu.ptr, 2 * ff, false, b.part())?;
         k.swiglu(b.gu.ptr, ff, t, b.h.ptr)?;
         k.quantize(b.h.ptr, b.hq.ptr, t * ff / 32)?;
-        Ok(k.mmv(&[down], b.hq.ptr, b.h.ptr, t, b.x.ptr, e, true)?)
+        Ok(k.mmv(&[down], b.hq.ptr, b.h.ptr, t, b.x.ptr, e, true, b.part())?)
     }
 
     fn enqueue_route(&mut self, l: usize) -> Result<(), BackendError> {
