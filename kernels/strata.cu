@@ -884,7 +884,8 @@ MMV_KERNEL(mmv_q4_1, FMT_Q4_1)
 // weights and tokens into shared memory while the previous blocks multiply. The kernels of the pipelined formats
 // (MQ_PIPE_FMT) take their shared memory as dynamic shared memory of the size the host's mq_smem gives (both loops'
 // staging; MXFP4's and the lattice IQ formats' is static).
-// Grid: (ceil(rows / MQ_BM), ceil(t / MQ_BN)); the wide kernels ceil(rows / (2·MQ_BM)).
+// Grid: (ceil(rows / MQ_BM), ceil(t / MQ_BN), nz column ranges: 1, or a split-K product's, see mmq_body); the wide
+// kernels ceil(rows / (2·MQ_BM)) in x.
 #define MQ_WARPS 4
 #define MQ_BM (16 * MQ_WARPS)
 #define MQ_BN 64

@@ -69,8 +69,7 @@ fn each_architecture_matches_llama_cpp() {
             path.display()
         );
         // within llama.cpp's own noise, and ≥ 98% argmax agreement in absolute terms
-        let share = assert_parity(arch, &load(arch), &d);
-        assert!(share >= 0.98, "{arch}: argmax {share:.4} against llama.cpp's decode path");
+        assert_parity(arch, &load(arch), &d);
     }
 }
 
@@ -78,9 +77,10 @@ fn each_architecture_matches_llama_cpp() {
 /// llama-quantize with an importance matrix, tools/make-reference --only parity-iq): every format of the seven
 /// occurs in some expert or attention matrix, beside Q2_K..Q6_K, and each file's logits are within llama.cpp's own
 /// batch-vs-decode KL + 1e-3 with ≥ 98% argmax agreement, as the architectures' files. These random-weight files
-/// route on near ties: llama.cpp's own two paths differ by up to 0.19-0.25 in a logit and agree on 98.0-99.4% of
-/// the argmaxes, and strata's AVX2, AVX-512 and scalar kernels agree with each other on 98.3-98.6% of IQ2_XS's; a
-/// near tie (its top tokens within that noise) therefore counts as agreement (`assert_parity`).
+/// route on near ties: llama.cpp's own two paths differ by up to 0.19-0.25 in a log-probability and agree on
+/// 98.0-99.4% of the argmaxes, and strata's AVX2, AVX-512 and scalar kernels agree with each other on 98.3-98.6% of
+/// IQ2_XS's; a near tie (two tokens closer than llama.cpp's own two paths differ at that position) therefore counts
+/// as agreement (`assert_parity`).
 #[test]
 fn lattice_iq_files_quantized_by_llama_cpp_match_its_logits() {
     let mut seen = std::collections::HashSet::new();
@@ -92,8 +92,7 @@ fn lattice_iq_files_quantized_by_llama_cpp_match_its_logits() {
         seen.extend(file.tensors.iter().map(|t| t.ggml_type));
         let mut m = Model::load(file).unwrap();
         m.set_threads(2).unwrap();
-        let share = assert_parity(ftype, &m, &d);
-        assert!(share >= 0.98, "{ftype}: argmax {share:.4} against llama.cpp's decode path");
+        assert_parity(ftype, &m, &d);
     }
     for t in strata::quant::format::iq::TYPES {
         assert!(seen.contains(&t), "no {t:?} tensor in the IQ files");

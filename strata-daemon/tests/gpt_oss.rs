@@ -60,16 +60,15 @@ fn gpt_oss_reads_its_choices_from_the_file() {
     assert_eq!(ex.router_bias.as_ref().map(Vec::len), Some(8));
 }
 
-/// KL(llama.cpp ‖ strata) within llama.cpp's own batch-vs-decode KL + 1e-3 and ≥ 98% argmax agreement with its
-/// decode path, over a chat rendered with gpt-oss's template and a paragraph (401 positions; the sliding window of
+/// KL(llama.cpp ‖ strata) within llama.cpp's own batch-vs-decode KL + 1e-3 and ≥ 98% argmax agreement with both of
+/// its paths (near ties counting: `assert_parity`), over a chat rendered with gpt-oss's template and a paragraph (401 positions; the sliding window of
 /// 16 covers a fraction of each).
 #[test]
 fn gpt_oss_matches_llama_cpp() {
     let mut m = Model::load(file()).unwrap();
     m.set_threads(2).unwrap();
     let d = json("gpt-oss/parity_logits_gpt_oss.json");
-    let share = assert_parity("gpt-oss", &m, &d);
-    assert!(share >= 0.98, "gpt-oss: argmax {share:.4} against llama.cpp's decode path");
+    assert_parity("gpt-oss", &m, &d);
     // each of gpt-oss's own parts matters on this file: without it the logits leave llama.cpp's tolerance
     type Ablation = fn(&mut Model);
     let ablations: [(&str, Ablation); 4] = [
@@ -90,6 +89,8 @@ fn gpt_oss_matches_llama_cpp() {
         f(&mut m);
         let p = parity_stats(what, &m, &d);
         assert!(p.kl_dec > p.self_kl + 1e-3, "{what}: KL {:.3e} is within the tolerance", p.kl_dec);
+        // and the argmax rule, near ties counting as agreement, still tells the difference (6-81% here)
+        assert!(p.tie_dec < 0.98, "{what}: argmax with near ties {:.4} passes", p.tie_dec);
     }
 }
 

@@ -34,7 +34,7 @@ fn exact_fixture_matches_llama_cpp() {
 /// top-2, each every other neuron group in its own order; NeoX RoPE over q/k rows in the converter's original order,
 /// zero q/k/v biases, softmax weights without renormalisation, the shared expert's sigmoid gate) within llama.cpp's
 /// own noise on the same file ([`assert_parity`]: KL within llama.cpp's batch-vs-decode KL + 1e-3, argmax agreement
-/// within one point of llama.cpp's own, which is 98.15% on this file; measured 97.84% / 97.22%).
+/// ≥ 98% with near ties counting; plain agreement 97.84% / 97.22%, llama.cpp's own 98.15% on this file).
 #[test]
 fn shared_exact_fixture_matches_llama_cpp() {
     let m = load("shared-exact");
@@ -158,11 +158,12 @@ fn exact_fixture_equals_dense_within_rounding() {
 
 /// The real-weights fixtures on 1,152 more positions (`parity_logits_moe_{kind}_more.json`: 12 windows of 96 tokens
 /// of the evaluation text, each from an empty context): KL within llama.cpp's own batch-vs-decode KL + 1e-3, as on
-/// the 4 prompts, and argmax agreement within two points of llama.cpp's own. On these windows two implementations
-/// of the same arithmetic part at near-ties that often: strata's scalar and AVX-512 kernels agree on 95.8-96.4% of
-/// the argmaxes, as strata and llama.cpp do (96.3% exact, 95.8% shared-exact), while llama.cpp's batched and
-/// one-token paths share their row kernels (identical logits on every window's first three positions) and agree on
-/// 97.3% (docs/REFERENCE-DATA.md).
+/// the 4 prompts, and argmax agreement ≥ 98% with a near tie counting as agreement (two tokens closer in llama.cpp's
+/// logits than its own two paths differ at that position: `assert_within`). On these windows two implementations
+/// of the same arithmetic part at near-ties often: strata's scalar and AVX-512 kernels agree on 95.8-96.4% of the
+/// argmaxes, as strata and llama.cpp do (96.3% exact, 95.8% shared-exact), and llama.cpp's batched and one-token
+/// paths agree on 97.3% (docs/REFERENCE-DATA.md); with near ties counted, strata agrees with llama.cpp on
+/// 98.96-99.39% (AVX-512 and AVX2, stop 56).
 #[test]
 fn real_weight_fixtures_match_llama_cpp_on_more_positions() {
     for kind in ["exact", "shared-exact"] {
@@ -172,6 +173,6 @@ fn real_weight_fixtures_match_llama_cpp_on_more_positions() {
         assert_eq!(sha, json(&format!("parity_logits_moe_{kind}.json"))["model_sha256"], "{kind}: another file");
         let p = parity_stats(&format!("{kind}, more positions"), &m, &d);
         assert!(p.n >= 1000);
-        assert_within(kind, &p, p.ag_self - 0.02);
+        assert_within(kind, &p, 0.98);
     }
 }

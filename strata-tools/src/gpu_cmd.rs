@@ -1092,7 +1092,7 @@ fn check_kernels(
     }
     // 1. (cont.) a stack of mixed formats (Q4_K_M's q, k in Q4_K and v in Q6_K): one launch per run of a format
     println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "stack", "rows", "cols", "t", "rel_err_cpu");
-    for t in [1usize, 5, 40] {
+    for t in [1usize, 5, 40, 100] {
         let cols = 1024;
         let parts = [(GgmlType::Q4_K, 96usize), (GgmlType::Q4_K, 32), (GgmlType::Q6_K, 32)];
         let mut x = Act::default();
@@ -1129,9 +1129,33 @@ fn check_kernels(
         out.read_sync(0, &mut gpu)?;
         let rc = rel_err(&gpu, &cpu);
         worst = worst.max(rc);
-        println!("{:<6} {rows:>6} {cols:>6} {t:>3} {rc:>12.2e}  (Q4_K 96 | Q4_K 32 | Q6_K 32)", "stack");
+        // a prefill chunk: the stack again through the split products as the forward pass runs them (Ops::mmv with
+        // scratch: each run of a format over the column ranges its grid asks for, here 4 for these few blocks),
+        // accumulating into an output of ones, with the wide and the narrow kernels
+        let mut split = Vec::new();
+        if t > strata::backend::cuda::ops::MAX_NT {
+            let floats = strata::backend::cuda::ops::MQ_SPLIT_MAX * t * rows;
+            let part = strata::backend::cuda::driver::DevBuf::alloc(4 * floats)?;
+            for (o, name) in [(&ops, "wide"), (&ops_alt, "narrow")] {
+                out.write_sync(0, &vec![1f32; t * rows])?;
+                o.mmv(&refs, xq.ptr, xf.ptr, t, out.ptr, rows, true, Some((part.ptr, floats)))?;
+                stream.sync()?;
+                let mut got = vec![0f32; t * rows];
+                out.read_sync(0, &mut got)?;
+                got.iter_mut().for_each(|v| *v -= 1.0);
+                let e = rel_err(&got, &cpu);
+                worst = worst.max(e);
+                split.push((name, e));
+            }
+        }
+        println!(
+            "{:<6} {rows:>6} {cols:>6} {t:>3} {rc:>12.2e}  (Q4_K 96 | Q4_K 32 | Q6_K 32){}",
+            "stack",
+            split.iter().map(|(n, e)| format!("  (split, accumulating, {n}: {e:.2e})")).collect::<String>()
+        );
         kern.push(serde_json::json!({"kernel": "mmv_mixed_stack", "rows": rows, "cols": cols, "t": t,
-            "rel_err_vs_cpu": rc}));
+            "rel_err_vs_cpu": rc, "split_accumulate_rel_err_vs_cpu":
+                split.iter().map(|(n, e)| serde_json::json!({"kernels": n, "rel_err": e})).collect::<Vec<_>>()}));
     }
     // 1. (cont.) a router over a prefill chunk: float formats split over the columns (partials added in order)
     println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "split", "rows", "cols", "t", "rel_err_cpu");

@@ -80,9 +80,10 @@ pub fn compare(all: &[f32], nv: usize, positions: &[serde_json::Value]) -> (f64,
     (kls.iter().sum::<f64>(), agree, kls)
 }
 
-/// Positions of `positions` where our argmax (in `all`, as [`compare`]) is the oracle's, or a near tie in the
-/// oracle's own logits: a token of its top list whose logit is within `tol` of its first.
-pub fn agree_or_tie(all: &[f32], nv: usize, positions: &[serde_json::Value], tol: f64) -> usize {
+/// Positions of `positions` where our argmax (in `all`, as [`compare`]) is the oracle's, or a near tie there: a
+/// token of the oracle's top list whose logit is within `tol[i]` of its first (position i's own noise, see
+/// [`position_noise`]).
+pub fn agree_or_tie(all: &[f32], nv: usize, positions: &[serde_json::Value], tol: &[f64]) -> usize {
     positions
         .iter()
         .enumerate()
@@ -90,27 +91,23 @@ pub fn agree_or_tie(all: &[f32], nv: usize, positions: &[serde_json::Value], tol
             let ours = strata::engine::sampler::argmax(&all[i * nv..(i + 1) * nv]) as u64;
             let top = pos["top"].as_array().unwrap();
             let first = top[0][1].as_f64().unwrap();
-            top.iter().any(|e| e[0].as_u64().unwrap() == ours && first - e[1].as_f64().unwrap() <= tol)
+            top.iter().any(|e| e[0].as_u64().unwrap() == ours && first - e[1].as_f64().unwrap() <= tol[*i])
         })
         .count()
 }
 
-/// llama.cpp's own logit noise on `d`'s prompts: the largest difference, over every position and every token
-/// in both top lists, between its batch and its decode path's log-probabilities (logit − lse). Two tokens
-/// closer than this in its logits are ordered by rounding, not by the model.
-pub fn oracle_noise(d: &serde_json::Value) -> f64 {
+/// llama.cpp's own logit noise at one position: the largest difference between its batch (`b`) and decode (`d`)
+/// path's log-probabilities (logit − lse) over the tokens in both top lists. Two tokens closer than this there are
+/// ordered by rounding, not by the model; 0 where its two paths agree (as at every position before the first
+/// chunk boundary on most files).
+pub fn position_noise(b: &serde_json::Value, d: &serde_json::Value) -> f64 {
+    let (lb, ld) = (b["lse"].as_f64().unwrap(), d["lse"].as_f64().unwrap());
     let mut worst = 0f64;
-    for p in d["prompts"].as_array().unwrap() {
-        let (pb, pd) = (p["positions"].as_array().unwrap(), p["positions_decode"].as_array().unwrap());
-        for (b, dd) in pb.iter().zip(pd) {
-            let (lb, ld) = (b["lse"].as_f64().unwrap(), dd["lse"].as_f64().unwrap());
-            for eb in b["top"].as_array().unwrap() {
-                for ed in dd["top"].as_array().unwrap() {
-                    if eb[0] == ed[0] {
-                        let diff = (eb[1].as_f64().unwrap() - lb) - (ed[1].as_f64().unwrap() - ld);
-                        worst = worst.max(diff.abs());
-                    }
-                }
+    for eb in b["top"].as_array().unwrap() {
+        for ed in d["top"].as_array().unwrap() {
+            if eb[0] == ed[0] {
+                let diff = (eb[1].as_f64().unwrap() - lb) - (ed[1].as_f64().unwrap() - ld);
+                worst = worst.max(diff.abs());
             }
         }
     }
@@ -135,16 +132,15 @@ pub fn arch_fixture_path(arch: &str) -> PathBuf {
 
 /// Checks `model` against llama.cpp's logits in `d` (a `parity_logits*.json` of tools/make-reference), teacher
 /// forced in chunks of 64 tokens: mean KL(llama.cpp ‖ strata) within llama.cpp's own batch-vs-decode KL + 1e-3,
-/// and argmax agreement within one point of llama.cpp's own batch-vs-decode agreement (at most 99%), against
-/// both of llama.cpp's paths, over ≥ 200 positions. Prints the figures under `label`; returns the argmax
-/// agreement with llama.cpp's decode path (a share in 0..=1). Agreement counts a near tie as agreement (see
-/// [`Parity::tie_dec`]): on files where llama.cpp's own two paths order close tokens differently, which of two
-/// such tokens comes first is rounding (strata's AVX2 and AVX-512 kernels part there too), not a fault.
-pub fn assert_parity(label: &str, model: &Model, d: &serde_json::Value) -> f64 {
+/// and argmax agreement ≥ 98% against both of llama.cpp's paths, over ≥ 200 positions. Prints the figures under
+/// `label`. A near tie counts as
+/// agreement (see [`Parity::tie_dec`]): where llama.cpp's own two paths differ at a position by more than the gap
+/// between two tokens, which of them comes first is rounding (strata's AVX2 and AVX-512 kernels part there too),
+/// not a fault. The ablations of tests/gpt_oss.rs (a model feature left out) stay at 6-81% by this measure.
+pub fn assert_parity(label: &str, model: &Model, d: &serde_json::Value) {
     let p = parity_stats(label, model, d);
     assert!(p.n >= 200);
-    assert_within(label, &p, p.ag_self.min(0.99) - 0.01);
-    p.tie_dec
+    assert_within(label, &p, 0.98);
 }
 
 /// Asserts `p`'s KL against both of llama.cpp's paths within llama.cpp's own batch-vs-decode KL + 1e-3, and its
@@ -158,8 +154,7 @@ pub fn assert_within(label: &str, p: &Parity, floor: f64) {
     );
     assert!(
         p.tie_dec >= floor && p.tie_bat >= floor,
-        "{label}: argmax (near ties within {:.3} agreeing) {:.4} / {:.4} < {floor:.4}",
-        p.noise,
+        "{label}: argmax (near ties agreeing) {:.4} / {:.4} < {floor:.4}",
         p.tie_dec,
         p.tie_bat
     );
@@ -181,11 +176,9 @@ pub struct Parity {
     pub ag_bat: f64,
     /// llama.cpp's own batch-vs-decode agreement.
     pub ag_self: f64,
-    /// llama.cpp's own logit noise on this file ([`oracle_noise`]).
-    pub noise: f64,
     /// Argmax agreement with llama.cpp's decode path where a near tie counts as agreement: our token in its top
-    /// list within [`Parity::noise`] of its first ([`agree_or_tie`]). Equal to `ag_dec` on files where its two
-    /// paths give the same logits.
+    /// list within llama.cpp's own noise at that position of its first ([`agree_or_tie`], [`position_noise`]).
+    /// Equal to `ag_dec` on files where its two paths give the same logits.
     pub tie_dec: f64,
     /// The same with its batch path.
     pub tie_bat: f64,
@@ -197,7 +190,6 @@ pub fn parity_stats(label: &str, model: &Model, d: &serde_json::Value) -> Parity
     let nv = model.cfg.n_vocab;
     let (mut kl_dec, mut kl_bat, mut self_kl, mut n, mut ag_dec, mut ag_bat) = (0f64, 0f64, 0f64, 0usize, 0, 0);
     let (mut self_agree, mut tie_dec, mut tie_bat) = (0usize, 0usize, 0usize);
-    let noise = oracle_noise(d);
     for p in d["prompts"].as_array().unwrap() {
         let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         let mut kv = model.new_kv(512);
@@ -212,10 +204,11 @@ pub fn parity_stats(label: &str, model: &Model, d: &serde_json::Value) -> Parity
         let (k, a, _) = compare(&all, nv, p["positions"].as_array().unwrap());
         kl_bat += k;
         ag_bat += a;
-        tie_dec += agree_or_tie(&all, nv, p["positions_decode"].as_array().unwrap(), noise);
-        tie_bat += agree_or_tie(&all, nv, p["positions"].as_array().unwrap(), noise);
-        self_kl += p["kl_batch_vs_decode"].as_f64().unwrap() * ids.len() as f64;
         let (pb, pd) = (p["positions"].as_array().unwrap(), p["positions_decode"].as_array().unwrap());
+        let tol: Vec<f64> = pb.iter().zip(pd).map(|(b, d)| position_noise(b, d)).collect();
+        tie_dec += agree_or_tie(&all, nv, pd, &tol);
+        tie_bat += agree_or_tie(&all, nv, pb, &tol);
+        self_kl += p["kl_batch_vs_decode"].as_f64().unwrap() * ids.len() as f64;
         self_agree += pb.iter().zip(pd).filter(|(b, d)| b["top"][0][0] == d["top"][0][0]).count();
         n += ids.len();
     }
@@ -228,21 +221,19 @@ pub fn parity_stats(label: &str, model: &Model, d: &serde_json::Value) -> Parity
         ag_dec: ag_dec as f64 / nf,
         ag_bat: ag_bat as f64 / nf,
         ag_self: self_agree as f64 / nf,
-        noise,
         tie_dec: tie_dec as f64 / nf,
         tie_bat: tie_bat as f64 / nf,
     };
     println!(
         "{label}: {n} positions: vs llama.cpp decode KL {:.3e}, argmax {:.2}%; vs batch KL {:.3e}, argmax {:.2}%; \
-         llama.cpp batch vs decode KL {:.3e}, argmax {:.2}%; near ties (within its logit noise {:.3}) counted as \
-         agreement: {:.2}% / {:.2}%",
+         llama.cpp batch vs decode KL {:.3e}, argmax {:.2}%; with near ties (within its own noise at the position) \
+         counted as agreement: {:.2}% / {:.2}%",
         p.kl_dec,
         p.ag_dec * 100.0,
         p.kl_bat,
         p.ag_bat * 100.0,
         p.self_kl,
         p.ag_self * 100.0,
-        p.noise,
         p.tie_dec * 100.0,
         p.tie_bat * 100.0
     );

@@ -292,6 +292,8 @@ pub struct Kernels {
     /// The module holds the pipelined tensor-core loop (see [`mmq_pipe_on`]; [`super::ops::mq_smem`] sizes the
     /// launches by it).
     pub mmq_pipe: bool,
+    /// Dense prefill products may split over their columns ([`mmq_split_wanted`] at load).
+    pub mmq_split: bool,
     /// `group_by_expert` (a prefill chunk's groups, per expert, on the device).
     pub group_by_expert: Func,
     /// `swiglu`.
@@ -589,6 +591,7 @@ impl Kernels {
             },
             route_topk: get("route_topk")?,
             mmq_pipe,
+            mmq_split: mmq_split_wanted(),
             group_by_expert: get("group_by_expert")?,
             swiglu: get("swiglu")?,
             expert_down_bias: get("expert_down_bias")?,

@@ -336,16 +336,23 @@ pub fn mq_kspan(nb: usize, nz: usize) -> usize {
 /// finishes first when each block's time is its range's blocks plus one stage (the pipeline's fill and the output),
 /// in waves of `slots` blocks; the fewest ranges among equals, and only counts whose every range holds blocks. One
 /// range where the grid fills the card evenly; more where a grid of few blocks leaves SMs idle (the attention output
-/// of Qwen3-30B-A3B over 512 tokens: 128 blocks of 128 columns for 264 slots of an H100 → 2 ranges).
+/// of Qwen3-30B-A3B over 512 tokens: 128 wide blocks, 16 × 8 tiles over 4,096 columns, for 264 slots of an H100 →
+/// 2 ranges). A split must save at least a tenth of the one-range time: adding the partials (`mmf_sum_split`, a
+/// launch that reads them back) cost about that much of the product where it was measured (15 µs beside 106).
 pub fn mq_split_count(tiles: usize, slots: usize, nb: usize, max: usize) -> usize {
     if tiles == 0 || slots == 0 || nb == 0 {
         return 1;
     }
     let cost = |nz: usize| (tiles * nz).div_ceil(slots) * (mq_kspan(nb, nz) + MQ_KB);
-    (1..=max.max(1))
+    let best = (1..=max.max(1))
         .filter(|&nz| nz == 1 || (nz - 1) * mq_kspan(nb, nz) < nb)
         .min_by_key(|&nz| (cost(nz), nz))
-        .unwrap_or(1)
+        .unwrap_or(1);
+    if 10 * cost(best) <= 9 * cost(1) {
+        best
+    } else {
+        1
+    }
 }
 
 /// Rows and tokens per block of the tiled float-format prefill product (`MF_BM`, `MF_BN`; 256 threads).
@@ -398,10 +405,12 @@ impl Ops<'_> {
     /// `out[t*out_stride + r] (+)= Σ_c W[r, c] x[t, c]` for the stacked rows of up to three matrices of one
     /// width, `t` tokens (`xq`: Q8 blocks, `xf`: f32; the kernel reads the one its format uses). Matrices of one
     /// format share a launch; a stack of mixed formats (Q4_K_M's `attn_v` in Q6_K beside Q4_K `attn_q`/`attn_k`)
-    /// takes one launch per run of a format. `part`: scratch for split-K partials (address and f32 count), or None: a prefill chunk's tensor-core product
-    /// whose grid leaves the card's SMs idle runs over [`mq_split_count`] column ranges (where `part` holds that many
-    /// `t × rows` partials and [`super::kernels::mmq_split_wanted`]), added in range order by `mmf_sum_split`
-    /// (deterministic; rounding differs from one range's). Errors: a launch failure.
+    /// takes one launch per run of a format. `part`: scratch for split-K partials (address and f32 count), or None
+    /// (never split). With scratch, a prefill chunk's tensor-core product whose grid leaves the card's SMs idle runs
+    /// over [`mq_split_count`] column ranges (as many as `part` holds `t × rows` partials of, unless
+    /// `STRATA_GPU_MMQ_SPLIT=0`), added in range order by `mmf_sum_split`: deterministic for one card model and
+    /// chunk length (the count follows the grid and the card's SMs), rounding otherwise as a one-range sum's.
+    /// Errors: a launch failure.
     #[allow(clippy::too_many_arguments)]
     pub fn mmv(
         &self,
@@ -425,7 +434,7 @@ impl Ops<'_> {
         if self.k.mmq(m0.ty).is_some() && t > MAX_NT && block && m0.cols.is_multiple_of(32) {
             // a prefill chunk of a block format: the tensor-core kernel, over column ranges where that helps
             let nz = match part {
-                Some((_, floats)) if super::kernels::mmq_split_wanted() => {
+                Some((_, floats)) if self.k.mmq_split => {
                     let wide = self.k.mmq_wide(m0.ty).is_some();
                     let tiles = total.div_ceil(if wide { 2 * MQ_BM } else { MQ_BM }) * t.div_ceil(MQ_BN);
                     let max = (floats / (t * total).max(1)).min(MQ_SPLIT_MAX);
@@ -455,9 +464,9 @@ impl Ops<'_> {
     /// The tensor-core product of [`Ops::mmv`] for a prefill chunk of `t` > [`MAX_NT`] tokens of one block
     /// format (every matrix `ty`'s, 32-multiple widths) over `nz` column ranges: the wide kernel where it is loaded,
     /// else the narrow one (MQ_BM rows × MQ_BN tokens per block); `nz` > 1 writes `nz` partials to `part`
-    /// (`nz × t × rows` f32) and adds them into `out` with `mmf_sum_split`. `nz` must leave every range blocks
-    /// ((nz − 1) · [`mq_kspan`] < cols / 32; [`mq_split_count`]'s counts do). Errors: no tensor-core kernel for the
-    /// format, a launch failure.
+    /// (`nz × t × rows` f32) and adds them into `out` with `mmf_sum_split`. Errors: an `nz` that leaves a range
+    /// without blocks ((nz − 1) · [`mq_kspan`] ≥ cols / 32; [`mq_split_count`]'s counts never do), no tensor-core
+    /// kernel for the format, a launch failure.
     #[allow(clippy::too_many_arguments)]
     pub fn mmq_ranges(
         &self,
@@ -473,7 +482,9 @@ impl Ops<'_> {
         let m0 = mats[0];
         let total: usize = mats.iter().map(|m| m.rows).sum();
         let nb = m0.cols / 32;
-        assert!(nz >= 1 && (nz - 1) * mq_kspan(nb, nz) < nb, "{nz} column ranges of {nb} blocks");
+        if nz == 0 || (nz - 1) * mq_kspan(nb, nz) >= nb {
+            return Err(GpuError::Unsupported(format!("{nz} column ranges of {nb} blocks: some would be empty")));
+        }
         let Some(f) = self.k.mmq(m0.ty) else {
             return Err(GpuError::Unsupported(format!("no tensor-core prefill kernel for {:?}", m0.ty)));
         };
@@ -1068,6 +1079,9 @@ mod tests {
         // 320 tiles, 1.2 waves) three waves of half the work in place of two whole ones
         assert_eq!(mq_split_count(128, 264, 128, 4), 2);
         assert_eq!(mq_split_count(320, 264, 64, 4), 2);
+        // a saving under a tenth is left whole (the partials' sum costs about that): 265 tiles on 132 slots in 2
+        // ranges, 5 waves of 32 + 8 blocks, against 3 waves of 64 + 8 is 200 / 216
+        assert_eq!(mq_split_count(265, 132, 64, 4), 1);
         // a grid of many waves (the experts' scale) and a grid that fills the card stay whole
         assert_eq!(mq_split_count(2304, 264, 64, 4), 1);
         assert_eq!(mq_split_count(264, 264, 64, 4), 1);
