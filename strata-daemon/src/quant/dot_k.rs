@@ -1432,20 +1432,45 @@ pub(super) mod tests {
         }
     }
 
-    /// The cases of the N-token kernel tests: rows of `ty` of 1, 2 and 5 blocks, random and saturating, each with
-    /// `n_tok` different random activation rows; `check(row, xs, case)` per case (`case` names it for messages).
-    fn token_cases(ty: GgmlType, n_tok: usize, seed: &mut u64, mut check: impl FnMut(&[u8], &[Vec<BlockQ8>], &str)) {
+    /// An N-token kernel `tn` of `ty` against its single-row kernel `one` on rows of 1, 2 and 5 blocks, random and
+    /// saturating, each with N different random activation rows: every token's result has `one`'s bits, and where
+    /// `via` (the lookup the matrix product uses) gives results, they have [`crate::quant::dot_q8`]'s bits.
+    /// The caller checks that the CPU has AVX2/FMA/F16C.
+    #[cfg(target_arch = "x86_64")]
+    fn check_token_kernel<const N: usize>(
+        ty: GgmlType,
+        tn: unsafe fn(&[u8], [&[BlockQ8]; N]) -> [f32; N],
+        one: unsafe fn(&[u8], &[BlockQ8]) -> f32,
+        seed: &mut u64,
+        via: impl Fn(&[u8], [&[BlockQ8]; N]) -> Option<[f32; N]>,
+    ) {
         for n_blocks in [1usize, 2, 5] {
             for extreme in [false, true] {
                 let n = n_blocks * ty.block_size();
                 let r = row(ty, n_blocks, extreme, seed);
-                let xs: Vec<Vec<BlockQ8>> = (0..n_tok)
+                let xs: Vec<Vec<BlockQ8>> = (0..N)
                     .map(|_| {
                         let v: Vec<f32> = (0..n).map(|_| (next(seed) % 2001) as f32 / 500.0 - 2.0).collect();
                         quantize_for(ty, &v)
                     })
                     .collect();
-                check(&r, &xs, &format!("x{n_blocks} extreme {extreme}"));
+                let xn: [&[BlockQ8]; N] = std::array::from_fn(|t| &xs[t][..]);
+                // SAFETY: AVX2/FMA/F16C present (the caller's check); the row holds n_blocks whole blocks of each x.
+                let got = unsafe { tn(&r, xn) };
+                let by_lookup = via(&r, xn);
+                for (t, g) in got.iter().enumerate() {
+                    // SAFETY: as above.
+                    let single = unsafe { one(&r, &xs[t]) };
+                    assert_eq!(g.to_bits(), single.to_bits(), "{ty:?} x{n_blocks} extreme {extreme} token {t}");
+                    if let Some(v) = by_lookup {
+                        let d = crate::quant::dot_q8(ty, &r, &xs[t]);
+                        assert_eq!(
+                            v[t].to_bits(),
+                            d.to_bits(),
+                            "{ty:?} x{n_blocks} extreme {extreme} lookup token {t}"
+                        );
+                    }
+                }
             }
         }
     }
@@ -1464,16 +1489,7 @@ pub(super) mod tests {
             let k = lookup(ty).and_then(|f| f.q8).expect("block format");
             let Some(t4) = k.avx2_t4 else { continue };
             seen += 1;
-            token_cases(ty, 4, &mut seed, |r, xs, case| {
-                let x4 = [&xs[0][..], &xs[1][..], &xs[2][..], &xs[3][..]];
-                // SAFETY: AVX2/FMA/F16C detected above; the row holds whole blocks of each x.
-                let got = unsafe { t4(r, x4) };
-                for (t, g) in got.iter().enumerate() {
-                    // SAFETY: as above.
-                    let one = unsafe { (k.avx2)(r, &xs[t]) };
-                    assert_eq!(g.to_bits(), one.to_bits(), "{ty:?} {case} token {t}");
-                }
-            });
+            check_token_kernel(ty, t4, k.avx2, &mut seed, |_, _| None);
         }
         assert_eq!(seen, 4, "Q5_0, Q4_K, Q5_K and Q6_K have four-token kernels");
     }
@@ -1493,21 +1509,9 @@ pub(super) mod tests {
             let Some(t8) = k.avx2_t8 else { continue };
             let ty = f.ty;
             seen += 1;
-            token_cases(ty, 8, &mut seed, |r, xs, case| {
-                let x8: [&[BlockQ8]; 8] = std::array::from_fn(|t| &xs[t][..]);
-                // SAFETY: AVX2/FMA/F16C detected above; the row holds whole blocks of each x.
-                let got = unsafe { t8(r, x8) };
-                // and through the lookup the matrix product uses, against dot_q8
-                let via = crate::quant::q8_t8(ty).and_then(|k8| k8.takes(x8)).map(|k8| k8.dot(r, x8));
-                for (t, g) in got.iter().enumerate() {
-                    // SAFETY: as above.
-                    let one = unsafe { (k.avx2)(r, &xs[t]) };
-                    assert_eq!(g.to_bits(), one.to_bits(), "{ty:?} {case} token {t}");
-                    if let Some(v) = via {
-                        let d = crate::quant::dot_q8(ty, r, &xs[t]);
-                        assert_eq!(v[t].to_bits(), d.to_bits(), "{ty:?} {case} q8_t8 token {t}");
-                    }
-                }
+            // and through the lookup the matrix product uses, against dot_q8
+            check_token_kernel(ty, t8, k.avx2, &mut seed, |r, x8| {
+                crate::quant::q8_t8(ty).and_then(|k8| k8.takes(x8)).map(|k8| k8.dot(r, x8))
             });
         }
         assert_eq!(seen, 1, "Q5_0 has an eight-token kernel");
