@@ -909,8 +909,84 @@ pub fn check(a: CheckArgs) -> Result<()> {
     dev.bind()?;
     if !a.forward_only {
         check_kernels(&dev, &mut report)?;
+        check_staging(&dev, &mut report)?;
     }
     forward_checks(&a, &mut report)
+}
+
+/// The prefill's staging copies (`SlotCache::stage`): runs of adjacent RAM places as one copy (plain where a slot
+/// is exactly a blob, pitched where it is larger), a gap, another layer's blobs, a place before the previous
+/// one, from the third staging slot on; each staging slot must then hold its item's bytes exactly, and every
+/// other byte of the slots (other slots, a slot's padding past its blob) its sentinel. Fails on the first slot
+/// that differs. (From a RAM copy the driver has not registered: the copies' addresses and sizes are what is
+/// checked.)
+fn check_staging(
+    dev: &Arc<strata::backend::cuda::Device>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
+    use strata::backend::cuda::driver::Stream;
+    use strata::backend::cuda::slots::SlotCache;
+    let mut seed = 0x005e_ed57_u64;
+    let mut runs = Vec::new();
+    // layer blobs: 1,000 bytes in 2,304-byte slots (a pitched copy) beside 2,304 (plain); then both whole slots
+    for blobs in [vec![1000usize, 2304], vec![2304, 2304]] {
+        let sb = strata::tiers::vram::slot_bytes(*blobs.iter().max().unwrap());
+        let mut arena = strata::tiers::arena::HostArena::new(64 * 1024, false)?;
+        for b in arena.slice_mut(0, 64 * 1024) {
+            *b = rng(&mut seed) as u8;
+        }
+        let (b0, b1) = (blobs[0], blobs[1]);
+        // layer 0: three adjacent, a gap, one; layer 1: two adjacent, then one before them
+        let items = vec![
+            (0, 3, 1000),
+            (0, 4, 1000 + b0),
+            (0, 5, 1000 + 2 * b0),
+            (0, 7, 1000 + 4 * b0),
+            (1, 0, 20000),
+            (1, 1, 20000 + b1),
+            (1, 2, 20000 - b1),
+        ];
+        // staging slots from the third on (as a prefill's second set starts past the first)
+        let n_all = 2 + items.len() + 2;
+        let cache = SlotCache::new(dev.clone(), 2, items.len() + 2, sb, Arc::new(blobs.clone()), 16, false)?;
+        let s = Stream::new()?;
+        let sentinel = vec![0xa5u8; n_all * sb];
+        // SAFETY: `sentinel` lives until the sync below; the slots hold n_all × sb bytes from slot 0.
+        unsafe { s.htod_raw(cache.slot_addr(0), sentinel.as_ptr(), sentinel.len())? };
+        let slots = cache.stage(&arena, &items, 2, &s)?;
+        if slots.len() != items.len() || slots[0] != cache.staging_slot(2) {
+            bail!("staging copies: {} slots from {:?} for {} items", slots.len(), slots.first(), items.len());
+        }
+        s.sync()?;
+        let mut all = vec![0u8; n_all * sb];
+        // SAFETY: `all` holds the slots' n_all × sb bytes and lives until the sync below.
+        unsafe { s.dtoh_raw(all.as_mut_ptr(), cache.slot_addr(0), all.len())? };
+        s.sync()?;
+        let mut bad = None;
+        let mut want = sentinel.clone();
+        for (&(l, _, off), &slot) in items.iter().zip(&slots) {
+            let at = slot as usize * sb;
+            want[at..at + blobs[l]].copy_from_slice(arena.slice(off, blobs[l]));
+        }
+        for slot in 0..n_all {
+            if all[slot * sb..(slot + 1) * sb] != want[slot * sb..(slot + 1) * sb] {
+                bad.get_or_insert(slot);
+            }
+        }
+        let copies = strata::backend::cuda::slots::copy_runs(&items, |l| blobs[l]).len();
+        println!(
+            "staging copies: blobs {blobs:?} in {sb}-byte slots, {} items in {copies} copies: {}",
+            items.len(),
+            bad.map_or("every slot as expected".to_string(), |j| format!("SLOT {j} DIFFERS"))
+        );
+        runs.push(serde_json::json!({"blobs": blobs, "slot_bytes": sb, "items": items.len(), "copies": copies,
+            "equal": bad.is_none()}));
+        if let Some(j) = bad {
+            bail!("staging copies: slot {j} differs from its RAM place or its sentinel (blobs {blobs:?})");
+        }
+    }
+    report.insert("staging_copies".into(), runs.into());
+    Ok(())
 }
 
 /// `build-kernels`: compiles a kernel module with NVRTC into the kernel cache (`$STRATA_KERNEL_CACHE`, default
@@ -1707,6 +1783,43 @@ fn h2d_pitched_gbps(width: usize, rows: usize) -> Result<f64> {
     Ok(best)
 }
 
+/// H2D bandwidth from the RAM copy (GB/s): from its start (best of 5 copies of up to 1 GiB), and over all of it
+/// once in 160 MiB copies back to back (as a prefill's uploads read it); `None` without a copy of at least 64 MiB.
+fn h2d_arena_gbps(st: &strata::tiers::store::ExpertStore) -> Result<Option<(f64, f64)>> {
+    use strata::backend::cuda::driver::{DevBuf, Event, Stream};
+    let arena = st.arena();
+    let n = arena.len().min(1 << 30);
+    if n < 64 << 20 {
+        return Ok(None);
+    }
+    let src = arena.slice(0, n);
+    // a card the cache filled may lack the room: then no figure
+    let Ok(d) = DevBuf::alloc(n) else {
+        return Ok(None);
+    };
+    let s = Stream::new()?;
+    let (a, b) = (Event::timed()?, Event::timed()?);
+    let mut best = 0f64;
+    for _ in 0..5 {
+        a.record(&s)?;
+        // SAFETY: the source is borrowed from the read-locked RAM copy until s.sync() below; `d` holds n bytes.
+        unsafe { s.htod_raw(d.ptr, src.as_ptr(), n)? };
+        b.record(&s)?;
+        s.sync()?;
+        best = best.max(n as f64 / (b.since_ms(&a)? as f64 / 1000.0) / 1e9);
+    }
+    let piece = n.min(160 << 20);
+    a.record(&s)?;
+    for off in (0..arena.len() - piece + 1).step_by(piece) {
+        // SAFETY: as above; each piece lies in the RAM copy and fits `d`.
+        unsafe { s.htod_raw(d.ptr, arena.slice(off, piece).as_ptr(), piece)? };
+    }
+    b.record(&s)?;
+    s.sync()?;
+    let swept = (arena.len() / piece * piece) as f64;
+    Ok(Some((best, swept / (b.since_ms(&a)? as f64 / 1000.0) / 1e9)))
+}
+
 fn h2d_gbps(pinned: bool) -> Result<f64> {
     use strata::backend::cuda::driver::{DevBuf, Event, PinnedBuf, Stream};
     let n = 1usize << 30;
@@ -1844,6 +1957,14 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             };
             let line = m.attach_gpu(&opts).map_err(|e| anyhow::anyhow!(e))?;
             eprintln!("{line}");
+            // the link from the RAM copy itself (registered with the driver at attach, when it is), which is where
+            // the prefill's uploads and the swaps read
+            if let Some((hot, all)) = h2d_arena_gbps(&st)? {
+                println!(
+                    "H2D from the RAM copy: {hot:.1} GB/s (its first GiB, best of 5), {all:.1} GB/s (all of it once, \
+                     160 MiB copies)"
+                );
+            }
             let stages = gpu(&m).stages();
             if stages.len() > 1 {
                 let each: Vec<String> = stages

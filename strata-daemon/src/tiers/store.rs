@@ -935,7 +935,8 @@ impl ExpertStore {
     }
 
     /// Builds the [`ResidentMode::Disjoint`] RAM copy once the VRAM cache is filled: the experts no slot holds,
-    /// in placement order (profile rank, then expert-major), all of them or — with a budget — the hottest up to it,
+    /// chosen in placement order (profile rank, then expert-major) and laid out layer-major ([`choose_places`]),
+    /// all of them or — with a budget — the hottest up to it,
     /// clamped to available memory minus the headroom; the rest are file-tier. `n_exchange` exchange places of the
     /// largest blob follow them (none without VRAM slots): they hold evicted experts' bytes during adaptive swaps
     /// ([`super::exchange`]). Replaces an earlier copy (no exchange may be reserved; whoever registered the old
@@ -1157,6 +1158,17 @@ impl ExpertStore {
         st.slot.iter().enumerate().filter_map(|(i, s)| s.map(|s| (i / ne, i % ne, s))).collect()
     }
 
+    /// The experts of `layer` in the RAM tier (a RAM place and no VRAM slot), with their places (arena offsets), by
+    /// expert id; one look at the state.
+    pub fn ram_tier(&self, layer: usize) -> Vec<(usize, usize)> {
+        let st = self.state();
+        let ne = self.layout.n_expert;
+        (0..ne)
+            .filter(|&x| st.slot[layer * ne + x].is_none())
+            .filter_map(|x| st.place[layer * ne + x].map(|off| (x, off)))
+            .collect()
+    }
+
     /// Tier of `(layer, expert)`.
     pub fn tier(&self, layer: usize, expert: usize) -> Tier {
         let st = self.state();
@@ -1232,7 +1244,8 @@ struct RamCopy {
 }
 
 impl RamCopy {
-    /// Places experts (`layer × n_expert + expert`) in `order` while they fit in `budget` bytes — stopping at the
+    /// Chooses experts (`layer × n_expert + expert`; laid out layer-major: [`choose_places`]) in `order` while they
+    /// fit in `budget` bytes — stopping at the
     /// first that does not (`stop_at_first`) or skipping it — then `extra` places of the largest blob after them
     /// (exchange places); allocates the arena (locked when `lock`) and fills the places from the file mapping.
     fn fill(
@@ -1314,10 +1327,13 @@ pub fn placement_order_of(n_layer: usize, n_expert: usize, ranks: Option<&[Optio
     order
 }
 
-/// The RAM copy's places: experts (`layer × n_expert + expert`) in `order` while they fit in `budget` bytes,
-/// stopping at the first that does not (`stop_at_first`) or skipping it. Returns each expert's byte offset in the
-/// copy (`None`: not placed), the bytes used and the experts placed in order. The placement plan
-/// ([`super::plan`]) sizes the copy with the same rule.
+/// The RAM copy's places: experts (`layer × n_expert + expert`) are chosen in `order` while they fit in `budget`
+/// bytes, stopping at the first that does not (`stop_at_first`) or skipping it; the chosen ones are then laid out
+/// back to back layer-major (by `layer × n_expert + expert`), so that one layer's experts sit together and a GPU
+/// prefill that uploads a layer's RAM-resident experts copies runs of adjacent blobs at once (and the fill reads
+/// the file in its own order). Returns each expert's byte offset in the copy (`None`: not placed), the bytes used
+/// and the experts placed, in layout order. The placement plan ([`super::plan`]) sizes the copy with the same
+/// rule.
 pub fn choose_places(
     layout: &ExpertLayout,
     order: &[usize],
@@ -1325,20 +1341,26 @@ pub fn choose_places(
     stop_at_first: bool,
 ) -> (Vec<Option<usize>>, u64, Vec<usize>) {
     let ne = layout.n_expert;
-    let mut place = vec![None; layout.n_layer() * ne];
+    let blob = |i: usize| layout.layers[i / ne].blob_bytes() as u64;
     let mut used = 0u64;
     let mut chosen = Vec::new();
     for &i in order {
-        let b = layout.layers[i / ne].blob_bytes() as u64;
+        let b = blob(i);
         if used + b > budget {
             if stop_at_first {
                 break; // clamped: the hottest that fit
             }
             continue;
         }
-        place[i] = Some(used as usize);
         chosen.push(i);
         used += b;
+    }
+    chosen.sort_unstable();
+    let mut place = vec![None; layout.n_layer() * ne];
+    let mut off = 0u64;
+    for &i in &chosen {
+        place[i] = Some(off as usize);
+        off += blob(i);
     }
     (place, used, chosen)
 }
@@ -1369,4 +1391,45 @@ fn clamp_to_memory(budget: u64, headroom: u64) -> u64 {
 
 fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::GgmlType;
+    use crate::tiers::layout::{LayerLayout, RoleSlice};
+
+    /// `n_layer` layers of `n_expert` experts; layer l's blob is `blob[l]` bytes (all in the gate slice).
+    fn layout(n_expert: usize, blob: &[usize]) -> ExpertLayout {
+        let role = |bytes| RoleSlice { base: 0, bytes, ty: GgmlType::F32, rows: 1, cols: bytes / 4 };
+        let layers = blob.iter().map(|&b| LayerLayout { gate: role(b), up: role(0), down: role(0) }).collect();
+        ExpertLayout { n_expert, layers }
+    }
+
+    #[test]
+    fn places_are_chosen_in_order_and_laid_out_layer_major() {
+        // 3 layers × 4 experts, blobs of 10, 20 and 10 bytes; hottest first: expert 2 of every layer, then 0
+        let lay = layout(4, &[10, 20, 10]);
+        let order = placement_order_of(3, 4, None);
+        assert_eq!(&order[..6], &[0, 4, 8, 1, 5, 9]);
+        let hot = [2, 6, 10, 0, 4, 8, 1, 5, 9, 3, 7, 11];
+        // 75 bytes, stopping at the first that does not fit: 2, 6, 10, 0, 4 (70 bytes); 8 would make 80
+        let (place, used, chosen) = choose_places(&lay, &hot, 75, true);
+        assert_eq!(used, 70);
+        assert_eq!(chosen, vec![0, 2, 4, 6, 10]);
+        let want = [Some(0), None, Some(10), None, Some(20), None, Some(40), None, None, None, Some(60), None];
+        assert_eq!(place, want);
+        // 100 bytes, skipping: 8 and 1 fit (90), the 20-byte 5 does not, the 10-byte 9 does (100)
+        let (place, used, chosen) = choose_places(&lay, &hot, 100, false);
+        assert_eq!(used, 100);
+        assert_eq!(chosen, vec![0, 1, 2, 4, 6, 8, 9, 10]);
+        assert_eq!((place[5], place[8], place[9], place[10]), (None, Some(70), Some(80), Some(90)));
+        // every place lies after the previous chosen one's end, without gaps
+        let mut end = 0;
+        for &i in &chosen {
+            assert_eq!(place[i], Some(end));
+            end += lay.layers[i / 4].blob_bytes();
+        }
+        assert_eq!(end as u64, used);
+    }
 }

@@ -121,6 +121,9 @@ pub(super) struct Bufs<B = DevBuf> {
     pub(super) rank: B,
     /// `group_by_expert`'s tiles for the tensor-core expert kernels (at most one per routing entry).
     pub(super) tiles: B,
+    /// A hybrid prefill layer's slot per expert (`n_expert` i32, −1 = computed by the CPU pool), as
+    /// `group_by_expert` takes it.
+    pub(super) htab: B,
     pub(super) y: B,
     pub(super) cpu: B,
     pub(super) cs: B,
@@ -155,7 +158,8 @@ pub(super) struct Host {
     split_done: Option<super::driver::Event>,
     /// Page-locked staging of a hybrid layer's small copies (copies from pageable memory are staged by the
     /// driver, and the device → host ones return only when done): `down` receives the routing (ids | weights |
-    /// normalized activations), `up` sends groups | flags | the CPU experts' sum. Grown on demand.
+    /// normalized activations), `up` sends groups | flags | the CPU experts' sum (a prefill chunk grouped on the
+    /// device: its slot table in place of the groups, no flags). Grown on demand.
     pin_down: Option<super::driver::PinnedBuf>,
     pin_up: Option<super::driver::PinnedBuf>,
     /// Page-locked staging of a pass's outputs: the decode window's expert ids (all-VRAM decode) | the logits
@@ -179,8 +183,10 @@ pub(super) struct Host {
     /// A prompt pass's timed events, one after each backend call's launches, named by the call
     /// (`STRATA_GPU_TIMING=ops` only; see [`op_times`]).
     pub(super) marks: Vec<(&'static str, super::driver::Event)>,
-    /// Experts uploaded ahead for the next hybrid layer (live knob `prefetch`): (layer, expert, staging slot);
-    /// their copies run on [`Stage::pf_s`] and end at [`Stage::pf_ready`]. Cleared at every pass's start.
+    /// Experts uploaded ahead for the next hybrid layer (a decode window's predicted ones, live knob `prefetch`; or
+    /// a prefill chunk's next layer's RAM-resident ones, `pcie_prefill` with two staging sets): (layer, expert,
+    /// staging slot); their copies run on [`Stage::pf_s`] and end at [`Stage::pf_ready`]. Cleared at every pass's
+    /// start.
     prefetched: Vec<(usize, usize, u32)>,
     /// Experts the prediction named for that layer (prefetched or not).
     predicted: Vec<(usize, usize)>,
@@ -188,6 +194,19 @@ pub(super) struct Host {
     /// [`MISS_AVG`] for the newest token; layers not seen yet count as [`PREDICT_MIN_MISSES`]): the prefetch
     /// predicts only the layers that miss ([`Stage::predicts`]).
     misses: Vec<f32>,
+}
+
+/// Where a hybrid layer's PCIe-served misses go in the staging slots: (first staging slot, at most how many). A
+/// prefill layer of a cache with two staging sets (`parity`; see `Stage::hybrid_moe`) stages into set `l % 2` of
+/// `set` slots, after the `pf_here` experts uploaded ahead for it there; any other layer from the first staging
+/// slot, `n_stage_max` at most.
+fn staging_span(parity: bool, l: usize, set: usize, pf_here: usize, n_stage_max: usize) -> (usize, usize) {
+    if parity {
+        let here = pf_here.min(set);
+        ((l % 2) * set + here, set - here)
+    } else {
+        (0, n_stage_max)
+    }
 }
 
 /// Weight of a decode token's RAM misses in a layer's average ([`Host::misses`]).
@@ -300,12 +319,16 @@ pub struct Stage {
     /// `STRATA_GPU_CHUNK_SYNC=1` at load: every prompt chunk waits for its kernels before the next is prepared
     /// (as before chunks overlapped; for A/B measurements).
     sync_chunks: bool,
-    /// All-VRAM passes of several tokens group each expert's tokens on the device (`group_by_expert`), so an
-    /// expert's weights are read once per [`super::ops::MAX_NT`] tokens instead of once per token; off with
-    /// `STRATA_GPU_GROUP=0` at load (one group per routing entry, as decode windows; for A/B measurements).
+    /// Passes of several tokens group each expert's tokens on the device (`group_by_expert`) and run the tensor-core
+    /// expert kernels: all-VRAM passes of more than one token, and hybrid prefill chunks of more than
+    /// [`super::ops::MAX_NT`] tokens (over a slot table of their GPU experts); off with `STRATA_GPU_GROUP=0` at load
+    /// (all-VRAM passes: one group per routing entry, as decode windows; hybrid chunks: groups of up to `MAX_NT`
+    /// tokens built on the host; for A/B measurements).
     pub(super) group_prefill: bool,
     /// MoE layers of the model (a token's worth of `pcie_auto` votes).
     n_moe_layers: usize,
+    /// Slots of one staging set ([`super::pipeline::staging_slots`] of the model's top-k and experts).
+    staging_set: usize,
     /// `route_topk`'s mode for the architecture's gating ([`super::ops::gating_mode`]).
     gating: i32,
     /// The experts' gated unit (`Glu::act`: 1 = gpt-oss's clamped SwiGLU).
@@ -444,6 +467,7 @@ pub(super) fn make_bufs<B>(
         groups: alloc(t * kk * GROUP_BYTES)?,
         rank: alloc(4 * t * kk)?,
         tiles: alloc(t * kk * super::ops::TILE_BYTES)?,
+        htab: alloc(4 * c.n_expert.max(1))?,
         y: alloc(4 * t * kk * e)?,
         cpu: alloc(4 * t * e)?,
         cs: alloc(4 * (t * c.n_rot + 2))?,
@@ -787,6 +811,7 @@ impl Stage {
             sync_chunks: std::env::var("STRATA_GPU_CHUNK_SYNC").is_ok_and(|v| v == "1"),
             group_prefill: std::env::var("STRATA_GPU_GROUP").map_or(true, |v| v != "0"),
             n_moe_layers,
+            staging_set: super::pipeline::staging_slots(model.cfg.n_expert_used, model.cfg.n_expert),
             gating,
             act,
         })
@@ -862,13 +887,19 @@ impl Stage {
         self.layer_graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.host.lock().unwrap_or_else(|e| e.into_inner()).balance = Default::default();
         let old = self.cache.take().expect("cache");
-        let (n_staging, sb, blob, entries, pinned) =
-            (old.n_staging, old.slot_bytes, old.layer_blob.clone(), store.slot_table().len(), old.async_ok);
+        let (sb, blob, entries, pinned) =
+            (old.slot_bytes, old.layer_blob.clone(), store.slot_table().len(), old.async_ok);
         drop(old);
         let n = match size {
             CacheSize::Slots(n) => n.min(entries),
             CacheSize::Auto => entries,
         };
+        // the staging sets as a load with this size would choose them
+        let set = self.staging_set;
+        let (free, card) = self.dev.mem_info()?;
+        let room = (free as u64).saturating_sub((set * sb) as u64);
+        let wanted = super::pipeline::ahead_wanted(Some(store), size, entries, room, sb as u64);
+        let n_staging = set * super::pipeline::staging_sets((set * sb) as u64, card as u64, wanted);
         let mut cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, entries, pinned)?;
         store.init_slots(cache.n_slots);
         cache.fill(store, &self.s, self.layer_range())?;
@@ -1141,6 +1172,49 @@ impl Stage {
         }
     }
 
+    /// A prefill chunk's experts over `group_by_expert`'s groups and tiles (`b.groups`, `b.tiles`; `n_pairs` routing
+    /// entries over `ne` experts): the tensor-core kernels where the formats have them, else the several-token
+    /// kernels over the groups; then the down biases. Writes y for the entries whose expert had a slot.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn experts_grouped(
+        &self,
+        (gate_ty, down_ty): (GgmlType, GgmlType),
+        n_pairs: usize,
+        ne: usize,
+        ff: usize,
+        e: usize,
+        down: (usize, usize),
+        bias: Option<&GMoeBias>,
+    ) -> Result<(), GpuError> {
+        let ops = Ops { k: &self.k, s: &self.s };
+        let b = &self.b;
+        let cache = self.cache.as_ref().expect("expert kernels need the VRAM cache");
+        let n_tiles = super::ops::max_expert_tiles(n_pairs, ne);
+        let mmq = ops.experts_mmq(
+            (gate_ty, down_ty),
+            b.groups.ptr,
+            b.tiles.ptr,
+            n_tiles,
+            (cache.slots.ptr, cache.slot_bytes),
+            down,
+            (ff, e),
+            (b.xq.ptr, b.h.ptr, b.hq.ptr, n_pairs),
+            b.y.ptr,
+            self.glu(bias),
+        );
+        let n_groups = super::ops::max_expert_groups(n_pairs, ne);
+        match mmq {
+            Some(r) => {
+                r?;
+                match bias {
+                    Some(bias) => ops.expert_down_bias(b.groups.ptr, n_groups, b.y.ptr, b.ids.ptr, bias.down.ptr, e),
+                    None => Ok(()),
+                }
+            }
+            None => self.experts_gpu((gate_ty, down_ty), false, b.groups.ptr, n_groups, n_pairs, ff, down, e, bias),
+        }
+    }
+
     /// The expert kernels' gated unit for a layer with `bias` (or none).
     pub(super) fn glu(&self, bias: Option<&GMoeBias>) -> super::ops::Glu {
         super::ops::Glu { ids: self.b.ids.ptr, gub: bias.map_or(0, |b| b.gate_up.ptr), act: self.act }
@@ -1355,8 +1429,9 @@ impl Stage {
     /// the CPU pool, overlapped. `routed`: the routing's copy to the host is already enqueued (a replayed segment);
     /// else it is enqueued here. `pred_layer`: the routing's launches also predicted that layer's experts
     /// ([`Stage::enqueue_prediction`]), whose ids the copy carries. Returns the combine of the results (done on the GPU
-    /// by the next norm; its CPU rows are always uploaded, zeros when the CPU computed nothing, so that the next
-    /// segment's combine is the same every token).
+    /// by the next norm; a decode window's CPU rows are always uploaded, zeros when the CPU computed nothing, so that
+    /// the next segment's combine is the same every token; a prefill layer whose experts all ran on the GPU uploads
+    /// none and its combine takes no CPU rows).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn hybrid_moe(
         &self,
@@ -1515,6 +1590,34 @@ impl Stage {
         // the link is several times slower and the CPU pool keeps the misses.
         let prefill_min = knob(Knob::PciePrefill) as usize;
         let prefill_pcie = !s.decode && prefill_min > 0 && t >= prefill_min && cache.is_some_and(|c| c.async_ok);
+        // prefill ahead: with two staging sets (`pipeline::staging_sets`), a prefill layer l stages into set
+        // l % 2: first the experts the previous layer uploaded for it there (`prefetched`, on the prefetch
+        // stream), then its other PCIe-served misses; and it uploads the next layer's RAM-resident experts into
+        // the other set, so that the link works while this layer and the next one's attention compute. Only for a
+        // chunk that routes to nearly every expert (t k >= 4 n_expert: an expert goes unrouted with probability
+        // about e^-4), and not while an adaptive round is in flight (its exchanges may move RAM places).
+        // (a prefill layer that holds experts uploaded ahead for it stages after them even when the live knob
+        // turned `pcie_prefill` off meanwhile; only the uploads ahead follow the knob)
+        let set = super::pipeline::staging_slots(kk, c.n_expert);
+        let pf_here = prefetched.iter().filter(|p| p.0 == l).count();
+        let parity = !s.decode && (prefill_pcie || pf_here > 0) && cache.is_some_and(|c| c.n_staging >= 2 * set);
+        let (stage_first, n_stage_max) = staging_span(parity, l, set, pf_here, n_stage_max);
+        let ahead: Vec<(usize, usize, usize)> = match (&m.experts, cache) {
+            (Some(st), Some(cc)) if parity && prefill_pcie && t * kk >= 4 * c.n_expert && !cc.round_in_flight() => {
+                let nx = l + 1;
+                let moe_next = nx < self.layer_range().end && matches!(self.layer(nx).ffn, GFfn::Moe { .. });
+                let mut items: Vec<(usize, usize, usize)> = if moe_next {
+                    st.ram_tier(nx).into_iter().map(|(x, off)| (nx, x, off)).collect()
+                } else {
+                    Vec::new()
+                };
+                // in place order (one copy per run of adjacent places); a set's worth when more are in RAM
+                items.sort_unstable_by_key(|p| p.2);
+                items.truncate(set);
+                items
+            }
+            _ => Vec::new(),
+        };
         let mut split: Vec<(usize, u32)> = Vec::new();
         let mut from = vec![0usize; c.n_expert];
         let mut geom = None;
@@ -1536,8 +1639,12 @@ impl Stage {
                 host.pcie_carry -= n as f32;
                 n
             };
+            // a prefill's chosen ones in place order: adjacent places go as one copy (`SlotCache::stage`)
+            if !s.decode {
+                ram_miss[..n].sort_unstable_by_key(|&(_, off)| off);
+            }
             for (j, &(x, off)) in ram_miss[..n].iter().enumerate() {
-                let slot = cache.staging_slot(j);
+                let slot = cache.staging_slot(stage_first + j);
                 entries += by_expert[x].len() as u64;
                 staged.push((l, x, off));
                 if geom.is_some() {
@@ -1577,8 +1684,21 @@ impl Stage {
             }
             n
         };
-        let n_groups = add_groups(&gpu, host);
-        let n_split = add_groups(&split, host);
+        // a prefill chunk groups its GPU experts' tokens on the device instead (`group_by_expert` over this layer's
+        // slot per expert: a VRAM or staging slot, −1 for the CPU pool's) and runs them on the tensor-core expert
+        // kernels, as a chunk with every expert in VRAM does; the host sends the table only (and no flags: the
+        // grouping writes them)
+        let device_groups = !s.decode && t > MAX_NT && self.group_prefill && split.is_empty();
+        let (n_groups, n_split) = if device_groups {
+            let mut tab = vec![-1i32; c.n_expert];
+            for &(x, slot) in &gpu {
+                tab[x] = slot as i32;
+            }
+            host.groups.extend(tab.iter().flat_map(|v| v.to_le_bytes()));
+            (gpu.len(), 0)
+        } else {
+            (add_groups(&gpu, host), add_groups(&split, host))
+        };
         for &(x, _) in &gpu {
             by_expert[x].clear(); // not for the CPU (split experts keep their tokens: the CPU does rows k..)
         }
@@ -1598,6 +1718,11 @@ impl Stage {
         // the GPU's share: staging copies, groups, expert launches, flags — issued on this thread while the
         // CPU pool starts on the misses (the copies and launches are asynchronous; issuing them takes tens of
         // microseconds per layer that would otherwise delay the CPU experts)
+        let any_cpu = by_expert.iter().any(|v| !v.is_empty());
+        // a prefill layer whose experts all run on the GPU uploads no CPU sum (the combine takes none); then the
+        // next layer's upload ahead is issued with the GPU's share, else after the CPU sum's upload, so that the
+        // model stream's small copies never queue behind it on the link
+        let no_cpu_sum = !s.decode && !any_cpu;
         let mut issued: Option<Result<f64, GpuError>> = None;
         let mut pf_new = Vec::new();
         // the next layer's predicted experts, by rank (empty: no prediction, or ids out of range)
@@ -1623,7 +1748,7 @@ impl Stage {
                 let guard;
                 let arena = match (held, m.experts.as_ref()) {
                     (Some(a), _) => Some(a),
-                    (None, Some(st)) if !staged.is_empty() || prefetch.is_some() => {
+                    (None, Some(st)) if !staged.is_empty() || prefetch.is_some() || !ahead.is_empty() => {
                         guard = st.arena();
                         Some(&*guard)
                     }
@@ -1640,11 +1765,22 @@ impl Stage {
                     };
                     let slots = match &geom {
                         Some(g) => cache.stage_split(arena, &staged, g, &self.s)?,
-                        None => cache.stage(arena, &staged, &self.s)?,
+                        None => cache.stage(arena, &staged, stage_first, &self.s)?,
                     };
-                    debug_assert!(slots.iter().enumerate().all(|(j, &sl)| sl == cache.staging_slot(j)));
+                    debug_assert_eq!(slots.len(), staged.len());
+                    debug_assert!(slots.iter().enumerate().all(|(j, &sl)| sl == cache.staging_slot(stage_first + j)));
                 }
-                if n_groups + n_split > 0 {
+                if device_groups {
+                    // SAFETY: as for the groups below.
+                    unsafe { self.s.htod_raw(b.htab.ptr, up_ptr, glen)? };
+                    let ops = Ops { k: &self.k, s: &self.s };
+                    let (groups, flag, rank, tiles) = (b.groups.ptr, b.flag.ptr, b.rank.ptr, b.tiles.ptr);
+                    ops.group_by_expert(b.ids.ptr, n_pairs, kk, c.n_expert, b.htab.ptr, groups, flag, rank, tiles)?;
+                    if n_groups > 0 {
+                        let down = (down_off, down_ty.row_bytes(ff));
+                        self.experts_grouped((gate_ty, down_ty), n_pairs, c.n_expert, ff, e, down, bias)?;
+                    }
+                } else if n_groups + n_split > 0 {
                     // SAFETY: the upload staging is next written in the next MoE layer, after that layer's stream
                     // sync (or in the next pass, after its final sync), so it outlives the copy.
                     unsafe { self.s.htod_raw(b.groups.ptr, up_ptr, glen)? };
@@ -1661,8 +1797,10 @@ impl Stage {
                         self.experts_gpu((gate_ty, down_ty), one, gp, n_split, n_pairs, g.k, down, e, None)?;
                     }
                 }
-                // SAFETY: as for the groups above.
-                unsafe { self.s.htod_raw(b.flag.ptr, up_ptr.add(f_off), flen)? };
+                if !device_groups {
+                    // SAFETY: as for the groups above.
+                    unsafe { self.s.htod_raw(b.flag.ptr, up_ptr.add(f_off), flen)? };
+                }
                 if let (true, Some(ev)) = (measure, &host.split_done) {
                     ev.record(&self.s)?;
                 }
@@ -1670,6 +1808,13 @@ impl Stage {
                     // this layer's launches are enqueued: the prefetch slots of its parity may be rewritten after
                     // them
                     self.pf_free[Self::pf_set(pf_room, kk, l)].record(&self.s)?;
+                }
+                if parity {
+                    // the same for the prefill's staging set of this layer
+                    self.pf_free[l % 2].record(&self.s)?;
+                }
+                if let (false, true, Some(arena)) = (ahead.is_empty(), no_cpu_sum, arena) {
+                    pf_new.extend(self.upload_ahead(arena, &ahead, set)?);
                 }
                 if let Some(next) = prefetch {
                     let (Some(cache), Some(st), Some(arena)) = (cache, m.experts.as_ref(), arena) else {
@@ -1704,7 +1849,6 @@ impl Stage {
                 Ok(ti.elapsed().as_secs_f64())
             })());
         };
-        let any_cpu = by_expert.iter().any(|v| !v.is_empty());
         // a failed file-tier read fails the pass once the GPU's share is issued (its side work ran)
         let cpu_done = if any_cpu {
             s.xn.resize(t, e);
@@ -1729,8 +1873,9 @@ impl Stage {
             // a token's worth of votes: one per MoE layer
             host.balance.vote(gpu_done, self.n_moe_layers as u32, min_step);
         }
-        {
-            // the CPU experts' sum (zeros when there were none)
+        if !no_cpu_sum {
+            // the CPU experts' sum (zeros when there were none: a decode window's graphs take the same combine
+            // every token)
             let up = host.pin_up.as_mut().expect("grown above");
             if any_cpu {
                 up.write(acc_off, &s.moe_acc[..t * e]);
@@ -1739,6 +1884,9 @@ impl Stage {
             }
             // SAFETY: as for the groups above (the sum's part of the staging is written once per layer, here).
             unsafe { self.s.htod_raw(b.cpu.ptr, up.ptr().add(acc_off), t * e * 4)? };
+            if let (false, Some(st)) = (ahead.is_empty(), &m.experts) {
+                host.prefetched.extend(self.upload_ahead(&st.arena(), &ahead, set)?);
+            }
         }
         if let (Some(t0), Some(t1), Some(t2)) = (t0, t1, t2) {
             let p = &mut host.prof;
@@ -1749,7 +1897,27 @@ impl Stage {
             p.cpu += t2.elapsed().as_secs_f64();
             p.cpu_experts += by_expert.iter().filter(|v| !v.is_empty()).count();
         }
-        Ok(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: b.cpu.ptr, k: kk })
+        Ok(Combine { y: b.y.ptr, w: b.w.ptr, flag: b.flag.ptr, cpu: if no_cpu_sum { 0 } else { b.cpu.ptr }, k: kk })
+    }
+
+    /// Prefill ahead (see `hybrid_moe`): uploads `items` (the next layer's RAM-resident experts: layer, expert,
+    /// place in `arena`, the RAM copy read-locked by the caller) on the prefetch stream into that layer's staging
+    /// set (of `set` slots; set `layer % 2`), after the launches that last read it (two layers back:
+    /// `pf_free`), and records `pf_ready` after them, which that layer's launches wait for. Returns
+    /// (layer, expert, slot) of each, for `Host::prefetched`.
+    fn upload_ahead(
+        &self,
+        arena: &HostArena,
+        items: &[(usize, usize, usize)],
+        set: usize,
+    ) -> Result<Vec<(usize, usize, u32)>, GpuError> {
+        let (Some(cache), Some(&(nx, _, _))) = (self.cache.as_ref(), items.first()) else {
+            return Ok(Vec::new());
+        };
+        self.pf_s.wait(&self.pf_free[nx % 2])?;
+        let slots = cache.stage(arena, items, (nx % 2) * set, &self.pf_s)?;
+        self.pf_ready.record(&self.pf_s)?;
+        Ok(items.iter().zip(slots).map(|(&(l, x, _), slot)| (l, x, slot)).collect())
     }
 
     /// Between decode windows: carries out this stage's share of an adaptive round's swaps (blocking, or started
@@ -1843,7 +2011,19 @@ pub fn split_rows(frac: f32, ff: usize, block: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::split_rows;
+    use super::{split_rows, staging_span};
+
+    #[test]
+    fn a_prefill_layer_stages_into_its_set_after_what_came_ahead() {
+        // two sets of 64: layer 4 uses set 0, layer 5 set 1; after 10 experts uploaded ahead, 54 more fit
+        assert_eq!(staging_span(true, 4, 64, 10, 128), (10, 54));
+        assert_eq!(staging_span(true, 5, 64, 10, 128), (74, 54));
+        // a full set uploaded ahead leaves no room (the rest go to the CPU pool)
+        assert_eq!(staging_span(true, 5, 64, 64, 128), (128, 0));
+        assert_eq!(staging_span(true, 0, 64, 0, 128), (0, 64));
+        // decode, one set, or no prefill uploads: from the first staging slot
+        assert_eq!(staging_span(false, 5, 64, 0, 120), (0, 120));
+    }
 
     #[test]
     fn split_rows_are_whole_steps_of_the_share() {

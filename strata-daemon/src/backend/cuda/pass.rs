@@ -236,33 +236,7 @@ impl GpuPass<'_, '_> {
         if self.fast {
             let down = (down_off, down_ty.row_bytes(ff));
             if self.grouped() {
-                let cache = g.cache.as_ref().expect("all-VRAM passes have a cache");
-                let n_tiles = super::ops::max_expert_tiles(n_pairs, c.n_expert);
-                let mmq = self.launch().experts_mmq(
-                    (gate_ty, down_ty),
-                    b.groups.ptr,
-                    b.tiles.ptr,
-                    n_tiles,
-                    (cache.slots.ptr, cache.slot_bytes),
-                    down,
-                    (ff, e),
-                    (b.xq.ptr, b.h.ptr, b.hq.ptr, n_pairs),
-                    b.y.ptr,
-                    g.glu(bias),
-                );
-                let n_groups = super::ops::max_expert_groups(n_pairs, c.n_expert);
-                match mmq {
-                    Some(r) => {
-                        r?;
-                        if let Some(bias) = bias {
-                            let k = self.launch();
-                            k.expert_down_bias(b.groups.ptr, n_groups, b.y.ptr, b.ids.ptr, bias.down.ptr, e)?;
-                        }
-                    }
-                    None => {
-                        g.experts_gpu((gate_ty, down_ty), false, b.groups.ptr, n_groups, n_pairs, ff, down, e, bias)?;
-                    }
-                }
+                g.experts_grouped((gate_ty, down_ty), n_pairs, c.n_expert, ff, e, down, bias)?;
             } else {
                 // decode windows: one entry per group, so at most one token per group
                 g.experts_gpu((gate_ty, down_ty), true, b.groups.ptr, n_pairs, n_pairs, ff, down, e, bias)?;

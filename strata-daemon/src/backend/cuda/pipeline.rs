@@ -16,9 +16,10 @@ use super::ops::MAX_NT;
 use super::GpuConfig;
 use super::GpuError;
 use crate::backend::{Backend, BackendError, Body, KvCache, Logits, ModelRef, Scratch};
+use crate::tiers::knobs::Knob;
 use crate::tiers::layout::ExpertLayout;
 use crate::tiers::split::{share_slots, stage_ranges};
-use crate::tiers::store::ExpertStore;
+use crate::tiers::store::{ExpertStore, ResidentMode};
 use crate::tiers::vram::{auto_slots, slot_bytes, CacheSize};
 
 /// A model on one GPU or a pipeline of GPU stages.
@@ -58,6 +59,39 @@ fn mib(b: u64) -> f64 {
 /// largest chunk that uploads its misses ([`MAX_NT`] tokens), at most one per expert.
 pub fn staging_slots(k: usize, n_expert: usize) -> usize {
     (k * MAX_NT).min(n_expert)
+}
+
+/// Staging sets of [`staging_slots`] each an expert cache gets on a card of `card_bytes`, for sets of `set_bytes`:
+/// two where the uploads ahead are `wanted` ([`ahead_wanted`]) and one set is at most 1/32 of the card (a prefill
+/// chunk then uploads the next layer's RAM-resident experts into one set while a layer computes from the other, so
+/// that the link runs beside the kernels: `Stage::hybrid_moe`), else one (the uploads wait for the routing, one
+/// layer at a time). `STRATA_GPU_PREFILL_AHEAD=0` keeps one (read once; for A/B measurements).
+pub fn staging_sets(set_bytes: u64, card_bytes: u64, wanted: bool) -> usize {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("STRATA_GPU_PREFILL_AHEAD").is_ok_and(|v| v == "0"));
+    sets_for(set_bytes, card_bytes, wanted && !off)
+}
+
+/// [`staging_sets`] without the environment.
+fn sets_for(set_bytes: u64, card_bytes: u64, wanted: bool) -> usize {
+    if wanted && set_bytes.saturating_mul(32) <= card_bytes {
+        2
+    } else {
+        1
+    }
+}
+
+/// Whether an expert cache of `asked` slots over `entries` experts wants the second staging set: the uploads ahead
+/// read a RAM copy (none with `--mmap-experts`), run only with `pcie_prefill` on (as the knob stands at load), and
+/// only where some experts stay off VRAM (`auto`: `room`, the VRAM free for slots of `sb` bytes, holds fewer than
+/// all of them). Without a store (a dense model): no.
+pub fn ahead_wanted(store: Option<&ExpertStore>, asked: CacheSize, entries: usize, room: u64, sb: u64) -> bool {
+    let Some(st) = store else { return false };
+    let all_fit = match asked {
+        CacheSize::Slots(k) => k >= entries,
+        CacheSize::Auto => room >= entries as u64 * sb,
+    };
+    st.mode() != ResidentMode::Mmap && st.knobs.value(Knob::PciePrefill) > 0.0 && !all_fit
 }
 
 /// One stage's claim on its card's expert slots.
@@ -123,14 +157,17 @@ pub fn trial_load(
     let sizes = super::model::stage_sizes(model, cfg, 0..model.cfg.n_layer, true);
     let bufs = sizes.all().map(super::driver::DevBuf::alloc).collect::<Result<Vec<_>, _>>()?;
     let stream = super::driver::Stream::new()?;
-    let (free, _) = dev.mem_info()?;
+    let (free, card) = dev.mem_info()?;
     let free = free as u64;
     let mut t = Trial { free_after_load: free, module: kernels.is_some(), slots: 0, free_after: free };
     if let Some(lay) = layout.filter(|l| l.n_expert > 0) {
         let blob = Arc::new(lay.layers.iter().map(|l| l.blob_bytes()).collect::<Vec<_>>());
         let sb = slot_bytes(blob.iter().copied().max().unwrap_or(0));
         let entries = lay.n_layer() * lay.n_expert;
-        let n_staging = staging_slots(model.cfg.n_expert_used, lay.n_expert);
+        let set = staging_slots(model.cfg.n_expert_used, lay.n_expert);
+        let room1 = free.saturating_sub((set * sb) as u64);
+        let wanted = ahead_wanted(model.experts.map(|a| &**a), cfg.cache, entries, room1, sb as u64);
+        let n_staging = set * staging_sets((set * sb) as u64, card as u64, wanted);
         let room = free.saturating_sub((n_staging * sb) as u64);
         let asked = match cfg.cache {
             CacheSize::Slots(k) => k.min(entries),
@@ -186,7 +223,22 @@ impl GpuModel {
         let sb = slot_bytes(blob.iter().copied().max().unwrap_or(0));
         let ne = lay.n_expert;
         let entries = lay.n_layer() * ne;
-        let n_staging = staging_slots(model.cfg.n_expert_used, ne);
+        let set = staging_slots(model.cfg.n_expert_used, ne);
+        // every card of the split gets the same count (the smallest card decides; the free VRAM summed over the
+        // cards, less a set each, tells whether every expert fits)
+        let (mut card, mut room) = (u64::MAX, 0u64);
+        let mut counted = Vec::new();
+        for st in &self.stages {
+            let d = st.device();
+            let (free, total) = d.mem_info()?;
+            card = card.min(total as u64);
+            if !counted.contains(&d.ordinal) {
+                counted.push(d.ordinal);
+                room += (free as u64).saturating_sub((set * sb) as u64);
+            }
+        }
+        let wanted = ahead_wanted(Some(store), cfg.cache, entries, room, sb as u64);
+        let n_staging = set * staging_sets((set * sb) as u64, card, wanted);
         let staging_bytes = (n_staging * sb) as u64;
         let n = self.stages.len();
         let experts: Vec<usize> = self.stages.iter().map(|s| s.layer_range().len() * ne).collect();
@@ -515,7 +567,22 @@ pub fn plan_stages(
         }
         None => (0, Vec::new()),
     };
-    let n_staging = (c.n_expert_used * MAX_NT).min(c.n_expert) as u64;
+    let set = staging_slots(c.n_expert_used, c.n_expert) as u64;
+    // the smallest card and the free VRAM summed over the cards (as the caches are made: `make_caches`; free before
+    // the dense weights load, so an upper bound)
+    let (mut card, mut room) = (u64::MAX, 0u64);
+    let mut counted = Vec::new();
+    for d in &devs {
+        let (free, total) = d.mem_info().map_err(|e| e.to_string())?;
+        card = card.min(total as u64);
+        if !counted.contains(&d.ordinal) {
+            counted.push(d.ordinal);
+            room += (free as u64).saturating_sub(set * sb);
+        }
+    }
+    let entries = c.n_layer * c.n_expert;
+    let wanted = ahead_wanted(m.experts.map(|a| &**a), cfg.cache, entries, room, sb);
+    let n_staging = set * staging_sets(set * sb, card, wanted) as u64;
     let head = m.weights.output.bytes() as u64;
     let mut budgets = Vec::with_capacity(devs.len());
     for (i, d) in devs.iter().enumerate() {
@@ -548,4 +615,24 @@ pub fn plan_stages(
         a.slots
     );
     Ok((a.starts, devs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{sets_for, staging_slots};
+
+    #[test]
+    fn two_staging_sets_where_one_is_a_small_share_of_the_card() {
+        // Qwen3-30B-A3B in Q4_0 (top-8 of 128, 2.53 MiB blobs): 64 slots, 170 MB a set
+        let set = staging_slots(8, 128);
+        assert_eq!(set, 64);
+        let set_bytes = (set * 2_654_208) as u64;
+        assert_eq!(sets_for(set_bytes, 80 << 30, true), 2);
+        assert_eq!(sets_for(set_bytes, 80 << 30, false), 1, "not wanted: one");
+        // a set over 1/32 of the card: one (a 4 GiB card here)
+        assert_eq!(sets_for(set_bytes, 4 << 30, true), 1);
+        assert_eq!(sets_for(128 << 20, 4 << 30, true), 2);
+        // top-2 of 8: every expert fits in one set
+        assert_eq!(staging_slots(2, 8), 8);
+    }
 }

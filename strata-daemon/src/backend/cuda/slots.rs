@@ -648,20 +648,38 @@ impl SlotCache {
     }
 
     /// Uploads the blobs of PCIe-served misses into staging slots on `s` from `arena` (the RAM copy, registered
-    /// with the driver; read-locked by the caller). `items` = (layer, expert, arena offset); returns the staging
-    /// slot index of each ([`SlotCache::staging_slot`] of its position).
-    pub fn stage(&self, arena: &HostArena, items: &[(usize, usize, usize)], s: &Stream) -> Result<Vec<u32>, GpuError> {
-        let mut out = Vec::with_capacity(items.len());
-        for (j, &(l, _, off)) in items.iter().enumerate().take(self.n_staging) {
-            let slot = self.staging_slot(j);
-            let src = arena.slice(off, self.blob(l));
+    /// with the driver; read-locked by the caller). `items` = (layer, expert, arena offset); item j goes to
+    /// staging slot `first + j` ([`SlotCache::staging_slot`]; items past the last staging slot are left out);
+    /// returns the slot index of each.
+    /// Items of one layer whose places follow each other in the arena (ascending offsets, as a layer's places are
+    /// laid out: [`crate::tiers::store::choose_places`]) go as one copy: a plain one when a slot is exactly a blob,
+    /// else one pitched copy (blob-wide rows, a slot apart).
+    pub fn stage(
+        &self,
+        arena: &HostArena,
+        items: &[(usize, usize, usize)],
+        first: usize,
+        s: &Stream,
+    ) -> Result<Vec<u32>, GpuError> {
+        let items = &items[..items.len().min(self.n_staging.saturating_sub(first))];
+        for (j, n) in copy_runs(items, |l| self.blob(l)) {
+            let (l, _, off) = items[j];
+            let blob = self.blob(l);
+            let src = arena.slice(off, n * blob);
+            let dst = self.slot_addr(self.staging_slot(first + j));
             // SAFETY: the places a window reads are not written while it runs: promotions happen between windows,
             // after the window's final synchronization, and a resident-mode round writes only exchange places no
-            // expert reads yet and places whose expert stopped being planned (after an event on this stream).
-            unsafe { s.htod_raw(self.slot_addr(slot), src.as_ptr(), src.len())? };
-            out.push(slot);
+            // expert reads yet and places whose expert stopped being planned (after an event on this stream). The
+            // run's n staging slots (first + j .. first + j + n) lie in the slot arena (items were cut to fit).
+            unsafe {
+                if n == 1 || blob == self.slot_bytes {
+                    s.htod_raw(dst, src.as_ptr(), src.len())?
+                } else {
+                    s.htod_2d_raw(dst, self.slot_bytes, src.as_ptr(), blob, blob, n)?
+                }
+            };
         }
-        Ok(out)
+        Ok((0..items.len()).map(|j| self.staging_slot(first + j)).collect())
     }
 }
 
@@ -778,6 +796,26 @@ struct DoneHandle(cudarc::driver::sys::CUevent);
 // SAFETY: an event handle may be recorded from any thread with the context current.
 unsafe impl Send for DoneHandle {}
 
+/// Runs of `items` (layer, expert, arena offset) that one copy can serve: `(first index, length)` in order, each
+/// run of one layer whose places are adjacent (item j + 1's offset = item j's + `blob(layer)`). Covers every item.
+pub fn copy_runs(items: &[(usize, usize, usize)], blob: impl Fn(usize) -> usize) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (j, &(l, _, off)) in items.iter().enumerate() {
+        match runs.last_mut() {
+            Some((first, n))
+                if {
+                    let (pl, _, poff) = items[*first + *n - 1];
+                    pl == l && poff + blob(l) == off
+                } =>
+            {
+                *n += 1
+            }
+            _ => runs.push((j, 1)),
+        }
+    }
+    runs
+}
+
 /// Issues the copies of `moves` (layer, expert, slot address) on `copy`: from the page-locked RAM copy
 /// directly, else through the pinned bounce buffer (file tier; places of the largest blob), `bounce_blobs` at a
 /// time. `layer_blob`: each layer's blob bytes. `after(i)` runs once move i's copy is issued.
@@ -834,7 +872,7 @@ pub fn blob_of(store: &ExpertStore, l: usize, e: usize) -> Result<Vec<u8>, GpuEr
 
 #[cfg(test)]
 mod tests {
-    use super::SplitGeom;
+    use super::{copy_runs, SplitGeom};
     use crate::quant::GgmlType;
 
     #[test]
@@ -866,5 +904,27 @@ mod tests {
         // Q8_0 at k = 64: 2 blocks of 34 bytes → 80
         let g8 = SplitGeom::new(64, GgmlType::Q8_0.row_bytes(e), ff, GgmlType::Q8_0, e);
         assert_eq!((g8.down_part, g8.down_pitch), (68, 80));
+    }
+
+    #[test]
+    fn adjacent_places_of_one_layer_make_one_copy() {
+        // layer 0 blobs of 100 bytes, layer 1 of 60
+        let blob = |l: usize| [100, 60][l];
+        assert!(copy_runs(&[], blob).is_empty());
+        let items = [
+            (0, 5, 1000),
+            (0, 6, 1100),
+            (0, 7, 1200),
+            (0, 9, 1400), // a gap (expert 8 not staged)
+            (0, 10, 1500),
+            (1, 0, 1600), // adjacent bytes, another layer
+            (1, 1, 1660),
+            (1, 3, 1600), // back to an earlier place
+            (1, 4, 1660),
+        ];
+        assert_eq!(copy_runs(&items, blob), vec![(0, 3), (3, 2), (5, 2), (7, 2)]);
+        // a run covers every item once
+        let total: usize = copy_runs(&items, blob).iter().map(|r| r.1).sum();
+        assert_eq!(total, items.len());
     }
 }
