@@ -320,6 +320,15 @@ fn run() -> Result<()> {
         split_devices: args.split_device.clone(),
         n_ctx,
         max_chunk: args.batch.unwrap_or(GPU_BATCH),
+        // a chunk that uploads its misses (--pcie-prefill) and routes to nearly every expert, from a RAM copy
+        prefill_ahead: {
+            let chunk = args.batch.unwrap_or(GPU_BATCH);
+            let c = &model.cfg;
+            !args.mmap_experts
+                && args.pcie_prefill > 0
+                && chunk >= args.pcie_prefill
+                && chunk * c.n_expert_used >= 4 * c.n_expert
+        },
     };
     let is_moe = model.expert_layout().is_some();
     let profile = match (&args.expert_profile, is_moe) {

@@ -897,6 +897,8 @@ fn check_gpu_options(cache: CacheSize, split: &[usize], n_ctx: usize) -> GpuOpti
         split_devices: vec![0; if split.is_empty() { 0 } else { split.len() + 1 }],
         n_ctx,
         max_chunk: 64,
+        // (the checks' models have a RAM copy; `pcie_prefill` is set per configuration)
+        prefill_ahead: true,
     }
 }
 
@@ -1954,6 +1956,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 split_devices: a.split_device.clone(),
                 n_ctx: a.prompt + a.gen + 8,
                 max_chunk: a.batch.max(1),
+                // a RAM copy always; every arm's `--pcie-prefill` value is set live, so the cache is sized for any
+                prefill_ahead: true,
             };
             let line = m.attach_gpu(&opts).map_err(|e| anyhow::anyhow!(e))?;
             eprintln!("{line}");

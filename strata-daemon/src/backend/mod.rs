@@ -329,6 +329,11 @@ pub struct GpuOptions {
     pub n_ctx: usize,
     /// Prefill chunk (tokens per pass).
     pub max_chunk: usize,
+    /// A prefill may upload the next layer's missed experts ahead (a RAM copy to upload from, not
+    /// `--mmap-experts`; `--pcie-prefill` on and at most `max_chunk`; a chunk of `max_chunk` tokens routing to
+    /// nearly every expert, `max_chunk × top-k ≥ 4 × experts`): the expert cache then takes a second staging set
+    /// where some experts stay off VRAM ([`cuda::pipeline::staging_sets`]).
+    pub prefill_ahead: bool,
 }
 
 /// Whether the CUDA backend holds a KV cache of `kv_type` for heads of `head_dim` values: a Q8_0 cache needs whole
@@ -426,6 +431,7 @@ fn gpu_config(o: &GpuOptions) -> cuda::GpuConfig {
         reserve_later: o.reserve_later_mib.unwrap_or(o.reserve_mib) << 20,
         max_chunk: o.max_chunk,
         n_ctx: o.n_ctx,
+        prefill_ahead: o.prefill_ahead,
     }
 }
 
@@ -453,18 +459,16 @@ pub fn gpu_view(
         let (free, total) = d.mem_info().map_err(|e| e.to_string())?;
         let cfg = gpu_config(o);
         let (dense, kv, scratch) = cuda::model::load_bytes(m, &cfg);
-        let (measured, trial_error) = match cuda::pipeline::trial_load(m, &d, &cfg, layout) {
-            Ok(t) => (
-                Some(crate::tiers::plan::Measured {
-                    free_after_load: t.free_after_load,
-                    module: t.module,
-                    slots: t.slots,
-                    free_after: t.free_after,
-                }),
-                None,
-            ),
+        let (trial, trial_error) = match cuda::pipeline::trial_load(m, &d, &cfg, layout) {
+            Ok(t) => (Some(t), None),
             Err(e) => (None, Some(e.to_string())),
         };
+        let measured = trial.map(|t| crate::tiers::plan::Measured {
+            free_after_load: t.free_after_load,
+            module: t.module,
+            slots: t.slots,
+            free_after: t.free_after,
+        });
         Ok(Some(crate::tiers::plan::GpuView {
             name: d.name.clone(),
             free: free as u64,
@@ -472,10 +476,12 @@ pub fn gpu_view(
             dense,
             kv,
             scratch,
-            staging_slots: if m.cfg.n_expert > 0 {
-                cuda::pipeline::staging_slots(m.cfg.n_expert_used, m.cfg.n_expert)
-            } else {
-                0
+            staging_slots: match (trial, layout) {
+                (Some(t), _) => t.staging,
+                (None, Some(lay)) if m.cfg.n_expert > 0 => {
+                    cuda::pipeline::staging_count(m.cfg.n_expert_used, lay, &cfg, free as u64, total as u64)
+                }
+                _ => 0,
             },
             reserve: cfg.reserve,
             measured,

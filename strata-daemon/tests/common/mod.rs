@@ -304,5 +304,6 @@ pub fn gpu_options(enabled: bool, cache: strata::tiers::vram::CacheSize) -> stra
         split_devices: Vec::new(),
         n_ctx: 256,
         max_chunk: 64,
+        prefill_ahead: true,
     }
 }

@@ -40,6 +40,8 @@ pub struct GpuConfig {
     pub max_chunk: usize,
     /// Context length (KV positions).
     pub n_ctx: usize,
+    /// A prefill may upload ahead (`GpuOptions::prefill_ahead`; see [`super::pipeline::staging_sets`]).
+    pub prefill_ahead: bool,
 }
 
 pub(super) struct GLayer {
@@ -329,6 +331,8 @@ pub struct Stage {
     n_moe_layers: usize,
     /// Slots of one staging set ([`super::pipeline::staging_slots`] of the model's top-k and experts).
     staging_set: usize,
+    /// The settings the stage was loaded with (a rebuilt cache sizes its staging by them).
+    cfg: GpuConfig,
     /// `route_topk`'s mode for the architecture's gating ([`super::ops::gating_mode`]).
     gating: i32,
     /// The experts' gated unit (`Glu::act`: 1 = gpt-oss's clamped SwiGLU).
@@ -812,6 +816,7 @@ impl Stage {
             group_prefill: std::env::var("STRATA_GPU_GROUP").map_or(true, |v| v != "0"),
             n_moe_layers,
             staging_set: super::pipeline::staging_slots(model.cfg.n_expert_used, model.cfg.n_expert),
+            cfg: cfg.clone(),
             gating,
             act,
         })
@@ -898,7 +903,8 @@ impl Stage {
         let set = self.staging_set;
         let (free, card) = self.dev.mem_info()?;
         let room = (free as u64).saturating_sub((set * sb) as u64);
-        let wanted = super::pipeline::ahead_wanted(Some(store), size, entries, room, sb as u64);
+        let cfg = GpuConfig { cache: size, ..self.cfg.clone() };
+        let wanted = super::pipeline::ahead_wanted(&cfg, entries, room, sb as u64);
         let n_staging = set * super::pipeline::staging_sets((set * sb) as u64, card as u64, wanted);
         let mut cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, entries, pinned)?;
         store.init_slots(cache.n_slots);
@@ -1625,7 +1631,8 @@ impl Stage {
         let mut staged: Vec<(usize, usize, usize)> = Vec::new();
         if let (Some(cache), true) = (cache, frac > 0.0 || prefill_pcie) {
             ram_miss.sort_by(|a, b| by_expert[b.0].len().cmp(&by_expert[a.0].len()).then(a.0.cmp(&b.0)));
-            let k = if prefill_pcie || whole { ff } else { split_rows(frac, ff, block) };
+            // (whole experts while this layer stages into its set: the split's staging keeps to the first slots)
+            let k = if prefill_pcie || whole || parity { ff } else { split_rows(frac, ff, block) };
             let mut entries = 0u64;
             let n = if prefill_pcie {
                 ram_miss.len().min(n_stage_max)

@@ -16,10 +16,9 @@ use super::ops::MAX_NT;
 use super::GpuConfig;
 use super::GpuError;
 use crate::backend::{Backend, BackendError, Body, KvCache, Logits, ModelRef, Scratch};
-use crate::tiers::knobs::Knob;
 use crate::tiers::layout::ExpertLayout;
 use crate::tiers::split::{share_slots, stage_ranges};
-use crate::tiers::store::{ExpertStore, ResidentMode};
+use crate::tiers::store::ExpertStore;
 use crate::tiers::vram::{auto_slots, slot_bytes, CacheSize};
 
 /// A model on one GPU or a pipeline of GPU stages.
@@ -81,17 +80,26 @@ fn sets_for(set_bytes: u64, card_bytes: u64, wanted: bool) -> usize {
     }
 }
 
-/// Whether an expert cache of `asked` slots over `entries` experts wants the second staging set: the uploads ahead
-/// read a RAM copy (none with `--mmap-experts`), run only with `pcie_prefill` on (as the knob stands at load), and
-/// only where some experts stay off VRAM (`auto`: `room`, the VRAM free for slots of `sb` bytes, holds fewer than
-/// all of them). Without a store (a dense model): no.
-pub fn ahead_wanted(store: Option<&ExpertStore>, asked: CacheSize, entries: usize, room: u64, sb: u64) -> bool {
-    let Some(st) = store else { return false };
-    let all_fit = match asked {
+/// Whether an expert cache of `cfg.cache` over `entries` experts wants the second staging set: only where a prefill
+/// may upload ahead at all (`cfg.prefill_ahead`: a RAM copy, `--pcie-prefill` on) and some experts stay off VRAM
+/// (`auto`: `room`, the VRAM free for slots of `sb` bytes after one staging set, less the reserve `cfg.reserve`,
+/// holds fewer than all of them). The plan's trial, the layer split's planning and the load decide with this.
+pub fn ahead_wanted(cfg: &GpuConfig, entries: usize, room: u64, sb: u64) -> bool {
+    let all_fit = match cfg.cache {
         CacheSize::Slots(k) => k >= entries,
-        CacheSize::Auto => room >= entries as u64 * sb,
+        CacheSize::Auto => room.saturating_sub(cfg.reserve) >= entries as u64 * sb,
     };
-    st.mode() != ResidentMode::Mmap && st.knobs.value(Knob::PciePrefill) > 0.0 && !all_fit
+    cfg.prefill_ahead && entries > 0 && !all_fit
+}
+
+/// The staging slots a one-stage load of a model with top-`k` routing over `lay`'s experts allocates, on a card of
+/// `card` bytes with `free` bytes free for its cache (see [`staging_sets`]); the placement plan's estimate when no
+/// trial ran.
+pub fn staging_count(k: usize, lay: &ExpertLayout, cfg: &GpuConfig, free: u64, card: u64) -> usize {
+    let sb = slot_bytes(lay.layers.iter().map(|l| l.blob_bytes()).max().unwrap_or(0));
+    let set = staging_slots(k, lay.n_expert);
+    let wanted = ahead_wanted(cfg, lay.n_layer() * lay.n_expert, free.saturating_sub((set * sb) as u64), sb as u64);
+    set * staging_sets((set * sb) as u64, card, wanted)
 }
 
 /// One stage's claim on its card's expert slots.
@@ -138,6 +146,8 @@ pub struct Trial {
     pub slots: usize,
     /// Free VRAM with the cache allocated too (bytes).
     pub free_after: u64,
+    /// Staging slots the cache took (one or two sets: [`staging_sets`]).
+    pub staging: usize,
 }
 
 /// Allocates on `dev` what a one-stage load of `model` allocates — the kernel module when the disk cache holds
@@ -159,15 +169,12 @@ pub fn trial_load(
     let stream = super::driver::Stream::new()?;
     let (free, card) = dev.mem_info()?;
     let free = free as u64;
-    let mut t = Trial { free_after_load: free, module: kernels.is_some(), slots: 0, free_after: free };
+    let mut t = Trial { free_after_load: free, module: kernels.is_some(), slots: 0, free_after: free, staging: 0 };
     if let Some(lay) = layout.filter(|l| l.n_expert > 0) {
         let blob = Arc::new(lay.layers.iter().map(|l| l.blob_bytes()).collect::<Vec<_>>());
         let sb = slot_bytes(blob.iter().copied().max().unwrap_or(0));
         let entries = lay.n_layer() * lay.n_expert;
-        let set = staging_slots(model.cfg.n_expert_used, lay.n_expert);
-        let room1 = free.saturating_sub((set * sb) as u64);
-        let wanted = ahead_wanted(model.experts.map(|a| &**a), cfg.cache, entries, room1, sb as u64);
-        let n_staging = set * staging_sets((set * sb) as u64, card as u64, wanted);
+        let n_staging = staging_count(model.cfg.n_expert_used, lay, cfg, free, card as u64);
         let room = free.saturating_sub((n_staging * sb) as u64);
         let asked = match cfg.cache {
             CacheSize::Slots(k) => k.min(entries),
@@ -178,6 +185,7 @@ pub fn trial_load(
         let reserve = (cfg.cache == CacheSize::Auto).then_some(cfg.reserve);
         let cache = super::model::alloc_cache_on(dev, (want, n_staging, sb, blob, entries), reserve)?;
         t.slots = cache.n_slots;
+        t.staging = cache.n_staging;
         t.free_after = dev.mem_info()?.0 as u64;
     }
     drop((stream, bufs, kernels));
@@ -237,7 +245,7 @@ impl GpuModel {
                 room += (free as u64).saturating_sub((set * sb) as u64);
             }
         }
-        let wanted = ahead_wanted(Some(store), cfg.cache, entries, room, sb as u64);
+        let wanted = ahead_wanted(cfg, entries, room, sb as u64);
         let n_staging = set * staging_sets((set * sb) as u64, card, wanted);
         let staging_bytes = (n_staging * sb) as u64;
         let n = self.stages.len();
@@ -581,7 +589,7 @@ pub fn plan_stages(
         }
     }
     let entries = c.n_layer * c.n_expert;
-    let wanted = ahead_wanted(m.experts.map(|a| &**a), cfg.cache, entries, room, sb);
+    let wanted = ahead_wanted(cfg, entries, room, sb);
     let n_staging = set * staging_sets(set * sb, card, wanted) as u64;
     let head = m.weights.output.bytes() as u64;
     let mut budgets = Vec::with_capacity(devs.len());
@@ -619,7 +627,31 @@ pub fn plan_stages(
 
 #[cfg(test)]
 mod tests {
-    use super::{sets_for, staging_slots};
+    use super::{ahead_wanted, sets_for, staging_slots, CacheSize, GpuConfig};
+
+    #[test]
+    fn a_second_set_only_where_uploads_ahead_can_run() {
+        let cfg = |cache, prefill_ahead| GpuConfig {
+            cache,
+            reserve: 700 << 20,
+            reserve_later: 700 << 20,
+            max_chunk: 512,
+            n_ctx: 4096,
+            prefill_ahead,
+        };
+        let (entries, sb) = (6144, 2_654_208u64);
+        let all = entries as u64 * sb;
+        // half the experts asked: wanted, unless the daemon runs without a RAM copy or --pcie-prefill 0
+        assert!(ahead_wanted(&cfg(CacheSize::Slots(3072), true), entries, 80 << 30, sb));
+        assert!(!ahead_wanted(&cfg(CacheSize::Slots(3072), false), entries, 80 << 30, sb));
+        // every expert asked, or (auto) every expert fits beside the reserve: no
+        assert!(!ahead_wanted(&cfg(CacheSize::Slots(6144), true), entries, 0, sb));
+        assert!(!ahead_wanted(&cfg(CacheSize::Auto, true), entries, all + (700 << 20), sb));
+        // auto, short of the reserve by a byte: yes
+        assert!(ahead_wanted(&cfg(CacheSize::Auto, true), entries, all + (700 << 20) - 1, sb));
+        // a dense model (no experts): no
+        assert!(!ahead_wanted(&cfg(CacheSize::Auto, true), 0, 0, sb));
+    }
 
     #[test]
     fn two_staging_sets_where_one_is_a_small_share_of_the_card() {
