@@ -327,7 +327,7 @@ fn run() -> Result<()> {
             !args.mmap_experts
                 && args.pcie_prefill > 0
                 && chunk >= args.pcie_prefill
-                && chunk * c.n_expert_used >= 4 * c.n_expert
+                && strata::backend::chunk_reaches_all(chunk, c.n_expert_used, c.n_expert)
         },
     };
     let is_moe = model.expert_layout().is_some();

@@ -1765,30 +1765,43 @@ fn forward_checks(a: &CheckArgs, report: &mut serde_json::Map<String, serde_json
 
 /// H2D rate (GB/s of payload) of pitched copies from pinned memory: `rows` pieces of `width` bytes taken every
 /// `width * 3 / 2` bytes (a split expert's down columns), best of 5.
-fn h2d_pitched_gbps(width: usize, rows: usize) -> Result<f64> {
-    use strata::backend::cuda::driver::{DevBuf, Event, PinnedBuf, Stream};
-    let pitch = width * 3 / 2;
-    let d = DevBuf::alloc(width * rows)?;
-    let src = PinnedBuf::alloc(pitch * rows)?;
+/// The best of `reps` timings of the copies `issue` enqueues on a stream of its own, as GB/s of `bytes` each
+/// (the stream synchronized after each). Errors: the driver's, or `issue`'s.
+fn copy_gbps(
+    bytes: usize,
+    reps: usize,
+    mut issue: impl FnMut(&strata::backend::cuda::driver::Stream) -> Result<(), strata::backend::cuda::GpuError>,
+) -> Result<f64> {
+    use strata::backend::cuda::driver::{Event, Stream};
     let s = Stream::new()?;
     let (a, b) = (Event::timed()?, Event::timed()?);
     let mut best = 0f64;
-    for _ in 0..5 {
+    for _ in 0..reps {
         a.record(&s)?;
-        // SAFETY: both buffers hold the ranges (rows × pitch source bytes, rows × width destination bytes) and
-        // live until s.sync() below.
-        unsafe { s.htod_2d_raw(d.ptr, width, src.ptr(), pitch, width, rows)? };
+        issue(&s)?;
         b.record(&s)?;
         s.sync()?;
-        best = best.max((width * rows) as f64 / (b.since_ms(&a)? as f64 / 1000.0) / 1e9);
+        best = best.max(bytes as f64 / (b.since_ms(&a)? as f64 / 1000.0) / 1e9);
     }
     Ok(best)
+}
+
+fn h2d_pitched_gbps(width: usize, rows: usize) -> Result<f64> {
+    use strata::backend::cuda::driver::{DevBuf, PinnedBuf};
+    let pitch = width * 3 / 2;
+    let d = DevBuf::alloc(width * rows)?;
+    let src = PinnedBuf::alloc(pitch * rows)?;
+    copy_gbps(width * rows, 5, |s| {
+        // SAFETY: both buffers hold the ranges (rows × pitch source bytes, rows × width destination bytes) and
+        // live until copy_gbps has synchronized the stream.
+        unsafe { s.htod_2d_raw(d.ptr, width, src.ptr(), pitch, width, rows) }
+    })
 }
 
 /// H2D bandwidth from the RAM copy (GB/s): from its start (best of 5 copies of up to 1 GiB), and over all of it
 /// once in 160 MiB copies back to back (as a prefill's uploads read it); `None` without a copy of at least 64 MiB.
 fn h2d_arena_gbps(st: &strata::tiers::store::ExpertStore) -> Result<Option<(f64, f64)>> {
-    use strata::backend::cuda::driver::{DevBuf, Event, Stream};
+    use strata::backend::cuda::driver::DevBuf;
     let arena = st.arena();
     let n = arena.len().min(1 << 30);
     if n < 64 << 20 {
@@ -1799,36 +1812,27 @@ fn h2d_arena_gbps(st: &strata::tiers::store::ExpertStore) -> Result<Option<(f64,
     let Ok(d) = DevBuf::alloc(n) else {
         return Ok(None);
     };
-    let s = Stream::new()?;
-    let (a, b) = (Event::timed()?, Event::timed()?);
-    let mut best = 0f64;
-    for _ in 0..5 {
-        a.record(&s)?;
-        // SAFETY: the source is borrowed from the read-locked RAM copy until s.sync() below; `d` holds n bytes.
-        unsafe { s.htod_raw(d.ptr, src.as_ptr(), n)? };
-        b.record(&s)?;
-        s.sync()?;
-        best = best.max(n as f64 / (b.since_ms(&a)? as f64 / 1000.0) / 1e9);
-    }
+    let best = copy_gbps(n, 5, |s| {
+        // SAFETY: the source is borrowed from the read-locked RAM copy until copy_gbps has synchronized the
+        // stream; `d` holds n bytes.
+        unsafe { s.htod_raw(d.ptr, src.as_ptr(), n) }
+    })?;
     let piece = n.min(160 << 20);
-    a.record(&s)?;
-    for off in (0..arena.len() - piece + 1).step_by(piece) {
-        // SAFETY: as above; each piece lies in the RAM copy and fits `d`.
-        unsafe { s.htod_raw(d.ptr, arena.slice(off, piece).as_ptr(), piece)? };
-    }
-    b.record(&s)?;
-    s.sync()?;
-    let swept = (arena.len() / piece * piece) as f64;
-    Ok(Some((best, swept / (b.since_ms(&a)? as f64 / 1000.0) / 1e9)))
+    let pieces = arena.len() / piece;
+    let swept = copy_gbps(pieces * piece, 1, |s| {
+        for off in (0..pieces).map(|i| i * piece) {
+            // SAFETY: as above; each piece lies in the RAM copy and fits `d`.
+            unsafe { s.htod_raw(d.ptr, arena.slice(off, piece).as_ptr(), piece)? };
+        }
+        Ok(())
+    })?;
+    Ok(Some((best, swept)))
 }
 
 fn h2d_gbps(pinned: bool) -> Result<f64> {
-    use strata::backend::cuda::driver::{DevBuf, Event, PinnedBuf, Stream};
+    use strata::backend::cuda::driver::{DevBuf, PinnedBuf};
     let n = 1usize << 30;
     let d = DevBuf::alloc(n)?;
-    let s = Stream::new()?;
-    let (a, b) = (Event::timed()?, Event::timed()?);
-    let mut best = 0f64;
     let pb;
     let vb;
     let src: *const u8 = if pinned {
@@ -1838,15 +1842,10 @@ fn h2d_gbps(pinned: bool) -> Result<f64> {
         vb = vec![1u8; n];
         vb.as_ptr()
     };
-    for _ in 0..5 {
-        a.record(&s)?;
-        // SAFETY: the source lives until s.sync() below.
-        unsafe { s.htod_raw(d.ptr, src, n)? };
-        b.record(&s)?;
-        s.sync()?;
-        best = best.max(n as f64 / (b.since_ms(&a)? as f64 / 1000.0) / 1e9);
-    }
-    Ok(best)
+    copy_gbps(n, 5, |s| {
+        // SAFETY: the source lives until copy_gbps has synchronized the stream; `d` holds n bytes.
+        unsafe { s.htod_raw(d.ptr, src, n) }
+    })
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {

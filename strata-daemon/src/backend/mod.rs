@@ -336,6 +336,13 @@ pub struct GpuOptions {
     pub prefill_ahead: bool,
 }
 
+/// Whether a prefill chunk of `t` tokens with top-`k` routing over `n_expert` experts routes to nearly every expert
+/// (`t × k ≥ 4 × n_expert`: an expert goes unrouted with probability about e^-4), so that a layer's RAM-resident
+/// experts are worth uploading before its routing is known (the GPU's uploads ahead; [`GpuOptions::prefill_ahead`]).
+pub fn chunk_reaches_all(t: usize, k: usize, n_expert: usize) -> bool {
+    t * k >= 4 * n_expert
+}
+
 /// Whether the CUDA backend holds a KV cache of `kv_type` for heads of `head_dim` values: a Q8_0 cache needs whole
 /// Q8_0 blocks per head (a multiple of 32) and at most 256 values (the Q8_0 attention kernels keep one head's
 /// quantized query in fixed shared memory). Errors: the one-line reason, naming the way out.

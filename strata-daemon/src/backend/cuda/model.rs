@@ -900,12 +900,9 @@ impl Stage {
             CacheSize::Auto => entries,
         };
         // the staging sets as a load with this size would choose them
-        let set = self.staging_set;
         let (free, card) = self.dev.mem_info()?;
-        let room = (free as u64).saturating_sub((set * sb) as u64);
         let cfg = GpuConfig { cache: size, ..self.cfg.clone() };
-        let wanted = super::pipeline::ahead_wanted(&cfg, entries, room, sb as u64);
-        let n_staging = set * super::pipeline::staging_sets((set * sb) as u64, card as u64, wanted);
+        let n_staging = super::pipeline::staging_total(&cfg, self.staging_set, sb, entries, free as u64, card as u64);
         let mut cache = SlotCache::new(self.dev.clone(), n, n_staging, sb, blob, entries, pinned)?;
         store.init_slots(cache.n_slots);
         cache.fill(store, &self.s, self.layer_range())?;
@@ -1600,16 +1597,21 @@ impl Stage {
         // l % 2: first the experts the previous layer uploaded for it there (`prefetched`, on the prefetch
         // stream), then its other PCIe-served misses; and it uploads the next layer's RAM-resident experts into
         // the other set, so that the link works while this layer and the next one's attention compute. Only for a
-        // chunk that routes to nearly every expert (t k >= 4 n_expert: an expert goes unrouted with probability
-        // about e^-4), and not while an adaptive round is in flight (its exchanges may move RAM places).
+        // chunk that routes to nearly every expert (`backend::chunk_reaches_all`), and not while an adaptive round
+        // is in flight (its exchanges may move RAM places).
         // (a prefill layer that holds experts uploaded ahead for it stages after them even when the live knob
         // turned `pcie_prefill` off meanwhile; only the uploads ahead follow the knob)
-        let set = super::pipeline::staging_slots(kk, c.n_expert);
+        let set = self.staging_set;
         let pf_here = prefetched.iter().filter(|p| p.0 == l).count();
         let parity = !s.decode && (prefill_pcie || pf_here > 0) && cache.is_some_and(|c| c.n_staging >= 2 * set);
         let (stage_first, n_stage_max) = staging_span(parity, l, set, pf_here, n_stage_max);
         let ahead: Vec<(usize, usize, usize)> = match (&m.experts, cache) {
-            (Some(st), Some(cc)) if parity && prefill_pcie && t * kk >= 4 * c.n_expert && !cc.round_in_flight() => {
+            (Some(st), Some(cc))
+                if parity
+                    && prefill_pcie
+                    && crate::backend::chunk_reaches_all(t, kk, c.n_expert)
+                    && !cc.round_in_flight() =>
+            {
                 let nx = l + 1;
                 let moe_next = nx < self.layer_range().end && matches!(self.layer(nx).ffn, GFfn::Moe { .. });
                 let mut items: Vec<(usize, usize, usize)> = if moe_next {
@@ -1668,10 +1670,16 @@ impl Stage {
             }
         }
         // groups of up to MAX_NT tokens per expert (whole experts first, then split ones); flags per routing
-        // entry (1 = the GPU wrote this entry's row of y)
+        // entry (1 = the GPU wrote this entry's row of y). A prefill chunk groups its GPU experts' tokens on the
+        // device instead (`group_by_expert` over this layer's slot per expert: a VRAM or staging slot, −1 for the
+        // CPU pool's) and runs them on the tensor-core expert kernels, as a chunk with every expert in VRAM does;
+        // the host sends the table only (and no flags: the grouping writes them)
+        let device_groups = !s.decode && t > MAX_NT && self.group_prefill && split.is_empty();
         host.groups.clear();
         host.flag.clear();
-        host.flag.resize(n_pairs, 0);
+        if !device_groups {
+            host.flag.resize(n_pairs, 0);
+        }
         let add_groups = |list: &[(usize, u32)], host: &mut Host| {
             let mut n = 0;
             for &(x, slot) in list {
@@ -1691,11 +1699,6 @@ impl Stage {
             }
             n
         };
-        // a prefill chunk groups its GPU experts' tokens on the device instead (`group_by_expert` over this layer's
-        // slot per expert: a VRAM or staging slot, −1 for the CPU pool's) and runs them on the tensor-core expert
-        // kernels, as a chunk with every expert in VRAM does; the host sends the table only (and no flags: the
-        // grouping writes them)
-        let device_groups = !s.decode && t > MAX_NT && self.group_prefill && split.is_empty();
         let (n_groups, n_split) = if device_groups {
             let mut tab = vec![-1i32; c.n_expert];
             for &(x, slot) in &gpu {

@@ -92,14 +92,37 @@ pub fn ahead_wanted(cfg: &GpuConfig, entries: usize, room: u64, sb: u64) -> bool
     cfg.prefill_ahead && entries > 0 && !all_fit
 }
 
+/// Staging slots of an expert cache: sets of `set` slots of `sb` bytes ([`staging_sets`]), two where `cfg` wants the
+/// uploads ahead over `entries` experts with `free` bytes of VRAM free for the cache (summed over the cards of a
+/// split) on a card of `card` bytes (the smallest of a split), one otherwise. The one rule of the plan's trial, the
+/// layer split's planning, the load and a rebuilt cache.
+pub fn staging_total(cfg: &GpuConfig, set: usize, sb: usize, entries: usize, free: u64, card: u64) -> usize {
+    let room = free.saturating_sub((set * sb) as u64);
+    set * staging_sets((set * sb) as u64, card, ahead_wanted(cfg, entries, room, sb as u64))
+}
+
 /// The staging slots a one-stage load of a model with top-`k` routing over `lay`'s experts allocates, on a card of
-/// `card` bytes with `free` bytes free for its cache (see [`staging_sets`]); the placement plan's estimate when no
+/// `card` bytes with `free` bytes free for its cache ([`staging_total`]); the placement plan's estimate when no
 /// trial ran.
 pub fn staging_count(k: usize, lay: &ExpertLayout, cfg: &GpuConfig, free: u64, card: u64) -> usize {
     let sb = slot_bytes(lay.layers.iter().map(|l| l.blob_bytes()).max().unwrap_or(0));
-    let set = staging_slots(k, lay.n_expert);
-    let wanted = ahead_wanted(cfg, lay.n_layer() * lay.n_expert, free.saturating_sub((set * sb) as u64), sb as u64);
-    set * staging_sets((set * sb) as u64, card, wanted)
+    staging_total(cfg, staging_slots(k, lay.n_expert), sb, lay.n_layer() * lay.n_expert, free, card)
+}
+
+/// The smallest card's memory and the free memory summed over the distinct cards of `devs` (bytes), for
+/// [`staging_total`] over a layer split. Errors: the driver's.
+fn cards_free<'a>(devs: impl Iterator<Item = &'a Device>) -> Result<(u64, u64), GpuError> {
+    let (mut card, mut free) = (u64::MAX, 0u64);
+    let mut counted = Vec::new();
+    for d in devs {
+        let (f, total) = d.mem_info()?;
+        card = card.min(total as u64);
+        if !counted.contains(&d.ordinal) {
+            counted.push(d.ordinal);
+            free += f as u64;
+        }
+    }
+    Ok((card, free))
 }
 
 /// One stage's claim on its card's expert slots.
@@ -231,22 +254,10 @@ impl GpuModel {
         let sb = slot_bytes(blob.iter().copied().max().unwrap_or(0));
         let ne = lay.n_expert;
         let entries = lay.n_layer() * ne;
-        let set = staging_slots(model.cfg.n_expert_used, ne);
         // every card of the split gets the same count (the smallest card decides; the free VRAM summed over the
-        // cards, less a set each, tells whether every expert fits)
-        let (mut card, mut room) = (u64::MAX, 0u64);
-        let mut counted = Vec::new();
-        for st in &self.stages {
-            let d = st.device();
-            let (free, total) = d.mem_info()?;
-            card = card.min(total as u64);
-            if !counted.contains(&d.ordinal) {
-                counted.push(d.ordinal);
-                room += (free as u64).saturating_sub((set * sb) as u64);
-            }
-        }
-        let wanted = ahead_wanted(cfg, entries, room, sb as u64);
-        let n_staging = set * staging_sets((set * sb) as u64, card, wanted);
+        // cards tells whether every expert fits)
+        let (card, free) = cards_free(self.stages.iter().map(|s| &**s.device()))?;
+        let n_staging = staging_total(cfg, staging_slots(model.cfg.n_expert_used, ne), sb, entries, free, card);
         let staging_bytes = (n_staging * sb) as u64;
         let n = self.stages.len();
         let experts: Vec<usize> = self.stages.iter().map(|s| s.layer_range().len() * ne).collect();
@@ -575,22 +586,10 @@ pub fn plan_stages(
         }
         None => (0, Vec::new()),
     };
-    let set = staging_slots(c.n_expert_used, c.n_expert) as u64;
-    // the smallest card and the free VRAM summed over the cards (as the caches are made: `make_caches`; free before
-    // the dense weights load, so an upper bound)
-    let (mut card, mut room) = (u64::MAX, 0u64);
-    let mut counted = Vec::new();
-    for d in &devs {
-        let (free, total) = d.mem_info().map_err(|e| e.to_string())?;
-        card = card.min(total as u64);
-        if !counted.contains(&d.ordinal) {
-            counted.push(d.ordinal);
-            room += (free as u64).saturating_sub(set * sb);
-        }
-    }
-    let entries = c.n_layer * c.n_expert;
-    let wanted = ahead_wanted(cfg, entries, room, sb);
-    let n_staging = set * staging_sets(set * sb, card, wanted) as u64;
+    // as the caches are made (`make_caches`), with the free VRAM before the dense weights load (an upper bound)
+    let (card, free) = cards_free(devs.iter().map(|d| &**d)).map_err(|e| e.to_string())?;
+    let set = staging_slots(c.n_expert_used, c.n_expert);
+    let n_staging = staging_total(cfg, set, sb as usize, c.n_layer * c.n_expert, free, card) as u64;
     let head = m.weights.output.bytes() as u64;
     let mut budgets = Vec::with_capacity(devs.len());
     for (i, d) in devs.iter().enumerate() {
