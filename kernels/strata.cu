@@ -102,6 +102,24 @@ __device__ __forceinline__ void pdl_entry() {
     pdl_wait();
 }
 
+// Whether this block is the last of its grid to get here (every thread of every block calls it once, after its
+// global writes): those writes of every block are then visible to the last block, which has set *done back to 0
+// for the next launch (a counter that is 0 before the first launch).
+__device__ __forceinline__ bool last_block(unsigned* done) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
+        if (last) {
+            __threadfence();  // the other blocks' writes, counted before this block's, are seen after the barrier
+            *done = 0;        // every other block has counted
+        }
+    }
+    __syncthreads();
+    return last;
+}
+
 __device__ __forceinline__ float h2f(const u8* p) {
     return half_to_float(*(const u16*)p);
 }
@@ -831,6 +849,8 @@ __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     }
 }
 
+__device__ void norm_row_cluster_bits(const float* x, int n, const float* w, float eps, float* out, Q8* outq);
+
 #define MMV_KERNEL(NAME, FMT)                                                                                   \
     extern "C" __global__ void NAME(const u8* __restrict__ w0, const u8* __restrict__ w1,                       \
                                     const u8* __restrict__ w2, int rows0, int rows1, int rows2,                \
@@ -861,6 +881,18 @@ __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
                                          int out_stride, int accumulate) { pdl_trigger();                                    \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                    \
         mmv_body<FMT, 1, true>(w0, w1, w2, rows0, rows1, rows2, cols, xq, xf, x_stride, out, out_stride, accumulate, stage); \
+    }                                                                                                           \
+    /* one token, then the RMSNorm + Q8 of the whole output row by the block that finishes last (a decode */    \
+    /* layer's attention output and the FFN norm after it in one launch; norm_row_cluster_bits) */              \
+    extern "C" __global__ void NAME##_t1_norm(const u8* __restrict__ w0, const u8* __restrict__ w1,             \
+                                              const u8* __restrict__ w2, int rows0, int rows1, int rows2,       \
+                                              int cols, const Q8* xq, const float* xf, int x_stride, int nt,    \
+                                              float* out, int out_stride, int accumulate, const float* nw,      \
+                                              float eps, float* nout, Q8* noutq, unsigned* done) {              \
+        pdl_trigger();                                                                                          \
+        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                    \
+        mmv_body<FMT, 1, true>(w0, w1, w2, rows0, rows1, rows2, cols, xq, xf, x_stride, out, out_stride, accumulate, stage); \
+        if (last_block(done)) norm_row_cluster_bits(out, rows0 + rows1 + rows2, nw, eps, nout, noutq);         \
     }
 
 MMV_KERNEL(mmv_f32, FMT_F32)
@@ -1833,6 +1865,46 @@ extern "C" __global__ void CLUSTER_DIMS rms_norm_q8_cluster(float* x, const floa
 #endif
 }
 
+// rms_norm_q8_cluster's bits for one row without a combine, from the one block of NORM_CLUSTER_THREADS threads
+// that calls it (the last block of a `_t1_norm` product, which wrote `x` with the other blocks: read from L2): the
+// block plays the cluster's blocks r = 0 .. NORM_CLUSTER − 1 in turn for the sums of squares (the same groups,
+// order and butterfly as norm_slice_sum, each slice's warp sums added in warp order from zero and the slices' in
+// rank order), then scales and quantizes every Q8 block as norm_slice_out does. n % 32 == 0, x 16-byte aligned.
+static_assert(32 * WARPS == NORM_CLUSTER_THREADS, "a one-token product's block plays the norm cluster's blocks");
+__device__ void norm_row_cluster_bits(const float* x, int n, const float* w, float eps, float* out, Q8* outq) {
+    __shared__ double red[NORM_CLUSTER][NORM_CLUSTER_THREADS / 32];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, nb = n / 32;
+    for (int r = 0; r < NORM_CLUSTER; r++) {
+        const int b0 = r * nb / NORM_CLUSTER, b1 = (r + 1) * nb / NORM_CLUSTER;
+        const int e0 = 32 * b0, m = 32 * (b1 - b0);
+        double ss = 0.0;
+        for (int i = 4 * tid; i < m; i += 4 * NORM_CLUSTER_THREADS) {
+            const float4 a = __ldcg((const float4*)(x + e0 + i));
+            const float v[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+            for (int q = 0; q < 4; q++) ss += (double)v[q] * (double)v[q];
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        if (lane == 0) red[r][warp] = ss;
+    }
+    __syncthreads();
+    double tot = 0.0;
+#pragma unroll
+    for (int r = 0; r < NORM_CLUSTER; r++) {
+        double t = 0.0;
+#pragma unroll
+        for (int i = 0; i < NORM_CLUSTER_THREADS / 32; i++) t += red[r][i];
+        tot += t;
+    }
+    const float scale = 1.0f / sqrtf((float)(tot / (double)n) + eps);
+    for (int j = warp; j < nb; j += NORM_CLUSTER_THREADS / 32) {
+        const float v = __ldcg(x + 32 * j + lane) * scale * w[32 * j + lane];
+        out[32 * j + lane] = v;
+        quantize_block_warp(v, outq + j, lane);
+    }
+}
+
 // The cluster kernel's arithmetic on prefill chunks (more than 8 rows, the host's MAX_NT; sm_90+ where the cluster
 // kernel runs): the same bits from one block of NORM_CLUSTER warps per row, warp r doing slice r. Lane l of warp r
 // plays thread 32·v + l of the cluster's block r for each of its NORM_CLUSTER_THREADS / 32 warps v in turn
@@ -1888,6 +1960,16 @@ extern "C" __global__ void __launch_bounds__(NORM_CLUSTER * 32)
     }
 }
 
+// One head's RMSNorm in place by a warp (x: hd values, w: hd weights): the sum of squares in double, lane l taking
+// values l, l + 32, ... in order, then the butterfly; scale 1 / sqrt(mean + eps) as the CPU path's norm.
+__device__ __forceinline__ void head_norm_warp(float* x, const float* w, int hd, float eps, int lane) {
+    double ss = 0.0;
+    for (int j = lane; j < hd; j += 32) ss += (double)x[j] * (double)x[j];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float scale = 1.0f / sqrtf((float)(ss / hd) + eps);
+    for (int j = lane; j < hd; j += 32) x[j] = __fmul_rn(__fmul_rn(x[j], scale), w[j]);
+}
+
 // Before RoPE, for the architectures that have them (one block of QKV_PREP_THREADS threads per token row of
 // qkv, in place): the projection biases `bias` (qd + 2 * kvd values laid out as the row, [q | k | v]; null =
 // none) are added, then the queries and keys are RMS-normalized — mode 1: each head's hd values with the
@@ -1907,15 +1989,8 @@ extern "C" __global__ void qkv_prep(float* qkv, const float* bias, const float* 
     }
     if (mode == 1) {
         // one warp per head, q heads then k heads
-        for (int h = warp; h < n_head + n_head_kv; h += QKV_PREP_THREADS / 32) {
-            float* x = row + (size_t)h * hd;  // k heads follow the q heads in the row
-            const float* wv = h < n_head ? qn : kn;
-            double ss = 0.0;
-            for (int j = lane; j < hd; j += 32) ss += (double)x[j] * (double)x[j];
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            const float scale = 1.0f / sqrtf((float)(ss / hd) + eps);
-            for (int j = lane; j < hd; j += 32) x[j] = __fmul_rn(__fmul_rn(x[j], scale), wv[j]);
-        }
+        for (int h = warp; h < n_head + n_head_kv; h += QKV_PREP_THREADS / 32)
+            head_norm_warp(row + (size_t)h * hd, h < n_head ? qn : kn, hd, eps, lane);  // k heads follow the q heads
     } else if (mode == 2) {
         for (int part = 0; part < 2; part++) {
             float* x = row + (part ? qd : 0);
@@ -2014,6 +2089,65 @@ extern "C" __global__ void rope_store(const float* qkv, const float2* cs, int n_
         kc[h * hd + p + 1] = float_to_half(o.y);
     }
     for (int j = j0; j < kvd; j += js) vc[j] = float_to_half(src[qd + kvd + j]);
+}
+
+// qkv_prep (modes 0 and 1) and rope_store in one launch, with their bits: one warp per head of a token row (the
+// n_head q heads, then the n_head_kv k heads, then the n_head_kv v heads, as the row lays them out) adds the head's
+// biases (`bias` as qkv_prep takes it; null = none), RMS-normalizes a q or k head with qn / kn (mode 1: qkv_prep's
+// sums of squares in double, in its order), rotates it (rope_store's pairs and rounded products), and writes q
+// rounded to f16 precision into `q`, k and v as f16 into the cache at position pos0 + i. `qkv` is read, not
+// rewritten. hd <= QRS_MAX_HD, even. Grid: (t, ceil((n_head + 2 * n_head_kv) / QRS_WARPS)); block: 32 * QRS_WARPS.
+#define QRS_WARPS 4
+#define QRS_MAX_HD 256
+extern "C" __global__ void __launch_bounds__(32 * QRS_WARPS)
+    qkv_rope_store(const float* qkv, const float* bias, const float* qn, const float* kn, int mode, float eps,
+                   const float2* cs, int n_head, int n_head_kv, int hd, int n_rot, const int* pos, float* q,
+                   u16* kcache, u16* vcache, int neox) {
+    pdl_entry();
+    __shared__ float xs[QRS_WARPS][QRS_MAX_HD];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int h = blockIdx.y * QRS_WARPS + warp, i = blockIdx.x;
+    if (h >= n_head + 2 * n_head_kv) return;  // a whole warp; the block never syncs
+    const int pos0 = *pos;
+    const int qd = n_head * hd, kvd = n_head_kv * hd;
+    const float* src = qkv + (size_t)i * (qd + 2 * kvd) + (size_t)h * hd;
+    const float* b = bias ? bias + (size_t)h * hd : nullptr;
+    if (h >= n_head + n_head_kv) {
+        u16* vc = vcache + (size_t)(pos0 + i) * kvd + (size_t)(h - n_head - n_head_kv) * hd;
+        for (int j = lane; j < hd; j += 32) vc[j] = float_to_half(b ? __fadd_rn(src[j], b[j]) : src[j]);
+        return;
+    }
+    float* x = xs[warp];
+    for (int j = lane; j < hd; j += 32) x[j] = b ? __fadd_rn(src[j], b[j]) : src[j];
+    __syncwarp();
+    if (mode == 1) head_norm_warp(x, h < n_head ? qn : kn, hd, eps, lane);
+    __syncwarp();
+    const float2* c = cs + (size_t)i * (n_rot / 2);
+    const bool is_k = h >= n_head;
+    float* qo = q + (size_t)i * qd + (size_t)h * hd;
+    u16* ko = kcache + (size_t)(pos0 + i) * kvd + (size_t)(h - n_head) * hd;
+    const int half = n_rot / 2;
+    for (int r = lane; r < hd / 2; r += 32) {
+        int pa, pb;
+        float2 o;
+        if (neox) {
+            // pairs (r, r + n_rot/2) below n_rot/2; the unrotated tail in adjacent pairs
+            pa = r < half ? r : n_rot + 2 * (r - half);
+            pb = r < half ? r + half : pa + 1;
+            o = r < half ? rotate(x[pa], x[pb], c[r]) : make_float2(x[pa], x[pb]);
+        } else {
+            pa = 2 * r;
+            pb = pa + 1;
+            o = pa < n_rot ? rotate(x[pa], x[pb], c[r]) : make_float2(x[pa], x[pb]);
+        }
+        if (is_k) {
+            ko[pa] = float_to_half(o.x);
+            ko[pb] = float_to_half(o.y);
+        } else {
+            qo[pa] = f16_round(o.x);
+            qo[pb] = f16_round(o.y);
+        }
+    }
 }
 
 // Element `e` of one head of k after RoPE (x: the head's hd values; the same rounded products as rope_store).
@@ -2754,21 +2888,31 @@ __device__ __forceinline__ void att_dec_copy(u8* dst, int ds, const u8* src, siz
 
 template <int HD, int KVQ>
 __device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc, int n_head, int n_head_kv,
-                                      const int* pos, float scale, float* part, int window, int chunk, int ngrp) {
+                                      const int* pos, float scale, float* part, int window, int chunk, int ngrp,
+                                      int pre) {
     constexpr int LD = HD + 8;                     // shared row stride in halves (as attention_tiled)
     constexpr int SB = 2 * ATT_DTILE * LD * 2;     // bytes of a stage: K and V tiles
     constexpr int NST = KVQ ? 1 : 2;               // stages
-    pdl_entry();
+    pdl_trigger();
     extern __shared__ __align__(16) u8 dsm[];
     const int G = n_head / n_head_kv;
     const int kh = blockIdx.x / ngrp, gb = (G + ngrp - 1) / ngrp;
     const int h0 = kh * G + (blockIdx.x % ngrp) * gb;
     const int gcnt = min(gb, kh * G + G - h0);
     const int i = blockIdx.y, z = blockIdx.z;
-    const int n = *pos + i + 1;
+    // Before the wait this kernel reads only what no kernel of this pass writes: pos0 (the pass's input) and K/V rows
+    // of earlier passes. Both hold because every pass starts with host-to-device copies of its inputs (Stage::chunk:
+    // embeddings and the RoPE table with pos0), which wait for every earlier kernel on the stream, and only the
+    // RoPE kernels write the cache (rows pos0 .. of this pass). A pass without input copies would need the wait
+    // first.
+    const int pos0 = *pos, n = pos0 + i + 1;
     const int p0 = max(z * chunk, window > 0 ? n - window : 0), p1 = min(z * chunk + chunk, n);
     if (gcnt <= 0) return;
+    // a tile whose positions all precede pos0 holds K/V rows of earlier passes (this pass's rope_store writes rows
+    // pos0 ..): with `pre`, its copy starts before the wait, overlapping the kernels before this one
+    auto old = [&](int t) { return pre && p0 < p1 && min(p0 + (t + 1) * ATT_DTILE, p1) <= pos0; };
     if (p0 >= p1) {
+        pdl_wait();  // `part` may still be read by an earlier kernel
         if (threadIdx.x < gcnt) {
             float* pr = part + (((size_t)i * n_head + h0 + threadIdx.x) * gridDim.z + z) * (HD + 2);
             pr[0] = -INFINITY;
@@ -2814,9 +2958,13 @@ __device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc
             }
         }
     };
-    issue(0);
+    // (the copies issued before the wait join the first group committed after it: its waits only get stricter)
+    if (old(0)) issue(0);
+    if (NST > 1 && ntile > 1 && old(1)) issue(1);
+    pdl_wait();
+    if (!old(0)) issue(0);
     cp_async_commit();
-    if (NST > 1 && ntile > 1) issue(1);
+    if (NST > 1 && ntile > 1 && !old(1)) issue(1);
     cp_async_commit();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
     // Q fragments: rows g and g + 8 are heads h0 + g and h0 + g + 8 (zeros past gcnt)
@@ -2938,9 +3086,9 @@ __device__ void attention_decode_body(const float* q, const u8* kc, const u8* vc
 #define ATT_DECODE_KERNEL(NAME, HD, KVQ)                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * ATT_DWARPS)                                                 \
         NAME(const float* q, const u8* kcache, const u8* vcache, int n_head, int n_head_kv, const int* pos,      \
-             float scale, float* part, int window, int chunk, int ngrp) {                                         \
+             float scale, float* part, int window, int chunk, int ngrp, int pre) {                                \
         attention_decode_body<HD, KVQ>(q, kcache, vcache, n_head, n_head_kv, pos, scale, part, window, chunk,      \
-                                       ngrp);                                                                     \
+                                       ngrp, pre);                                                                \
     }
 ATT_DECODE_KERNEL(attention_decode_64, 64, 0)
 ATT_DECODE_KERNEL(attention_decode_80, 80, 0)
@@ -3063,6 +3211,26 @@ extern "C" __global__ void route_topk(const float* logits, int n_expert, int k, 
     }
     __syncwarp();
     topk_warp(ls, n_expert, k, i, ids, w, table, groups, flag, win, norm);
+}
+
+// One token's router product over f32 weights (n_expert rows; mmv_f32_t1's blocks, sums and logits) and
+// route_topk in one launch, with their bits: every block writes its RPW logits, and the block that finishes last
+// (last_block) runs route_topk's warp over all of them, read back from L2. Arguments after `done` as route_topk's (token 0). Grid: ceil(n_expert / RPW); block: 32 * WARPS;
+// n_expert <= TOPK_MAX_EXPERTS, k <= 32, *done 0 before the first launch.
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+    route_f32_t1(const u8* __restrict__ w, int n_expert, int cols, const float* xf, float* logits, unsigned* done,
+                 int k, int* ids, float* wout, const int* table, Group* groups, int* flag, int* win, int norm,
+                 const float* bias) {
+    pdl_trigger();
+    mmv_float_body<FMT_F32, 1, true>(w, nullptr, nullptr, n_expert, 0, 0, cols, xf, cols, logits, n_expert, 0);
+    __shared__ float ls[TOPK_MAX_EXPERTS];
+    if (!last_block(done) || threadIdx.x >= 32) return;
+    for (int e = threadIdx.x; e < n_expert; e += 32) {
+        const float v = __ldcg(logits + e);
+        ls[e] = bias ? v + bias[e] : v;
+    }
+    __syncwarp();
+    topk_warp(ls, n_expert, k, 0, ids, wout, table, groups, flag, win, norm);
 }
 
 // Groups of up to MAX_NT tokens per expert from a prefill chunk's routing (every expert in VRAM): the n_pairs =

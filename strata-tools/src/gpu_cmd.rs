@@ -1519,6 +1519,17 @@ fn check_kernels(
         worst = worst.max(if ids_equal { werr } else { 1.0 });
         kern.push(serde_json::json!({"kernel": "route_topk", "mode": 2, "ids_equal": ids_equal, "w_abs_err": werr}));
     }
+    // 1d. the fused launches against the two each replaces, bit for bit: q/k norms and biases with RoPE and the KV
+    // store (qkv_rope_store against qkv_prep + rope_store), a decode token's f32 router product with its top-k
+    // (route_f32_t1 against the product + route_topk, launched twice: its counter starts the next launch at 0)
+    // and a decode token's attention output with the FFN norm (mmv_<fmt>_t1_norm against the product +
+    // rms_norm_q8_cluster)
+    for (kernel, same) in check_fused(&ops, &mut seed)? {
+        if same == Some(false) {
+            worst = 1.0;
+        }
+        kern.push(serde_json::json!({"kernel": kernel, "same_bits": same}));
+    }
     // 1b'. gpt-oss's gated unit: gate/up biases by the routing entry's expert and the clamped SwiGLU, in the
     // one-token (narrow and wide) and several-token kernels
     println!("{:<6} {:>6} {:>6} {:>3} {:>12}", "oai", "e", "ff", "t", "rel_err_cpu");
@@ -1539,6 +1550,211 @@ fn check_kernels(
     report.insert("kernels".into(), kern.into());
     report.insert("kernels_worst_rel_err_vs_cpu".into(), worst.into());
     Ok(())
+}
+
+/// Section 1d of [`check_kernels`], each result printed as it comes: whether `qkv_rope_store` gives the bits of
+/// `qkv_prep` + `rope_store`, `route_f32_t1` those of the router product + `route_topk`, and `mmv_<fmt>_t1_norm`
+/// those of the product + `rms_norm_q8_cluster`, over several shapes (kernel name, `None` where the kernel is not
+/// loaded: `STRATA_GPU_FUSE=0`, or the norm's without `STRATA_GPU_FUSE_NORM=1`). Errors: the driver's.
+fn check_fused(ops: &strata::backend::cuda::ops::Ops, seed: &mut u64) -> Result<Vec<(&'static str, Option<bool>)>> {
+    let said = |kernel: &str, same: Option<bool>| {
+        let word = match same {
+            Some(true) => "same bits",
+            Some(false) => "BITS DIFFER",
+            None => "not loaded",
+        };
+        println!("fused  {kernel}: {word} as the launches it replaces");
+    };
+    let mut out = Vec::new();
+    use strata::backend::cuda::driver::DevBuf;
+    use strata::backend::cuda::ops::{DMat, KvPtrs, GROUP_BYTES};
+    let unit = |seed: &mut u64| (rng(seed) % 20001) as f32 / 10000.0 - 1.0;
+    let mut same_rope = Some(true);
+    // (n_head, n_head_kv, hd, n_rot, neox, mode, bias, t): Qwen3's per-head norms, biases alone (Qwen2), partial
+    // rotation of an 80-wide head, 256-wide heads, RoPE alone
+    for &(nh, nkv, hd, n_rot, neox, mode, with_bias, t) in &[
+        (32usize, 4usize, 128usize, 128usize, true, 1i32, false, 1usize),
+        (8, 2, 64, 64, false, 0, true, 3),
+        (4, 4, 80, 32, true, 1, true, 2),
+        (5, 1, 80, 48, false, 1, false, 1),
+        (8, 4, 256, 256, true, 1, true, 1),
+        (6, 2, 96, 64, false, 0, false, 5),
+    ] {
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let (pos0, n_ctx) = (7usize, 7 + t + 3);
+        let qkv: Vec<f32> = (0..t * (qd + 2 * kvd)).map(|_| unit(seed) * 3.0).collect();
+        let bias: Vec<f32> = (0..qd + 2 * kvd).map(|_| unit(seed)).collect();
+        let (qn, kn): (Vec<f32>, Vec<f32>) =
+            ((0..hd).map(|_| unit(seed) + 1.5).collect(), (0..hd).map(|_| unit(seed) + 1.5).collect());
+        let cs: Vec<f32> = (0..t * n_rot / 2)
+            .flat_map(|j| {
+                let a = (pos0 * 31 + j * 7) as f32 * 0.013;
+                [a.cos(), a.sin()]
+            })
+            .collect();
+        let (dbias, dqn, dkn, dcs) =
+            (DevBuf::from_slice(&bias)?, DevBuf::from_slice(&qn)?, DevBuf::from_slice(&kn)?, DevBuf::from_slice(&cs)?);
+        let pos = DevBuf::from_slice(&[pos0 as i32])?;
+        let prep = (mode == 1 || with_bias).then_some((
+            if with_bias { dbias.ptr } else { 0 },
+            dqn.ptr,
+            dkn.ptr,
+            mode,
+            1e-6f32,
+        ));
+        let mut outs = Vec::new();
+        for fused in [false, true] {
+            let dqkv = DevBuf::from_slice(&qkv)?;
+            let q = DevBuf::from_slice(&vec![f32::NAN; t * qd])?;
+            let (kc, vc) = (
+                DevBuf::from_slice(&vec![0xabcdu16; n_ctx * kvd])?,
+                DevBuf::from_slice(&vec![0xabcdu16; n_ctx * kvd])?,
+            );
+            let kv = KvPtrs { k: kc.ptr, v: vc.ptr, q8: false };
+            if fused {
+                if !ops.qkv_rope_store(dqkv.ptr, prep, dcs.ptr, (nh, nkv, hd), n_rot, pos.ptr, t, q.ptr, kv, neox)? {
+                    same_rope = None;
+                    break;
+                }
+            } else {
+                if let Some((b, qn, kn, mode, eps)) = prep {
+                    ops.qkv_prep(dqkv.ptr, b, qn, kn, mode, (nh, nkv, hd), eps, t)?;
+                }
+                ops.rope_store(dqkv.ptr, dcs.ptr, nh, nkv, hd, n_rot, pos.ptr, t, q.ptr, kv, neox)?;
+            }
+            ops.s.sync()?;
+            let (mut hq, mut hk, mut hv) = (vec![0f32; t * qd], vec![0u16; n_ctx * kvd], vec![0u16; n_ctx * kvd]);
+            q.read_sync(0, &mut hq)?;
+            kc.read_sync(0, &mut hk)?;
+            vc.read_sync(0, &mut hv)?;
+            outs.push((hq.iter().map(|v| v.to_bits()).collect::<Vec<u32>>(), hk, hv));
+        }
+        if same_rope.is_none() {
+            break;
+        }
+        same_rope = Some(same_rope == Some(true) && outs[0] == outs[1]);
+    }
+    said("qkv_rope_store", same_rope);
+    out.push(("qkv_rope_store", same_rope));
+    let mut same_route = Some(true);
+    // (experts, width, top-k, norm mode, bias, device groups and window record)
+    for &(ne, cols, k, norm, with_bias, fast) in &[
+        (128usize, 2048usize, 8usize, 1i32, false, true),
+        (60, 256, 4, 0, false, false),
+        (32, 2880, 4, 2, true, true),
+        (1000, 512, 32, 1, false, true),
+    ] {
+        let w: Vec<f32> = (0..ne * cols).map(|_| unit(seed) * 0.1).collect();
+        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let router = DMat::upload(&bytes, GgmlType::F32, ne, cols)?;
+        let x = DevBuf::from_slice(&(0..cols).map(|_| unit(seed)).collect::<Vec<f32>>())?;
+        let bias = DevBuf::from_slice(&(0..ne).map(|_| unit(seed)).collect::<Vec<f32>>())?;
+        let table: Vec<i32> = (0..ne as i32).map(|e| if e % 3 == 1 { -1 } else { e * 2 }).collect();
+        let table = DevBuf::from_slice(&table)?;
+        let done = DevBuf::from_slice(&[0u32])?;
+        let mode = (norm, if with_bias { bias.ptr } else { 0 });
+        let mut outs = Vec::new();
+        for launch in 0..3 {
+            let logits = DevBuf::from_slice(&vec![f32::NAN; ne])?;
+            let (ids, wt, win) = (
+                DevBuf::from_slice(&vec![-1i32; k])?,
+                DevBuf::from_slice(&vec![f32::NAN; k])?,
+                DevBuf::from_slice(&vec![-1i32; k])?,
+            );
+            let (groups, flag) =
+                (DevBuf::from_slice(&vec![0xeeu8; k * GROUP_BYTES])?, DevBuf::from_slice(&vec![-1i32; k])?);
+            let f = fast.then_some((table.ptr, groups.ptr, flag.ptr));
+            let winp = if fast { win.ptr } else { 0 };
+            if launch == 0 {
+                ops.mmv(&[&router], 0, x.ptr, 1, logits.ptr, ne, false, None)?;
+                ops.route_topk(logits.ptr, ne, k, 1, ids.ptr, wt.ptr, f, winp, mode)?;
+            } else if !ops.route_f32_t1(&router, x.ptr, logits.ptr, done.ptr, k, ids.ptr, wt.ptr, f, winp, mode)? {
+                same_route = None;
+                break;
+            }
+            ops.s.sync()?;
+            let (mut hl, mut hi, mut hw, mut hwin, mut hg, mut hf) = (
+                vec![0f32; ne],
+                vec![0i32; k],
+                vec![0f32; k],
+                vec![0i32; k],
+                vec![0u8; k * GROUP_BYTES],
+                vec![0i32; k],
+            );
+            logits.read_sync(0, &mut hl)?;
+            ids.read_sync(0, &mut hi)?;
+            wt.read_sync(0, &mut hw)?;
+            win.read_sync(0, &mut hwin)?;
+            groups.read_sync(0, &mut hg)?;
+            flag.read_sync(0, &mut hf)?;
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            outs.push((bits(&hl), hi, bits(&hw), hwin, hg, hf));
+        }
+        let mut d = [0u32];
+        done.read_sync(0, &mut d)?;
+        if same_route.is_none() {
+            break;
+        }
+        same_route = Some(same_route == Some(true) && outs[0] == outs[1] && outs[1] == outs[2] && d[0] == 0);
+    }
+    said("route_f32_t1", same_route);
+    out.push(("route_f32_t1", same_route));
+    let mut same_norm = Some(true);
+    // (format, rows = the norm's width, columns): widths whose Q8 blocks split unevenly over the norm's 8 slices
+    for &(ty, n, cols) in &[
+        (GgmlType::Q4_0, 2048usize, 4096usize),
+        (GgmlType::Q8_0, 2880, 4096),
+        (GgmlType::Q4_K, 4096, 1024),
+        (GgmlType::Q6_K, 96, 512),
+        (GgmlType::F32, 800, 320),
+        (GgmlType::F16, 2048, 256),
+    ] {
+        let w = random_rows(ty, n, cols, seed);
+        let mat = DMat::upload(&w, ty, n, cols)?;
+        let mut a = Act::default();
+        a.resize(1, cols);
+        for v in a.f.iter_mut() {
+            *v = unit(seed);
+        }
+        a.quantize();
+        let (af, aq) = (DevBuf::from_slice(&a.f)?, DevBuf::from_slice(&q8_bytes(&a))?);
+        let x0: Vec<f32> = (0..n).map(|_| unit(seed) * 4.0).collect();
+        let nw = DevBuf::from_slice(&(0..n).map(|_| unit(seed) + 1.0).collect::<Vec<f32>>())?;
+        let done = DevBuf::from_slice(&[0u32])?;
+        let mut outs = Vec::new();
+        for launch in 0..3 {
+            let x = DevBuf::from_slice(&x0)?;
+            let y = DevBuf::from_slice(&vec![f32::NAN; n])?;
+            let yq = DevBuf::from_slice(&vec![0xeeu8; n / 32 * strata::backend::cuda::ops::Q8_BYTES])?;
+            if launch == 0 {
+                ops.mmv(&[&mat], aq.ptr, af.ptr, 1, x.ptr, n, true, None)?;
+                if !ops.rms_norm_q8_cluster(x.ptr, nw.ptr, 1e-5, n, 1, y.ptr, yq.ptr, None)? {
+                    same_norm = None;
+                    break;
+                }
+            } else if !ops.mmv_norm(&mat, (aq.ptr, af.ptr), x.ptr, (nw.ptr, 1e-5), y.ptr, yq.ptr, done.ptr)? {
+                same_norm = None;
+                break;
+            }
+            ops.s.sync()?;
+            let (mut hx, mut ho, mut hq) =
+                (vec![0f32; n], vec![0f32; n], vec![0u8; n / 32 * strata::backend::cuda::ops::Q8_BYTES]);
+            x.read_sync(0, &mut hx)?;
+            y.read_sync(0, &mut ho)?;
+            yq.read_sync(0, &mut hq)?;
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            outs.push((bits(&hx), bits(&ho), hq));
+        }
+        let mut d = [0u32];
+        done.read_sync(0, &mut d)?;
+        if same_norm.is_none() {
+            break;
+        }
+        same_norm = Some(same_norm == Some(true) && outs[0] == outs[1] && outs[1] == outs[2] && d[0] == 0);
+    }
+    said("mmv_t1_norm", same_norm);
+    out.push(("mmv_t1_norm", same_norm));
+    Ok(out)
 }
 
 /// The forward-pass checks of [`check`] (section 2) into `report`, and the report written where `a.json` says.

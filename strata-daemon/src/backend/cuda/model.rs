@@ -134,6 +134,10 @@ pub(super) struct Bufs<B = DevBuf> {
     pub(super) logits: B,
     /// Routed experts of every layer of a window (`n_layer × t × k`), read once after the window.
     pub(super) win_ids: B,
+    /// Counters of the kernels whose last block finishes a launch's work ([`DONE_ROUTE`], [`DONE_NORM`]): u32s,
+    /// zero when a stage is loaded and after every launch (the kernels using one run on the stage's one stream,
+    /// each after the one before it has finished).
+    pub(super) done: B,
     /// Split-K attention partials of a long context's decode rows (`None`: contexts of at most
     /// [`super::ops::ATT_SPLIT_MIN`] positions, or `STRATA_ATTN_SPLIT=0`).
     pub(super) attn_part: Option<B>,
@@ -478,6 +482,7 @@ pub(super) fn make_bufs<B>(
         sh: alloc(4 * if c.n_ff_shexp > 0 { t * e } else { 1 })?,
         logits: alloc(4 * if last { t * c.n_vocab } else { 1 })?,
         win_ids: alloc(4 * c.n_layer * t * kk)?,
+        done: alloc(4 * DONE_COUNTERS)?,
         attn_part: if cfg.n_ctx > super::ops::ATT_SPLIT_MIN
             && super::ops::split_applies(cfg.n_ctx, 1, c.head_dim)
             && std::env::var("STRATA_ATTN_SPLIT").map_or(true, |v| v != "0")
@@ -488,6 +493,13 @@ pub(super) fn make_bufs<B>(
         },
     })
 }
+
+/// u32 counters in [`Bufs::done`].
+const DONE_COUNTERS: usize = 4;
+/// Byte offset in [`Bufs::done`] of `route_f32_t1`'s counter.
+pub(super) const DONE_ROUTE: usize = 0;
+/// Byte offset in [`Bufs::done`] of `mmv_<fmt>_t1_norm`'s counter.
+pub(super) const DONE_NORM: usize = 4;
 
 /// The device allocations [`Stage::load`] makes for `layers` of `model` (with the output head when `last`), in
 /// bytes as asked of the driver, by kind. The placement plan's trial allocates these
@@ -771,6 +783,7 @@ impl Stage {
             vc.push(DevBuf::alloc(super::ops::KvPtrs::bytes(kv_q8, cfg.n_ctx, kvd))?);
         }
         let b = make_bufs(c, cfg, last, float_router, DevBuf::alloc)?;
+        b.done.write_sync(0, &[0u32; DONE_COUNTERS])?;
         let t = cfg.max_chunk.max(1);
         let s = Stream::new()?;
         let (pf_s, pf_ready, routed_ev) = (Stream::new()?, super::driver::Event::new()?, super::driver::Event::new()?);
@@ -990,7 +1003,9 @@ impl Stage {
         host.cs.extend([f32::from_bits(pos0 as u32), 0.0]);
         host.cs.extend(host.rope.iter().flat_map(|&(cv, sv)| [cv, sv]));
         // both through page-locked staging, stream-ordered before the pass's kernels (no wait here); the previous
-        // pass's copies out of it are done first (it may have returned before its work was)
+        // pass's copies out of it are done first (it may have returned before its work was). These copies also
+        // wait for every earlier kernel on the stream: the decode attention reads pos0 and the K/V rows of earlier
+        // passes before its programmatic-launch wait (attention_decode_body), so every pass must start with them.
         if let Some(e) = &host.inputs_read {
             e.sync()?;
         }
@@ -1284,10 +1299,26 @@ impl Stage {
     ) -> Result<(), GpuError> {
         let b = &self.b;
         let ne = router.rows;
+        let mode = (self.gating, bias.map_or(0, |b| b.router.ptr));
+        if t == 1
+            && ops.route_f32_t1(
+                router,
+                b.xn.ptr,
+                b.rl.ptr,
+                b.done.at(DONE_ROUTE),
+                kk,
+                b.ids.ptr,
+                b.w.ptr,
+                fast,
+                win,
+                mode,
+            )?
+        {
+            return Ok(());
+        }
         if !ops.mmf_split(router, b.xn.ptr, t, b.rl.ptr, ne, false, b.rpart.ptr)? {
             ops.mmv(&[router], b.xq.ptr, b.xn.ptr, t, b.rl.ptr, ne, false, None)?;
         }
-        let mode = (self.gating, bias.map_or(0, |b| b.router.ptr));
         ops.route_topk(b.rl.ptr, ne, kk, t, b.ids.ptr, b.w.ptr, fast, win, mode)
     }
 

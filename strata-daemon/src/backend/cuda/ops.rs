@@ -17,6 +17,8 @@ pub const NORM_THREADS: u32 = 256;
 /// Blocks per row and threads per block of `rms_norm_q8_cluster` (NORM_CLUSTER, NORM_CLUSTER_THREADS).
 pub const NORM_CLUSTER: u32 = 8;
 const NORM_CLUSTER_THREADS: u32 = 128;
+/// The widest row the norms take (NORM_MAX in kernels/strata.cu).
+const NORM_MAX: usize = 8192;
 /// Warps per block of the product kernels.
 pub const WARPS: u32 = 4;
 /// Rows one warp computes in the dense and expert-down products (gate/up: the gate and up row of one index).
@@ -169,6 +171,12 @@ pub fn tiled_applies(t: usize, kvd: usize) -> bool {
 
 /// Query heads per block of the grouped decode attention (`ATT_DG` in strata.cu: the 16 rows of its products).
 const ATT_DG: usize = 16;
+/// Warps per block of `qkv_rope_store` (QRS_WARPS in strata.cu), a warp per head.
+const QRS_WARPS: usize = 4;
+/// The largest head size `qkv_rope_store` takes (QRS_MAX_HD in strata.cu: its shared row per warp).
+const QRS_MAX_HD: usize = 256;
+/// Experts `route_topk` and `route_f32_t1` take at most (TOPK_MAX_EXPERTS in strata.cu).
+const TOPK_MAX_EXPERTS: usize = 1024;
 /// Positions per shared-memory tile of the grouped decode attention (`ATT_DTILE`: 16 per warp).
 const ATT_DTILE: usize = 64;
 /// Most chunks the grouped decode attention cuts a row's positions into.
@@ -177,6 +185,14 @@ const ATT_DEC_MAX_Z: usize = 128;
 /// per SM on the cards it runs on, so that every block's K/V copies are in flight at once), unless
 /// `STRATA_GPU_ATT_BLOCKS` says otherwise (for measurements; read once).
 const ATT_DEC_BLOCKS: usize = 512;
+
+/// Whether the grouped decode attention starts copying the K/V tiles of earlier passes' positions before it waits
+/// for the kernels before it (`pre`; the same bits either way): unless `STRATA_GPU_ATT_PRE=0` (read once; for A/B
+/// measurements).
+fn att_pre() -> bool {
+    static P: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *P.get_or_init(|| !std::env::var("STRATA_GPU_ATT_PRE").is_ok_and(|v| v == "0"))
+}
 
 /// [`ATT_DEC_BLOCKS`], or `STRATA_GPU_ATT_BLOCKS` where that is a positive number.
 fn att_dec_blocks() -> usize {
@@ -393,6 +409,43 @@ fn mmv_args(mats: &[&DMat], xq: u64, xf: u64, t: usize, out: u64, out_stride: us
         .i32(accumulate as i32)
 }
 
+/// `a` followed by the arguments `route_topk` and `route_f32_t1` end with (see [`Ops::route_topk`]).
+fn topk_args(
+    a: Args,
+    k: usize,
+    (ids, w): (u64, u64),
+    fast: Option<(u64, u64, u64)>,
+    win: u64,
+    (norm, bias): (i32, u64),
+) -> Args {
+    let (table, groups, flag) = fast.unwrap_or((0, 0, 0));
+    a.i32(k as i32).ptr(ids).ptr(w).ptr(table).ptr(groups).ptr(flag).ptr(win).i32(norm).ptr(bias)
+}
+
+/// `a` followed by the arguments the RoPE kernels (`rope_store`, `rope_store_q8`, `qkv_rope_store`) end with.
+#[allow(clippy::too_many_arguments)]
+fn rope_args(
+    a: Args,
+    cs: u64,
+    (n_head, n_head_kv, hd): (usize, usize, usize),
+    n_rot: usize,
+    pos: u64,
+    q: u64,
+    kv: KvPtrs,
+    neox: bool,
+) -> Args {
+    a.ptr(cs)
+        .i32(n_head as i32)
+        .i32(n_head_kv as i32)
+        .i32(hd as i32)
+        .i32(n_rot as i32)
+        .ptr(pos)
+        .ptr(q)
+        .ptr(kv.k)
+        .ptr(kv.v)
+        .i32(neox as i32)
+}
+
 /// Kernel launches on one stream.
 pub struct Ops<'a> {
     /// The kernels.
@@ -459,6 +512,34 @@ impl Ops<'_> {
         // block formats: each warp RPW rows; float formats: each block RPW rows, its warps splitting the columns
         let per_block = if m0.ty.block_size() > 1 { WARPS as usize * RPW } else { RPW };
         f.launch(self.s, (total.div_ceil(per_block) as u32, 1, 1), 32 * WARPS, 0, args)
+    }
+
+    /// One token's `x += W · a` ([`Ops::mmv`] with `accumulate`, `mat` of `n` rows: the attention output into the
+    /// residual `x`), then `out`/`outq` = the RMSNorm (weights `w`, `eps`) + Q8 of the whole updated row of `x`, in
+    /// one launch (`mmv_<fmt>_t1_norm`: its last block normalizes, with the bits of [`Ops::rms_norm_q8_cluster`]
+    /// without a combine). `done`: the device address of a u32 that is 0 before the first launch (each launch
+    /// leaves it 0). Returns false, launching nothing, where it does not apply: the kernel not loaded (see
+    /// [`super::kernels::fuse_norm_wanted`]; only beside the cluster norm), or `n` not a multiple of 32 up to 8,192.
+    /// Errors: a launch failure.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mmv_norm(
+        &self,
+        mat: &DMat,
+        (aq, af): (u64, u64),
+        x: u64,
+        (w, eps): (u64, f32),
+        out: u64,
+        outq: u64,
+        done: u64,
+    ) -> Result<bool, GpuError> {
+        let n = mat.rows;
+        let Some(f) = self.k.mmv1_norm(mat.ty).filter(|_| n.is_multiple_of(32) && n <= NORM_MAX) else {
+            return Ok(false);
+        };
+        let args = mmv_args(&[mat], aq, af, 1, x, n, true).ptr(w).f32(eps).ptr(out).ptr(outq).ptr(done);
+        let per_block = if mat.ty.block_size() > 1 { WARPS as usize * RPW } else { RPW };
+        f.launch(self.s, (n.div_ceil(per_block) as u32, 1, 1), 32 * WARPS, 0, args)?;
+        Ok(true)
     }
 
     /// The tensor-core product of [`Ops::mmv`] for a prefill chunk of `t` > [`MAX_NT`] tokens of one block
@@ -672,18 +753,7 @@ impl Ops<'_> {
         kv: KvPtrs,
         neox: bool,
     ) -> Result<(), GpuError> {
-        let args = Args::new()
-            .ptr(qkv)
-            .ptr(cs)
-            .i32(n_head as i32)
-            .i32(n_head_kv as i32)
-            .i32(hd as i32)
-            .i32(n_rot as i32)
-            .ptr(pos)
-            .ptr(q)
-            .ptr(kv.k)
-            .ptr(kv.v)
-            .i32(neox as i32);
+        let args = rope_args(Args::new().ptr(qkv), cs, (n_head, n_head_kv, hd), n_rot, pos, q, kv, neox);
         if kv.q8 {
             // one thread per q value, one warp per 32-value K or V block
             let work = (n_head * hd).max(2 * n_head_kv * hd / 32 * 32);
@@ -691,6 +761,43 @@ impl Ops<'_> {
         }
         let pairs = (n_head * hd / 2).max(n_head_kv * hd);
         self.k.rope_store.launch(self.s, (t as u32, pairs.div_ceil(128).min(64) as u32, 1), 128, 0, args)
+    }
+
+    /// Whether [`Ops::qkv_rope_store`] launches for a layer with this cache (`q8`: Q8_0), `qkv_prep` mode (0 where the
+    /// layer has no prep) and head size: the kernel is loaded, an f16 cache, not mode 2, a head size of at most 256.
+    pub fn qkv_rope_store_applies(&self, q8: bool, mode: i32, hd: usize) -> bool {
+        self.k.qkv_rope_store.is_some() && !q8 && mode != 2 && hd <= QRS_MAX_HD
+    }
+
+    /// [`Ops::qkv_prep`] (modes 0 and 1) and [`Ops::rope_store`] over an f16 cache in one launch with their bits
+    /// (the kernel `qkv_rope_store`: one warp per q, k or v head of each of the `t` rows; `qkv` is read, not
+    /// rewritten). `prep`: (`bias`, `qn`, `kn`, `mode`, `eps`) as `qkv_prep` takes them; `None` = no prep (RoPE and
+    /// store only). Returns false, launching nothing, where it does not apply: the kernel not loaded
+    /// ([`super::kernels::fuse_wanted`]), a Q8_0 cache, mode 2 (a norm across heads), a head size above 256.
+    /// Errors: a launch failure.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_rope_store(
+        &self,
+        qkv: u64,
+        prep: Option<(u64, u64, u64, i32, f32)>,
+        cs: u64,
+        (n_head, n_head_kv, hd): (usize, usize, usize),
+        n_rot: usize,
+        pos: u64,
+        t: usize,
+        q: u64,
+        kv: KvPtrs,
+        neox: bool,
+    ) -> Result<bool, GpuError> {
+        let (bias, qn, kn, mode, eps) = prep.unwrap_or((0, 0, 0, 0, 0.0));
+        let Some(f) = self.k.qkv_rope_store.as_ref().filter(|_| self.qkv_rope_store_applies(kv.q8, mode, hd)) else {
+            return Ok(false);
+        };
+        let head = Args::new().ptr(qkv).ptr(bias).ptr(qn).ptr(kn).i32(mode).f32(eps);
+        let args = rope_args(head, cs, (n_head, n_head_kv, hd), n_rot, pos, q, kv, neox);
+        let heads = n_head + 2 * n_head_kv;
+        f.launch(self.s, (t as u32, heads.div_ceil(QRS_WARPS) as u32, 1), 32 * QRS_WARPS as u32, 0, args)?;
+        Ok(true)
     }
 
     /// Causal attention of `t` rows at positions `pos0..` over the cache; `pos` is the device address of pos0,
@@ -744,7 +851,8 @@ impl Ops<'_> {
                     .ptr(part)
                     .i32(window as i32)
                     .i32(chunk as i32)
-                    .i32(ngrp as i32);
+                    .i32(ngrp as i32)
+                    .i32(att_pre() as i32);
                 let grid = ((n_head_kv * ngrp) as u32, t as u32, nz as u32);
                 f.launch(self.s, grid, 128, att_decode_smem(hd, kv.q8) as u32, args)?;
                 nz as u32
@@ -836,20 +944,36 @@ impl Ops<'_> {
         win: u64,
         (norm, bias): (i32, u64),
     ) -> Result<(), GpuError> {
-        let (table, groups, flag) = fast.unwrap_or((0, 0, 0));
-        let args = Args::new()
-            .ptr(logits)
-            .i32(n_expert as i32)
-            .i32(k as i32)
-            .ptr(ids)
-            .ptr(w)
-            .ptr(table)
-            .ptr(groups)
-            .ptr(flag)
-            .ptr(win)
-            .i32(norm)
-            .ptr(bias);
+        let args = topk_args(Args::new().ptr(logits).i32(n_expert as i32), k, (ids, w), fast, win, (norm, bias));
         self.k.route_topk.launch(self.s, (t as u32, 1, 1), 32, 0, args)
+    }
+
+    /// One token's router product over an f32 `router` (`x`: the token's normalized activations, f32) into `logits`
+    /// and [`Ops::route_topk`] of it (`t` = 1; the other arguments as that takes them) in one launch with the two
+    /// launches' bits (the kernel `route_f32_t1`). `done`: the device address of a u32 that is 0 before the first
+    /// launch (each launch leaves it 0). Returns false, launching nothing, where it does not apply: the kernel not
+    /// loaded ([`super::kernels::fuse_wanted`]), a router that is not f32, more than 1,024 experts or a top-k above
+    /// 32. Errors: a launch failure.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_f32_t1(
+        &self,
+        router: &DMat,
+        x: u64,
+        logits: u64,
+        done: u64,
+        k: usize,
+        ids: u64,
+        w: u64,
+        fast: Option<(u64, u64, u64)>,
+        win: u64,
+        (norm, bias): (i32, u64),
+    ) -> Result<bool, GpuError> {
+        let ok = router.ty == GgmlType::F32 && router.rows <= TOPK_MAX_EXPERTS && k <= 32;
+        let Some(f) = self.k.route_f32_t1.as_ref().filter(|_| ok) else { return Ok(false) };
+        let head = Args::new().ptr(router.buf.ptr).i32(router.rows as i32).i32(router.cols as i32);
+        let args = topk_args(head.ptr(x).ptr(logits).ptr(done), k, (ids, w), fast, win, (norm, bias));
+        f.launch(self.s, (router.rows.div_ceil(RPW) as u32, 1, 1), 32 * WARPS, 0, args)?;
+        Ok(true)
     }
 
     /// Expert gate/up (the gated unit and biases of `glu`) over `n_groups` groups (`one`: no group has more than one

@@ -7,7 +7,7 @@
 //! prediction) as a CUDA graph and replayed; [`super::model::Stage`] records a whole decode token the same way when no
 //! layer needs the host.
 
-use super::model::{GFfn, Host, Stage};
+use super::model::{GFfn, Host, Stage, DONE_NORM};
 use super::ops::{Combine, KvPtrs, Ops as Launch};
 use super::GpuError;
 use crate::backend::{BackendError, ModelRef, Norm, Ops, Scratch};
@@ -119,7 +119,7 @@ impl GpuPass<'_, '_> {
         let (qd, kvd) = (nh * hd, nkv * hd);
         let k = self.launch();
         k.mmv(&[&gl.q, &gl.k, &gl.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false, b.part())?;
-        if let Some(pr) = &gl.prep {
+        if let Some(pr) = gl.prep.as_ref().filter(|_| !self.fused_rope(l)) {
             let bias = pr.bias.as_ref().map_or(0, |d| d.ptr);
             let (qn, kn) = pr.norm.as_ref().map_or((0, 0), |(q, k)| (q.ptr, k.ptr));
             k.qkv_prep(b.qkv.ptr, bias, qn, kn, pr.mode, (nh, nkv, hd), c.rms_eps, t)?;
@@ -133,7 +133,32 @@ impl GpuPass<'_, '_> {
         let kv = KvPtrs { k: g.kc[l - g.l0].ptr, v: g.vc[l - g.l0].ptr, q8: g.kv_q8 };
         let neox = c.spec.def.rope == crate::arch::RopeKind::Neox;
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
+        if self.fused_rope(l) {
+            // the layer's biases and q/k norms (qkv_prep, skipped by `enqueue_qkv`) with RoPE and the store
+            let prep = g.layer(l).prep.as_ref().map(|pr| {
+                let bias = pr.bias.as_ref().map_or(0, |d| d.ptr);
+                let (qn, kn) = pr.norm.as_ref().map_or((0, 0), |(q, k)| (q.ptr, k.ptr));
+                (bias, qn, kn, pr.mode, c.rms_eps)
+            });
+            let (cs, pos) = (b.cs.at(8), b.cs.ptr);
+            let k = self.launch();
+            if k.qkv_rope_store(b.qkv.ptr, prep, cs, (nh, nkv, hd), c.n_rot, pos, t, b.q.ptr, kv, neox)? {
+                return Ok(());
+            }
+            // (not launched, against `fused_rope`'s word: the two launches it replaces)
+            if let Some((bias, qn, kn, mode, eps)) = prep {
+                k.qkv_prep(b.qkv.ptr, bias, qn, kn, mode, (nh, nkv, hd), eps, t)?;
+            }
+        }
         Ok(self.launch().rope_store(b.qkv.ptr, b.cs.at(8), nh, nkv, hd, c.n_rot, b.cs.ptr, t, b.q.ptr, kv, neox)?)
+    }
+
+    /// Whether layer `l`'s biases and q/k norms run inside its RoPE and KV store (`qkv_rope_store`, see
+    /// [`Launch::qkv_rope_store_applies`]); `enqueue_qkv` then skips `qkv_prep`.
+    fn fused_rope(&self, l: usize) -> bool {
+        let (g, c) = (self.g, self.m.cfg);
+        let mode = g.layer(l).prep.as_ref().map_or(0, |pr| pr.mode);
+        self.launch().qkv_rope_store_applies(g.kv_q8, mode, c.head_dim)
     }
 
     fn enqueue_attention(&mut self, l: usize) -> Result<(), BackendError> {
@@ -221,7 +246,7 @@ impl GpuPass<'_, '_> {
 
     fn enqueue_shared_expert(&mut self, l: usize) -> Result<(), BackendError> {
         let (g, t, e) = (self.g, self.t, self.m.cfg.n_embd);
-        Ok(g.shared_expert(&self.launch(), &g.layer(l), t, e)?)
+        Ok(g.shared_expert(&self.launch(), g.layer(l), t, e)?)
     }
 
     fn enqueue_experts(&mut self, l: usize) -> Result<(), BackendError> {
@@ -319,6 +344,24 @@ impl Ops for GpuPass<'_, '_> {
     fn attn_output(&mut self, l: usize) -> Result<(), BackendError> {
         let r = self.enqueue_attn_output(l);
         self.marked("attn_output", r)
+    }
+
+    fn attn_output_norm(&mut self, l: usize) -> Result<(), BackendError> {
+        // a decode token without an output bias or a pending combine: the product's last block normalizes
+        let (g, c) = (self.g, self.m.cfg);
+        let gl = g.layer(l);
+        if self.t == 1 && gl.o_bias.is_none() && self.pend.is_none() {
+            let b = &g.b;
+            let (a, n) = ((b.attnq.ptr, b.attn.ptr), (gl.ffn_norm.ptr, c.rms_eps));
+            let r = self.launch().mmv_norm(&gl.o, a, b.x.ptr, n, b.xn.ptr, b.xq.ptr, b.done.at(DONE_NORM));
+            if r.as_ref().is_ok_and(|&fused| !fused) {
+                self.attn_output(l)?;
+                return self.norm(Norm::Ffn(l));
+            }
+            return self.marked("attn_output", r.map(|_| ()).map_err(BackendError::from));
+        }
+        self.attn_output(l)?;
+        self.norm(Norm::Ffn(l))
     }
 
     fn ffn(&mut self, l: usize) -> Result<(), BackendError> {
