@@ -157,7 +157,8 @@ pub trait Ops {
     /// `xn = rms_norm(x) · w` (per token, the weights of `which`), and its 8-bit quantization for the products.
     fn norm(&mut self, which: Norm) -> Result<(), BackendError>;
     /// The q/k/v projections of `xn` (`attn_q`, `attn_k`, `attn_v`), with their biases and the q/k RMSNorm
-    /// (per head or full width) when the block has them.
+    /// (per head or full width) when the block has them — here or in [`Ops::rope_store`], which always comes next
+    /// and is the only reader of the projections (the CUDA backend does them there, in one launch with RoPE).
     fn qkv(&mut self, layer: usize) -> Result<(), BackendError>;
     /// RoPE on the queries and keys (adjacent pairs or NeoX halves, `n_rot` dimensions per head) and the keys
     /// and values stored in the KV cache at positions `pos0 .. pos0 + t`.

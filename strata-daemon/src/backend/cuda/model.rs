@@ -494,8 +494,8 @@ pub(super) fn make_bufs<B>(
     })
 }
 
-/// u32 counters in [`Bufs::done`].
-const DONE_COUNTERS: usize = 4;
+/// u32 counters in [`Bufs::done`] (one per fused kernel with a last block: [`DONE_ROUTE`], [`DONE_NORM`]).
+const DONE_COUNTERS: usize = 2;
 /// Byte offset in [`Bufs::done`] of `route_f32_t1`'s counter.
 pub(super) const DONE_ROUTE: usize = 0;
 /// Byte offset in [`Bufs::done`] of `mmv_<fmt>_t1_norm`'s counter.

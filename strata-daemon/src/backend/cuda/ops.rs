@@ -763,10 +763,31 @@ impl Ops<'_> {
         self.k.rope_store.launch(self.s, (t as u32, pairs.div_ceil(128).min(64) as u32, 1), 128, 0, args)
     }
 
-    /// Whether [`Ops::qkv_rope_store`] launches for a layer with this cache (`q8`: Q8_0), `qkv_prep` mode (0 where the
-    /// layer has no prep) and head size: the kernel is loaded, an f16 cache, not mode 2, a head size of at most 256.
-    pub fn qkv_rope_store_applies(&self, q8: bool, mode: i32, hd: usize) -> bool {
-        self.k.qkv_rope_store.is_some() && !q8 && mode != 2 && hd <= QRS_MAX_HD
+    /// A layer's work between its Q/K/V product and attention: the biases and q/k norms (`prep`: (`bias`, `qn`,
+    /// `kn`, `mode`, `eps`) as [`Ops::qkv_prep`] takes them; `None` = none), RoPE and the KV store of `t` rows, in
+    /// one launch where [`Ops::qkv_rope_store`] applies, else as [`Ops::qkv_prep`] then [`Ops::rope_store`] (the
+    /// same bits). Arguments otherwise as [`Ops::rope_store`]'s. Errors: a launch failure.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prep_rope_store(
+        &self,
+        qkv: u64,
+        prep: Option<(u64, u64, u64, i32, f32)>,
+        cs: u64,
+        (n_head, n_head_kv, hd): (usize, usize, usize),
+        n_rot: usize,
+        pos: u64,
+        t: usize,
+        q: u64,
+        kv: KvPtrs,
+        neox: bool,
+    ) -> Result<(), GpuError> {
+        if self.qkv_rope_store(qkv, prep, cs, (n_head, n_head_kv, hd), n_rot, pos, t, q, kv, neox)? {
+            return Ok(());
+        }
+        if let Some((bias, qn, kn, mode, eps)) = prep {
+            self.qkv_prep(qkv, bias, qn, kn, mode, (n_head, n_head_kv, hd), eps, t)?;
+        }
+        self.rope_store(qkv, cs, n_head, n_head_kv, hd, n_rot, pos, t, q, kv, neox)
     }
 
     /// [`Ops::qkv_prep`] (modes 0 and 1) and [`Ops::rope_store`] over an f16 cache in one launch with their bits
@@ -790,7 +811,7 @@ impl Ops<'_> {
         neox: bool,
     ) -> Result<bool, GpuError> {
         let (bias, qn, kn, mode, eps) = prep.unwrap_or((0, 0, 0, 0, 0.0));
-        let Some(f) = self.k.qkv_rope_store.as_ref().filter(|_| self.qkv_rope_store_applies(kv.q8, mode, hd)) else {
+        let Some(f) = self.k.qkv_rope_store.as_ref().filter(|_| !kv.q8 && mode != 2 && hd <= QRS_MAX_HD) else {
             return Ok(false);
         };
         let head = Args::new().ptr(qkv).ptr(bias).ptr(qn).ptr(kn).i32(mode).f32(eps);

@@ -118,13 +118,8 @@ impl GpuPass<'_, '_> {
         let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
         let (qd, kvd) = (nh * hd, nkv * hd);
         let k = self.launch();
-        k.mmv(&[&gl.q, &gl.k, &gl.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false, b.part())?;
-        if let Some(pr) = gl.prep.as_ref().filter(|_| !self.fused_rope(l)) {
-            let bias = pr.bias.as_ref().map_or(0, |d| d.ptr);
-            let (qn, kn) = pr.norm.as_ref().map_or((0, 0), |(q, k)| (q.ptr, k.ptr));
-            k.qkv_prep(b.qkv.ptr, bias, qn, kn, pr.mode, (nh, nkv, hd), c.rms_eps, t)?;
-        }
-        Ok(())
+        // (the layer's biases and q/k norms run with RoPE: `enqueue_rope_store`)
+        Ok(k.mmv(&[&gl.q, &gl.k, &gl.v], b.xq.ptr, b.xn.ptr, t, b.qkv.ptr, qd + 2 * kvd, false, b.part())?)
     }
 
     fn enqueue_rope_store(&mut self, l: usize) -> Result<(), BackendError> {
@@ -132,33 +127,14 @@ impl GpuPass<'_, '_> {
         let b = &g.b;
         let kv = KvPtrs { k: g.kc[l - g.l0].ptr, v: g.vc[l - g.l0].ptr, q8: g.kv_q8 };
         let neox = c.spec.def.rope == crate::arch::RopeKind::Neox;
-        let (hd, nh, nkv) = (c.head_dim, c.n_head, c.n_head_kv);
-        if self.fused_rope(l) {
-            // the layer's biases and q/k norms (qkv_prep, skipped by `enqueue_qkv`) with RoPE and the store
-            let prep = g.layer(l).prep.as_ref().map(|pr| {
-                let bias = pr.bias.as_ref().map_or(0, |d| d.ptr);
-                let (qn, kn) = pr.norm.as_ref().map_or((0, 0), |(q, k)| (q.ptr, k.ptr));
-                (bias, qn, kn, pr.mode, c.rms_eps)
-            });
-            let (cs, pos) = (b.cs.at(8), b.cs.ptr);
-            let k = self.launch();
-            if k.qkv_rope_store(b.qkv.ptr, prep, cs, (nh, nkv, hd), c.n_rot, pos, t, b.q.ptr, kv, neox)? {
-                return Ok(());
-            }
-            // (not launched, against `fused_rope`'s word: the two launches it replaces)
-            if let Some((bias, qn, kn, mode, eps)) = prep {
-                k.qkv_prep(b.qkv.ptr, bias, qn, kn, mode, (nh, nkv, hd), eps, t)?;
-            }
-        }
-        Ok(self.launch().rope_store(b.qkv.ptr, b.cs.at(8), nh, nkv, hd, c.n_rot, b.cs.ptr, t, b.q.ptr, kv, neox)?)
-    }
-
-    /// Whether layer `l`'s biases and q/k norms run inside its RoPE and KV store (`qkv_rope_store`, see
-    /// [`Launch::qkv_rope_store_applies`]); `enqueue_qkv` then skips `qkv_prep`.
-    fn fused_rope(&self, l: usize) -> bool {
-        let (g, c) = (self.g, self.m.cfg);
-        let mode = g.layer(l).prep.as_ref().map_or(0, |pr| pr.mode);
-        self.launch().qkv_rope_store_applies(g.kv_q8, mode, c.head_dim)
+        let prep = g.layer(l).prep.as_ref().map(|pr| {
+            let bias = pr.bias.as_ref().map_or(0, |d| d.ptr);
+            let (qn, kn) = pr.norm.as_ref().map_or((0, 0), |(q, k)| (q.ptr, k.ptr));
+            (bias, qn, kn, pr.mode, c.rms_eps)
+        });
+        let dims = (c.n_head, c.n_head_kv, c.head_dim);
+        let k = self.launch();
+        Ok(k.prep_rope_store(b.qkv.ptr, prep, b.cs.at(8), dims, c.n_rot, b.cs.ptr, t, b.q.ptr, kv, neox)?)
     }
 
     fn enqueue_attention(&mut self, l: usize) -> Result<(), BackendError> {
