@@ -218,11 +218,12 @@ async fn connect(path: PathBuf) -> Result<StrataClient<Channel>, String> {
     Ok(StrataClient::new(channel))
 }
 
+/// Why a request ended, by the daemon's names for it (its log and the HTTP API's `finish_reason`).
 fn finish_name(f: i32) -> &'static str {
     match pb::FinishReason::try_from(f).unwrap_or(pb::FinishReason::Unspecified) {
         pb::FinishReason::Eos => "eos",
-        pb::FinishReason::StopString => "stop_string",
-        pb::FinishReason::MaxTokens => "max_tokens",
+        pb::FinishReason::StopString => "stop",
+        pb::FinishReason::MaxTokens => "length",
         pb::FinishReason::Context => "context",
         pb::FinishReason::Cancelled => "cancelled",
         pb::FinishReason::Unspecified => "unspecified",
@@ -517,9 +518,12 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
                         decode_mib
                     );
                     outln!(
-                        "             prefill: {} file blob reads ({:.1} MiB); {} RAM promotions ({:.1} MiB, {} refused)",
+                        "             prefill: {} file blob reads ({:.1} MiB)",
                         t.prefill_file_blob_reads,
-                        t.prefill_file_bytes_read as f64 / 1048576.0,
+                        t.prefill_file_bytes_read as f64 / 1048576.0
+                    );
+                    outln!(
+                        "             RAM adapt: {} promotions into the RAM copy ({:.1} MiB, {} refused)",
                         t.ram_promotions,
                         t.promotion_bytes as f64 / 1048576.0,
                         t.promotions_refused

@@ -12,7 +12,7 @@ fn main() -> anyhow::Result<()> {
     let n: usize = args.get(3).map(|s| s.parse().unwrap()).unwrap_or(32);
     let ids = tok.encode(&args[2], true, true)?;
     println!("prompt ids {:?}", ids);
-    (|| {
+    {
         let mut kv = m.new_kv(2048);
         let mut s = Scratch::default();
         let t0 = Instant::now();
@@ -37,7 +37,7 @@ fn main() -> anyhow::Result<()> {
             dt,
             (n - 1) as f64 / dt.as_secs_f64()
         );
-    })();
+    };
     Ok(())
 }
 fn argmax(v: &[f32]) -> u32 {

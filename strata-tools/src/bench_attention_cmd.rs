@@ -47,7 +47,7 @@ pub struct BenchAttentionArgs {
 /// Runs the benchmark and prints its figures. Errors: shapes that do not fit (`heads` not a multiple of
 /// `kv_heads`, no positions).
 pub fn run(a: BenchAttentionArgs) -> Result<()> {
-    if a.heads == 0 || a.kv_heads == 0 || a.heads % a.kv_heads != 0 {
+    if a.heads == 0 || a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) {
         bail!("--heads must be a positive multiple of --kv-heads");
     }
     if a.ctx == 0 || a.layers == 0 || a.head_dim == 0 || a.rows == 0 || a.rows > a.ctx {

@@ -2341,6 +2341,16 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// The model's CUDA backend (these commands attach one first). Panics when it runs on the CPU.
+fn gpu(m: &Model) -> &GpuModel {
+    m.backend.as_any().downcast_ref::<GpuModel>().expect("the model runs on the CUDA backend")
+}
+
+/// [`gpu`], mutable.
+fn gpu_mut(m: &mut Model) -> &mut GpuModel {
+    m.backend.as_any_mut().downcast_mut::<GpuModel>().expect("the model runs on the CUDA backend")
+}
+
 #[cfg(test)]
 mod tests {
     use super::PcieArm;
@@ -2354,14 +2364,4 @@ mod tests {
         assert!("-0.1".parse::<PcieArm>().is_err());
         assert!("half".parse::<PcieArm>().is_err());
     }
-}
-
-/// The model's CUDA backend (these commands attach one first). Panics when it runs on the CPU.
-fn gpu(m: &Model) -> &GpuModel {
-    m.backend.as_any().downcast_ref::<GpuModel>().expect("the model runs on the CUDA backend")
-}
-
-/// [`gpu`], mutable.
-fn gpu_mut(m: &mut Model) -> &mut GpuModel {
-    m.backend.as_any_mut().downcast_mut::<GpuModel>().expect("the model runs on the CUDA backend")
 }

@@ -39,7 +39,7 @@ fn ctl_generate_stats_and_bad_requests() {
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("generate --json");
     assert!(v["text"].as_str().unwrap().starts_with(" Paris"));
     assert_eq!(v["counters"]["generated_tokens"], 4);
-    assert_eq!(v["counters"]["finish_reason"], "max_tokens");
+    assert_eq!(v["counters"]["finish_reason"], "length");
     let o = d.ctl(&["--json", "stats"]);
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("stats --json");
     assert_eq!(v["model"]["architecture"], "llama");
@@ -107,7 +107,7 @@ fn two_clients_at_once_and_finish_reasons() {
         let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
         let c = &v["counters"];
         assert!(c["generated_tokens"].as_u64().unwrap() >= 1);
-        assert!(matches!(c["finish_reason"].as_str().unwrap(), "max_tokens" | "eos"));
+        assert!(matches!(c["finish_reason"].as_str().unwrap(), "length" | "eos"));
     }
     // One of the two waited in the queue.
     let rt = tokio::runtime::Runtime::new().unwrap();

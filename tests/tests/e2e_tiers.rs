@@ -297,7 +297,7 @@ fn counters_split_file_reads_knobs_say_why_and_top_limits_layers() {
     let o = d.ctl(&["generate", "--max-tokens", "1", "The capital of France is"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let line = stderr(&o);
-    assert!(line.contains("generated 1 token in ") && line.contains("finish: max_tokens"), "{line}");
+    assert!(line.contains("generated 1 token in ") && line.contains("finish: length"), "{line}");
     // one generated token: no decode window, so every file read of this request was the prefill's
     let v = json(&d.ctl(&["--json", "stats"]));
     let t = &v["totals"];

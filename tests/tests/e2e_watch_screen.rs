@@ -120,7 +120,7 @@ fn watch_screen_in_tmux() {
     let generated = format!("generated {tokens} tokens");
     let screen = tmux.wait_for("screen", "the finished request", |s| s.contains(&done) && s.contains(&generated));
     let row = screen.lines().find(|l| l.contains(&format!("│#{id} "))).unwrap_or_else(|| panic!("no row:\n{screen}"));
-    assert!(row.contains("max_tokens") && row.contains(&format!(" {tokens} ")), "{row}");
+    assert!(row.contains("length") && row.contains(&format!(" {tokens} ")), "{row}");
     assert!(screen.contains("last request") && screen.contains("since start"), "{screen}");
     assert!(screen.contains("RAM reads") && screen.contains("blobs/tok"), "{screen}");
     // file reads split into decode and prefill, as strata-ctl stats shows them

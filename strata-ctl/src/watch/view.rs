@@ -484,10 +484,7 @@ mod tests {
             assert!(s.contains("strata-daemon 0.1.0") && s.contains("backend"), "{s}");
             assert!(s.contains("smollm2-moe-split (llama), 16 experts, top-4"), "{s}");
             assert!(s.contains("up 1h 02m 05s"), "{s}");
-            assert!(
-                s.contains("#3  done") && s.contains("generated 42 tokens") && s.contains("finish max_tokens"),
-                "{s}"
-            );
+            assert!(s.contains("#3  done") && s.contains("generated 42 tokens") && s.contains("finish length"), "{s}");
             assert!(s.contains("RAM reads") && s.contains("since start"), "{s}");
         }
     }
@@ -570,7 +567,7 @@ mod tests {
         assert!(text.contains("#4  prefill") && text.contains("prefill 128/512"), "{text}");
         assert!(text.contains("prompt 128.0 tok/s") && text.contains("busy"), "{text}");
         // the finished request before it stays in the history
-        assert!(text.contains("#3 ") && text.contains("max_tokens"), "{text}");
+        assert!(text.contains("#3 ") && text.contains("length"), "{text}");
     }
 
     #[test]

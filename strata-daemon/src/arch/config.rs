@@ -214,7 +214,7 @@ impl ModelConfig {
         if n_layer > f.tensors.len() {
             return bad(format!("block_count {n_layer} but the file holds {} tensors", f.tensors.len()));
         }
-        if n_head % n_head_kv != 0 {
+        if !n_head.is_multiple_of(n_head_kv) {
             return bad(format!("head_count {n_head} is not a multiple of head_count_kv {n_head_kv}"));
         }
         let head_dim = opt_u("attention.key_length")?.unwrap_or(n_embd / n_head);

@@ -315,11 +315,11 @@ impl Weights {
             });
         }
         let out_norm = vector(f, tensor::OUTPUT_NORM, cfg.n_embd)?;
-        if cfg.n_embd % 32 != 0
-            || cfg.n_ff % 32 != 0
-            || cfg.n_ff_exp % 32 != 0
-            || cfg.n_ff_shexp % 32 != 0
-            || qd % 32 != 0
+        if !cfg.n_embd.is_multiple_of(32)
+            || !cfg.n_ff.is_multiple_of(32)
+            || !cfg.n_ff_exp.is_multiple_of(32)
+            || !cfg.n_ff_shexp.is_multiple_of(32)
+            || !qd.is_multiple_of(32)
         {
             return Err(ModelError::BadHyperParameter("embedding and FFN widths must be multiples of 32".into()));
         }

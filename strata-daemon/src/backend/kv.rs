@@ -40,7 +40,7 @@ impl KvType {
 
     /// Whether rows of `head_dim` values per K/V head can be stored this way (Q8_0: whole blocks of 32 per head).
     pub fn fits(self, head_dim: usize) -> bool {
-        self == KvType::F16 || head_dim % 32 == 0
+        self == KvType::F16 || head_dim.is_multiple_of(32)
     }
 
     /// Bytes of one position's row of `kv_dim` values (keys or values of one layer).
@@ -125,7 +125,7 @@ impl KvCache {
 
     /// `None`: f32 rows.
     fn alloc(n_layer: usize, n_ctx: usize, kv_dim: usize, ty: Option<KvType>) -> Self {
-        assert!(ty != Some(KvType::Q8_0) || kv_dim % 32 == 0, "Q8_0 KV rows need whole blocks of 32");
+        assert!(ty != Some(KvType::Q8_0) || kv_dim.is_multiple_of(32), "Q8_0 KV rows need whole blocks of 32");
         let rows = || match ty {
             Some(KvType::F16) => Rows::F16(vec![0; n_ctx * kv_dim]),
             Some(KvType::Q8_0) => Rows::Q8_0(vec![0; n_ctx * GgmlType::Q8_0.row_bytes(kv_dim)]),
@@ -200,7 +200,7 @@ impl KvCache {
 /// # Panics
 /// When `src.len()` is not a multiple of 32 or `dst` is not 34 bytes per 32 values.
 pub fn encode_q8_0(src: &[f32], dst: &mut [u8]) {
-    assert!(src.len() % 32 == 0 && dst.len() == src.len() / 32 * 34, "Q8_0 row: 34 bytes per 32 values");
+    assert!(src.len().is_multiple_of(32) && dst.len() == src.len() / 32 * 34, "Q8_0 row: 34 bytes per 32 values");
     let mut blocks = [BlockQ8::default(); 32];
     for (xs, out) in src.chunks(32 * 32).zip(dst.chunks_mut(34 * 32)) {
         let b = &mut blocks[..xs.len() / 32];

@@ -205,7 +205,7 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
         text
     };
     // A template that prints BOS itself must not get a second one.
-    let add_bos = !(tok.bos.is_some() && raw.messages.len() > 0 && text.starts_with(tok.token_str(tok.bos.unwrap())));
+    let add_bos = !(tok.bos.is_some() && !raw.messages.is_empty() && text.starts_with(tok.token_str(tok.bos.unwrap())));
     // chat: the template's markup parses special tokens, message contents never do (a user's "<|im_end|>" is text)
     let prompt_ids = match &segments {
         Some(segs) => {

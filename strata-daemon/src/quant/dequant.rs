@@ -29,7 +29,7 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Q
         return Err(QuantError::Unsupported(ty));
     };
     let n = dst.len();
-    if n % ty.block_size() != 0 || src.len() != ty.row_bytes(n) {
+    if !n.is_multiple_of(ty.block_size()) || src.len() != ty.row_bytes(n) {
         return Err(QuantError::Length(format!("{ty:?}: {} bytes do not hold {n} elements", src.len())));
     }
     (fmt.dequantize)(src, dst);

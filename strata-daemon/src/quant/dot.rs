@@ -267,7 +267,7 @@ pub fn quantize_q8_scalar(x: &[f32], out: &mut [BlockQ8]) {
 /// formats) apply that scale once per super-block; other activations go through the scalar reference.
 #[inline]
 pub fn is_q8_k(x: &[BlockQ8]) -> bool {
-    x.len() % 8 == 0 && x.chunks_exact(8).all(|s| s[1..].iter().all(|b| b.d.to_bits() == s[0].d.to_bits()))
+    x.len().is_multiple_of(8) && x.chunks_exact(8).all(|s| s[1..].iter().all(|b| b.d.to_bits() == s[0].d.to_bits()))
 }
 
 /// Whether the SIMD kernels of `ty` take `x`: any activations for the 32-value formats, Q8_K ones ([`is_q8_k`])

@@ -56,7 +56,7 @@ pub fn experts(
             }
         }
         let blob = 2 * gb + db;
-        let errs = st.read_blobs(layer, &files, &mut s.blobs, &m.pool);
+        let errs = st.read_blobs(layer, &files, &mut s.blobs, m.pool);
         for (j, (&x, err)) in files.iter().zip(errs).enumerate() {
             blob_at[x] = j * blob;
             // not computed from the mapping instead: a file that fails a read would fault there (SIGBUS)
@@ -167,7 +167,7 @@ pub fn experts(
                 jobs.push(ExpertJob { glu: GluJob { gate: v.0, up: v.1, x, g, u, h, unit }, down: v.2, out });
             }
             let side = side.take();
-            experts_batch(&m.pool, &mut jobs, m.precision, || side.into_iter().for_each(|f| f(arena.as_deref())));
+            experts_batch(m.pool, &mut jobs, m.precision, || side.into_iter().for_each(|f| f(arena.as_deref())));
         }
         // weighted sum into the tokens' rows, expert by expert in id order (plus the expert's down bias, where it
         // has one and this call computes its first rows)

@@ -613,7 +613,7 @@ impl<'a> GluPlan<'a> {
                 up_p: SyncPtr(j.u.as_mut_ptr()),
                 hp: SyncPtr(j.h.f.as_mut_ptr()),
                 hq: SyncQ8(j.h.q.as_mut_ptr()),
-                hqk: q8k.then(|| SyncQ8(j.h.qk.as_mut_ptr())),
+                hqk: q8k.then_some(SyncQ8(j.h.qk.as_mut_ptr())),
                 unit: j.unit,
             });
             tasks += n;
@@ -821,7 +821,7 @@ fn rows_general(w: &MatRef<'_>, x: &ActRef<'_>, p: SyncPtr, r0: usize, r1: usize
         let rows4 = |r: usize| [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)];
         // float formats: four rows per lane-parallel call (each row the one-row function's bits)
         let float4 = if q8 { None } else { crate::quant::format::lookup(w.ty).and_then(|f| f.f32_dot4) };
-        let x4 = (k.is_some() || float4.is_some()).then(|| {
+        let x4 = (k.is_some() || float4.is_some()).then_some({
             move |r: usize| match (k, float4) {
                 (Some(k), _) => k.x4(rows4(r)),
                 (None, Some(f)) => f(rows4(r), x.row(ti)),

@@ -45,7 +45,8 @@ pub fn top_k(cfg: &ModelConfig, router_logits: &[f32], t: usize) -> Vec<Vec<(usi
                 }
             }
             if def.norm_topk {
-                let s: f32 = p.iter().map(|x| x.1).sum::<f32>().max(6.103515625e-5);
+                // llama.cpp's clamp of the weight sum: 2^-14 (6.103515625e-5)
+                let s: f32 = p.iter().map(|x| x.1).sum::<f32>().max(1.0 / 16384.0);
                 for x in p.iter_mut() {
                     x.1 /= s;
                 }
