@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# stop 59 (issues 18, 19): s59a.sh in two calls, each short enough to come back when a lease is cut short (two s59a
-# calls were taken back mid-run with nothing returned). stop 58's build (c135ed9) on whatever card comes.
+# stop 59 (issues 18, 19), in two calls, each short enough to come back when a lease is cut short (two calls of
+# one script doing both were taken back mid-run with nothing returned). stop 58's build (c135ed9) on whatever card comes.
 # PART=1: gpu-check with the attention-output/FFN-norm fusion loaded (section 1d bit comparisons), the tiny-qwen3moe
 #   forward pass (digest f81145fab9c42679), decode after 4,096 tokens with every expert in VRAM: default, + norm
 #   fusion, copies after the wait, no fusions; half the experts off VRAM (static) with and without the fusions.
