@@ -5,6 +5,7 @@
 #   forward pass (digest f81145fab9c42679), decode after 4,096 tokens with every expert in VRAM: default, + norm
 #   fusion, copies after the wait, no fusions; half the experts off VRAM (static) with and without the fusions;
 #   compute-sanitizer memcheck over the tiny-qwen3moe forward pass with every fused kernel on.
+# PART=3 (no llama.cpp: too little device time left for its build): PART=2's strata arms alone.
 # PART=2 (on the machine PART=1 left warm, or a fresh one): llama.cpp built meanwhile the Q4_K_M file's strata arms
 #   run (every expert in VRAM: GPU-bound); then, nothing else running, llama-bench -fa 1 and strata bench-gpu on
 #   the issue's table (all in VRAM and half off, prefill 512 / 4,096 and decode after them), llama-bench on Q4_K_M.
@@ -40,6 +41,12 @@ if [ "${PART:-1}" = 1 ]; then
   STRATA_GPU_FUSE_NORM=1 timeout 110 compute-sanitizer --tool memcheck --print-limit 10 /tmp/cur gpu-check \
     --model .dev/tiny-qwen3moe.gguf --forward-only --positions 40 > "$O/sanitizer.txt" 2>&1
   echo "sanitizer rc=$? at ${SECONDS}s: $(grep -E 'ERROR SUMMARY|digest' "$O/sanitizer.txt" | tr '\n' ' ' | cut -c1-300)" >> "$L"
+elif [ "${PART}" = 3 ]; then
+  synth q4_0 $Q; synth q4_k_m $K
+  run q4km $K 512 1 off 32
+  run q4km-nofuse $K 512 1 off 32 STRATA_GPU_FUSE=0
+  run t512 $Q 512 1,0.5 off,blocking 32
+  run t4096 $Q 4096 1,0.5 off,blocking 32
 else
   build_llama_bench & LBP=$!
   synth q4_0 $Q; synth q4_k_m $K
