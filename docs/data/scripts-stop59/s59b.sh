@@ -38,7 +38,7 @@ if [ "${PART:-1}" = 1 ]; then
   run nofuse-a $Q 4096 1 off 64 STRATA_GPU_FUSE=0
   run half-default $Q 4096 0.5 off 32
   run half-nofuse $Q 4096 0.5 off 32 STRATA_GPU_FUSE=0
-  STRATA_GPU_FUSE_NORM=1 timeout 110 compute-sanitizer --tool memcheck --print-limit 10 /tmp/cur gpu-check \
+  STRATA_GPU_FUSE_NORM=1 timeout 60 compute-sanitizer --tool memcheck --print-limit 10 /tmp/cur gpu-check \
     --model .dev/tiny-qwen3moe.gguf --forward-only --positions 40 > "$O/sanitizer.txt" 2>&1
   echo "sanitizer rc=$? at ${SECONDS}s: $(grep -E 'ERROR SUMMARY|digest' "$O/sanitizer.txt" | tr '\n' ' ' | cut -c1-300)" >> "$L"
 elif [ "${PART}" = 3 ]; then
