@@ -849,8 +849,6 @@ __device__ void mmv_body(const u8* w0, const u8* w1, const u8* w2, int rows0, in
     }
 }
 
-__device__ void norm_row_cluster_bits(const float* x, int n, const float* w, float eps, float* out, Q8* outq);
-
 #define MMV_KERNEL(NAME, FMT)                                                                                   \
     extern "C" __global__ void NAME(const u8* __restrict__ w0, const u8* __restrict__ w1,                       \
                                     const u8* __restrict__ w2, int rows0, int rows1, int rows2,                \
@@ -881,18 +879,6 @@ __device__ void norm_row_cluster_bits(const float* x, int n, const float* w, flo
                                          int out_stride, int accumulate) { pdl_trigger();                                    \
         __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                    \
         mmv_body<FMT, 1, true>(w0, w1, w2, rows0, rows1, rows2, cols, xq, xf, x_stride, out, out_stride, accumulate, stage); \
-    }                                                                                                           \
-    /* one token, then the RMSNorm + Q8 of the whole output row by the block that finishes last (a decode */    \
-    /* layer's attention output and the FFN norm after it in one launch; norm_row_cluster_bits) */              \
-    extern "C" __global__ void NAME##_t1_norm(const u8* __restrict__ w0, const u8* __restrict__ w1,             \
-                                              const u8* __restrict__ w2, int rows0, int rows1, int rows2,       \
-                                              int cols, const Q8* xq, const float* xf, int x_stride, int nt,    \
-                                              float* out, int out_stride, int accumulate, const float* nw,      \
-                                              float eps, float* nout, Q8* noutq, unsigned* done) {              \
-        pdl_trigger();                                                                                          \
-        __shared__ __align__(16) u8 stage[STAGE_BYTES(FMT)];                                                    \
-        mmv_body<FMT, 1, true>(w0, w1, w2, rows0, rows1, rows2, cols, xq, xf, x_stride, out, out_stride, accumulate, stage); \
-        if (last_block(done)) norm_row_cluster_bits(out, rows0 + rows1 + rows2, nw, eps, nout, noutq);         \
     }
 
 MMV_KERNEL(mmv_f32, FMT_F32)
@@ -1863,46 +1849,6 @@ extern "C" __global__ void CLUSTER_DIMS rms_norm_q8_cluster(float* x, const floa
     norm_slice_out(xs, ws, scale, out + (size_t)row * n + e0, outq + (size_t)row * nb + b0, b1 - b0, warp,
                    NORM_CLUSTER_THREADS / 32, lane);
 #endif
-}
-
-// rms_norm_q8_cluster's bits for one row without a combine, from the one block of NORM_CLUSTER_THREADS threads
-// that calls it (the last block of a `_t1_norm` product, which wrote `x` with the other blocks: read from L2): the
-// block plays the cluster's blocks r = 0 .. NORM_CLUSTER − 1 in turn for the sums of squares (the same groups,
-// order and butterfly as norm_slice_sum, each slice's warp sums added in warp order from zero and the slices' in
-// rank order), then scales and quantizes every Q8 block as norm_slice_out does. n % 32 == 0, x 16-byte aligned.
-static_assert(32 * WARPS == NORM_CLUSTER_THREADS, "a one-token product's block plays the norm cluster's blocks");
-__device__ void norm_row_cluster_bits(const float* x, int n, const float* w, float eps, float* out, Q8* outq) {
-    __shared__ double red[NORM_CLUSTER][NORM_CLUSTER_THREADS / 32];
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, nb = n / 32;
-    for (int r = 0; r < NORM_CLUSTER; r++) {
-        const int b0 = r * nb / NORM_CLUSTER, b1 = (r + 1) * nb / NORM_CLUSTER;
-        const int e0 = 32 * b0, m = 32 * (b1 - b0);
-        double ss = 0.0;
-        for (int i = 4 * tid; i < m; i += 4 * NORM_CLUSTER_THREADS) {
-            const float4 a = __ldcg((const float4*)(x + e0 + i));
-            const float v[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-            for (int q = 0; q < 4; q++) ss += (double)v[q] * (double)v[q];
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-        if (lane == 0) red[r][warp] = ss;
-    }
-    __syncthreads();
-    double tot = 0.0;
-#pragma unroll
-    for (int r = 0; r < NORM_CLUSTER; r++) {
-        double t = 0.0;
-#pragma unroll
-        for (int i = 0; i < NORM_CLUSTER_THREADS / 32; i++) t += red[r][i];
-        tot += t;
-    }
-    const float scale = 1.0f / sqrtf((float)(tot / (double)n) + eps);
-    for (int j = warp; j < nb; j += NORM_CLUSTER_THREADS / 32) {
-        const float v = __ldcg(x + 32 * j + lane) * scale * w[32 * j + lane];
-        out[32 * j + lane] = v;
-        quantize_block_warp(v, outq + j, lane);
-    }
 }
 
 // The cluster kernel's arithmetic on prefill chunks (more than 8 rows, the host's MAX_NT; sm_90+ where the cluster

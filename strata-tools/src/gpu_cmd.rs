@@ -1522,8 +1522,6 @@ fn check_kernels(
     // 1d. the fused launches against the two each replaces, bit for bit: q/k norms and biases with RoPE and the KV
     // store (qkv_rope_store against qkv_prep + rope_store), a decode token's f32 router product with its top-k
     // (route_f32_t1 against the product + route_topk, launched twice: its counter starts the next launch at 0)
-    // and a decode token's attention output with the FFN norm (mmv_<fmt>_t1_norm against the product +
-    // rms_norm_q8_cluster)
     for (kernel, same) in check_fused(&ops, &mut seed)? {
         if same == Some(false) {
             worst = 1.0;
@@ -1553,9 +1551,8 @@ fn check_kernels(
 }
 
 /// Section 1d of [`check_kernels`], each result printed as it comes: whether `qkv_rope_store` gives the bits of
-/// `qkv_prep` + `rope_store`, `route_f32_t1` those of the router product + `route_topk`, and `mmv_<fmt>_t1_norm`
-/// those of the product + `rms_norm_q8_cluster`, over several shapes (kernel name, `None` where the kernel is not
-/// loaded: `STRATA_GPU_FUSE=0`, or the norm's without `STRATA_GPU_FUSE_NORM=1`). Errors: the driver's.
+/// `qkv_prep` + `rope_store` and `route_f32_t1` those of the router product + `route_topk`, over several shapes
+/// (kernel name, `None` where the kernel is not loaded: `STRATA_GPU_FUSE=0`). Errors: the driver's.
 fn check_fused(ops: &strata::backend::cuda::ops::Ops, seed: &mut u64) -> Result<Vec<(&'static str, Option<bool>)>> {
     let said = |kernel: &str, same: Option<bool>| {
         let word = match same {
@@ -1699,61 +1696,6 @@ fn check_fused(ops: &strata::backend::cuda::ops::Ops, seed: &mut u64) -> Result<
     }
     said("route_f32_t1", same_route);
     out.push(("route_f32_t1", same_route));
-    let mut same_norm = Some(true);
-    // (format, rows = the norm's width, columns): widths whose Q8 blocks split unevenly over the norm's 8 slices
-    for &(ty, n, cols) in &[
-        (GgmlType::Q4_0, 2048usize, 4096usize),
-        (GgmlType::Q8_0, 2880, 4096),
-        (GgmlType::Q4_K, 4096, 1024),
-        (GgmlType::Q6_K, 96, 512),
-        (GgmlType::F32, 800, 320),
-        (GgmlType::F16, 2048, 256),
-    ] {
-        let w = random_rows(ty, n, cols, seed);
-        let mat = DMat::upload(&w, ty, n, cols)?;
-        let mut a = Act::default();
-        a.resize(1, cols);
-        for v in a.f.iter_mut() {
-            *v = unit(seed);
-        }
-        a.quantize();
-        let (af, aq) = (DevBuf::from_slice(&a.f)?, DevBuf::from_slice(&q8_bytes(&a))?);
-        let x0: Vec<f32> = (0..n).map(|_| unit(seed) * 4.0).collect();
-        let nw = DevBuf::from_slice(&(0..n).map(|_| unit(seed) + 1.0).collect::<Vec<f32>>())?;
-        let done = DevBuf::from_slice(&[0u32])?;
-        let mut outs = Vec::new();
-        for launch in 0..3 {
-            let x = DevBuf::from_slice(&x0)?;
-            let y = DevBuf::from_slice(&vec![f32::NAN; n])?;
-            let yq = DevBuf::from_slice(&vec![0xeeu8; n / 32 * strata::backend::cuda::ops::Q8_BYTES])?;
-            if launch == 0 {
-                ops.mmv(&[&mat], aq.ptr, af.ptr, 1, x.ptr, n, true, None)?;
-                if !ops.rms_norm_q8_cluster(x.ptr, nw.ptr, 1e-5, n, 1, y.ptr, yq.ptr, None)? {
-                    same_norm = None;
-                    break;
-                }
-            } else if !ops.mmv_norm(&mat, (aq.ptr, af.ptr), x.ptr, (nw.ptr, 1e-5), y.ptr, yq.ptr, done.ptr)? {
-                same_norm = None;
-                break;
-            }
-            ops.s.sync()?;
-            let (mut hx, mut ho, mut hq) =
-                (vec![0f32; n], vec![0f32; n], vec![0u8; n / 32 * strata::backend::cuda::ops::Q8_BYTES]);
-            x.read_sync(0, &mut hx)?;
-            y.read_sync(0, &mut ho)?;
-            yq.read_sync(0, &mut hq)?;
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-            outs.push((bits(&hx), bits(&ho), hq));
-        }
-        let mut d = [0u32];
-        done.read_sync(0, &mut d)?;
-        if same_norm.is_none() {
-            break;
-        }
-        same_norm = Some(same_norm == Some(true) && outs[0] == outs[1] && outs[1] == outs[2] && d[0] == 0);
-    }
-    said("mmv_t1_norm", same_norm);
-    out.push(("mmv_t1_norm", same_norm));
     Ok(out)
 }
 

@@ -168,12 +168,6 @@ pub trait Ops {
     fn attention(&mut self, layer: usize) -> Result<(), BackendError>;
     /// `x += attn_output · attention (+ attn_output.bias)`.
     fn attn_output(&mut self, layer: usize) -> Result<(), BackendError>;
-    /// [`Ops::attn_output`] then [`Ops::norm`] of the FFN's norm (`Norm::Ffn(layer)`), as the block runs them; a
-    /// backend may do both in one step (the CUDA backend's decode tokens: one launch).
-    fn attn_output_norm(&mut self, layer: usize) -> Result<(), BackendError> {
-        self.attn_output(layer)?;
-        self.norm(Norm::Ffn(layer))
-    }
     /// A dense block's SwiGLU FFN of `xn` added to `x`: `x += down(silu(gate xn) · up xn)`.
     fn ffn(&mut self, layer: usize) -> Result<(), BackendError>;
     /// The router product (`ffn_gate_inp`) of `xn`, softmax or sigmoid, top-k, renormalised when the

@@ -277,7 +277,8 @@ fn blocks(cfg: &ModelConfig, ops: &mut dyn Ops, rows: Option<(usize, usize)>) ->
             ops.qkv(l)?;
             ops.rope_store(l)?;
             ops.attention(l)?;
-            ops.attn_output_norm(l)?;
+            ops.attn_output(l)?;
+            ops.norm(Norm::Ffn(l))?;
             if ffn != FfnKind::Dense {
                 ops.route(l)?;
             }

@@ -509,7 +509,7 @@ impl Drop for PinnedBuf {
     }
 }
 
-/// Most arguments an [`Args`] holds (24 since stop 58, for `mmv_<fmt>_t1_norm`'s 19).
+/// Most arguments an [`Args`] holds (the longest list, `qkv_rope_store`'s, has 16).
 const MAX_ARGS: usize = 24;
 
 /// A kernel argument list for [`Func::launch`]: up to 24 arguments of at most 8 bytes, stored inline (no

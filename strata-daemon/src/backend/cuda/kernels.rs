@@ -226,10 +226,6 @@ pub struct Kernels {
     down: [Option<Func>; N],
     /// One-token variants (`_t1`) of the three above: fewer registers, so more warps per SM in decode.
     mmv1: [Option<Func>; N],
-    /// `mmv_<fmt>_t1_norm` (a one-token product, then the RMSNorm + Q8 of its output row by its last block) where
-    /// [`fuse_norm_wanted`] and the cluster norm, whose bits it gives, are on (None per format where an older
-    /// `STRATA_KERNEL_SOURCE` lacks it).
-    mmv1_norm: [Option<Func>; N],
     gate_up1: [Option<Func>; N],
     down1: [Option<Func>; N],
     /// The prefill products: tensor-core `mmq_*` for formats of [`Prefill::Mmq`], the tiled f32 `mmf_*` for the
@@ -344,13 +340,6 @@ pub fn norm_rows_wanted() -> bool {
 /// measurements).
 pub fn fuse_wanted() -> bool {
     !std::env::var("STRATA_GPU_FUSE").is_ok_and(|v| v == "0")
-}
-
-/// Whether `mmv_<fmt>_t1_norm` (a decode token's attention output with the FFN norm after it, one launch) runs:
-/// only with `STRATA_GPU_FUSE_NORM=1` and [`fuse_wanted`], until a device run has checked it (stop 58's one ran
-/// into the argument list's old limit of 16; docs/BENCHMARKS.md).
-pub fn fuse_norm_wanted() -> bool {
-    fuse_wanted() && std::env::var("STRATA_GPU_FUSE_NORM").is_ok_and(|v| v == "1")
 }
 
 /// Whether dense products of more than [`super::ops::MAX_NT`] tokens, and the experts of all-VRAM prefill chunks,
@@ -545,15 +534,6 @@ impl Kernels {
             gate_up: per("expert_gate_up_", "")?,
             down: per("expert_down_", "")?,
             mmv1: per("mmv_", "_t1")?,
-            mmv1_norm: {
-                let mut v = [None; N];
-                if fuse_norm_wanted() && cluster_norm {
-                    for f in &formats {
-                        v[f.index] = get(leak(format!("mmv_{}_t1_norm", f.suffix))).ok();
-                    }
-                }
-                v
-            },
             gate_up1: per("expert_gate_up_", "_t1")?,
             down1: per("expert_down_", "_t1")?,
             // block formats: the int8 MMA kernel; float formats: the tiled f32 ones (CUDA cores, any card)
@@ -680,11 +660,6 @@ impl Kernels {
     pub fn mmv(&self, ty: GgmlType, one: bool) -> Result<Func, GpuError> {
         let i = fmt_index(ty)?;
         held(ty, if one { self.mmv1[i] } else { self.mmv[i] })
-    }
-    /// The one-token product of `ty` whose last block also normalizes its output row (`mmv_<fmt>_t1_norm`), when
-    /// loaded.
-    pub fn mmv1_norm(&self, ty: GgmlType) -> Option<Func> {
-        fmt_index(ty).ok().and_then(|i| self.mmv1_norm[i])
     }
     /// The expert gate/up kernel for `ty` (`one`: every group has at most one token).
     pub fn gate_up(&self, ty: GgmlType, one: bool) -> Result<Func, GpuError> {

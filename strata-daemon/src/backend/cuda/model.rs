@@ -134,7 +134,7 @@ pub(super) struct Bufs<B = DevBuf> {
     pub(super) logits: B,
     /// Routed experts of every layer of a window (`n_layer × t × k`), read once after the window.
     pub(super) win_ids: B,
-    /// Counters of the kernels whose last block finishes a launch's work ([`DONE_ROUTE`], [`DONE_NORM`]): u32s,
+    /// Counters of the kernels whose last block finishes a launch's work ([`DONE_ROUTE`]): u32s,
     /// zero when a stage is loaded and after every launch (the kernels using one run on the stage's one stream,
     /// each after the one before it has finished).
     pub(super) done: B,
@@ -494,12 +494,10 @@ pub(super) fn make_bufs<B>(
     })
 }
 
-/// u32 counters in [`Bufs::done`] (one per fused kernel with a last block: [`DONE_ROUTE`], [`DONE_NORM`]).
-const DONE_COUNTERS: usize = 2;
+/// u32 counters in [`Bufs::done`] (one per fused kernel with a last block: [`DONE_ROUTE`]).
+const DONE_COUNTERS: usize = 1;
 /// Byte offset in [`Bufs::done`] of `route_f32_t1`'s counter.
 pub(super) const DONE_ROUTE: usize = 0;
-/// Byte offset in [`Bufs::done`] of `mmv_<fmt>_t1_norm`'s counter.
-pub(super) const DONE_NORM: usize = 4;
 
 /// The device allocations [`Stage::load`] makes for `layers` of `model` (with the output head when `last`), in
 /// bytes as asked of the driver, by kind. The placement plan's trial allocates these

@@ -17,8 +17,6 @@ pub const NORM_THREADS: u32 = 256;
 /// Blocks per row and threads per block of `rms_norm_q8_cluster` (NORM_CLUSTER, NORM_CLUSTER_THREADS).
 pub const NORM_CLUSTER: u32 = 8;
 const NORM_CLUSTER_THREADS: u32 = 128;
-/// The widest row the norms take (NORM_MAX in kernels/strata.cu).
-const NORM_MAX: usize = 8192;
 /// Warps per block of the product kernels.
 pub const WARPS: u32 = 4;
 /// Rows one warp computes in the dense and expert-down products (gate/up: the gate and up row of one index).
@@ -512,34 +510,6 @@ impl Ops<'_> {
         // block formats: each warp RPW rows; float formats: each block RPW rows, its warps splitting the columns
         let per_block = if m0.ty.block_size() > 1 { WARPS as usize * RPW } else { RPW };
         f.launch(self.s, (total.div_ceil(per_block) as u32, 1, 1), 32 * WARPS, 0, args)
-    }
-
-    /// One token's `x += W · a` ([`Ops::mmv`] with `accumulate`, `mat` of `n` rows: the attention output into the
-    /// residual `x`), then `out`/`outq` = the RMSNorm (weights `w`, `eps`) + Q8 of the whole updated row of `x`, in
-    /// one launch (`mmv_<fmt>_t1_norm`: its last block normalizes, with the bits of [`Ops::rms_norm_q8_cluster`]
-    /// without a combine). `done`: the device address of a u32 that is 0 before the first launch (each launch
-    /// leaves it 0). Returns false, launching nothing, where it does not apply: the kernel not loaded (see
-    /// [`super::kernels::fuse_norm_wanted`]; only beside the cluster norm), or `n` not a multiple of 32 up to 8,192.
-    /// Errors: a launch failure.
-    #[allow(clippy::too_many_arguments)]
-    pub fn mmv_norm(
-        &self,
-        mat: &DMat,
-        (aq, af): (u64, u64),
-        x: u64,
-        (w, eps): (u64, f32),
-        out: u64,
-        outq: u64,
-        done: u64,
-    ) -> Result<bool, GpuError> {
-        let n = mat.rows;
-        let Some(f) = self.k.mmv1_norm(mat.ty).filter(|_| n.is_multiple_of(32) && n <= NORM_MAX) else {
-            return Ok(false);
-        };
-        let args = mmv_args(&[mat], aq, af, 1, x, n, true).ptr(w).f32(eps).ptr(out).ptr(outq).ptr(done);
-        let per_block = if mat.ty.block_size() > 1 { WARPS as usize * RPW } else { RPW };
-        f.launch(self.s, (n.div_ceil(per_block) as u32, 1, 1), 32 * WARPS, 0, args)?;
-        Ok(true)
     }
 
     /// The tensor-core product of [`Ops::mmv`] for a prefill chunk of `t` > [`MAX_NT`] tokens of one block

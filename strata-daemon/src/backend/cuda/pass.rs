@@ -7,7 +7,7 @@
 //! prediction) as a CUDA graph and replayed; [`super::model::Stage`] records a whole decode token the same way when no
 //! layer needs the host.
 
-use super::model::{GFfn, Host, Stage, DONE_NORM};
+use super::model::{GFfn, Host, Stage};
 use super::ops::{Combine, KvPtrs, Ops as Launch};
 use super::GpuError;
 use crate::backend::{BackendError, ModelRef, Norm, Ops, Scratch};
@@ -320,24 +320,6 @@ impl Ops for GpuPass<'_, '_> {
     fn attn_output(&mut self, l: usize) -> Result<(), BackendError> {
         let r = self.enqueue_attn_output(l);
         self.marked("attn_output", r)
-    }
-
-    fn attn_output_norm(&mut self, l: usize) -> Result<(), BackendError> {
-        // a decode token without an output bias or a pending combine: the product's last block normalizes
-        let (g, c) = (self.g, self.m.cfg);
-        let gl = g.layer(l);
-        if self.t == 1 && gl.o_bias.is_none() && self.pend.is_none() {
-            let b = &g.b;
-            let (a, n) = ((b.attnq.ptr, b.attn.ptr), (gl.ffn_norm.ptr, c.rms_eps));
-            let r = self.launch().mmv_norm(&gl.o, a, b.x.ptr, n, b.xn.ptr, b.xq.ptr, b.done.at(DONE_NORM));
-            if r.as_ref().is_ok_and(|&fused| !fused) {
-                self.attn_output(l)?;
-                return self.norm(Norm::Ffn(l));
-            }
-            return self.marked("attn_output", r.map(|_| ()).map_err(BackendError::from));
-        }
-        self.attn_output(l)?;
-        self.norm(Norm::Ffn(l))
     }
 
     fn ffn(&mut self, l: usize) -> Result<(), BackendError> {
