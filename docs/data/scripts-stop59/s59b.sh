@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# stop 59 (issues 18, 19), in two calls, each short enough to come back when a lease is cut short (two calls of
-# one script doing both were taken back mid-run with nothing returned). stop 58's build (c135ed9) on whatever card comes.
+# stop 59 (issues 18, 19; PART=1 ran as call 1; the norm fusion it names was removed after it), in two calls, each short enough to come back when a lease is cut short (two calls of
+# one script doing both were taken back mid-run with nothing returned). Ran stop 58's build (c135ed9); a later run needs
+# .dev/strata-tools.xz and .dev/kc-*.tar.xz rebuilt for the current source (the kernel cache key is the .cu text).
 # PART=1: gpu-check with the attention-output/FFN-norm fusion loaded (section 1d bit comparisons), the tiny-qwen3moe
 #   forward pass (digest f81145fab9c42679), decode after 4,096 tokens with every expert in VRAM: default, + norm
 #   fusion, copies after the wait, no fusions; half the experts off VRAM (static) with and without the fusions;
 #   compute-sanitizer memcheck over the tiny-qwen3moe forward pass with every fused kernel on.
 # PART=3 (no llama.cpp: too little device time left for its build): PART=2's strata arms alone.
 # PART=2 (on the machine PART=1 left warm, or a fresh one): llama.cpp built meanwhile the Q4_K_M file's strata arms
-#   run (every expert in VRAM: GPU-bound); then, nothing else running, llama-bench -fa 1 and strata bench-gpu on
+#   run (every expert in VRAM: GPU-bound, but beside a 16-job build: say so with their figures); then, nothing else running, llama-bench -fa 1 and strata bench-gpu on
 #   the issue's table (all in VRAM and half off, prefill 512 / 4,096 and decode after them), llama-bench on Q4_K_M.
 set -u
 O=${OUT:?}; mkdir -p "$O"; L="$O/log.txt"
 . tools/device-env.sh
 [ -x /tmp/cur ] || unxz_to .dev/strata-tools.xz /tmp/cur
 synth() {  # type path
-  [ -s $2 ] || /tmp/cur synth-moe --preset qwen3-30b-a3b --type $1 --arch native --out $2 2>&1 | tail -1 >> "$L"
+  [ -s $2 ] || { /tmp/cur synth-moe --preset qwen3-30b-a3b --type $1 --arch native --out $2.part 2>&1 | tail -1 >> "$L"
+    mv $2.part $2; }  # a file cut off by a lost lease is never taken for a whole one
 }
 run() {  # tag model prompt fracs modes gen env...
   local tag=$1 m=$2 p=$3 fr=$4 md=$5 g=$6; shift 6
@@ -51,11 +53,12 @@ else
   build_llama_bench & LBP=$!
   synth q4_0 $Q; synth q4_k_m $K
   run q4km $K 512 1 off 32
-  run q4km-norm $K 512 1 off 32 STRATA_GPU_FUSE_NORM=1
   run q4km-nofuse $K 512 1 off 32 STRATA_GPU_FUSE=0
   wait $LBP
   LB=/tmp/lc/llama.cpp/build/bin/llama-bench
-  lb() { local t=$1 m=$2; shift 2; timeout $t $LB -m $m -t 16 -ngl 99 "$@" -o md 2>/tmp/lb.log | grep "^|" >> "$O/lb.md"; echo "llama-bench $* rc=$? at ${SECONDS}s: $(tail -1 $O/lb.md | tr -s ' ')" >> "$L"; }
+  lb() {  # each run's rows in a file of its own, its own return code
+    local t=$1 m=$2; shift 2; timeout $t $LB -m $m -t 16 -ngl 99 "$@" -o md > /tmp/lb1.md 2>/tmp/lb.log; local rc=$?
+    grep "^|" /tmp/lb1.md >> "$O/lb.md"; echo "llama-bench $* rc=$rc at ${SECONDS}s: $(grep '^|' /tmp/lb1.md | tail -1 | tr -s ' ')" >> "$L"; }
   lb 60 $Q -p 512,4096 -n 0 -fa 1
   lb 60 $Q -p 0 -n 32 -d 4096 -fa 1
   lb 90 $Q -p 512,4096 -n 0 -fa 1 -ncmoe 24
