@@ -1564,7 +1564,7 @@ fn check_fused(ops: &strata::backend::cuda::ops::Ops, seed: &mut u64) -> Result<
     };
     let mut out = Vec::new();
     use strata::backend::cuda::driver::DevBuf;
-    use strata::backend::cuda::ops::{DMat, KvPtrs, GROUP_BYTES};
+    use strata::backend::cuda::ops::{DMat, KvPtrs, RopeStore, GROUP_BYTES};
     let unit = |seed: &mut u64| (rng(seed) % 20001) as f32 / 10000.0 - 1.0;
     let mut same_rope = Some(true);
     // (n_head, n_head_kv, hd, n_rot, neox, mode, bias, t): Qwen3's per-head norms, biases alone (Qwen2), partial
@@ -1608,8 +1608,19 @@ fn check_fused(ops: &strata::backend::cuda::ops::Ops, seed: &mut u64) -> Result<
                 DevBuf::from_slice(&vec![0xabcdu16; n_ctx * kvd])?,
             );
             let kv = KvPtrs { k: kc.ptr, v: vc.ptr, q8: false };
+            let r = RopeStore {
+                qkv: dqkv.ptr,
+                cs: dcs.ptr,
+                heads: (nh, nkv, hd),
+                n_rot,
+                pos: pos.ptr,
+                t,
+                q: q.ptr,
+                kv,
+                neox,
+            };
             if fused {
-                if !ops.qkv_rope_store(dqkv.ptr, prep, dcs.ptr, (nh, nkv, hd), n_rot, pos.ptr, t, q.ptr, kv, neox)? {
+                if !ops.qkv_rope_store(&r, prep)? {
                     same_rope = None;
                     break;
                 }
@@ -1617,7 +1628,7 @@ fn check_fused(ops: &strata::backend::cuda::ops::Ops, seed: &mut u64) -> Result<
                 if let Some((b, qn, kn, mode, eps)) = prep {
                     ops.qkv_prep(dqkv.ptr, b, qn, kn, mode, (nh, nkv, hd), eps, t)?;
                 }
-                ops.rope_store(dqkv.ptr, dcs.ptr, nh, nkv, hd, n_rot, pos.ptr, t, q.ptr, kv, neox)?;
+                ops.rope_store(&r)?;
             }
             ops.s.sync()?;
             let (mut hq, mut hk, mut hv) = (vec![0f32; t * qd], vec![0u16; n_ctx * kvd], vec![0u16; n_ctx * kvd]);

@@ -420,28 +420,43 @@ fn topk_args(
     a.i32(k as i32).ptr(ids).ptr(w).ptr(table).ptr(groups).ptr(flag).ptr(win).i32(norm).ptr(bias)
 }
 
+/// One RoPE + KV store of `t` rows: what [`Ops::rope_store`], [`Ops::qkv_rope_store`] and
+/// [`Ops::prep_rope_store`] take (device addresses and the heads' shape).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeStore {
+    /// The Q/K/V product rows, `t × (n_head + 2·n_head_kv)·head_dim` f32 (read, not rewritten).
+    pub qkv: u64,
+    /// The rows' rotations, `t × n_rot/2` (cos, sin) f32 pairs.
+    pub cs: u64,
+    /// (q heads, K/V heads, head size).
+    pub heads: (usize, usize, usize),
+    /// Rotated dimensions of each head.
+    pub n_rot: usize,
+    /// Device address of the first row's position (an `int`: the KV cache row it is stored at).
+    pub pos: u64,
+    /// Rows.
+    pub t: usize,
+    /// The rotated q rows out, `t × n_head·head_dim` f32.
+    pub q: u64,
+    /// The layer's KV cache.
+    pub kv: KvPtrs,
+    /// NeoX pairs `(i, i + n_rot/2)` instead of adjacent ones.
+    pub neox: bool,
+}
+
 /// `a` followed by the arguments the RoPE kernels (`rope_store`, `rope_store_q8`, `qkv_rope_store`) end with.
-#[allow(clippy::too_many_arguments)]
-fn rope_args(
-    a: Args,
-    cs: u64,
-    (n_head, n_head_kv, hd): (usize, usize, usize),
-    n_rot: usize,
-    pos: u64,
-    q: u64,
-    kv: KvPtrs,
-    neox: bool,
-) -> Args {
-    a.ptr(cs)
+fn rope_args(a: Args, r: &RopeStore) -> Args {
+    let (n_head, n_head_kv, hd) = r.heads;
+    a.ptr(r.cs)
         .i32(n_head as i32)
         .i32(n_head_kv as i32)
         .i32(hd as i32)
-        .i32(n_rot as i32)
-        .ptr(pos)
-        .ptr(q)
-        .ptr(kv.k)
-        .ptr(kv.v)
-        .i32(neox as i32)
+        .i32(r.n_rot as i32)
+        .ptr(r.pos)
+        .ptr(r.q)
+        .ptr(r.kv.k)
+        .ptr(r.kv.v)
+        .i32(r.neox as i32)
 }
 
 /// Kernel launches on one stream.
@@ -706,25 +721,11 @@ impl Ops<'_> {
         self.k.gated_add.launch(self.s, (t as u32, 1, 1), 256, 0, args)
     }
 
-    /// RoPE + KV store (see the kernels `rope_store`, `rope_store_q8`); `pos` is the device address of pos0 (an
-    /// `int`); `neox`: NeoX pairs `(i, i + n_rot/2)` instead of adjacent ones.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rope_store(
-        &self,
-        qkv: u64,
-        cs: u64,
-        n_head: usize,
-        n_head_kv: usize,
-        hd: usize,
-        n_rot: usize,
-        pos: u64,
-        t: usize,
-        q: u64,
-        kv: KvPtrs,
-        neox: bool,
-    ) -> Result<(), GpuError> {
-        let args = rope_args(Args::new().ptr(qkv), cs, (n_head, n_head_kv, hd), n_rot, pos, q, kv, neox);
-        if kv.q8 {
+    /// RoPE + KV store of `r` (see the kernels `rope_store`, `rope_store_q8`). Errors: a launch failure.
+    pub fn rope_store(&self, r: &RopeStore) -> Result<(), GpuError> {
+        let ((n_head, n_head_kv, hd), t) = (r.heads, r.t);
+        let args = rope_args(Args::new().ptr(r.qkv), r);
+        if r.kv.q8 {
             // one thread per q value, one warp per 32-value K or V block
             let work = (n_head * hd).max(2 * n_head_kv * hd / 32 * 32);
             return self.k.rope_store_q8.launch(self.s, (t as u32, work.div_ceil(128).min(64) as u32, 1), 128, 0, args);
@@ -734,60 +735,33 @@ impl Ops<'_> {
     }
 
     /// A layer's work between its Q/K/V product and attention: the biases and q/k norms (`prep`: (`bias`, `qn`,
-    /// `kn`, `mode`, `eps`) as [`Ops::qkv_prep`] takes them; `None` = none), RoPE and the KV store of `t` rows, in
+    /// `kn`, `mode`, `eps`) as [`Ops::qkv_prep`] takes them; `None` = none), then RoPE and the KV store of `r`, in
     /// one launch where [`Ops::qkv_rope_store`] applies, else as [`Ops::qkv_prep`] then [`Ops::rope_store`] (the
-    /// same bits). Arguments otherwise as [`Ops::rope_store`]'s. Errors: a launch failure.
-    #[allow(clippy::too_many_arguments)]
-    pub fn prep_rope_store(
-        &self,
-        qkv: u64,
-        prep: Option<(u64, u64, u64, i32, f32)>,
-        cs: u64,
-        (n_head, n_head_kv, hd): (usize, usize, usize),
-        n_rot: usize,
-        pos: u64,
-        t: usize,
-        q: u64,
-        kv: KvPtrs,
-        neox: bool,
-    ) -> Result<(), GpuError> {
-        if self.qkv_rope_store(qkv, prep, cs, (n_head, n_head_kv, hd), n_rot, pos, t, q, kv, neox)? {
+    /// same bits). Errors: a launch failure.
+    pub fn prep_rope_store(&self, r: &RopeStore, prep: Option<(u64, u64, u64, i32, f32)>) -> Result<(), GpuError> {
+        if self.qkv_rope_store(r, prep)? {
             return Ok(());
         }
         if let Some((bias, qn, kn, mode, eps)) = prep {
-            self.qkv_prep(qkv, bias, qn, kn, mode, (n_head, n_head_kv, hd), eps, t)?;
+            self.qkv_prep(r.qkv, bias, qn, kn, mode, r.heads, eps, r.t)?;
         }
-        self.rope_store(qkv, cs, n_head, n_head_kv, hd, n_rot, pos, t, q, kv, neox)
+        self.rope_store(r)
     }
 
     /// [`Ops::qkv_prep`] (modes 0 and 1) and [`Ops::rope_store`] over an f16 cache in one launch with their bits
-    /// (the kernel `qkv_rope_store`: one warp per q, k or v head of each of the `t` rows; `qkv` is read, not
-    /// rewritten). `prep`: (`bias`, `qn`, `kn`, `mode`, `eps`) as `qkv_prep` takes them; `None` = no prep (RoPE and
-    /// store only). Returns false, launching nothing, where it does not apply: the kernel not loaded
-    /// ([`super::kernels::fuse_wanted`]), a Q8_0 cache, mode 2 (a norm across heads), a head size above 256.
-    /// Errors: a launch failure.
-    #[allow(clippy::too_many_arguments)]
-    pub fn qkv_rope_store(
-        &self,
-        qkv: u64,
-        prep: Option<(u64, u64, u64, i32, f32)>,
-        cs: u64,
-        (n_head, n_head_kv, hd): (usize, usize, usize),
-        n_rot: usize,
-        pos: u64,
-        t: usize,
-        q: u64,
-        kv: KvPtrs,
-        neox: bool,
-    ) -> Result<bool, GpuError> {
+    /// (the kernel `qkv_rope_store`: one warp per q, k or v head of each of `r`'s rows). `prep`: (`bias`, `qn`,
+    /// `kn`, `mode`, `eps`) as `qkv_prep` takes them; `None` = no prep (RoPE and store only). Returns false,
+    /// launching nothing, where it does not apply: the kernel not loaded ([`super::kernels::fuse_wanted`]), a Q8_0
+    /// cache, mode 2 (a norm across heads), a head size above 256. Errors: a launch failure.
+    pub fn qkv_rope_store(&self, r: &RopeStore, prep: Option<(u64, u64, u64, i32, f32)>) -> Result<bool, GpuError> {
         let (bias, qn, kn, mode, eps) = prep.unwrap_or((0, 0, 0, 0, 0.0));
-        let Some(f) = self.k.qkv_rope_store.as_ref().filter(|_| !kv.q8 && mode != 2 && hd <= QRS_MAX_HD) else {
+        let (n_head, n_head_kv, hd) = r.heads;
+        let Some(f) = self.k.qkv_rope_store.as_ref().filter(|_| !r.kv.q8 && mode != 2 && hd <= QRS_MAX_HD) else {
             return Ok(false);
         };
-        let head = Args::new().ptr(qkv).ptr(bias).ptr(qn).ptr(kn).i32(mode).f32(eps);
-        let args = rope_args(head, cs, (n_head, n_head_kv, hd), n_rot, pos, q, kv, neox);
+        let args = rope_args(Args::new().ptr(r.qkv).ptr(bias).ptr(qn).ptr(kn).i32(mode).f32(eps), r);
         let heads = n_head + 2 * n_head_kv;
-        f.launch(self.s, (t as u32, heads.div_ceil(QRS_WARPS) as u32, 1), 32 * QRS_WARPS as u32, 0, args)?;
+        f.launch(self.s, (r.t as u32, heads.div_ceil(QRS_WARPS) as u32, 1), 32 * QRS_WARPS as u32, 0, args)?;
         Ok(true)
     }
 

@@ -8,7 +8,7 @@
 //! layer needs the host.
 
 use super::model::{GFfn, Host, Stage};
-use super::ops::{Combine, KvPtrs, Ops as Launch};
+use super::ops::{Combine, KvPtrs, Ops as Launch, RopeStore};
 use super::GpuError;
 use crate::backend::{BackendError, ModelRef, Norm, Ops, Scratch};
 
@@ -132,9 +132,10 @@ impl GpuPass<'_, '_> {
             let (qn, kn) = pr.norm.as_ref().map_or((0, 0), |(q, k)| (q.ptr, k.ptr));
             (bias, qn, kn, pr.mode, c.rms_eps)
         });
-        let dims = (c.n_head, c.n_head_kv, c.head_dim);
-        let k = self.launch();
-        Ok(k.prep_rope_store(b.qkv.ptr, prep, b.cs.at(8), dims, c.n_rot, b.cs.ptr, t, b.q.ptr, kv, neox)?)
+        let heads = (c.n_head, c.n_head_kv, c.head_dim);
+        let r =
+            RopeStore { qkv: b.qkv.ptr, cs: b.cs.at(8), heads, n_rot: c.n_rot, pos: b.cs.ptr, t, q: b.q.ptr, kv, neox };
+        Ok(self.launch().prep_rope_store(&r, prep)?)
     }
 
     fn enqueue_attention(&mut self, l: usize) -> Result<(), BackendError> {
