@@ -5,7 +5,9 @@
 //!
 //! Each expert's score is `Σ λ^age` over the windows that used it (`age` in decode windows, each use counting its
 //! routing entries). λ = 0.5 orders experts as LRU does (one use now outweighs all older ones of one-entry
-//! windows); λ → 1 is LFU. A variant is a λ of [`LRFU_DECAYS`] with one of two admissions:
+//! windows); λ → 1 is LFU. Ties of score go to the more recently used expert: scores aged below f32's range are ties
+//! too (λ = 0.5 reaches 0 after about 150 windows without a use, which large caches see), so λ = 0.5 keeps LRU's
+//! order at any reuse distance. A variant is a λ of [`LRFU_DECAYS`] with one of two admissions:
 //! - **demand**: the experts the last window used enter whatever their score and are not victims of the next
 //!   round; the others are ranked by score (the frequency-ordered eviction of an LFU with demand fetch). With
 //!   λ = 0.5 this is LRU ([`LRU_VARIANT`]; experts last used in the same window, a tie to LRU, are ordered by
@@ -66,6 +68,12 @@ pub struct Lrfu {
     merit: [f32; LRFU_VARIANTS],
     /// Routing entries of the last ended window per expert (the experts a demand-admission round protects).
     last: Vec<u32>,
+    /// Per expert, 1 + the number of the last ended window that used it (0: never used): ties of score, which
+    /// include scores aged below f32's range (λ = 0.5 reaches 0 after about 150 windows without a use), go to the
+    /// more recently used, so the λ = 0.5 variant keeps LRU's order at any reuse distance.
+    used_at: Vec<u32>,
+    /// Windows ended so far.
+    now: u32,
 }
 
 impl Lrfu {
@@ -82,6 +90,8 @@ impl Lrfu {
             cap: vec![None; n_layer],
             merit: [0.0; LRFU_VARIANTS],
             last: vec![0; n],
+            used_at: vec![0; n],
+            now: 0,
         }
     }
 
@@ -146,7 +156,13 @@ impl Lrfu {
     /// `keep(shadow, scores, window, cap, demand, scratch)` (the tests pass a sorting one as the reference).
     fn end_window_with(&mut self, cached: impl Fn(usize) -> Vec<usize>, size: impl Fn(usize) -> usize, keep: KeepStep) {
         let ne = self.n_expert;
-        let mut order: Vec<u64> = Vec::with_capacity(ne);
+        let mut order: Vec<u128> = Vec::with_capacity(ne);
+        self.now = self.now.saturating_add(1);
+        for (u, &w) in self.used_at.iter_mut().zip(&self.window) {
+            if w > 0 {
+                *u = self.now;
+            }
+        }
         self.merit.iter_mut().for_each(|m| *m *= MERIT_DECAY);
         for l in 0..self.n_layer {
             let r = l * ne..(l + 1) * ne;
@@ -178,7 +194,9 @@ impl Lrfu {
                 let sh = &mut self.shadow[v][r.clone()];
                 let hits = win.iter().zip(sh.iter()).filter(|(&w, &h)| w > 0 && h).count();
                 self.merit[v] += hits as f32;
-                keep(sh, &self.score[v % LRFU_DECAYS.len()][r.clone()], win, cap, demand, &mut order);
+                let sc =
+                    Scores { score: &self.score[v % LRFU_DECAYS.len()][r.clone()], used_at: &self.used_at[r.clone()] };
+                keep(sh, sc, win, cap, demand, &mut order);
             }
         }
         std::mem::swap(&mut self.last, &mut self.window);
@@ -214,6 +232,9 @@ impl Lrfu {
         let (_, demand) = Lrfu::variant(lead);
         for l in 0..self.n_layer {
             let sc = &self.score[lead % LRFU_DECAYS.len()][l * ne..(l + 1) * ne];
+            let ua = &self.used_at[l * ne..(l + 1) * ne];
+            // preference: score, then the more recent use (scores aged to 0 are ties)
+            let pref = |a: usize, b: usize| sc[a].total_cmp(&sc[b]).then(ua[a].cmp(&ua[b]));
             let prot = |e: usize| demand && self.last[l * ne + e] > 0;
             let held = cached(l);
             let mut in_cache = vec![false; ne];
@@ -222,8 +243,7 @@ impl Lrfu {
             }
             // with demand admission only the last window's experts may enter (as its shadows do: a demand cache
             // loads what a token used); with bypass any expert whose score beats its victim's
-            let mut cand: Vec<usize> =
-                (0..ne).filter(|&e| !in_cache[e] && sc[e] > 0.0 && (!demand || prot(e))).collect();
+            let mut cand: Vec<usize> = (0..ne).filter(|&e| !in_cache[e] && ua[e] > 0 && (!demand || prot(e))).collect();
             if cand.is_empty() {
                 continue;
             }
@@ -232,18 +252,20 @@ impl Lrfu {
             // cheapest places are ranked (this runs at every decode token while the tier is active)
             let nf = free(l);
             let n = cand.len().min(nf + held.len()).min(if cut { max_swaps } else { usize::MAX });
-            smallest_sorted(&mut cand, n, |&a, &b| prot(b).cmp(&prot(a)).then(sc[b].total_cmp(&sc[a])).then(a.cmp(&b)));
-            let mut vict: Vec<(Option<usize>, bool, f32)> = vec![(None, false, 0.0); nf.min(n)];
+            smallest_sorted(&mut cand, n, |&a, &b| prot(b).cmp(&prot(a)).then(pref(b, a)).then(a.cmp(&b)));
+            let mut vict: Vec<(Option<usize>, bool)> = vec![(None, false); nf.min(n)];
             let mut held_sorted = held;
             smallest_sorted(&mut held_sorted, n - vict.len(), |&a, &b| {
                 // ties: the higher id leaves first, so a round keeps what a shadow keeps (lower ids)
-                prot(a).cmp(&prot(b)).then(sc[a].total_cmp(&sc[b])).then(b.cmp(&a))
+                prot(a).cmp(&prot(b)).then(pref(a, b)).then(b.cmp(&a))
             });
-            vict.extend(held_sorted.into_iter().map(|e| (Some(e), prot(e), sc[e])));
-            for (rank, (&c, &(v, vp, vs))) in cand.iter().zip(vict.iter()).enumerate() {
+            vict.extend(held_sorted.into_iter().map(|e| (Some(e), prot(e))));
+            for (rank, (&c, &(v, vp))) in cand.iter().zip(vict.iter()).enumerate() {
                 let cp = prot(c);
-                // protected before unprotected, then by score
-                if (cp, sc[c]) <= (vp, vs) {
+                // protected before unprotected, then by score, then by the more recent use (a free slot: never
+                // used, score 0)
+                let (vs, vu) = v.map_or((0.0, 0), |v| (sc[v], ua[v]));
+                if cp.cmp(&vp).then(sc[c].total_cmp(&vs)).then(ua[c].cmp(&vu)).is_le() {
                     break;
                 }
                 pairs.push((Swap { layer: l, outgoing: v, incoming: c, gain: sc[c] - vs }, cp && !vp, rank));
@@ -257,15 +279,23 @@ impl Lrfu {
     }
 }
 
+/// A layer's scores under one decay and the window each expert was last used in (1 + its number; 0: never),
+/// the ranking [`keep_best`] and [`rank_key`] use.
+#[derive(Clone, Copy)]
+struct Scores<'a> {
+    score: &'a [f32],
+    used_at: &'a [u32],
+}
+
 /// A shadow's keep step ([`keep_best`]): (shadow, scores, window, cap, demand admission, scratch).
-type KeepStep = fn(&mut [bool], &[f32], &[u32], usize, bool, &mut Vec<u64>);
+type KeepStep = fn(&mut [bool], Scores<'_>, &[u32], usize, bool, &mut Vec<u128>);
 
 /// Leaves `sh` (a layer's shadow: held or not, per expert) holding the `cap` best of (held ∪ used in the window
-/// `win`): with `protect` (demand admission) the window's experts first, then by score `sc`; ties: held first, then
-/// lower id. Only the set counts, so it is selected (linear time; the order is total, so the set is the one a sort
-/// would give), and skipped when the window brought nothing new and the held set fits: this runs per layer and
-/// variant at every decode token. `order`: scratch.
-fn keep_best(sh: &mut [bool], sc: &[f32], win: &[u32], cap: usize, protect: bool, order: &mut Vec<u64>) {
+/// `win`): with `protect` (demand admission) the window's experts first, then by score, then by the more recent
+/// use; ties: held first, then lower id. Only the set counts, so it is selected (linear time; the order is total,
+/// so the set is the one a sort would give), and skipped when the window brought nothing new and the held set
+/// fits: this runs per layer and variant at every decode token. `order`: scratch.
+fn keep_best(sh: &mut [bool], sc: Scores<'_>, win: &[u32], cap: usize, protect: bool, order: &mut Vec<u128>) {
     let (mut held, mut new) = (0usize, 0usize);
     for (&w, &h) in win.iter().zip(sh.iter()) {
         held += usize::from(h);
@@ -277,7 +307,9 @@ fn keep_best(sh: &mut [bool], sc: &[f32], win: &[u32], cap: usize, protect: bool
     }
     order.clear();
     order.extend(
-        (0..sh.len()).filter(|&e| sh[e] || win[e] > 0).map(|e| rank_key(sc[e], sh[e], protect && win[e] > 0, e)),
+        (0..sh.len())
+            .filter(|&e| sh[e] || win[e] > 0)
+            .map(|e| rank_key(sc.score[e], sc.used_at[e], sh[e], protect && win[e] > 0, e)),
     );
     if order.len() > cap {
         order.select_nth_unstable(cap);
@@ -290,17 +322,21 @@ fn keep_best(sh: &mut [bool], sc: &[f32], win: &[u32], cap: usize, protect: bool
 }
 
 /// The id bits of a [`rank_key`].
-const KEY_ID: u64 = (1 << 30) - 1;
+const KEY_ID: u128 = (1 << 30) - 1;
 
 /// A key whose ascending order is a shadow's order of preference: forced in (a demand variant's window) first,
-/// then score descending (as `f32::total_cmp` orders scores), then held before not held, then lower expert id
-/// (`e` < 2^30).
-fn rank_key(score: f32, held: bool, forced: bool, e: usize) -> u64 {
-    debug_assert!(e as u64 <= KEY_ID, "expert id {e} past the key's 30 bits");
+/// then score descending (as `f32::total_cmp` orders scores), then the later last use (`used_at` descending),
+/// then held before not held, then lower expert id (`e` < 2^30).
+fn rank_key(score: f32, used_at: u32, held: bool, forced: bool, e: usize) -> u128 {
+    debug_assert!(e as u128 <= KEY_ID, "expert id {e} past the key's 30 bits");
     let b = score.to_bits();
     // the bits reordered so that unsigned order is total_cmp's order
     let up = if b >> 31 == 1 { !b } else { b | 1 << 31 };
-    (u64::from(!forced) << 63) | (u64::from(!up) << 31) | (u64::from(!held) << 30) | (e as u64 & KEY_ID)
+    (u128::from(!forced) << 95)
+        | (u128::from(!up) << 63)
+        | (u128::from(!used_at) << 31)
+        | (u128::from(!held) << 30)
+        | (e as u128 & KEY_ID)
 }
 
 /// Leaves in `v` its `n` smallest elements under `cmp` (a total order), sorted: what sorting `v` and keeping its
@@ -377,11 +413,17 @@ mod tests {
     }
 
     /// The shadow step as written before it selected: the candidates fully sorted, the first `cap` kept.
-    fn keep_by_sort(sh: &mut [bool], sc: &[f32], win: &[u32], cap: usize, demand: bool, _: &mut Vec<u64>) {
+    fn keep_by_sort(sh: &mut [bool], sc: Scores<'_>, win: &[u32], cap: usize, demand: bool, _: &mut Vec<u128>) {
         let mut order: Vec<usize> = (0..sh.len()).filter(|&e| sh[e] || win[e] > 0).collect();
         let used = |e: usize| demand && win[e] > 0;
+        let (s, u) = (sc.score, sc.used_at);
         order.sort_by(|&a, &b| {
-            used(b).cmp(&used(a)).then(sc[b].total_cmp(&sc[a])).then(sh[b].cmp(&sh[a])).then(a.cmp(&b))
+            used(b)
+                .cmp(&used(a))
+                .then(s[b].total_cmp(&s[a]))
+                .then(u[b].cmp(&u[a]))
+                .then(sh[b].cmp(&sh[a]))
+                .then(a.cmp(&b))
         });
         sh.iter_mut().for_each(|h| *h = false);
         for &e in order.iter().take(cap) {
@@ -417,15 +459,21 @@ mod tests {
     #[test]
     fn rank_keys_order_as_the_shadow_comparator() {
         let scores = [0.0f32, -0.0, 1.0, 1.0, 0.5, -2.0, 3.25, f32::MIN_POSITIVE, 1e30, -1e-30, 0.5];
-        let items: Vec<(f32, bool, bool, usize)> = scores
+        let uses = [0u32, 1, 7, u32::MAX];
+        // (score, used_at, held, forced, id)
+        let items: Vec<(f32, u32, bool, bool, usize)> = scores
             .iter()
             .enumerate()
-            .flat_map(|(i, &s)| [(s, false, false, i), (s, true, false, 40 - i), (s, i % 2 == 0, true, 80 + i)])
+            .flat_map(|(i, &s)| {
+                let u = uses[i % uses.len()];
+                [(s, u, false, false, i), (s, uses[(i + 1) % 4], true, false, 40 - i), (s, u, i % 2 == 0, true, 80 + i)]
+            })
             .collect();
         for a in &items {
             for b in &items {
-                let want = b.2.cmp(&a.2).then(b.0.total_cmp(&a.0)).then(b.1.cmp(&a.1)).then(a.3.cmp(&b.3));
-                let got = rank_key(a.0, a.1, a.2, a.3).cmp(&rank_key(b.0, b.1, b.2, b.3));
+                let want =
+                    b.3.cmp(&a.3).then(b.0.total_cmp(&a.0)).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)).then(a.4.cmp(&b.4));
+                let got = rank_key(a.0, a.1, a.2, a.3, a.4).cmp(&rank_key(b.0, b.1, b.2, b.3, b.4));
                 assert_eq!(got, want, "{a:?} {b:?}");
             }
         }
@@ -480,7 +528,16 @@ mod tests {
         // rounds after every window holds what LRU (demand fetch, evict least recently used) holds, and its
         // shadow too (one expert per window: two experts last used in the same window are a tie to LRU, which λ =
         // 0.5 breaks by their older uses)
-        for (ne, k, slots) in [(8usize, 1usize, 2usize), (8, 1, 3), (16, 1, 6), (32, 1, 5), (32, 1, 1)] {
+        // (128, 1, 96, uniform): reuse distances of hundreds of windows, past where λ = 0.5's scores reach 0 in
+        // f32 (ties then go to the later use)
+        for (ne, k, slots, uniform) in [
+            (8usize, 1usize, 2usize, false),
+            (8, 1, 3, false),
+            (16, 1, 6, false),
+            (32, 1, 5, false),
+            (32, 1, 1, false),
+            (128, 1, 96, true),
+        ] {
             let mut seed = 0xabad_1dea_0000_0001 ^ (ne * 31 + k * 7 + slots) as u64;
             let mut p = Lrfu::new(1, ne);
             let mut cache: Vec<usize> = (0..slots).collect();
@@ -488,12 +545,16 @@ mod tests {
             // replay's LRU keeps the fill's first experts)
             let mut lru: Vec<usize> = (0..slots).rev().collect();
             let (mut hits, mut lru_hits) = (0, 0);
-            for w in 0..400 {
+            for w in 0..if uniform { 1500 } else { 400 } {
                 let mut win: Vec<usize> = Vec::new();
                 while win.len() < k {
                     let r = next(&mut seed);
                     // a hot half and a cold half, and one-token reuse
-                    let e = if r.is_multiple_of(3) { (r >> 8) as usize % ne } else { (r >> 8) as usize % (ne / 2) };
+                    let e = if uniform || r.is_multiple_of(3) {
+                        (r >> 8) as usize % ne
+                    } else {
+                        (r >> 8) as usize % (ne / 2)
+                    };
                     if !win.contains(&e) {
                         win.push(e);
                     }
