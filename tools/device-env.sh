@@ -35,3 +35,20 @@ bench_arm() {
   echo "$tag rc=$rc at ${SECONDS}s: $(grep -E '^cache|decode after' /tmp/b-$tag.txt | tr -s ' ' | tr '\n' '|' | cut -c1-260) $(grep -h 'prompt runs' /tmp/b-$tag.log)" >> "$L"
   grep -E "panicked|ERROR|error:" /tmp/b-$tag.log | head -2 >> "$L"
 }
+# A synthetic Qwen3-30B-A3B-geometry file as `qwen3moe` (`synth_native BIN TYPE PATH`), unless PATH is there: written
+# beside it first, so a file cut off by a lost lease is never taken for a whole one.
+synth_native() {
+  [ -s $3 ] || { $1 synth-moe --preset qwen3-30b-a3b --type $2 --arch native --out $3.part 2>&1 | tail -1 >> "$L"
+    mv $3.part $3; }
+}
+# One bench-gpu arm (`bench_gpu_arm BIN TAG MODEL PROMPT FRACS MODES GEN [VAR=VALUE ...]`, the variables set for it
+# alone): after a warm-up, 3 timed prompts, 512-token chunks, PCIe share 0; output /tmp/b-TAG.txt and .log, a line of
+# its figures in "$L", the table appended to "$O/bench.txt".
+bench_gpu_arm() {
+  local b=$1 tag=$2 m=$3 p=$4 fr=$5 md=$6 g=$7; shift 7
+  env "$@" timeout 150 $b bench-gpu --model $m --prompt $p --gen $g --warmup --reps 3 --fracs $fr \
+    --modes $md --pcie 0 --batch 512 > /tmp/b-$tag.txt 2>/tmp/b-$tag.log
+  echo "$tag rc=$? at ${SECONDS}s: $(grep -E '^cache|decode after' /tmp/b-$tag.txt | tr -s ' ' | tr '\n' '|' | cut -c1-500) $(grep -h 'prompt runs' /tmp/b-$tag.log | tr '\n' ' ')" >> "$L"
+  grep -E "panicked|ERROR|error:" /tmp/b-$tag.log | head -2 >> "$L"
+  { echo "== $tag"; cat /tmp/b-$tag.txt; } >> "$O/bench.txt"
+}

@@ -122,10 +122,11 @@ pub struct BenchArgs {
     /// The KV cache's type (the daemon's `--kv-type`: f16 or q8_0).
     #[arg(long, default_value = "f16")]
     kv_type: strata::backend::KvType,
-    /// Before each arm's timed prompt, run the same prompt once untimed on a KV cache of its own (as `llama-bench`
-    /// does before its repetitions): the first use of each kernel, of the staging buffers and of the weights' pages
-    /// stays out of the prompt rate. The tiers' history and counters record decode only, so a warm-up leaves them as
-    /// they were.
+    /// Before each arm's timed prompt, run the same prompt and two decode tokens once untimed on a KV cache of its
+    /// own (as `llama-bench` warms up before its repetitions): the first use of each kernel, of the staging buffers
+    /// and of the weights' pages, and the capture of the decode graph of the context's size class (once per class
+    /// in a daemon's life), stay out of the rates. No adaptive round runs in it and the tiers' usage is forgotten
+    /// after it, so the arm starts from the placement it set.
     #[arg(long)]
     warmup: bool,
     /// Timed prompt runs per arm, each on a fresh KV cache (`llama-bench -r`); the prompt rate printed is their
@@ -2098,7 +2099,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     for (f, mode, pcie, policy, pcie_prefill) in plan {
         knobs.set("pcie_prefill", &pcie_prefill.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
         let n = ((total as f64 * f).round() as usize).min(total);
-        knobs.set("adapt_every", if mode == "off" { "0" } else { "4" }).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let every = if mode == "off" { "0" } else { "4" };
+        knobs.set("adapt_every", every).map_err(|e| anyhow::anyhow!("{e}"))?;
         knobs.set("adapt_async", if mode == "async" { "1" } else { "0" }).map_err(|e| anyhow::anyhow!("{e}"))?;
         knobs.set("adapt_policy", policy).map_err(|e| anyhow::anyhow!("{e}"))?;
         knobs.set("prefetch", &a.prefetch.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -2153,9 +2155,22 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
         let mut s = Scratch::default();
         if a.warmup {
+            // the prompt, then two decode tokens (the first decode token of a context's size class captures its
+            // graph, once in a daemon's life; llama-bench's warm-up runs a generation too), with no adaptive round:
+            // the arm starts from the placement it set, its usage forgotten
+            knobs.set("adapt_every", "0").map_err(|e| anyhow::anyhow!("{e}"))?;
             let mut kv = m.new_kv(a.prompt + 8);
-            let _ = m.forward(&prompt, &mut kv, Logits::Last, &mut s);
+            let mut logits = m.forward(&prompt, &mut kv, Logits::Last, &mut s);
+            for _ in 0..2 {
+                let next = strata::engine::sampler::argmax(&logits);
+                s.decode = true;
+                logits = m.forward(&[next], &mut kv, Logits::Last, &mut s);
+                s.decode = false;
+                m.end_decode_window()?;
+            }
             m.drain()?;
+            st.reset_usage();
+            knobs.set("adapt_every", every).map_err(|e| anyhow::anyhow!("{e}"))?;
         }
         let before = st.counters.totals();
         // each timed run on a fresh KV cache; decode continues from the last one
