@@ -8,9 +8,10 @@
 #   strata bench-gpu prefill 512 / 4,096 and decode after them, all in VRAM and half off, static and blocking).
 # PART=C: Q4_K_M and IQ2_XS half off VRAM, both engines (-ncmoe 24; cache 50%, static and blocking).
 # PART=D (a later build: bench-gpu's warm-up decodes two tokens): llama.cpp built meanwhile the GPU-bound work runs:
-#   per-call GPU times of a 512-token chunk (STRATA_GPU_TIMING=ops) on IQ2_XS and Q4_K_M, decode after 4,096 tokens
-#   with every expert in VRAM (32 and 64 tokens); then, nothing else running, llama-bench decode after 4,096 (all in
+#   per-call GPU times of a 512-token chunk (STRATA_GPU_TIMING=ops) on IQ2_XS, decode after 4,096 tokens
+#   with every expert in VRAM (32 tokens); then, nothing else running, llama-bench decode after 4,096 (all in
 #   VRAM and -ncmoe 24) and strata half off VRAM after 4,096 tokens, static, PCIe shares 0, 0.33 and auto.
+# PART=E: PART=D without llama.cpp (too little device time left for its build; ratios then across hosts).
 set -u
 O=${OUT:?}; mkdir -p "$O"; L="$O/log.txt"
 . tools/device-env.sh
@@ -50,20 +51,17 @@ C)
   run q4km-half $K 512 0.5 off,blocking 32
   run iq2xs-half $I 512 0.5 off,blocking 32
   ;;
-D)
-  ensure_llama & LBP=$!
-  synth iq2_xs $I; synth q4_k_m $K; synth q4_0 $Q
-  for f in iq2xs:$I q4km:$K; do
+D|E)
+  [ "$PART" = D ] && { ensure_llama & LBP=$!; }
+  synth iq2_xs $I; synth q4_0 $Q
+  for f in iq2xs:$I; do
     STRATA_GPU_TIMING=ops timeout 120 /tmp/cur bench-gpu --model ${f#*:} --prompt 512 --gen 4 --warmup --fracs 1 \
       --modes off --pcie 0 --batch 512 > /tmp/ops.txt 2>&1
     echo "ops ${f%%:*} rc=$?" >> "$L"; echo "== ${f%%:*}" >> "$O/ops.txt"
     grep -E "GPU time by call: 512" /tmp/ops.txt | sed 's/.*GPU time/GPU time/' | tail -2 >> "$O/ops.txt"
   done
   run t4096-g32 $Q 4096 1 off 32
-  run t4096-g64 $Q 4096 1 off 64
-  wait $LBP
-  lb 60 $Q -p 0 -n 32,64 -d 4096 -fa 1
-  lb 90 $Q -p 0 -n 32 -d 4096 -fa 1 -ncmoe 24
+  [ "$PART" = D ] && { wait $LBP; lb 60 $Q -p 0 -n 32,64 -d 4096 -fa 1; lb 90 $Q -p 0 -n 32 -d 4096 -fa 1 -ncmoe 24; }
   env timeout 200 /tmp/cur bench-gpu --model $Q --prompt 4096 --gen 32 --warmup --reps 1 --fracs 0.5 --modes off \
     --pcie 0.33,auto --batch 512 > /tmp/b-half.txt 2>/tmp/b-half.log
   echo "half rc=$? at ${SECONDS}s: $(grep -E '^cache|decode after' /tmp/b-half.txt | tr -s ' ' | tr '\n' '|' | cut -c1-700)" >> "$L"
