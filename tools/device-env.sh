@@ -36,10 +36,16 @@ bench_arm() {
   grep -E "panicked|ERROR|error:" /tmp/b-$tag.log | head -2 >> "$L"
 }
 # A synthetic Qwen3-30B-A3B-geometry file as `qwen3moe` (`synth_native BIN TYPE PATH`), unless PATH is there: written
-# beside it first, so a file cut off by a lost lease is never taken for a whole one.
+# beside it first and moved into place only when synth-moe succeeded, so a file cut off by a lost lease or a full
+# disk is never taken for a whole one.
 synth_native() {
-  [ -s $3 ] || { $1 synth-moe --preset qwen3-30b-a3b --type $2 --arch native --out $3.part 2>&1 | tail -1 >> "$L"
-    mv $3.part $3; }
+  [ -s $3 ] && return 0
+  if $1 synth-moe --preset qwen3-30b-a3b --type $2 --arch native --out $3.part > /tmp/synth.log 2>&1; then
+    mv $3.part $3
+  else
+    echo "synth-moe $2 failed: $(tail -1 /tmp/synth.log)" >> "$L"; rm -f $3.part; return 1
+  fi
+  tail -1 /tmp/synth.log >> "$L"
 }
 # One bench-gpu arm (`bench_gpu_arm BIN TAG MODEL PROMPT FRACS MODES GEN [VAR=VALUE ...]`, the variables set for it
 # alone): after a warm-up, 3 timed prompts, 512-token chunks, PCIe share 0; output /tmp/b-TAG.txt and .log, a line of

@@ -126,7 +126,9 @@ pub struct BenchArgs {
     /// own (as `llama-bench` warms up before its repetitions): the first use of each kernel, of the staging buffers
     /// and of the weights' pages, and the capture of the decode graph of the context's size class (once per class
     /// in a daemon's life), stay out of the rates. No adaptive round runs in it and the tiers' usage is forgotten
-    /// after it, so the arm starts from the placement it set.
+    /// after it, so the arm starts from the placement it set (a `--pcie auto` arm's balance has taken its first two
+    /// steps). Only the size class of the prompt's next positions is captured: a decode that crosses into the next
+    /// power of two of positions below the context still captures one graph while timed.
     #[arg(long)]
     warmup: bool,
     /// Timed prompt runs per arm, each on a fresh KV cache (`llama-bench -r`); the prompt rate printed is their

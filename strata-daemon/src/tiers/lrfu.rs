@@ -20,7 +20,8 @@
 //! [`MERIT_DECAY`] per window. At an adaptive round the real cache follows the variant whose shadows lead — LRU's
 //! until another's exceed it by [`LEAD_MARGIN`], since LRU is the safe choice when the evidence is thin:
 //! candidates are uncached experts with a score above zero, victims are free slots first, then cached experts
-//! (with demand admission the last window's come last), by lowest score; the i-th candidate replaces the i-th
+//! (with demand admission the last window's come last), by lowest score, then oldest use; the i-th candidate
+//! (candidates best first: score, then latest use) replaces the i-th
 //! victim while it ranks higher (free slots: any used expert enters, so short requests fill the cache, unlike the
 //! seed rule's usage floor of 2). Pairs of every layer are taken demand-admitted first, then largest gain, at most
 //! `adapt_swaps`. Rounds run every window (the engine and `replay` ignore `adapt_every` for this policy except 0,
@@ -243,7 +244,8 @@ impl Lrfu {
             }
             // with demand admission only the last window's experts may enter (as its shadows do: a demand cache
             // loads what a token used); with bypass any expert whose score beats its victim's
-            let mut cand: Vec<usize> = (0..ne).filter(|&e| !in_cache[e] && ua[e] > 0 && (!demand || prot(e))).collect();
+            let mut cand: Vec<usize> =
+                (0..ne).filter(|&e| !in_cache[e] && sc[e] > 0.0 && (!demand || prot(e))).collect();
             if cand.is_empty() {
                 continue;
             }
