@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use strata::backend::cpu::{matmul_with, Act, MatRef, Precision};
 use strata::backend::cuda::GpuModel;
-use strata::backend::GpuOptions;
+use strata::backend::{GpuOptions, KvCache};
 use strata::gguf::GgufFile;
 use strata::model::forward::Scratch;
 use strata::model::{Logits, Model, Tokenizer};
@@ -308,12 +308,20 @@ fn teacher_force(m: &Model, toks: &[u32]) -> Vec<f32> {
             // RAM adapt before a decode window, never the first (as the engine does)
             st.ram_adapt(w == 0);
         }
-        s.decode = true;
-        out.extend(m.forward(&[t], &mut kv, Logits::Last, &mut s));
-        s.decode = false;
-        m.end_decode_window().expect("adaptive round");
+        out.extend(decode_token(m, t, &mut kv, &mut s).expect("adaptive round"));
     }
     out
+}
+
+/// One decode window as the engine runs it: `token` through the model with the decode flag set (the tiers record
+/// its routing), then the window's end (the adaptive round, if one is due). Returns the token's logits (`n_vocab`
+/// f32). Errors: the adaptive round's.
+fn decode_token(m: &Model, token: u32, kv: &mut KvCache, s: &mut Scratch) -> Result<Vec<f32>> {
+    s.decode = true;
+    let logits = m.forward(&[token], kv, Logits::Last, s);
+    s.decode = false;
+    m.end_decode_window()?;
+    Ok(logits)
 }
 
 /// Q8 activation blocks as the device reads them (`float d, s; int8 qs[32]`, 40 bytes each).
@@ -2164,11 +2172,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let mut kv = m.new_kv(a.prompt + 8);
             let mut logits = m.forward(&prompt, &mut kv, Logits::Last, &mut s);
             for _ in 0..2 {
-                let next = strata::engine::sampler::argmax(&logits);
-                s.decode = true;
-                logits = m.forward(&[next], &mut kv, Logits::Last, &mut s);
-                s.decode = false;
-                m.end_decode_window()?;
+                logits = decode_token(&m, strata::engine::sampler::argmax(&logits), &mut kv, &mut s)?;
             }
             m.drain()?;
             st.reset_usage();
@@ -2207,10 +2211,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 strata::engine::sampler::argmax(&logits)
             };
             digest = (digest ^ next as u64).wrapping_mul(0x100_0000_01b3);
-            s.decode = true;
-            logits = m.forward(&[next], &mut kv, Logits::Last, &mut s);
-            s.decode = false;
-            m.end_decode_window()?;
+            logits = decode_token(&m, next, &mut kv, &mut s)?;
             if i == 0 {
                 first_s = td.elapsed().as_secs_f64();
             }
