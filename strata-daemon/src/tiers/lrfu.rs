@@ -4,23 +4,26 @@
 //! candidate policies and follow the one that would have hit most lately).
 //!
 //! Each expert's score is `Σ λ^age` over the windows that used it (`age` in decode windows, each use counting its
-//! routing entries). λ = 0.5 orders experts as LRU does (one use now outweighs all older ones of one-entry
-//! windows); λ → 1 is LFU. Ties of score go to the more recently used expert: scores aged below f32's range are ties
-//! too (λ = 0.5 reaches 0 after about 150 windows without a use, which large caches see), so λ = 0.5 keeps LRU's
-//! order at any reuse distance. A variant is a λ of [`LRFU_DECAYS`] with one of two admissions:
+//! routing entries); λ → 1 is LFU. Ties of score go to the more recently used expert. The first decay, 0.5, is
+//! LRFU's recency end: its variants rank experts by their last use alone (one use now outweighs any older ones,
+//! which λ = 0.5 gives for one-entry windows, without its scores' ties once they age below f32's range after about
+//! 150 windows). The last use orders a window's experts too: the routing records them in order, a token's by rank,
+//! and the first recorded counts as the latest used (a token's top expert is the one LRU keeps last, as `replay`'s
+//! LRU has it). A variant is a λ of [`LRFU_DECAYS`] with one of two admissions:
 //! - **demand**: the experts the last window used enter whatever their score and are not victims of the next
 //!   round; the others are ranked by score (the frequency-ordered eviction of an LFU with demand fetch). With
-//!   λ = 0.5 this is LRU ([`LRU_VARIANT`]; experts last used in the same window, a tie to LRU, are ordered by
-//!   their older uses).
+//!   the recency end this is LRU ([`LRU_VARIANT`]).
 //! - **bypass**: an expert enters only when its score beats its victim's, so one-off experts do not push out hot
 //!   ones (what wins when the cache holds no more than a token's experts and a few hot ones recur).
 //!
 //! Per layer, one shadow cache per variant keeps after each window the cache's size of experts it prefers among
 //! those it held and those the window used; each variant's hits over all layers are counted with a decay of
 //! [`MERIT_DECAY`] per window. At an adaptive round the real cache follows the variant whose shadows lead — LRU's
-//! until another's exceed it by [`LEAD_MARGIN`], since LRU is the safe choice when the evidence is thin:
-//! candidates are uncached experts with a score above zero, victims are free slots first, then cached experts
-//! (with demand admission the last window's come last), by lowest score, then oldest use; the i-th candidate
+//! until another's exceed it by [`LEAD_MARGIN`] and by [`LEAD_Z`] standard deviations of the two shadows' per-window
+//! hit difference (with a prior, [`DEV_PRIOR`], for a fresh state), since LRU is the safe choice when the evidence
+//! is thin and each change of leader costs misses while the cache moves:
+//! candidates are uncached experts used before (a score above zero), victims are free slots first, then cached
+//! experts (with demand admission the last window's come last), by lowest score, then oldest use; the i-th candidate
 //! (candidates best first: score, then latest use) replaces the i-th
 //! victim while it ranks higher (free slots: any used expert enters, so short requests fill the cache, unlike the
 //! seed rule's usage floor of 2). Pairs of every layer are taken demand-admitted first, then largest gain, at most
@@ -32,25 +35,36 @@
 //! (docs/FIXTURES.md, tools/routing-synth): per-layer leaders, a horizon of 20 windows or starting from λ = 0.9
 //! fell up to 1.5 points below LRU on some of them; the demand variants and λ = 0.999 (stop 43) took the share of
 //! LRU's gap to Belady closed on the published-count traces from −1–7% to 1–29% (docs/BENCHMARKS.md, stop 43; a
-//! frequency oracle that knows each request's counts in advance closes 12–57%).
+//! frequency oracle that knows each request's counts in advance closes 12–57%). The lead test (stop 61) was chosen on
+//! five seeds of those traces, since one seed's cells differ from LRU's by noise of ±0.2 points: it took the cells
+//! whose mean over the seeds is below LRU from 9 to 2 (worst −0.13 → −0.06 points) for 0–0.5 points less of the gap
+//! closed.
 //!
 //! Pure: the engine ([`super::store::ExpertStore`]) and `replay` ([`super::replay`]) run this same code.
 
 use super::policy::Swap;
 
-/// The decays (λ per decode window) the shadow caches try; the first orders experts as LRU does.
+/// The decays (λ per decode window) the shadow caches try; the first is the recency end (its variants rank experts by
+/// their last use alone, [`Lrfu::variant`]).
 pub const LRFU_DECAYS: [f32; 6] = [0.5, 0.8, 0.9, 0.97, 0.99, 0.999];
 /// Shadow variants: every decay of [`LRFU_DECAYS`] once with bypass (index `j`) and once with demand admission
 /// (index `LRFU_DECAYS.len() + j`); see [`Lrfu::variant`].
 pub const LRFU_VARIANTS: usize = 2 * LRFU_DECAYS.len();
-/// The variant that is LRU (λ = 0.5 with demand admission; same-window ties ordered by older uses): the leader
-/// unless another beats it.
+/// The variant that is LRU (the recency end with demand admission; a window's experts ordered as recorded, the
+/// first latest): the leader unless another beats it.
 pub const LRU_VARIANT: usize = LRFU_DECAYS.len();
 /// Decay per window of a shadow cache's hit count (a horizon of about 100 windows).
 pub const MERIT_DECAY: f32 = 0.99;
 /// How far another variant's decayed hits must exceed LRU's ([`LRU_VARIANT`]) for the cache to follow it
 /// (relative).
 pub const LEAD_MARGIN: f32 = 0.01;
+/// How many standard deviations of its per-window hit differences with LRU a variant's decayed lead over LRU
+/// must also reach for the cache to follow it (a one-sided sequential test that its lead is not noise).
+pub const LEAD_Z: f32 = 1.0;
+/// The squared hit difference each variant's deviation starts with (decayed like the measured ones): a prior
+/// of noise, so that the first windows of a fresh state (a request on a cold cache) need a lead of about
+/// `LEAD_Z · √DEV_PRIOR` hits before leaving LRU.
+pub const DEV_PRIOR: f32 = 16.0;
 
 /// State of the `lrfu` policy for `n_layer × n_expert` experts (index `layer × n_expert + expert`).
 #[derive(Debug, Clone)]
@@ -67,14 +81,24 @@ pub struct Lrfu {
     cap: Vec<Option<usize>>,
     /// Decayed shadow hits over all layers, per variant.
     merit: [f32; LRFU_VARIANTS],
+    /// Per variant, the squared differences of its shadow's hits and LRU's per window, summed over the windows
+    /// with weights `MERIT_DECAY²` per window of age (the variance of its decayed lead when the two differ by
+    /// noise), plus the decayed [`DEV_PRIOR`].
+    dev: [f32; LRFU_VARIANTS],
     /// Routing entries of the last ended window per expert (the experts a demand-admission round protects).
     last: Vec<u32>,
-    /// Per expert, 1 + the number of the last ended window that used it (0: never used): ties of score, which
-    /// include scores aged below f32's range (λ = 0.5 reaches 0 after about 150 windows without a use), go to the
-    /// more recently used, so the λ = 0.5 variant keeps LRU's order at any reuse distance.
-    used_at: Vec<u32>,
+    /// Per expert, when it was last used (0: never): the number of the last ended window that used it, times
+    /// 2^16, plus 2^16 − 1 − its place among that window's experts of its layer as recorded (the first recorded
+    /// the latest). Orders the recency variants and breaks the others' ties of score (which include scores aged
+    /// below f32's range).
+    used_at: Vec<u64>,
+    /// Per expert, 1 + its place among the current window's distinct experts of its layer as recorded (0: not
+    /// recorded in this window).
+    win_order: Vec<u16>,
+    /// Distinct experts recorded in the current window, per layer.
+    win_count: Vec<u16>,
     /// Windows ended so far.
-    now: u32,
+    now: u64,
 }
 
 impl Lrfu {
@@ -90,17 +114,26 @@ impl Lrfu {
             shadow: vec![vec![false; n]; LRFU_VARIANTS],
             cap: vec![None; n_layer],
             merit: [0.0; LRFU_VARIANTS],
+            dev: [DEV_PRIOR; LRFU_VARIANTS],
             last: vec![0; n],
             used_at: vec![0; n],
+            win_order: vec![0; n],
+            win_count: vec![0; n_layer],
             now: 0,
         }
     }
 
-    /// Counts `entries` routing entries of the current decode window for `(layer, expert)`. Panics on an index
-    /// out of range.
+    /// Counts `entries` routing entries of the current decode window for `(layer, expert)`. A window's experts are
+    /// recorded in the routing's order (token by token, each token's by rank): the first recorded counts as the
+    /// latest used. Panics on an index out of range.
     pub fn record(&mut self, layer: usize, expert: usize, entries: u32) {
         assert!(layer < self.n_layer && expert < self.n_expert, "expert ({layer}, {expert}) out of range");
-        self.window[layer * self.n_expert + expert] += entries;
+        let i = layer * self.n_expert + expert;
+        if self.win_order[i] == 0 {
+            self.win_count[layer] = self.win_count[layer].saturating_add(1);
+            self.win_order[i] = self.win_count[layer];
+        }
+        self.window[i] += entries;
     }
 
     /// Replaces this state's current window with `other`'s (same shape), leaving `other`'s empty. A fresh state
@@ -108,27 +141,46 @@ impl Lrfu {
     pub fn take_window(&mut self, other: &mut Lrfu) {
         assert_eq!(self.window.len(), other.window.len(), "lrfu states of different shapes");
         std::mem::swap(&mut self.window, &mut other.window);
+        std::mem::swap(&mut self.win_order, &mut other.win_order);
+        std::mem::swap(&mut self.win_count, &mut other.win_count);
         other.window.iter_mut().for_each(|w| *w = 0);
+        other.win_order.iter_mut().for_each(|w| *w = 0);
+        other.win_count.iter_mut().for_each(|w| *w = 0);
     }
 
     /// Forgets the current window's entries and the last window's (the ones a demand round would protect)
     /// without ageing anything (a window with no round to plan).
     pub fn clear_window(&mut self) {
         self.window.iter_mut().for_each(|w| *w = 0);
+        self.win_order.iter_mut().for_each(|w| *w = 0);
+        self.win_count.iter_mut().for_each(|w| *w = 0);
         self.last.iter_mut().for_each(|w| *w = 0);
     }
 
-    /// The variant the real cache follows now (index below [`LRFU_VARIANTS`]): the shadows with the most decayed
-    /// hits, LRU's ([`LRU_VARIANT`]) unless another's exceed its by [`LEAD_MARGIN`].
+    /// The variant the real cache follows now (index below [`LRFU_VARIANTS`]): LRU's ([`LRU_VARIANT`]), unless
+    /// other variants' decayed hits exceed its by [`LEAD_MARGIN`] and by [`LEAD_Z`] standard deviations of their
+    /// difference; then the one of those with the most.
     pub fn leader(&self) -> usize {
+        self.leader_with(LEAD_Z)
+    }
+
+    /// [`Lrfu::leader`] with `z` standard deviations for the lead test (0: the relative margin alone).
+    fn leader_with(&self, z: f32) -> usize {
         let m = &self.merit;
+        let base = m[LRU_VARIANT];
         let mut best = LRU_VARIANT;
         for (j, &v) in m.iter().enumerate() {
-            if v > m[best] && v > m[LRU_VARIANT] * (1.0 + LEAD_MARGIN) {
+            if v > m[best] && v > base * (1.0 + LEAD_MARGIN) && v - base > z * self.dev[j].sqrt() {
                 best = j;
             }
         }
         best
+    }
+
+    /// Whether variant `v` ranks experts by their last use alone (the recency end, the first decay) rather than by
+    /// score.
+    pub fn recency(v: usize) -> bool {
+        v.is_multiple_of(LRFU_DECAYS.len())
     }
 
     /// A variant's decay and admission: `(λ, demand)`. With demand admission the experts the last window used
@@ -159,12 +211,15 @@ impl Lrfu {
         let ne = self.n_expert;
         let mut order: Vec<u128> = Vec::with_capacity(ne);
         self.now = self.now.saturating_add(1);
-        for (u, &w) in self.used_at.iter_mut().zip(&self.window) {
-            if w > 0 {
-                *u = self.now;
+        for (u, &o) in self.used_at.iter_mut().zip(&self.win_order) {
+            if o > 0 {
+                // 2^48 windows: far past any daemon's life
+                *u = (self.now << 16) | u64::from(u16::MAX - o);
             }
         }
         self.merit.iter_mut().for_each(|m| *m *= MERIT_DECAY);
+        self.dev.iter_mut().for_each(|d| *d *= MERIT_DECAY * MERIT_DECAY);
+        let mut hits_now = [0u32; LRFU_VARIANTS];
         for l in 0..self.n_layer {
             let r = l * ne..(l + 1) * ne;
             let cap = size(l).min(ne);
@@ -190,18 +245,28 @@ impl Lrfu {
                     *s = *s * lambda + w as f32;
                 }
             }
-            for v in 0..LRFU_VARIANTS {
+            for (v, hits_v) in hits_now.iter_mut().enumerate() {
                 let (_, demand) = Lrfu::variant(v);
                 let sh = &mut self.shadow[v][r.clone()];
                 let hits = win.iter().zip(sh.iter()).filter(|(&w, &h)| w > 0 && h).count();
                 self.merit[v] += hits as f32;
-                let sc =
-                    Scores { score: &self.score[v % LRFU_DECAYS.len()][r.clone()], used_at: &self.used_at[r.clone()] };
+                *hits_v += hits as u32;
+                let sc = Scores {
+                    score: &self.score[v % LRFU_DECAYS.len()][r.clone()],
+                    used_at: &self.used_at[r.clone()],
+                    recency: Lrfu::recency(v),
+                };
                 keep(sh, sc, win, cap, demand, &mut order);
             }
         }
+        for (d, &h) in self.dev.iter_mut().zip(&hits_now) {
+            let diff = h as f32 - hits_now[LRU_VARIANT] as f32;
+            *d += diff * diff;
+        }
         std::mem::swap(&mut self.last, &mut self.window);
         self.window.iter_mut().for_each(|w| *w = 0);
+        self.win_order.iter_mut().for_each(|w| *w = 0);
+        self.win_count.iter_mut().for_each(|w| *w = 0);
     }
 
     /// Plans an adaptive round under the leading variant (module doc). `cached(layer)` lists the experts
@@ -234,8 +299,15 @@ impl Lrfu {
         for l in 0..self.n_layer {
             let sc = &self.score[lead % LRFU_DECAYS.len()][l * ne..(l + 1) * ne];
             let ua = &self.used_at[l * ne..(l + 1) * ne];
-            // preference: score, then the more recent use (scores aged to 0 are ties)
-            let pref = |a: usize, b: usize| sc[a].total_cmp(&sc[b]).then(ua[a].cmp(&ua[b]));
+            // preference: score, then the more recent use (scores aged to 0 are ties); the recency end: the use
+            let rec = Lrfu::recency(lead);
+            let pref = |a: usize, b: usize| {
+                if rec {
+                    ua[a].cmp(&ua[b])
+                } else {
+                    sc[a].total_cmp(&sc[b]).then(ua[a].cmp(&ua[b]))
+                }
+            };
             let prot = |e: usize| demand && self.last[l * ne + e] > 0;
             let held = cached(l);
             let mut in_cache = vec![false; ne];
@@ -243,9 +315,10 @@ impl Lrfu {
                 in_cache[e] = true;
             }
             // with demand admission only the last window's experts may enter (as its shadows do: a demand cache
-            // loads what a token used); with bypass any expert whose score beats its victim's
-            let mut cand: Vec<usize> =
-                (0..ne).filter(|&e| !in_cache[e] && sc[e] > 0.0 && (!demand || prot(e))).collect();
+            // loads what a token used); with bypass any used expert that ranks above its victim
+            let mut cand: Vec<usize> = (0..ne)
+                .filter(|&e| !in_cache[e] && (if rec { ua[e] > 0 } else { sc[e] > 0.0 }) && (!demand || prot(e)))
+                .collect();
             if cand.is_empty() {
                 continue;
             }
@@ -267,7 +340,8 @@ impl Lrfu {
                 // protected before unprotected, then by score, then by the more recent use (a free slot: never
                 // used, score 0)
                 let (vs, vu) = v.map_or((0.0, 0), |v| (sc[v], ua[v]));
-                if cp.cmp(&vp).then(sc[c].total_cmp(&vs)).then(ua[c].cmp(&vu)).is_le() {
+                let by_score = if rec { std::cmp::Ordering::Equal } else { sc[c].total_cmp(&vs) };
+                if cp.cmp(&vp).then(by_score).then(ua[c].cmp(&vu)).is_le() {
                     break;
                 }
                 pairs.push((Swap { layer: l, outgoing: v, incoming: c, gain: sc[c] - vs }, cp && !vp, rank));
@@ -281,20 +355,21 @@ impl Lrfu {
     }
 }
 
-/// A layer's scores under one decay and the window each expert was last used in (1 + its number; 0: never),
-/// the ranking [`keep_best`] and [`rank_key`] use.
+/// A layer's scores under one decay and when each expert was last used ([`Lrfu`]'s `used_at`), the ranking
+/// [`keep_best`] and [`rank_key`] use; `recency`: rank by the last use alone (scores ignored).
 #[derive(Clone, Copy)]
 struct Scores<'a> {
     score: &'a [f32],
-    used_at: &'a [u32],
+    used_at: &'a [u64],
+    recency: bool,
 }
 
 /// A shadow's keep step ([`keep_best`]): (shadow, scores, window, cap, demand admission, scratch).
 type KeepStep = fn(&mut [bool], Scores<'_>, &[u32], usize, bool, &mut Vec<u128>);
 
 /// Leaves `sh` (a layer's shadow: held or not, per expert) holding the `cap` best of (held ∪ used in the window
-/// `win`): with `protect` (demand admission) the window's experts first, then by score, then by the more recent
-/// use; ties: held first, then lower id. Only the set counts, so it is selected (linear time; the order is total,
+/// `win`): with `protect` (demand admission) the window's experts first, then by score (not for the recency end),
+/// then by the more recent use; ties: held first, then lower id. Only the set counts, so it is selected (linear time; the order is total,
 /// so the set is the one a sort would give), and skipped when the window brought nothing new and the held set
 /// fits: this runs per layer and variant at every decode token. `order`: scratch.
 fn keep_best(sh: &mut [bool], sc: Scores<'_>, win: &[u32], cap: usize, protect: bool, order: &mut Vec<u128>) {
@@ -309,9 +384,9 @@ fn keep_best(sh: &mut [bool], sc: Scores<'_>, win: &[u32], cap: usize, protect: 
     }
     order.clear();
     order.extend(
-        (0..sh.len())
-            .filter(|&e| sh[e] || win[e] > 0)
-            .map(|e| rank_key(sc.score[e], sc.used_at[e], sh[e], protect && win[e] > 0, e)),
+        (0..sh.len()).filter(|&e| sh[e] || win[e] > 0).map(|e| {
+            rank_key(if sc.recency { 0.0 } else { sc.score[e] }, sc.used_at[e], sh[e], protect && win[e] > 0, e)
+        }),
     );
     if order.len() > cap {
         order.select_nth_unstable(cap);
@@ -328,14 +403,14 @@ const KEY_ID: u128 = (1 << 30) - 1;
 
 /// A key whose ascending order is a shadow's order of preference: forced in (a demand variant's window) first,
 /// then score descending (as `f32::total_cmp` orders scores), then the later last use (`used_at` descending),
-/// then held before not held, then lower expert id (`e` < 2^30).
-fn rank_key(score: f32, used_at: u32, held: bool, forced: bool, e: usize) -> u128 {
+/// then held before not held, then lower expert id (`e` < 2^30): 1 + 32 + 64 + 1 + 30 bits.
+fn rank_key(score: f32, used_at: u64, held: bool, forced: bool, e: usize) -> u128 {
     debug_assert!(e as u128 <= KEY_ID, "expert id {e} past the key's 30 bits");
     let b = score.to_bits();
     // the bits reordered so that unsigned order is total_cmp's order
     let up = if b >> 31 == 1 { !b } else { b | 1 << 31 };
-    (u128::from(!forced) << 95)
-        | (u128::from(!up) << 63)
+    (u128::from(!forced) << 127)
+        | (u128::from(!up) << 95)
         | (u128::from(!used_at) << 31)
         | (u128::from(!held) << 30)
         | (e as u128 & KEY_ID)
@@ -419,13 +494,9 @@ mod tests {
         let mut order: Vec<usize> = (0..sh.len()).filter(|&e| sh[e] || win[e] > 0).collect();
         let used = |e: usize| demand && win[e] > 0;
         let (s, u) = (sc.score, sc.used_at);
+        let by_score = |a: usize, b: usize| if sc.recency { std::cmp::Ordering::Equal } else { s[b].total_cmp(&s[a]) };
         order.sort_by(|&a, &b| {
-            used(b)
-                .cmp(&used(a))
-                .then(s[b].total_cmp(&s[a]))
-                .then(u[b].cmp(&u[a]))
-                .then(sh[b].cmp(&sh[a]))
-                .then(a.cmp(&b))
+            used(b).cmp(&used(a)).then(by_score(a, b)).then(u[b].cmp(&u[a])).then(sh[b].cmp(&sh[a])).then(a.cmp(&b))
         });
         sh.iter_mut().for_each(|h| *h = false);
         for &e in order.iter().take(cap) {
@@ -461,9 +532,9 @@ mod tests {
     #[test]
     fn rank_keys_order_as_the_shadow_comparator() {
         let scores = [0.0f32, -0.0, 1.0, 1.0, 0.5, -2.0, 3.25, f32::MIN_POSITIVE, 1e30, -1e-30, 0.5];
-        let uses = [0u32, 1, 7, u32::MAX];
+        let uses = [0u64, 1, 7 << 16 | 3, u64::MAX];
         // (score, used_at, held, forced, id)
-        let items: Vec<(f32, u32, bool, bool, usize)> = scores
+        let items: Vec<(f32, u64, bool, bool, usize)> = scores
             .iter()
             .enumerate()
             .flat_map(|(i, &s)| {
@@ -479,6 +550,36 @@ mod tests {
                 assert_eq!(got, want, "{a:?} {b:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_lead_must_pass_the_margin_and_the_noise() {
+        let mut p = Lrfu::new(1, 4);
+        // LRU's decayed hits 100; variant 3 leads by 3 (past the 1% margin)
+        p.merit[LRU_VARIANT] = 100.0;
+        p.merit[3] = 103.0;
+        // its per-window differences with LRU have varied: a standard deviation of 5 hits, a lead of 3 is noise
+        p.dev[3] = 25.0;
+        assert_eq!(p.leader(), LRU_VARIANT);
+        assert_eq!(p.leader_with(0.0), 3, "the margin alone would follow it");
+        // steady differences (deviation 2): a lead of 3 passes at z = 1
+        p.dev[3] = 4.0;
+        assert_eq!(p.leader(), 3);
+        // a lead within the margin never does, however steady
+        p.merit[3] = 100.5;
+        p.dev[3] = 0.0;
+        assert_eq!(p.leader(), LRU_VARIANT);
+        // of two variants past both tests, the one with more hits
+        p.merit[3] = 110.0;
+        p.merit[8] = 112.0;
+        p.dev[8] = 9.0;
+        assert_eq!(p.leader(), 8);
+        // a fresh state: one window in which a bypass variant hit twice where LRU missed is within the prior
+        let mut p = Lrfu::new(2, 4);
+        p.merit[1] = 2.0;
+        p.dev[1] += 4.0;
+        assert_eq!(p.leader(), LRU_VARIANT);
+        assert_eq!(p.leader_with(0.0), 1);
     }
 
     #[test]
@@ -525,13 +626,12 @@ mod tests {
     }
 
     #[test]
-    fn demand_admission_at_half_decay_is_lru() {
-        // random skewed routing, several cache sizes: a cache that follows the λ = 0.5 demand variant's
-        // rounds after every window holds what LRU (demand fetch, evict least recently used) holds, and its
-        // shadow too (one expert per window: two experts last used in the same window are a tie to LRU, which λ =
-        // 0.5 breaks by their older uses)
-        // (128, 1, 96, uniform): reuse distances of hundreds of windows, past where λ = 0.5's scores reach 0 in
-        // f32 (ties then go to the later use)
+    fn demand_admission_at_the_recency_end_is_lru() {
+        // random skewed routing, several cache sizes and top-k: a cache that follows the recency end's demand
+        // variant's rounds after every window holds what LRU (demand fetch, evict least recently used; a window's
+        // experts used in rank order, the top one last, as replay's LRU) holds, and its shadow too; caches smaller
+        // than a token's experts keep its top-ranked ones
+        // (128, 1, 96, uniform): reuse distances of hundreds of windows, past where λ = 0.5's scores reach 0 in f32
         for (ne, k, slots, uniform) in [
             (8usize, 1usize, 2usize, false),
             (8, 1, 3, false),
@@ -539,6 +639,10 @@ mod tests {
             (32, 1, 5, false),
             (32, 1, 1, false),
             (128, 1, 96, true),
+            (8, 2, 1, false),
+            (8, 2, 3, false),
+            (16, 4, 3, false),
+            (64, 8, 20, false),
         ] {
             let mut seed = 0xabad_1dea_0000_0001 ^ (ne * 31 + k * 7 + slots) as u64;
             let mut p = Lrfu::new(1, ne);
@@ -566,7 +670,7 @@ mod tests {
                     lru_hits += lru.contains(&e) as u32;
                     p.record(0, e, 1);
                 }
-                for &e in &win {
+                for &e in win.iter().rev() {
                     lru.retain(|&x| x != e);
                     lru.push(e);
                 }

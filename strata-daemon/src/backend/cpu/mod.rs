@@ -354,7 +354,7 @@ impl Ops for CpuPass<'_, '_> {
         let e = m.cfg.n_embd;
         let Ffn::Moe(ex) = &m.weights.blocks[l].ffn else { unreachable!("experts() on a dense block") };
         let by_expert = dispatch::by_expert(&self.s.routing, m.cfg.n_expert);
-        let src = dispatch::plan_sources(m.experts.map(|st| &**st), l, &by_expert, self.s.decode);
+        let src = dispatch::plan_sources(m.experts.map(|st| &**st), l, &self.s.routing, &by_expert, self.s.decode);
         if let Err(e) = experts::experts(m, l, ex, &by_expert, src, None, self.s, |_| {}) {
             self.s.sh_gate.clear(); // the shared expert's gates of this failed layer
             return Err(e);

@@ -1525,7 +1525,7 @@ impl Stage {
             (0..t).map(|i| (0..kk).map(|r| (host.ids[i * kk + r] as usize, host.w[i * kk + r])).collect()).collect();
         s.record_routes(l, pos0, &routes);
         let mut by_expert = dispatch::by_expert(&routes, c.n_expert);
-        let src = dispatch::plan_sources(m.experts.map(|st| &**st), l, &by_expert, s.decode);
+        let src = dispatch::plan_sources(m.experts.map(|st| &**st), l, &routes, &by_expert, s.decode);
         let Ffn::Moe(ex) = &m.weights.blocks[l].ffn else { unreachable!("MoE layer") };
         // experts the previous layer prefetched for this one: their bytes are in staging slots (copied on the
         // prefetch stream; this layer's launches wait for `pf_ready` first)
