@@ -52,9 +52,9 @@ fn hand_computed_hit_rates() {
         let o = replay(&t, p, 1);
         assert_eq!((o.hits, o.loads), (0, 0), "{}", p.name());
     }
-    // lrfu: no shadow hits anything until w3, so it follows LRU's order (λ = 0.5): A enters after w0, B after w1,
-    // A after w2, w3 hits (the only hit), B after w4, C after w5; after w6 the bypass shadows with λ ≥ 0.8 kept A
-    // through B and C and hit at w6, so the cache follows them and A replaces C: 6 loads.
+    // lrfu: no shadow hits anything until w3, so it follows LRU: A enters after w0, B after w1, A after w2, w3 hits
+    // (the only hit), B after w4, C after w5; the bypass shadows with λ ≥ 0.8 kept A through B and C and hit at w6,
+    // a lead of one hit that the lead test's prior does not let the cache follow; LRU loads A over C: 6 loads.
     let lf = replay(&t, Policy::Lrfu(AdaptKnobs { every: 1, swaps: 96, decay: 1.0 }), 1);
     assert_eq!((lf.hits, lf.lookups, lf.loads), (1, 7, 6));
     // The frequency oracle knows the request's counts (A 4, B 2, C 1). Forcing each window's expert in is LRU here

@@ -4,27 +4,28 @@
 //! candidate policies and follow the one that would have hit most lately).
 //!
 //! Each expert's score is `Σ λ^age` over the windows that used it (`age` in decode windows, each use counting its
-//! routing entries); λ → 1 is LFU. Ties of score go to the more recently used expert. The first decay, 0.5, is
-//! LRFU's recency end: its variants rank experts by their last use alone (one use now outweighs any older ones,
-//! which λ = 0.5 gives for one-entry windows, without its scores' ties once they age below f32's range after about
-//! 150 windows). The last use orders a window's experts too: the routing records them in order, a token's by rank,
-//! and the first recorded counts as the latest used (a token's top expert is the one LRU keeps last, as `replay`'s
-//! LRU has it). A variant is a λ of [`LRFU_DECAYS`] with one of two admissions:
+//! routing entries); λ = 0.5 leans to recency (one use now outweighs all older ones of one-entry windows), λ → 1
+//! is LFU. Ties of score go to the more recently used expert. The last use orders a window's experts too: the
+//! routing records them in order, a token's by rank, and the first recorded counts as the latest used (a token's top
+//! expert is the one LRU keeps last, as `replay`'s LRU has it). A variant is a λ of [`LRFU_DECAYS`] with one of two
+//! admissions:
 //! - **demand**: the experts the last window used enter whatever their score and are not victims of the next
 //!   round; the others are ranked by score (the frequency-ordered eviction of an LFU with demand fetch). With
-//!   the recency end this is LRU ([`LRU_VARIANT`]).
+//!   λ = 0.5 this variant ranks by the last use alone instead of the score, which makes it LRU exactly
+//!   ([`LRU_VARIANT`]; λ = 0.5's scores would order a window's experts by their older uses, and tie once aged below
+//!   f32's range after about 150 windows).
 //! - **bypass**: an expert enters only when its score beats its victim's, so one-off experts do not push out hot
 //!   ones (what wins when the cache holds no more than a token's experts and a few hot ones recur).
 //!
 //! Per layer, one shadow cache per variant keeps after each window the cache's size of experts it prefers among
 //! those it held and those the window used; each variant's hits over all layers are counted with a decay of
 //! [`MERIT_DECAY`] per window. At an adaptive round the real cache follows the variant whose shadows lead — LRU's
-//! until another's exceed it by [`LEAD_MARGIN`] and by [`LEAD_Z`] standard deviations of the two shadows' per-window
-//! hit difference (with a prior, [`DEV_PRIOR`], for a fresh state), since LRU is the safe choice when the evidence
+//! until another's exceed it by [`LEAD_MARGIN`] and by [`LEAD_Z`] standard deviations of that decayed lead, estimated
+//! from the two shadows' per-window hit differences (with a prior, [`DEV_PRIOR`], for a fresh state), since LRU is the safe choice when the evidence
 //! is thin and each change of leader costs misses while the cache moves:
 //! candidates are uncached experts used before (a score above zero), victims are free slots first, then cached
-//! experts (with demand admission the last window's come last), by lowest score, then oldest use; the i-th candidate
-//! (candidates best first: score, then latest use) replaces the i-th
+//! experts (with demand admission the last window's come last), by lowest score, then oldest use (LRU: oldest use
+//! alone); the i-th candidate (candidates best first: score, then latest use) replaces the i-th
 //! victim while it ranks higher (free slots: any used expert enters, so short requests fill the cache, unlike the
 //! seed rule's usage floor of 2). Pairs of every layer are taken demand-admitted first, then largest gain, at most
 //! `adapt_swaps`. Rounds run every window (the engine and `replay` ignore `adapt_every` for this policy except 0,
@@ -36,7 +37,7 @@
 //! fell up to 1.5 points below LRU on some of them; the demand variants and λ = 0.999 (stop 43) took the share of
 //! LRU's gap to Belady closed on the published-count traces from −1–7% to 1–29% (docs/BENCHMARKS.md, stop 43; a
 //! frequency oracle that knows each request's counts in advance closes 12–57%). The lead test (stop 61) was chosen on
-//! five seeds of those traces, since one seed's cells differ from LRU's by noise of ±0.2 points: it took the cells
+//! five seeds of those traces, since one seed's cells differ from LRU's by noise of a few tenths of a point: it took the cells
 //! whose mean over the seeds is below LRU from 9 to 2 (worst −0.13 → −0.06 points) for 0–0.5 points less of the gap
 //! closed.
 //!
@@ -44,22 +45,21 @@
 
 use super::policy::Swap;
 
-/// The decays (λ per decode window) the shadow caches try; the first is the recency end (its variants rank experts by
-/// their last use alone, [`Lrfu::variant`]).
+/// The decays (λ per decode window) the shadow caches try; with demand admission the first is LRU ([`LRU_VARIANT`]).
 pub const LRFU_DECAYS: [f32; 6] = [0.5, 0.8, 0.9, 0.97, 0.99, 0.999];
 /// Shadow variants: every decay of [`LRFU_DECAYS`] once with bypass (index `j`) and once with demand admission
 /// (index `LRFU_DECAYS.len() + j`); see [`Lrfu::variant`].
 pub const LRFU_VARIANTS: usize = 2 * LRFU_DECAYS.len();
-/// The variant that is LRU (the recency end with demand admission; a window's experts ordered as recorded, the
-/// first latest): the leader unless another beats it.
+/// The variant that is LRU (λ = 0.5 with demand admission, ranked by the last use alone; a window's experts ordered
+/// as recorded, the first latest): the leader unless another beats it.
 pub const LRU_VARIANT: usize = LRFU_DECAYS.len();
 /// Decay per window of a shadow cache's hit count (a horizon of about 100 windows).
 pub const MERIT_DECAY: f32 = 0.99;
 /// How far another variant's decayed hits must exceed LRU's ([`LRU_VARIANT`]) for the cache to follow it
 /// (relative).
 pub const LEAD_MARGIN: f32 = 0.01;
-/// How many standard deviations of its per-window hit differences with LRU a variant's decayed lead over LRU
-/// must also reach for the cache to follow it (a one-sided sequential test that its lead is not noise).
+/// How many standard deviations of a variant's decayed lead over LRU (estimated from the per-window hit differences,
+/// `dev`) that lead must also reach for the cache to follow it (a one-sided test that the lead is not noise).
 pub const LEAD_Z: f32 = 1.0;
 /// The squared hit difference each variant's deviation starts with (decayed like the measured ones): a prior
 /// of noise, so that the first windows of a fresh state (a request on a cold cache) need a lead of about
@@ -89,7 +89,7 @@ pub struct Lrfu {
     last: Vec<u32>,
     /// Per expert, when it was last used (0: never): the number of the last ended window that used it, times
     /// 2^16, plus 2^16 − 1 − its place among that window's experts of its layer as recorded (the first recorded
-    /// the latest). Orders the recency variants and breaks the others' ties of score (which include scores aged
+    /// the latest). Orders LRU ([`LRU_VARIANT`]) and breaks the others' ties of score (which include scores aged
     /// below f32's range).
     used_at: Vec<u64>,
     /// Per expert, 1 + its place among the current window's distinct experts of its layer as recorded (0: not
@@ -123,12 +123,15 @@ impl Lrfu {
         }
     }
 
-    /// Counts `entries` routing entries of the current decode window for `(layer, expert)`. A window's experts are
-    /// recorded in the routing's order (token by token, each token's by rank): the first recorded counts as the
-    /// latest used. Panics on an index out of range.
+    /// Counts `entries` routing entries of the current decode window for `(layer, expert)` (0: nothing). A window's
+    /// experts are recorded in the routing's order (token by token, each token's by rank): the first recorded counts
+    /// as the latest used. Panics on an index out of range.
     pub fn record(&mut self, layer: usize, expert: usize, entries: u32) {
         assert!(layer < self.n_layer && expert < self.n_expert, "expert ({layer}, {expert}) out of range");
         let i = layer * self.n_expert + expert;
+        if entries == 0 {
+            return;
+        }
         if self.win_order[i] == 0 {
             self.win_count[layer] = self.win_count[layer].saturating_add(1);
             self.win_order[i] = self.win_count[layer];
@@ -158,8 +161,8 @@ impl Lrfu {
     }
 
     /// The variant the real cache follows now (index below [`LRFU_VARIANTS`]): LRU's ([`LRU_VARIANT`]), unless
-    /// other variants' decayed hits exceed its by [`LEAD_MARGIN`] and by [`LEAD_Z`] standard deviations of their
-    /// difference; then the one of those with the most.
+    /// other variants' decayed hits exceed its by [`LEAD_MARGIN`] and by [`LEAD_Z`] standard deviations of that
+    /// decayed lead; then the one of those with the most.
     pub fn leader(&self) -> usize {
         self.leader_with(LEAD_Z)
     }
@@ -177,10 +180,9 @@ impl Lrfu {
         best
     }
 
-    /// Whether variant `v` ranks experts by their last use alone (the recency end, the first decay) rather than by
-    /// score.
+    /// Whether variant `v` ranks experts by their last use alone rather than by score: LRU ([`LRU_VARIANT`]).
     pub fn recency(v: usize) -> bool {
-        v.is_multiple_of(LRFU_DECAYS.len())
+        v == LRU_VARIANT
     }
 
     /// A variant's decay and admission: `(λ, demand)`. With demand admission the experts the last window used
@@ -299,7 +301,7 @@ impl Lrfu {
         for l in 0..self.n_layer {
             let sc = &self.score[lead % LRFU_DECAYS.len()][l * ne..(l + 1) * ne];
             let ua = &self.used_at[l * ne..(l + 1) * ne];
-            // preference: score, then the more recent use (scores aged to 0 are ties); the recency end: the use
+            // preference: score, then the more recent use (scores aged to 0 are ties); LRU: the use alone
             let rec = Lrfu::recency(lead);
             let pref = |a: usize, b: usize| {
                 if rec {
@@ -316,9 +318,8 @@ impl Lrfu {
             }
             // with demand admission only the last window's experts may enter (as its shadows do: a demand cache
             // loads what a token used); with bypass any used expert that ranks above its victim
-            let mut cand: Vec<usize> = (0..ne)
-                .filter(|&e| !in_cache[e] && (if rec { ua[e] > 0 } else { sc[e] > 0.0 }) && (!demand || prot(e)))
-                .collect();
+            let mut cand: Vec<usize> =
+                (0..ne).filter(|&e| !in_cache[e] && sc[e] > 0.0 && (!demand || prot(e))).collect();
             if cand.is_empty() {
                 continue;
             }
@@ -344,7 +345,13 @@ impl Lrfu {
                 if cp.cmp(&vp).then(by_score).then(ua[c].cmp(&vu)).is_le() {
                     break;
                 }
-                pairs.push((Swap { layer: l, outgoing: v, incoming: c, gain: sc[c] - vs }, cp && !vp, rank));
+                // LRU ranks by use, not score: its gains are kept falling with the rank (as the cut above and the
+                // round's order across layers assume), so a layer's latest-used expert is never left for a later one
+                let mut gain = sc[c] - vs;
+                if rec {
+                    gain = pairs.last().filter(|p| p.0.layer == l).map_or(gain, |p| gain.min(p.0.gain));
+                }
+                pairs.push((Swap { layer: l, outgoing: v, incoming: c, gain }, cp && !vp, rank));
             }
         }
         pairs.sort_by(|(a, pa, ra), (b, pb, rb)| {
@@ -368,7 +375,7 @@ struct Scores<'a> {
 type KeepStep = fn(&mut [bool], Scores<'_>, &[u32], usize, bool, &mut Vec<u128>);
 
 /// Leaves `sh` (a layer's shadow: held or not, per expert) holding the `cap` best of (held ∪ used in the window
-/// `win`): with `protect` (demand admission) the window's experts first, then by score (not for the recency end),
+/// `win`): with `protect` (demand admission) the window's experts first, then by score (not for LRU),
 /// then by the more recent use; ties: held first, then lower id. Only the set counts, so it is selected (linear time; the order is total,
 /// so the set is the one a sort would give), and skipped when the window brought nothing new and the held set
 /// fits: this runs per layer and variant at every decode token. `order`: scratch.
@@ -481,6 +488,24 @@ mod tests {
         assert_eq!((s[0].outgoing, s[0].incoming), (Some(100), 0));
     }
 
+    #[test]
+    fn lru_loads_a_tokens_top_expert_first() {
+        // expert 1 used in window 1; window 2 routes 0 (top) then 1: LRU's latest is 0, though 1's λ = 0.5 score
+        // (1.5) is above 0's (1.0); a round of one swap loads 0, ranked or not
+        let mut p = Lrfu::new(1, 4);
+        p.record(0, 1, 1);
+        p.end_window(|_| vec![2, 3], |_| 2);
+        p.record(0, 0, 1);
+        p.record(0, 1, 1);
+        p.end_window(|_| vec![2, 3], |_| 2);
+        for cut in [true, false] {
+            let s = p.plan_ranked(LRU_VARIANT, |_| vec![2, 3], |_| 0, 1, cut);
+            assert_eq!((s.len(), s[0].incoming), (1, 0), "cut {cut}: {s:?}");
+        }
+        let s = p.plan_ranked(LRU_VARIANT, |_| vec![2, 3], |_| 0, 8, false);
+        assert_eq!(s.iter().map(|s| s.incoming).collect::<Vec<_>>(), vec![0, 1]);
+    }
+
     /// A small deterministic generator for the property tests below.
     fn next(seed: &mut u64) -> u64 {
         *seed ^= *seed << 13;
@@ -524,8 +549,8 @@ mod tests {
             }
             a.end_window(cached, size);
             b.end_window_with(cached, size, keep_by_sort);
-            assert_eq!((&a.shadow, &a.merit), (&b.shadow, &b.merit), "window {w}");
-            assert_eq!(a.score, b.score, "window {w}");
+            assert_eq!((&a.shadow, &a.merit, &a.dev), (&b.shadow, &b.merit, &b.dev), "window {w}");
+            assert_eq!((&a.score, &a.used_at), (&b.score, &b.used_at), "window {w}");
         }
     }
 
@@ -558,7 +583,7 @@ mod tests {
         // LRU's decayed hits 100; variant 3 leads by 3 (past the 1% margin)
         p.merit[LRU_VARIANT] = 100.0;
         p.merit[3] = 103.0;
-        // its per-window differences with LRU have varied: a standard deviation of 5 hits, a lead of 3 is noise
+        // its per-window differences with LRU have varied: the decayed lead's standard deviation is 5 hits, 3 is noise
         p.dev[3] = 25.0;
         assert_eq!(p.leader(), LRU_VARIANT);
         assert_eq!(p.leader_with(0.0), 3, "the margin alone would follow it");
@@ -616,19 +641,23 @@ mod tests {
             }
             p.end_window(|l| caches[l].clone(), |l| caches[l].len() + l % 2);
         }
-        let all = p.plan(|l| caches[l].clone(), |l| l % 2, usize::MAX);
-        assert!(all.len() > 8, "the case has swaps to rank ({})", all.len());
-        for k in [0usize, 1, 2, 5, 8, usize::MAX] {
-            let got = p.plan(|l| caches[l].clone(), |l| l % 2, k);
-            assert_eq!(got, all[..k.min(all.len())], "k = {k}");
-            assert_eq!(got, p.plan_ranked(p.leader(), |l| caches[l].clone(), |l| l % 2, k, false), "k = {k}");
+        // under every variant, LRU's (ranked by use, its gains kept falling with the rank) included
+        for lead in 0..LRFU_VARIANTS {
+            let all = p.plan_ranked(lead, |l| caches[l].clone(), |l| l % 2, usize::MAX, true);
+            assert!(all.len() > 8, "the case has swaps to rank ({}, variant {lead})", all.len());
+            for k in [0usize, 1, 2, 5, 8, usize::MAX] {
+                let got = p.plan_ranked(lead, |l| caches[l].clone(), |l| l % 2, k, true);
+                assert_eq!(got, all[..k.min(all.len())], "k = {k}, variant {lead}");
+                assert_eq!(got, p.plan_ranked(lead, |l| caches[l].clone(), |l| l % 2, k, false), "k = {k}");
+            }
         }
+        let all = p.plan(|l| caches[l].clone(), |l| l % 2, usize::MAX);
+        assert_eq!(all, p.plan_ranked(p.leader(), |l| caches[l].clone(), |l| l % 2, usize::MAX, false));
     }
 
     #[test]
-    fn demand_admission_at_the_recency_end_is_lru() {
-        // random skewed routing, several cache sizes and top-k: a cache that follows the recency end's demand
-        // variant's rounds after every window holds what LRU (demand fetch, evict least recently used; a window's
+    fn the_lru_variant_is_lru() {
+        // random skewed routing, several cache sizes and top-k: a cache that follows the LRU variant's rounds after every window holds what LRU (demand fetch, evict least recently used; a window's
         // experts used in rank order, the top one last, as replay's LRU) holds, and its shadow too; caches smaller
         // than a token's experts keep its top-ranked ones
         // (128, 1, 96, uniform): reuse distances of hundreds of windows, past where λ = 0.5's scores reach 0 in f32

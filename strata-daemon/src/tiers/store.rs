@@ -532,8 +532,9 @@ impl ExpertStore {
         self.arena.read().unwrap_or_else(|e| e.into_inner()).lock()
     }
 
-    /// Where each of `experts` (distinct) of `layer` comes from now; counts decode lookups and RAM/file reads
-    /// and, for decode windows, adds `entries[j]` routing entries to expert j's usage.
+    /// Where each of `experts` (distinct, in routing order: token by token, each token's by rank) of `layer` comes
+    /// from now; counts decode lookups and RAM/file reads and, for decode windows, adds `entries[j]` routing entries
+    /// to expert j's usage (the order is the order of use the `lrfu` policy's LRU keeps, the first the latest).
     pub fn plan_layer(&self, layer: usize, experts: &[usize], entries: &[u32], decode: bool) -> Vec<Source> {
         let ne = self.layout.n_expert;
         let mut st = self.state();
@@ -832,7 +833,8 @@ impl ExpertStore {
 
     /// Records decode usage for routing entries whose lookups were not planned through
     /// [`ExpertStore::plan_layer`] (every expert in VRAM: the GPU routed on its own): `routed` are the
-    /// layer's routing entries of the window (expert ids, repeats allowed); counts lookups and VRAM hits.
+    /// layer's routing entries of the window (expert ids in routing order, token by token, each token's by rank;
+    /// repeats allowed); counts lookups and VRAM hits.
     pub fn record_vram_window(&self, layer: usize, routed: impl IntoIterator<Item = usize>) {
         let ne = self.layout.n_expert;
         let mut distinct = vec![false; ne];
