@@ -181,7 +181,7 @@ impl Lrfu {
     }
 
     /// Whether variant `v` ranks experts by their last use alone rather than by score: LRU ([`LRU_VARIANT`]).
-    pub fn recency(v: usize) -> bool {
+    fn recency(v: usize) -> bool {
         v == LRU_VARIANT
     }
 
@@ -298,18 +298,15 @@ impl Lrfu {
         let ne = self.n_expert;
         let mut pairs: Vec<(Swap, bool, usize)> = Vec::new();
         let (_, demand) = Lrfu::variant(lead);
+        let rec = Lrfu::recency(lead);
         for l in 0..self.n_layer {
             let sc = &self.score[lead % LRFU_DECAYS.len()][l * ne..(l + 1) * ne];
             let ua = &self.used_at[l * ne..(l + 1) * ne];
-            // preference: score, then the more recent use (scores aged to 0 are ties); LRU: the use alone
-            let rec = Lrfu::recency(lead);
-            let pref = |a: usize, b: usize| {
-                if rec {
-                    ua[a].cmp(&ua[b])
-                } else {
-                    sc[a].total_cmp(&sc[b]).then(ua[a].cmp(&ua[b]))
-                }
-            };
+            // preference: score (not for LRU, which ranks by the use alone), then the more recent use (scores aged
+            // to 0 are ties); a free slot (`None`): never used, score 0
+            let key = |e: Option<usize>| e.map_or((0.0f32, 0u64), |e| (if rec { 0.0 } else { sc[e] }, ua[e]));
+            let order = |a: (f32, u64), b: (f32, u64)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+            let pref = |a: usize, b: usize| order(key(Some(a)), key(Some(b)));
             let prot = |e: usize| demand && self.last[l * ne + e] > 0;
             let held = cached(l);
             let mut in_cache = vec![false; ne];
@@ -338,16 +335,13 @@ impl Lrfu {
             vict.extend(held_sorted.into_iter().map(|e| (Some(e), prot(e))));
             for (rank, (&c, &(v, vp))) in cand.iter().zip(vict.iter()).enumerate() {
                 let cp = prot(c);
-                // protected before unprotected, then by score, then by the more recent use (a free slot: never
-                // used, score 0)
-                let (vs, vu) = v.map_or((0.0, 0), |v| (sc[v], ua[v]));
-                let by_score = if rec { std::cmp::Ordering::Equal } else { sc[c].total_cmp(&vs) };
-                if cp.cmp(&vp).then(by_score).then(ua[c].cmp(&vu)).is_le() {
+                // protected before unprotected, then the preference
+                if cp.cmp(&vp).then(order(key(Some(c)), key(v))).is_le() {
                     break;
                 }
                 // LRU ranks by use, not score: its gains are kept falling with the rank (as the cut above and the
                 // round's order across layers assume), so a layer's latest-used expert is never left for a later one
-                let mut gain = sc[c] - vs;
+                let mut gain = sc[c] - v.map_or(0.0, |v| sc[v]);
                 if rec {
                     gain = pairs.last().filter(|p| p.0.layer == l).map_or(gain, |p| gain.min(p.0.gain));
                 }
