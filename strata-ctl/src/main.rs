@@ -93,7 +93,7 @@ enum Cmd {
         /// the model's chat template (implies --chat).
         #[arg(long, value_name = "FILE")]
         messages: Option<std::path::PathBuf>,
-        /// System message (with --chat).
+        /// System message (implies --chat).
         #[arg(long)]
         system: Option<String>,
         /// Maximum tokens to generate.
@@ -371,7 +371,7 @@ async fn run(cli: Cli) -> Result<(), (u8, String)> {
     let mut client = connect(socket).await.map_err(|m| (2, m))?;
     match cli.cmd {
         Cmd::Generate { prompt, chat, messages: history, system, max_tokens, sampling, stop } => {
-            let chat = chat || history.is_some();
+            let chat = chat || history.is_some() || system.is_some();
             let mut messages = Vec::new();
             if chat {
                 if let Some(s) = system {

@@ -60,9 +60,10 @@ struct Args {
     /// Allow a non-loopback --http-listen address without an API key.
     #[arg(long)]
     http_allow_remote: bool,
-    /// Context length in tokens (KV cache positions); capped at the model's training context.
-    #[arg(long, default_value_t = 4096)]
-    ctx: usize,
+    /// Context length in tokens (KV cache positions) [default: 4096]; capped at the model's training context (with
+    /// a warning when given).
+    #[arg(long)]
+    ctx: Option<usize>,
     /// How the KV cache stores keys and values: f16 (llama.cpp's default) or q8_0 (ggml Q8_0 blocks, 53% of the
     /// bytes, on the CPU and the GPU; the head dimension must be a multiple of 32)
     #[arg(long, default_value = "f16", value_name = "f16|q8_0")]
@@ -179,6 +180,9 @@ struct Args {
 }
 
 /// The command line, with the flags of `--config FILE` (if given) beneath it.
+/// `--ctx` when not given (tokens).
+const DEFAULT_CTX: usize = 4096;
+
 fn parse_args() -> Result<Args> {
     use clap::{CommandFactory, FromArgMatches};
     let cmd = Args::command();
@@ -247,7 +251,8 @@ fn run() -> Result<()> {
             p
         }
     };
-    if args.ctx < 2 {
+    let ctx = args.ctx.unwrap_or(DEFAULT_CTX);
+    if ctx < 2 {
         bail!("--ctx must be at least 2");
     }
     if args.threads == Some(0) {
@@ -309,7 +314,10 @@ fn run() -> Result<()> {
     ] {
         knobs.set(name, &v).map_err(|e| anyhow::anyhow!("--{}: {e}", name.replace('_', "-")))?;
     }
-    let n_ctx = args.ctx.min(model.cfg.n_ctx_train.max(2));
+    let n_ctx = ctx.min(model.cfg.n_ctx_train.max(2));
+    if args.ctx.is_some() && n_ctx < ctx {
+        tracing::warn!("--ctx {ctx} is larger than the model's trained context; using {n_ctx}");
+    }
     let gpu = strata::backend::GpuOptions {
         enabled: args.gpu == "auto",
         device: args.gpu_device,

@@ -358,8 +358,10 @@ impl SseReader {
 
 /// The JSON body of a streamed greedy HTTP request (usage included) and its route.
 fn http_request(p: &Prompt, max_tokens: u32, model: &str) -> (&'static str, serde_json::Value) {
+    // with the neutral values of fields the server does not implement, as OpenAI's clients send them
     let mut body = serde_json::json!({"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": true,
-                                      "stream_options": {"include_usage": true}});
+                                      "stream_options": {"include_usage": true}, "frequency_penalty": 0.0,
+                                      "presence_penalty": 0, "logit_bias": {}, "logprobs": false, "user": "e2e-load"});
     match p {
         Prompt::Plain(t) => {
             body["prompt"] = t.as_str().into();
@@ -368,6 +370,7 @@ fn http_request(p: &Prompt, max_tokens: u32, model: &str) -> (&'static str, serd
         Prompt::Chat { system, user } => {
             body["messages"] = serde_json::json!([{"role": "system", "content": system},
                                                   {"role": "user", "content": user}]);
+            body["response_format"] = serde_json::json!({"type": "text"});
             ("/v1/chat/completions", body)
         }
     }

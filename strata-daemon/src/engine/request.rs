@@ -83,7 +83,7 @@ pub struct RawRequest {
     pub repeat_penalty: Option<f32>,
     /// Penalty window (None = 64).
     pub repeat_last_n: Option<u32>,
-    /// Seed (None = fixed default).
+    /// Seed of the sampler (None = a fresh random seed per request; a given seed repeats the same draw).
     pub seed: Option<u64>,
     /// Stop strings.
     pub stop: Vec<String>,
@@ -125,7 +125,7 @@ pub const MAX_STOP_BYTES: usize = 256;
 /// [`MAX_STOP_BYTES`], empty prompt, unknown role, no chat template, tools for a template without tools (param
 /// `tools`), a `tool_choice` naming a function not offered or requiring tools when none are (param
 /// `tool_choice`), special-token text in tools or tool calls,
-/// `max_tokens` 0 or larger than the context, a prompt that leaves no room
+/// an empty stop string, `max_tokens` 0 or larger than the context, a prompt that leaves no room
 /// in the context, temperature < 0, top_p outside (0, 1], min_p outside
 /// [0, 1), repeat_penalty ≤ 0, non-finite numbers.
 pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<GenerateParams, RequestError> {
@@ -142,6 +142,9 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
     if raw.stop.len() > MAX_STOPS || raw.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
         return err(format!("at most {MAX_STOPS} stop strings of at most {MAX_STOP_BYTES} bytes each"));
     }
+    if raw.stop.iter().any(String::is_empty) {
+        return err("a stop string is empty".into());
+    }
     if raw.max_tokens == 0 {
         return err("max_tokens must be at least 1".into());
     }
@@ -149,7 +152,7 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
         return err(format!("max_tokens {} is larger than the context of {n_ctx} tokens", raw.max_tokens));
     }
     if !raw.temperature.is_finite() || raw.temperature < 0.0 {
-        return err(format!("temperature must be >= 0 (got {})", raw.temperature));
+        return err(format!("temperature must be a finite number >= 0 (got {})", raw.temperature));
     }
     let top_p = raw.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
@@ -160,7 +163,7 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
     }
     let rp = raw.repeat_penalty.unwrap_or(1.0);
     if !(rp.is_finite() && rp > 0.0) {
-        return err(format!("repeat_penalty must be > 0 (got {rp})"));
+        return err(format!("repeat_penalty must be a finite number > 0 (got {rp})"));
     }
     let mut segments = None;
     let mut tool_parse_out = None;
@@ -238,7 +241,9 @@ pub fn prepare(raw: &RawRequest, tok: &Tokenizer, n_ctx: usize) -> Result<Genera
             min_p: raw.min_p,
             repeat_penalty: rp,
             repeat_last_n: raw.repeat_last_n.unwrap_or(64) as usize,
-            seed: raw.seed.unwrap_or(SamplingParams::default().seed),
+            // no seed: a fresh one per request (llama.cpp's and OpenAI's behaviour), so a sampled request asked
+            // twice gives two draws; a seed repeats its draw
+            seed: raw.seed.unwrap_or_else(rand::random),
         },
         stop: raw.stop.clone(),
         tool_parse: tool_parse_out,

@@ -144,6 +144,17 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// Opens `path` for reading; a directory is refused as one (opening one succeeds on Linux, and mapping it then fails
+/// with a device error that names no cause).
+fn open_file(path: &Path) -> Result<File, GgufError> {
+    let io = |source| GgufError::Io { path: path.display().to_string(), source };
+    let file = File::open(path).map_err(io)?;
+    if file.metadata().map_err(io)?.is_dir() {
+        return Err(io(std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a directory, not a GGUF file")));
+    }
+    Ok(file)
+}
+
 impl GgufFile {
     /// Opens and maps `path`, decoding the header, metadata and tensor infos.
     ///
@@ -153,7 +164,7 @@ impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
         let path = path.as_ref().to_path_buf();
         let io = |source| GgufError::Io { path: path.display().to_string(), source };
-        let file = File::open(&path).map_err(io)?;
+        let file = open_file(&path)?;
         // SAFETY: the file is mapped read-only; strata never writes model files while
         // they are mapped. A concurrent external truncation could fault, as with any mmap reader.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
@@ -212,10 +223,7 @@ impl GgufFile {
                 ));
             }
         }
-        let files: Vec<File> = parts
-            .iter()
-            .map(|p| File::open(&p.path).map_err(|source| GgufError::Io { path: p.path.display().to_string(), source }))
-            .collect::<Result<_, _>>()?;
+        let files: Vec<File> = parts.iter().map(|p| open_file(&p.path)).collect::<Result<_, _>>()?;
         let lens: Vec<(&File, u64)> = files.iter().zip(&parts).map(|(f, p)| (f, p.file_len())).collect();
         let (joined, bases) =
             Joined::map(&lens).map_err(|source| GgufError::Io { path: fp.display().to_string(), source })?;
@@ -249,7 +257,7 @@ impl GgufFile {
     /// Opens one file without following a split.
     fn open_one(path: &Path) -> Result<Self, GgufError> {
         let io = |source| GgufError::Io { path: path.display().to_string(), source };
-        let file = File::open(path).map_err(io)?;
+        let file = open_file(path)?;
         // SAFETY: as in `open`: mapped read-only, never written while mapped.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
         Self::parse(path.to_path_buf(), Mapping::One(mmap))

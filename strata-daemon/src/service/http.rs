@@ -221,6 +221,42 @@ struct CompletionBody {
     /// `"none"`, `"auto"`, `"required"` or a named function.
     #[serde(default)]
     tool_choice: Option<Value>,
+    /// Sampler fields OpenAI's API lacks, named as llama.cpp's server names them: top-k (0 = off), min-p, the
+    /// repetition penalty and its window in tokens.
+    top_k: Option<u32>,
+    min_p: Option<f32>,
+    repeat_penalty: Option<f32>,
+    repeat_last_n: Option<u32>,
+    /// Every other field: those of [`UNSUPPORTED`] are refused unless neutral, the rest ignored.
+    #[serde(flatten)]
+    other: serde_json::Map<String, Value>,
+}
+
+/// OpenAI request fields this server does not implement, each with whether a value is its neutral one (the value
+/// that asks for nothing, which clients often send): a request that sets one to anything else is refused (400
+/// naming the field) instead of being answered as if it had not asked.
+const UNSUPPORTED: &[(&str, fn(&Value) -> bool)] = &[
+    ("logprobs", |v| v.is_null() || *v == Value::Bool(false)),
+    ("top_logprobs", |v| v.is_null() || v.as_u64() == Some(0)),
+    ("echo", |v| v.is_null() || *v == Value::Bool(false)),
+    ("best_of", |v| v.is_null() || v.as_u64() == Some(1)),
+    ("suffix", |v| v.is_null() || v.as_str() == Some("")),
+    ("logit_bias", |v| v.is_null() || v.as_object().is_some_and(|m| m.is_empty())),
+    ("frequency_penalty", |v| v.is_null() || v.as_f64() == Some(0.0)),
+    ("presence_penalty", |v| v.is_null() || v.as_f64() == Some(0.0)),
+    ("response_format", |v| v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")),
+];
+
+/// The first field of `other` that [`UNSUPPORTED`] names with a value that is not neutral, as a 400.
+fn refuse_unsupported(other: &serde_json::Map<String, Value>) -> Result<(), Response> {
+    for (name, neutral) in UNSUPPORTED {
+        if let Some(v) = other.get(*name) {
+            if !neutral(v) {
+                return Err(bad(format!("`{name}` is not supported by this server (got {v})"), Some(name)));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn shape(e: ToolShapeError) -> Response {
@@ -248,6 +284,7 @@ impl HttpState {
         if b.n.is_some_and(|n| n != 1) {
             return Err(bad("only n = 1 is supported", Some("n")));
         }
+        refuse_unsupported(&b.other)?;
         let temperature = b.temperature.unwrap_or(1.0);
         if !(0.0..=2.0).contains(&temperature) {
             return Err(bad(format!("temperature must be in [0, 2] (got {temperature})"), Some("temperature")));
@@ -256,6 +293,10 @@ impl HttpState {
             max_tokens: b.max_completion_tokens.or(b.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS),
             temperature,
             top_p: b.top_p,
+            top_k: b.top_k.unwrap_or(0),
+            min_p: b.min_p.unwrap_or(0.0),
+            repeat_penalty: b.repeat_penalty,
+            repeat_last_n: b.repeat_last_n,
             seed: b.seed,
             stop: b.stop.map(OneOrMany::into_vec).unwrap_or_default(),
             ..Default::default()
