@@ -353,7 +353,7 @@ fn run() -> Result<()> {
         _ => None,
     };
     if args.resident_budget_gib.is_some_and(|g| !(g.is_finite() && g >= 0.0)) {
-        bail!("--resident-budget-gib must be >= 0");
+        bail!("--resident-budget-gib must be a finite number >= 0");
     }
     let budget = args.resident_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64);
     let mode = match (args.mmap_experts, args.resident_experts, budget) {
