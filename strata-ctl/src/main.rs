@@ -183,7 +183,7 @@ struct SamplingArgs {
     /// Tokens the repetition penalty looks back over (default 64).
     #[arg(long)]
     repeat_last_n: Option<u32>,
-    /// RNG seed.
+    /// RNG seed (without one, the daemon draws a fresh seed per request).
     #[arg(long)]
     seed: Option<u64>,
 }

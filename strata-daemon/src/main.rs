@@ -179,9 +179,10 @@ struct Args {
     plan: bool,
 }
 
-/// The command line, with the flags of `--config FILE` (if given) beneath it.
 /// `--ctx` when not given (tokens).
 const DEFAULT_CTX: usize = 4096;
+
+/// The command line, with the flags of `--config FILE` (if given) beneath it.
 
 fn parse_args() -> Result<Args> {
     use clap::{CommandFactory, FromArgMatches};
@@ -316,7 +317,7 @@ fn run() -> Result<()> {
     }
     let n_ctx = ctx.min(model.cfg.n_ctx_train.max(2));
     if args.ctx.is_some() && n_ctx < ctx {
-        tracing::warn!("--ctx {ctx} is larger than the model's trained context; using {n_ctx}");
+        tracing::warn!("--ctx {ctx} is larger than the model's context length ({n_ctx}); using {n_ctx}");
     }
     let gpu = strata::backend::GpuOptions {
         enabled: args.gpu == "auto",

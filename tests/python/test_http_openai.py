@@ -119,6 +119,23 @@ def test_completions_and_stop(client):
     assert first not in s.choices[0].text and s.choices[0].finish_reason == "stop"
 
 
+def test_sampler_fields_and_seeds(client):
+    """llama.cpp's `top_k` reaches the sampler (top-k 1 at temperature 1.5 is the greedy text); a seed repeats its
+    draw; without a seed two sampled requests draw apart (16 tokens at temperature 1.5 each time, 5 tries: all equal
+    only if every draw repeats)."""
+    prompt = "Once upon a time"
+    greedy = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=0)
+    top1 = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=1.5,
+                                     extra_body={"top_k": 1})
+    assert top1.choices[0].text == greedy.choices[0].text
+    seeded = [client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=1.5, seed=7)
+              .choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    free = {client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=1.5)
+            .choices[0].text for _ in range(5)}
+    assert len(free) > 1, free
+
+
 def test_a_cancelled_stream_frees_the_engine(client):
     stream = client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=900, temperature=0.7,
                                             stream=True)

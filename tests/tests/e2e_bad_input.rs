@@ -163,6 +163,7 @@ fn cases() -> Vec<Case> {
     vec![
         // ---- GGUF structure: the base model's bytes edited
         case("missing file", Gguf, ModelFile(|_, d| d.join("absent.gguf")), "absent.gguf: No such file or directory"),
+        case("a directory", Gguf, ModelFile(|_, d| d.to_path_buf()), "is a directory, not a GGUF file"),
         case(
             "bad magic",
             Gguf,
@@ -850,10 +851,10 @@ fn cases() -> Vec<Case> {
             "`presence_penalty` is not supported by this server (got -9)",
         ),
         case(
-            "negative top_k over HTTP",
+            "repeat_last_n below -1 over HTTP",
             Http,
-            HttpRequest("POST", "/v1/completions", body(serde_json::json!({"model": id, "prompt": PROMPT, "top_k": -5})), 400),
-            "top_k: invalid value: integer `-5`, expected u32",
+            HttpRequest("POST", "/v1/completions", body(serde_json::json!({"model": id, "prompt": PROMPT, "repeat_last_n": -2})), 400),
+            "repeat_last_n must be -1 (the whole context) or >= 0 (got -2)",
         ),
         case(
             "min_p 1 over HTTP",

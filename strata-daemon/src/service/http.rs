@@ -208,7 +208,8 @@ struct CompletionBody {
     max_completion_tokens: Option<u32>,
     temperature: Option<f32>,
     top_p: Option<f32>,
-    seed: Option<u64>,
+    /// The sampler's seed; none or a negative one (llama.cpp's −1) = a fresh random seed.
+    seed: Option<i128>,
     stop: Option<OneOrMany>,
     n: Option<u32>,
     #[serde(default)]
@@ -221,12 +222,12 @@ struct CompletionBody {
     /// `"none"`, `"auto"`, `"required"` or a named function.
     #[serde(default)]
     tool_choice: Option<Value>,
-    /// Sampler fields OpenAI's API lacks, named as llama.cpp's server names them: top-k (0 = off), min-p, the
-    /// repetition penalty and its window in tokens.
-    top_k: Option<u32>,
+    /// Sampler fields OpenAI's API lacks, named and read as llama.cpp's server reads them: top-k (0 or less = off),
+    /// min-p, the repetition penalty and its window in tokens (−1 = the whole context).
+    top_k: Option<i64>,
     min_p: Option<f32>,
     repeat_penalty: Option<f32>,
-    repeat_last_n: Option<u32>,
+    repeat_last_n: Option<i64>,
     /// Every other field: those of [`UNSUPPORTED`] are refused unless neutral, the rest ignored.
     #[serde(flatten)]
     other: serde_json::Map<String, Value>,
@@ -245,6 +246,8 @@ const UNSUPPORTED: &[(&str, fn(&Value) -> bool)] = &[
     ("frequency_penalty", |v| v.is_null() || v.as_f64() == Some(0.0)),
     ("presence_penalty", |v| v.is_null() || v.as_f64() == Some(0.0)),
     ("response_format", |v| v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")),
+    ("functions", |v| v.is_null() || v.as_array().is_some_and(|a| a.is_empty())),
+    ("function_call", |v| v.is_null() || v.as_str() == Some("none")),
 ];
 
 /// The first field of `other` that [`UNSUPPORTED`] names with a value that is not neutral, as a 400.
@@ -252,7 +255,13 @@ fn refuse_unsupported(other: &serde_json::Map<String, Value>) -> Result<(), Resp
     for (name, neutral) in UNSUPPORTED {
         if let Some(v) = other.get(*name) {
             if !neutral(v) {
-                return Err(bad(format!("`{name}` is not supported by this server (got {v})"), Some(name)));
+                let mut got = v.to_string();
+                if got.len() > 100 {
+                    let cut = (0..=100).rev().find(|&i| got.is_char_boundary(i)).unwrap_or(0);
+                    got.truncate(cut);
+                    got.push_str("...");
+                }
+                return Err(bad(format!("`{name}` is not supported by this server (got {got})"), Some(name)));
             }
         }
     }
@@ -293,11 +302,27 @@ impl HttpState {
             max_tokens: b.max_completion_tokens.or(b.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS),
             temperature,
             top_p: b.top_p,
-            top_k: b.top_k.unwrap_or(0),
+            top_k: b.top_k.map_or(0, |k| k.clamp(0, u32::MAX as i64) as u32),
             min_p: b.min_p.unwrap_or(0.0),
             repeat_penalty: b.repeat_penalty,
-            repeat_last_n: b.repeat_last_n,
-            seed: b.seed,
+            repeat_last_n: match b.repeat_last_n {
+                None => None,
+                Some(-1) => Some(u32::MAX),
+                Some(n) if (0..=u32::MAX as i64).contains(&n) => Some(n as u32),
+                Some(n) => {
+                    return Err(bad(
+                        format!("repeat_last_n must be -1 (the whole context) or >= 0 (got {n})"),
+                        Some("repeat_last_n"),
+                    ))
+                }
+            },
+            seed: match b.seed {
+                Some(s) if s > u64::MAX as i128 => {
+                    return Err(bad(format!("seed must be below 2^64 (got {s})"), Some("seed")))
+                }
+                Some(s) => u64::try_from(s).ok(),
+                None => None,
+            },
             stop: b.stop.map(OneOrMany::into_vec).unwrap_or_default(),
             ..Default::default()
         };
